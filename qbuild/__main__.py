@@ -1,0 +1,3 @@
+from qbuild.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""Calibration and evaluation text: sources, the offline corpus, tokenization into shared artifacts."""

@@ -1,0 +1,72 @@
+"""Plan-time side of datasets: resolve each source's identity cheaply and create the tokenize steps."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+from qbuild.errors import RecipeError
+from qbuild.fingerprint import dir_fingerprint
+from qbuild.models.resolve import resolve_path
+from qbuild.step import Step
+
+TOKENIZE_TOOLS = ("transformers", "tokenizers")
+
+
+def source_identity(source, base: Path, field: str) -> tuple[dict, dict]:
+    """(hashed identity, runtime args) of one source. Content, not location, identifies local files."""
+    data = source.canonical()
+    runtime: dict = {}
+    if source.type == "pydocs":
+        data["python"] = platform.python_version()  # the corpus is this Python's stdlib
+    elif source.type == "file":
+        path = resolve_path(source.path, base, f"{field}.path")
+        if path.suffix not in (".txt", ".jsonl", ".parquet") and source.format == "auto":
+            raise RecipeError(f"{field}.path", f"{source.path!r}: unknown extension; use .txt, .jsonl, .parquet or set format")
+        data["sha256"] = dir_fingerprint(path)
+        runtime["path"] = str(path)
+    elif source.type == "hf":
+        if source.data_files:
+            files = [source.data_files] if isinstance(source.data_files, str) else source.data_files
+            paths = [resolve_path(f, base, f"{field}.data_files") for f in files]
+            data["data_files_sha256"] = [dir_fingerprint(p) for p in paths]
+            runtime["data_files"] = [str(p) for p in paths]
+    return data, runtime
+
+
+def _dataset_sources(dataset, ctx, field: str) -> tuple[list[dict], list[dict], tuple[str, ...]]:
+    identities, runtimes, tools = [], [], set(TOKENIZE_TOOLS)
+    for i, src in enumerate(dataset.sources):
+        ident, rt = source_identity(src, ctx.recipe_dir, f"{field}.sources[{i}]")
+        identities.append(ident)
+        runtimes.append(rt)
+        if src.type == "hf":
+            tools.add("datasets")
+        if src.type == "file" and (src.format == "parquet" or src.path.endswith(".parquet")):
+            tools.add("pyarrow")
+    return identities, runtimes, tuple(sorted(tools))
+
+
+def calibration_step(calibration, model: Step, ctx) -> Step:
+    identities, runtimes, tools = _dataset_sources(calibration, ctx, "calibration")
+    params = calibration.canonical()
+    params["sources"] = identities
+    step = Step("calibrate", "calibrate", params, "qbuild.calibration.build:run", inputs={"tokenizer": model},
+                tools=tools, threads=ctx.threads)
+    step.runtime_args = {"sources": runtimes}
+    return step
+
+
+def eval_data_step(perplexity, model: Step, ctx) -> Step:
+    identities, runtimes, tools = _dataset_sources(perplexity.dataset, ctx, "evaluation.perplexity.dataset")
+    params = {
+        "dataset": {**perplexity.dataset.canonical(), "sources": identities},
+        "context_length": perplexity.context_length,
+        "max_windows": perplexity.max_windows,
+        "add_bos": perplexity.add_bos,
+        "join": "\\n\\n",
+    }
+    step = Step("eval-data", "eval-data", params, "qbuild.evaluate.data:run", inputs={"tokenizer": model},
+                tools=tools, threads=ctx.threads)
+    step.runtime_args = {"sources": runtimes}
+    return step

@@ -1,0 +1,84 @@
+"""Identities that go into keys: library versions, hardware, and local directory contents.
+
+Nothing here imports torch or any other heavy library: versions come from package metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+from qbuild.hashing import canonical_json, sha256_file, sha256_text, tree_digest
+
+
+@lru_cache(maxsize=None)
+def package_version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def toolchain(dists: tuple[str, ...]) -> dict[str, str]:
+    """Versions of exactly the distributions a step uses: an unrelated upgrade keeps the cache."""
+    return {d: package_version(d) for d in sorted(dists)}
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def hardware(threads: int) -> dict[str, str]:
+    """For steps whose output depends on the machine (timings): CPU model and thread count."""
+    return {"cpu": cpu_model(), "threads": str(threads), "machine": platform.machine()}
+
+
+def _memo_dir() -> Path:
+    base = os.environ.get("QBUILD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qbuild")
+    return Path(base) / "fingerprints"
+
+
+def dir_fingerprint(path: Path) -> str:
+    """Content fingerprint of a directory (or file), with a stat-based memo.
+
+    A file is re-hashed only when its size, mtime or inode changed, so the warm fingerprint of a
+    100 GB model costs one stat per file.
+    """
+    path = path.resolve()
+    memo_file = _memo_dir() / (sha256_text(str(path))[:32] + ".json")
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    rows, fresh, changed = [], {}, False
+    for f in files:
+        rel = f.name if f == path else f.relative_to(path).as_posix()
+        if rel.startswith(".cache/") or rel.startswith(".git/"):
+            continue
+        st = f.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+        old = memo.get(rel)
+        if old and old[:3] == stamp:
+            digest = old[3]
+        else:
+            digest, changed = sha256_file(f), True
+        fresh[rel] = stamp + [digest]
+        rows.append({"path": rel, "size": st.st_size, "sha256": digest})
+    if changed or set(fresh) != set(memo):
+        memo_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(canonical_json(fresh))
+        os.replace(tmp, memo_file)
+    return tree_digest(rows)

@@ -1,0 +1,38 @@
+"""Canonical serialization and hashing: how a step key and a content digest are computed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+CHUNK = 1 << 20
+
+
+def canonical_json(obj: Any) -> str:
+    """Sorted keys, no whitespace, UTF-8: the one serialization that gets hashed."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def step_key(kind: str, params: dict, inputs: dict[str, str], toolchain: dict[str, str]) -> str:
+    """Key of a step = hash of exactly (kind, canonical params, input identities, toolchain)."""
+    return sha256_text(canonical_json({"kind": kind, "params": params, "inputs": inputs, "toolchain": toolchain}))
+
+
+def tree_digest(files: list[dict]) -> str:
+    """Content digest of an artifact: hash over its sorted (path, size, sha256) list."""
+    rows = sorted((f["path"], f["size"], f["sha256"]) for f in files)
+    return sha256_text(canonical_json(rows))

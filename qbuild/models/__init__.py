@@ -1,0 +1,1 @@
+"""Model sources: where the unquantized model comes from, and its identity."""

@@ -1,0 +1,61 @@
+"""import-gguf step: dequantize a GGUF file into a normal HF checkpoint with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qbuild.step import StepContext
+
+# GGUF metadata key suffix → HF config name, for plan-time shape checks
+_CONFIG_KEYS = {
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "context_length": "max_position_embeddings",
+    "rope.freq_base": "rope_theta",
+}
+
+
+def gguf_config(path: Path) -> dict:
+    """HF-style architecture facts from GGUF metadata (numpy only; the tensors are not read)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+
+    def value(name):
+        field = reader.fields.get(name)
+        return None if field is None else field.contents()
+
+    arch = value("general.architecture")
+    config = {"model_type": arch}
+    for suffix, hf_name in _CONFIG_KEYS.items():
+        v = value(f"{arch}.{suffix}")
+        if v is not None:
+            config[hf_name] = v
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        config["vocab_size"] = len(tokens.data)
+    return config
+
+
+def run(ctx: StepContext) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(ctx.runtime_args["gguf_path"])
+    ctx.progress(0, 3, "loading GGUF")
+    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+    ctx.progress(1, 3, "dequantized")
+    # The weights are now plain tensors: drop the GGUF quantizer so the checkpoint saves as a normal one.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model = model.to(getattr(torch, ctx.params["dtype"]))
+    model.save_pretrained(str(ctx.out))
+    tokenizer.save_pretrained(str(ctx.out))
+    ctx.progress(3, 3, "saved")
+    params = sum(p.numel() for p in model.parameters())
+    return {"format": "hf", "metrics": {"parameters": params}, "info": {"architecture": type(model).__name__}}

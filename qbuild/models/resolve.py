@@ -1,0 +1,86 @@
+"""Turn the recipe's model section into the plan's first step (cheap: no torch, no download)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from qbuild.errors import RecipeError
+from qbuild.fingerprint import dir_fingerprint
+from qbuild.hashing import sha256_text
+from qbuild.recipe import GGUFModel, HubModel, LocalModel
+from qbuild.step import Step
+
+HF_TOOLS = ("torch", "transformers", "safetensors")
+
+
+def resolve_path(spec: str, base: Path, field: str) -> Path:
+    """A path relative to the recipe, or pkg://<package>/<file> inside an installed package.
+
+    The package is located with find_spec, never imported (importing may pull unrelated deps).
+    """
+    if spec.startswith("pkg://"):
+        pkg, _, rel = spec.removeprefix("pkg://").partition("/")
+        found = importlib.util.find_spec(pkg.replace("-", "_"))
+        if found is None or not found.submodule_search_locations:
+            raise RecipeError(field, f"package {pkg!r} is not installed (pip install {pkg.replace('_', '-')})")
+        path = Path(list(found.submodule_search_locations)[0]) / rel
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_absolute():
+            path = base / path
+    if not path.exists():
+        raise RecipeError(field, f"{spec!r} does not exist ({path})")
+    return path
+
+
+def hub_snapshot(repo: str, revision: str) -> Path:
+    """Resolve a hub repo@revision through the local HF cache only."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise RecipeError("model.repo", "hub models need huggingface-hub; run: pip install 'qbuild[hf]'") from None
+    try:
+        return Path(snapshot_download(repo, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise RecipeError(
+            "model.repo",
+            f"{repo}@{revision} is not in the local Hugging Face cache and qbuild never downloads at run time; "
+            f"fetch it first: hf download {repo} --revision {revision}",
+        ) from None
+    except Exception as exc:  # invalid repo id, corrupt cache
+        raise RecipeError("model.repo", f"cannot resolve {repo}@{revision} from the local cache: {exc}") from None
+
+
+def model_step(spec, recipe_dir: Path) -> Step:
+    if isinstance(spec, LocalModel):
+        path = resolve_path(spec.path, recipe_dir, "model.path")
+        if not (path / "config.json").is_file():
+            raise RecipeError("model.path", f"{path} is not a Hugging Face checkpoint (no config.json)")
+        digest = sha256_text("local-dir:" + dir_fingerprint(path))
+        return Step("model", "model", {"source": "local"}, None, source_path=path, source_digest=digest, format="hf")
+    if isinstance(spec, HubModel):
+        path = hub_snapshot(spec.repo, spec.revision)
+        commit = path.name  # snapshots/<commit sha>
+        digest = sha256_text(f"hub:{spec.repo}@{commit}")
+        return Step("model", "model", {"source": "hub", "repo": spec.repo, "commit": commit}, None,
+                    source_path=path, source_digest=digest, format="hf")
+    if isinstance(spec, GGUFModel):
+        path = resolve_path(spec.path, recipe_dir, "model.path")
+        params = {"source": "gguf", "gguf_sha256": dir_fingerprint(path), "dtype": spec.dtype}
+        step = Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
+                    tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format="hf")
+        step.runtime_args = {"gguf_path": str(path)}
+        return step
+    raise AssertionError(spec)
+
+
+def model_info(step: Step) -> dict:
+    """Architecture facts for plan-time checks (hidden size, layer dims), read without torch."""
+    if step.source_path is not None:
+        return json.loads((step.source_path / "config.json").read_text())
+    from qbuild.models.gguf_import import gguf_config
+
+    return gguf_config(Path(step.runtime_args["gguf_path"]))

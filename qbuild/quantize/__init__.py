@@ -1,0 +1,27 @@
+"""Quantization methods. Each method is one adapter module, registered here by name.
+
+An adapter module defines:
+  Variant        pydantic model of the recipe entry (method: Literal[...]; extra keys forbidden)
+  EXTRA          the `pip install 'qbuild[EXTRA]'` that provides its libraries
+  REQUIRES       import names that must be installed (checked with find_spec, never imported at plan time)
+  check(variant, model_info)         plan-time validation (shapes, unsupported combinations)
+  plan(variant, ctx) -> Step         adds its steps to the plan and returns the step producing the artifact
+Heavy libraries are imported inside the functions its steps run, never at module level.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+METHODS: dict[str, str] = {
+    "gguf": "qbuild.quantize.gguf",
+}
+
+
+def adapter(method: str) -> ModuleType:
+    return importlib.import_module(METHODS[method])
+
+
+def variant_models() -> list[type]:
+    return [adapter(m).Variant for m in METHODS]

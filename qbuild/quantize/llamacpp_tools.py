@@ -1,0 +1,77 @@
+"""Locating llama.cpp's own HF→GGUF converter.
+
+llama-cpp-python builds llama.cpp but does not install `convert_hf_to_gguf.py`; its sdist vendors
+it together with the gguf-py it needs (PyPI's `gguf` may lag behind the converter). qbuild extracts
+exactly that converter from the sdist of the installed llama-cpp-python version, once, into its
+cache, so converter and runtime always come from the same llama.cpp.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from qbuild.fingerprint import package_version
+
+MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def cache_root() -> Path:
+    base = os.environ.get("QBUILD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qbuild")
+    return Path(base) / "llama.cpp"
+
+
+def converter_dir(log=print) -> Path:
+    """Directory holding convert_hf_to_gguf.py (+ conversion/, gguf-py/) for the installed llama.cpp."""
+    override = os.environ.get("QBUILD_LLAMA_CPP_DIR")
+    if override:
+        path = Path(override)
+        if not (path / "convert_hf_to_gguf.py").is_file():
+            raise FileNotFoundError(f"QBUILD_LLAMA_CPP_DIR={override} has no convert_hf_to_gguf.py")
+        return path
+    version = package_version("llama-cpp-python")
+    if version == "absent":
+        raise RuntimeError("llama-cpp-python is not installed; run: pip install 'qbuild[gguf]'")
+    target = cache_root() / version
+    if (target / "convert_hf_to_gguf.py").is_file():
+        return target
+    log(f"extracting llama.cpp's converter from the llama-cpp-python {version} sdist (once)")
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:  # same filesystem: the rename is atomic
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={version}", "-d", tmp],
+            check=True,
+        )
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        staged = Path(tmp) / "staged"
+        with tarfile.open(sdist) as tar:
+            prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+            for member in tar.getmembers():
+                rel = member.name.removeprefix(prefix)
+                if member.name.startswith(prefix) and rel.startswith(MEMBERS) and (member.isfile()):
+                    member.name = rel
+                    tar.extract(member, staged, filter="data")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(staged, target)
+        except OSError:
+            if not (target / "convert_hf_to_gguf.py").is_file():
+                raise
+    return target
+
+
+def run_converter(model_dir: Path, outfile: Path, outtype: str, log=print) -> None:
+    script = converter_dir(log) / "convert_hf_to_gguf.py"
+    cmd = [sys.executable, str(script), str(model_dir), "--outfile", str(outfile), "--outtype", outtype]
+    log("running " + " ".join(cmd))
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)  # the converter must use its vendored gguf-py, not PyPI's
+    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py exited with {proc.returncode} (see the log above)")
+

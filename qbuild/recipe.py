@@ -1,0 +1,215 @@
+"""The recipe: typed, validated, defaults filled in. YAML keys map 1:1 to these models."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from qbuild.data_sources import DataSource
+from qbuild.errors import RecipeError
+from qbuild.schema_base import StrictModel
+from qbuild.yamlio import Loc, line_for, load_yaml_file
+
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+# --- model sources -----------------------------------------------------------------------------
+class LocalModel(StrictModel):
+    """A Hugging Face checkpoint directory on disk, fingerprinted by content."""
+
+    source: Literal["local"]
+    path: str
+
+
+class HubModel(StrictModel):
+    """A hub repo pinned to a revision, resolved through the local HF cache (no download at run time)."""
+
+    source: Literal["hub"]
+    repo: str
+    revision: str = Field("main", description="Branch, tag or commit; resolved to a commit sha through the local cache.")
+
+
+class GGUFModel(StrictModel):
+    """A GGUF file dequantized into an HF checkpoint. `pkg://dist/file` names a file inside an installed package."""
+
+    source: Literal["gguf"]
+    path: str
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+
+ModelSource = Annotated[Union[LocalModel, HubModel, GGUFModel], Field(discriminator="source")]
+
+
+# --- calibration ---------------------------------------------------------------------------------
+class Dataset(StrictModel):
+    sources: list[DataSource] = Field(min_length=1)
+    chat_template: bool = Field(False, description="Render each sample with the tokenizer's chat template.")
+
+
+class Calibration(Dataset):
+    samples: int = Field(128, ge=1, le=100_000)
+    seq_len: int = Field(512, ge=8, le=131_072)
+    seed: int = 0
+    sampling: Literal["random-window", "document"] = Field(
+        "random-window",
+        description="random-window: concatenate documents and cut seq_len windows at seeded random offsets; "
+        "document: one sample per document, truncated to seq_len, shorter ones skipped.",
+    )
+
+
+# --- evaluation ----------------------------------------------------------------------------------
+class Perplexity(StrictModel):
+    dataset: Dataset = Field(default_factory=lambda: Dataset(sources=[{"type": "pydocs", "split": "test"}]))
+    protocol: Literal["fixed-window"] = Field(
+        "fixed-window", description="fixed-window: concatenated text, non-overlapping windows (the GPTQ/AWQ-paper protocol)."
+    )
+    context_length: int = Field(512, ge=8)
+    max_windows: int | None = Field(16, ge=1, description="Score at most this many windows (None: all).")
+    add_bos: bool = Field(True, description="Prepend BOS to each window; it is never scored.")
+
+
+class Evaluation(StrictModel):
+    baseline: bool = Field(True, description="Also evaluate the unquantized model, for ΔPPL.")
+    perplexity: Perplexity | None = Field(default_factory=Perplexity)
+
+
+# --- runtime and store -------------------------------------------------------------------------------
+class Runtime(StrictModel):
+    threads: int | Literal["auto"] = Field("auto", description="CPU threads per step; auto = half the cores (min 1).")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def resolved_threads(self) -> int:
+        import os
+
+        if self.threads == "auto":
+            return max(1, (os.cpu_count() or 2) // 2)
+        return max(1, int(self.threads))
+
+
+class StoreConfig(StrictModel):
+    path: str = "./artifacts"
+    tag: str | None = Field(None, pattern=NAME_RE, description="Extra ref tag set on every variant of a run.")
+
+
+def _variant_union():
+    from qbuild.quantize import variant_models
+
+    models = tuple(variant_models())
+    return Annotated[Union[models], Field(discriminator="method")]  # type: ignore[valid-type]
+
+
+def _target_union():
+    from qbuild.build import target_models
+
+    models = tuple(target_models())
+    return Annotated[Union[models], Field(discriminator="type")]  # type: ignore[valid-type]
+
+
+Variant = _variant_union()
+Target = _target_union()
+
+
+class Recipe(StrictModel):
+    name: str = Field(pattern=NAME_RE, description="Recipe name: the first part of every ref (name/variant:tag).")
+    model: ModelSource
+    calibration: Calibration | None = None
+    variants: list[Variant] = Field(min_length=1)  # type: ignore[valid-type]
+    targets: list[Target] = Field(default_factory=list)  # type: ignore[valid-type]
+    evaluation: Evaluation = Field(default_factory=Evaluation)
+    runtime: Runtime = Field(default_factory=Runtime)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+
+    @field_validator("variants")
+    @classmethod
+    def _unique_variant_names(cls, variants):
+        seen: set[str] = set()
+        for v in variants:
+            if v.name in seen:
+                raise ValueError(f"variant name {v.name!r} is used twice; names must be unique")
+            seen.add(v.name)
+        return variants
+
+    @model_validator(mode="after")
+    def _calibration_present_when_needed(self):
+        for i, v in enumerate(self.variants):
+            if v.needs_calibration() and self.calibration is None:
+                raise ValueError(
+                    f"variants[{i}] ({v.name}, method {v.method}) needs calibration data; add a 'calibration:' section"
+                )
+        return self
+
+
+# --- loading with line-aware errors ------------------------------------------------------------------
+def _field_path(loc: tuple, data: Any) -> tuple[str, Loc]:
+    """pydantic loc → ('variants[2].bits', data path). Drops union tags pydantic inserts."""
+    parts: list[str] = []
+    real: list[str | int] = []
+    node = data
+    for item in loc:
+        if isinstance(item, int) and isinstance(node, list):
+            parts.append(f"[{item}]")
+            real.append(item)
+            node = node[item] if item < len(node) else None
+        elif isinstance(node, dict) and item in node:
+            parts.append(("." if parts else "") + str(item))
+            real.append(item)
+            node = node[item]
+        elif isinstance(node, dict) and isinstance(item, str) and re.fullmatch(r"[\w-]+", item) and not parts[-1:] == [item]:
+            # either a union tag (skip) or a missing required field (keep, it names what to add)
+            if _is_union_tag(node, item):
+                continue
+            parts.append(("." if parts else "") + item)
+            real.append(item)
+            node = None
+        else:
+            parts.append(("." if parts else "") + str(item))
+            real.append(item)
+            node = None
+    return "".join(parts), tuple(real)
+
+
+def _is_union_tag(node: dict, item: str) -> bool:
+    return any(node.get(k) == item for k in ("method", "type", "source")) or item.startswith("function-")
+
+
+def _describe(err: dict) -> str:
+    kind = err["type"]
+    value = err.get("input")
+    ctx = err.get("ctx") or {}
+    if kind == "extra_forbidden":
+        return "unknown key (check spelling; see `qbuild schema`)"
+    if kind == "missing":
+        return "required field is missing"
+    if kind == "literal_error":
+        return f"{value!r} is not allowed; expected {ctx.get('expected')}"
+    if kind == "union_tag_invalid":
+        return f"{ctx.get('tag')!r} is not a known {ctx.get('discriminator', 'kind').strip(chr(39))}; expected one of {ctx.get('expected_tags')}"
+    if kind == "union_tag_not_found":
+        return f"missing the {ctx.get('discriminator', 'kind')} key that says which kind this is"
+    msg = err["msg"]
+    msg = msg.removeprefix("Value error, ")
+    if value is not None and not isinstance(value, (dict, list)) and kind != "value_error":
+        return f"{msg} (got {value!r})"
+    return msg
+
+
+def parse_recipe(data: Any, lines: dict[Loc, int] | None = None, source: str = "recipe") -> Recipe:
+    lines = lines or {}
+    if not isinstance(data, dict):
+        raise RecipeError("", "a recipe must be a YAML mapping (name:, model:, variants:, ...)", line=1, source=source)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field, real = _field_path(err["loc"], data)
+        raise RecipeError(field, _describe(err), line=line_for(lines, real), source=source) from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    data, lines = load_yaml_file(path)
+    recipe = parse_recipe(data, lines, source=str(path))
+    return recipe
