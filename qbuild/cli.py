@@ -93,7 +93,7 @@ def _run(recipe_path, store_path, as_json, tag, dry_run, threads):
     if threads:
         recipe = recipe.model_copy(update={"runtime": recipe.runtime.model_copy(update={"threads": threads})})
     store = open_store(store_path, recipe.store.path)
-    planned, _ = make_plan(recipe, Path(recipe_path).resolve().parent, store)
+    planned, variant_steps = make_plan(recipe, Path(recipe_path).resolve().parent, store)
     if dry_run:
         _print_plan(planned, as_json)
         return
@@ -109,8 +109,8 @@ def _run(recipe_path, store_path, as_json, tag, dry_run, threads):
                   TimeElapsedColumn(), console=console, transient=True,
                   disable=not any(p.status == "miss" for p in planned)) as progress:
         outcomes = Executor(store, recipe, Path(recipe_path), run_id, progress, recipe.runtime.device).run(planned)
-    summary = summarize(recipe, outcomes)
-    _set_refs(store, recipe, outcomes, tag)
+    summary = summarize(recipe, outcomes, variant_steps)
+    _set_refs(store, recipe, outcomes, variant_steps, tag)
     summary.update({"run_id": run_id, "store": str(store.root), "seconds": round(__import__("time").time() - started, 3)})
     store.write_run(run_id, {**summary, "recipe_path": str(Path(recipe_path).resolve()),
                              "resolved_recipe": recipe.canonical()})
@@ -128,11 +128,16 @@ def _stderr_or_stdout():
     return Console()
 
 
-def _set_refs(store, recipe, outcomes, tag):
-    for o in outcomes:
-        if o.step.variant and o.digest and o.status in ("built", "cached"):
-            for t in ["latest"] + ([tag] if tag else []) + ([recipe.store.tag] if recipe.store.tag else []):
-                store.set_ref(recipe.name, o.step.variant, t, o.digest, o.step.key)
+def _set_refs(store, recipe, outcomes, variant_steps, tag):
+    """recipe/variant:latest (+ tags) for every variant artifact this run has, built or cached."""
+    by_key = {o.step.key: o for o in outcomes}
+    named = {**variant_steps, **{o.step.variant: o.step for o in outcomes if o.step.variant == "base"}}
+    tags = ["latest"] + ([tag] if tag else []) + ([recipe.store.tag] if recipe.store.tag else [])
+    for variant, step in named.items():
+        o = by_key.get(step.key)
+        if o and o.digest and o.status in ("built", "cached"):
+            for t in tags:
+                store.set_ref(recipe.name, variant, t, o.digest, step.key)
 
 
 def _print_plan(planned, as_json):

@@ -30,6 +30,9 @@ class RecipeError(UserError):
         self.source = source
         super().__init__(self.render())
 
+    def __str__(self) -> str:
+        return self.render()
+
     def render(self) -> str:
         where = self.source or "recipe"
         if self.line is not None:

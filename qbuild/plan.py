@@ -11,10 +11,10 @@ from qbuild import build as build_registry
 from qbuild import quantize as quantize_registry
 from qbuild.artifacts.store import Hit, Store
 from qbuild.calibration.plan import calibration_step, eval_data_step
-from qbuild.errors import MissingBackendError
+from qbuild.errors import MissingBackendError, RecipeError
 from qbuild.evaluate.plan import evaluation_steps
 from qbuild.models.resolve import model_info, model_step
-from qbuild.recipe import Recipe
+from qbuild.recipe import Recipe, locate
 from qbuild.step import Step
 
 
@@ -83,6 +83,13 @@ def require_backend(requires: tuple[str, ...], extra: str, field: str, what: str
 
 def build_steps(recipe: Recipe, recipe_dir: Path) -> tuple[PlanContext, dict[str, Step]]:
     """All steps of the recipe in dependency order, and the artifact step of each variant."""
+    try:
+        return _build_steps(recipe, recipe_dir)
+    except RecipeError as err:
+        raise locate(err, recipe) from None
+
+
+def _build_steps(recipe: Recipe, recipe_dir: Path) -> tuple[PlanContext, dict[str, Step]]:
     ctx = PlanContext(recipe, recipe_dir)
     ctx.model()
     variant_steps: dict[str, Step] = {}

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from qbuild.data_sources import DataSource
 from qbuild.errors import RecipeError
@@ -113,6 +113,9 @@ Target = _target_union()
 
 
 class Recipe(StrictModel):
+    _lines: dict = PrivateAttr(default_factory=dict)
+    _source: str | None = PrivateAttr(default=None)
+
     name: str = Field(pattern=NAME_RE, description="Recipe name: the first part of every ref (name/variant:tag).")
     model: ModelSource
     calibration: Calibration | None = None
@@ -171,6 +174,12 @@ def _field_path(loc: tuple, data: Any) -> tuple[str, Loc]:
     return "".join(parts), tuple(real)
 
 
+def _tag_field(err: dict) -> str | None:
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        return (err.get("ctx") or {}).get("discriminator", "").strip("'") or None
+    return None
+
+
 def _is_union_tag(node: dict, item: str) -> bool:
     return any(node.get(k) == item for k in ("method", "type", "source")) or item.startswith("function-")
 
@@ -204,7 +213,8 @@ def parse_recipe(data: Any, lines: dict[Loc, int] | None = None, source: str = "
         return Recipe.model_validate(data)
     except ValidationError as exc:
         err = exc.errors()[0]
-        field, real = _field_path(err["loc"], data)
+        loc = err["loc"] + ((_tag_field(err),) if _tag_field(err) else ())
+        field, real = _field_path(loc, data)
         raise RecipeError(field, _describe(err), line=line_for(lines, real), source=source) from None
 
 
@@ -212,4 +222,18 @@ def load_recipe(path: str | Path) -> Recipe:
     path = Path(path)
     data, lines = load_yaml_file(path)
     recipe = parse_recipe(data, lines, source=str(path))
+    recipe._lines = lines
+    recipe._source = str(path)
     return recipe
+
+
+def locate(err: RecipeError, recipe: Recipe) -> RecipeError:
+    """Give a plan-time error (raised with only a field path) its file and line."""
+    if err.line is None and recipe._lines:
+        loc: list[str | int] = []
+        for name, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", err.field):
+            loc.append(int(index) if index else name)
+        err.line = line_for(recipe._lines, tuple(loc))
+    err.source = err.source or recipe._source
+    err.args = (err.render(),)
+    return err

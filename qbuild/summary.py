@@ -15,19 +15,24 @@ def human_size(n: int | None) -> str:
     return str(n)
 
 
-def summarize(recipe, outcomes: list[StepOutcome]) -> dict:
+def summarize(recipe, outcomes: list[StepOutcome], variant_steps: dict) -> dict:
     by_name = {o.step.name: o for o in outcomes}
-    ppl_of = {name[len("perplexity["):-1]: o for name, o in by_name.items() if name.startswith("perplexity[")}
-    baseline_ppl = ppl_of.get("baseline").metrics.get("ppl") if "baseline" in ppl_of else None
+    by_key = {o.step.key: o for o in outcomes}
+    # an evaluation belongs to the artifact it read: its "model" input
+    ppl_by_input = {o.step.inputs["model"].key: o for o in outcomes if o.step.kind == "perplexity"}
+    model = by_name.get("model")
+    ppl_of = {name: ppl_by_input[s.key] for name, s in variant_steps.items() if s.key in ppl_by_input}
+    if model and model.step.key in ppl_by_input:
+        ppl_of["baseline"] = ppl_by_input[model.step.key]
+    baseline_ppl = ppl_of["baseline"].metrics.get("ppl") if "baseline" in ppl_of else None
     rows = []
     if "baseline" in ppl_of:
-        model = by_name.get("model")
         rows.append({"variant": "baseline", "method": "-", "format": "hf", "status": model.status if model else "-",
                      "size_bytes": model.size if model and model.record else None,
                      "key": model.step.key if model else None, "digest": model.digest if model else None,
                      "ppl": baseline_ppl, "ppl_status": ppl_of["baseline"].status})
     for v in recipe.variants:
-        o = by_name.get(f"quantize[{v.name}]") or next((x for x in outcomes if x.step.variant == v.name), None)
+        o = by_key.get(variant_steps[v.name].key)
         ev = ppl_of.get(v.name)
         ppl = ev.metrics.get("ppl") if ev else None
         rows.append({

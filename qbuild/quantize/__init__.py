@@ -12,11 +12,17 @@ Heavy libraries are imported inside the functions its steps run, never at module
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 METHODS: dict[str, str] = {
     "gguf": "qbuild.quantize.gguf",
 }
+
+# Out-of-tree methods: QBUILD_PLUGIN_METHODS="name=package.module,other=pkg.mod"
+for _entry in filter(None, os.environ.get("QBUILD_PLUGIN_METHODS", "").split(",")):
+    _name, _, _module = _entry.partition("=")
+    METHODS[_name.strip()] = _module.strip()
 
 
 def adapter(method: str) -> ModuleType:

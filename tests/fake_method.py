@@ -1,0 +1,63 @@
+"""A test-only quantize method (registered through QBUILD_PLUGIN_METHODS): no torch, controllable.
+
+It writes a file derived from its params and inputs, optionally sleeps (to test locking and
+interruption) or fails (to test error handling).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Literal
+
+from qbuild.quantize.base import VariantBase
+from qbuild.step import Step, StepContext
+
+EXTRA = "dev"
+REQUIRES = ()
+TOOLS = ("pydantic",)
+
+
+class Variant(VariantBase):
+    method: Literal["fake"]
+    level: int = 1
+    calibrated: bool = False
+    sleep: float = 0.0
+    fail: bool = False
+
+    def needs_calibration(self) -> bool:
+        return self.calibrated
+
+    def describe(self) -> str:
+        return f"level {self.level}"
+
+
+def check(variant, ctx, field):
+    pass
+
+
+def plan(variant: Variant, ctx) -> Step:
+    inputs = {"model": ctx.model()}
+    if variant.calibrated:
+        inputs["calibration"] = ctx.calibration()
+    return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(), "fake_method:run",
+                        inputs=inputs, tools=TOOLS, variant=variant.name, format="fake"))
+
+
+def run(ctx: StepContext) -> dict:
+    p = ctx.params
+    h = hashlib.sha256(repr(sorted(p.items())).encode())
+    for role in sorted(ctx.inputs):
+        h.update(str(ctx.input_manifests.get(role, {}).get("digest", role)).encode())
+    out = ctx.out / "weights.bin"
+    with open(out, "wb") as f:
+        f.write(h.digest() * 1024)
+        f.flush()
+        deadline = time.time() + p["sleep"]
+        while time.time() < deadline:  # a slow, partially written output
+            ctx.progress(int(time.time() * 10) % 10, 10, "writing")
+            time.sleep(0.05)
+        f.write(b"end")
+    if p["fail"]:
+        raise RuntimeError("fake failure requested by the recipe")
+    return {"format": "fake", "metrics": {"level": p["level"]}}

@@ -1,0 +1,38 @@
+"""Helpers shared by tests: write recipes, run the CLI in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+
+def fake_model(root: Path) -> Path:
+    """A directory that passes as a local HF checkpoint for planning (never loaded)."""
+    d = root / "fake-model"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+                                               "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100}))
+    (d / "model.safetensors").write_bytes(b"\0" * 64)
+    return d
+
+
+def write_recipe(path: Path, data: dict | str) -> Path:
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def qbuild(*args, cwd=None, env=None, timeout=900) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-m", "qbuild", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env=full_env, timeout=timeout)
+
+
+def fake_recipe(tmp: Path, variants: list[dict], **extra) -> dict:
+    model = fake_model(tmp)
+    return {"name": "t", "model": {"source": "local", "path": str(model)}, "variants": variants,
+            "evaluation": {"perplexity": None, "baseline": False}, **extra}
