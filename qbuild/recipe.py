@@ -63,17 +63,65 @@ class Calibration(Dataset):
 # --- evaluation ----------------------------------------------------------------------------------
 class Perplexity(StrictModel):
     dataset: Dataset = Field(default_factory=lambda: Dataset(sources=[{"type": "pydocs", "split": "test"}]))
-    protocol: Literal["fixed-window"] = Field(
-        "fixed-window", description="fixed-window: concatenated text, non-overlapping windows (the GPTQ/AWQ-paper protocol)."
+    protocol: Literal["fixed-window", "sliding-window", "llama.cpp"] = Field(
+        "fixed-window",
+        description="fixed-window: concatenated text, non-overlapping windows (GPTQ/AWQ papers); sliding-window: "
+        "windows every `stride` tokens, each token scored once (transformers guide); llama.cpp: second half of "
+        "each window scored (matches llama-perplexity).",
     )
     context_length: int = Field(512, ge=8)
+    stride: int | None = Field(None, ge=1, description="sliding-window only; default: half the window.")
     max_windows: int | None = Field(16, ge=1, description="Score at most this many windows (None: all).")
-    add_bos: bool = Field(True, description="Prepend BOS to each window; it is never scored.")
+    add_bos: bool = Field(True, description="Start each window with BOS; BOS itself is never scored.")
+
+    @model_validator(mode="after")
+    def _stride_only_for_sliding(self):
+        if self.stride is not None and self.protocol != "sliding-window":
+            raise ValueError(f"stride applies to the sliding-window protocol only (protocol is {self.protocol})")
+        if self.stride is not None and self.stride >= self.context_length:
+            raise ValueError(f"stride ({self.stride}) must be smaller than context_length ({self.context_length})")
+        return self
+
+
+class Throughput(StrictModel):
+    batch_sizes: list[int] = Field(default_factory=lambda: [1], min_length=1)
+    input_len: int = Field(128, ge=1)
+    output_len: int = Field(32, ge=2)
+    warmup: int = Field(1, ge=0)
+    repetitions: int = Field(3, ge=1)
+
+
+class Gate(StrictModel):
+    """A quality gate: a nightly job fails (exit 3) when a variant misses one of these bounds."""
+
+    variants: list[str] | Literal["all"] = "all"
+    max_delta_ppl: float | None = Field(None, description="Largest allowed PPL − baseline PPL.")
+    max_delta_ppl_pct: float | None = Field(None, description="Largest allowed PPL increase, in % of the baseline.")
+    max_kld: float | None = None
+    min_top1: float | None = Field(None, ge=0, le=1)
+    min_throughput_ratio: float | None = Field(None, description="Decode tok/s of the variant ÷ the baseline's.")
+    max_size_mb: float | None = None
 
 
 class Evaluation(StrictModel):
-    baseline: bool = Field(True, description="Also evaluate the unquantized model, for ΔPPL.")
+    baseline: bool = Field(True, description="Also evaluate the unquantized model (needed for ΔPPL, KLD, ratios).")
     perplexity: Perplexity | None = Field(default_factory=Perplexity)
+    kld: bool = Field(False, description="KL divergence + top-1 agreement against the baseline, on the perplexity tokens.")
+    throughput: Throughput | None = None
+    gates: list[Gate] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _needs(self):
+        if self.kld and (self.perplexity is None or not self.baseline):
+            raise ValueError("kld needs perplexity (its tokens) and baseline: true")
+        for g in self.gates:
+            if (g.max_delta_ppl is not None or g.max_delta_ppl_pct is not None) and self.perplexity is None:
+                raise ValueError("a ΔPPL gate needs evaluation.perplexity")
+            if (g.max_kld is not None or g.min_top1 is not None) and not self.kld:
+                raise ValueError("a KLD/top-1 gate needs evaluation.kld: true")
+            if g.min_throughput_ratio is not None and (self.throughput is None or not self.baseline):
+                raise ValueError("a throughput gate needs evaluation.throughput and baseline: true")
+        return self
 
 
 # --- runtime and store -------------------------------------------------------------------------------
@@ -134,6 +182,15 @@ class Recipe(StrictModel):
                 raise ValueError(f"variant name {v.name!r} is used twice; names must be unique")
             seen.add(v.name)
         return variants
+
+    @model_validator(mode="after")
+    def _gates_name_known_variants(self):
+        names = {v.name for v in self.variants}
+        for g in self.evaluation.gates:
+            unknown = [] if g.variants == "all" else [n for n in g.variants if n not in names]
+            if unknown:
+                raise ValueError(f"evaluation.gates names unknown variant(s) {unknown}; variants are {sorted(names)}")
+        return self
 
     @model_validator(mode="after")
     def _calibration_present_when_needed(self):

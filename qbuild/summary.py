@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from qbuild.executor import StepOutcome
 
+EVAL_KINDS = {"perplexity": "ppl", "divergence": "kld", "throughput": "speed"}
+
 
 def human_size(n: int | None) -> str:
     if not n:
@@ -15,59 +17,80 @@ def human_size(n: int | None) -> str:
     return str(n)
 
 
+def _evaluations(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutcome]:
+    """(artifact key, evaluation kind) → outcome: an evaluation belongs to the artifact it read."""
+    return {(o.step.inputs["model"].key, o.step.kind): o for o in outcomes if o.step.kind in EVAL_KINDS}
+
+
+def _row(name: str, method: str, detail: str, artifact: StepOutcome | None, evals: dict) -> dict:
+    key = artifact.step.key if artifact else None
+    ppl, kld, speed = (evals.get((key, k)) for k in EVAL_KINDS)
+    return {
+        "variant": name, "method": method, "detail": detail,
+        "format": artifact.step.format if artifact else None, "status": artifact.status if artifact else "-",
+        "size_bytes": artifact.size if artifact and artifact.record else None, "key": key,
+        "digest": artifact.digest if artifact else None,
+        "error": artifact.error if artifact else None, "log": artifact.log if artifact else None,
+        "ppl": ppl.metrics.get("ppl") if ppl else None,
+        "kld": kld.metrics.get("kld") if kld else None, "top1": kld.metrics.get("top1") if kld else None,
+        "decode_tok_s": speed.metrics.get("decode_tok_s") if speed else None,
+        "prefill_tok_s": speed.metrics.get("prefill_tok_s") if speed else None,
+        "ttft_ms": speed.metrics.get("ttft_ms") if speed else None,
+    }
+
+
 def summarize(recipe, outcomes: list[StepOutcome], variant_steps: dict) -> dict:
-    by_name = {o.step.name: o for o in outcomes}
     by_key = {o.step.key: o for o in outcomes}
-    # an evaluation belongs to the artifact it read: its "model" input
-    ppl_by_input = {o.step.inputs["model"].key: o for o in outcomes if o.step.kind == "perplexity"}
-    model = by_name.get("model")
-    ppl_of = {name: ppl_by_input[s.key] for name, s in variant_steps.items() if s.key in ppl_by_input}
-    if model and model.step.key in ppl_by_input:
-        ppl_of["baseline"] = ppl_by_input[model.step.key]
-    baseline_ppl = ppl_of["baseline"].metrics.get("ppl") if "baseline" in ppl_of else None
+    evals = _evaluations(outcomes)
+    model = next((o for o in outcomes if o.step.name == "model"), None)
     rows = []
-    if "baseline" in ppl_of:
-        rows.append({"variant": "baseline", "method": "-", "format": "hf", "status": model.status if model else "-",
-                     "size_bytes": model.size if model and model.record else None,
-                     "key": model.step.key if model else None, "digest": model.digest if model else None,
-                     "ppl": baseline_ppl, "ppl_status": ppl_of["baseline"].status})
+    if recipe.evaluation.baseline and model:
+        rows.append(_row("baseline", "-", "unquantized", model, evals))
     for v in recipe.variants:
-        o = by_key.get(variant_steps[v.name].key)
-        ev = ppl_of.get(v.name)
-        ppl = ev.metrics.get("ppl") if ev else None
-        rows.append({
-            "variant": v.name, "method": v.method, "detail": v.describe(), "format": o.step.format if o else None,
-            "status": o.status if o else "-", "size_bytes": o.size if o else None, "key": o.step.key if o else None,
-            "digest": o.digest if o else None, "error": o.error if o else None, "log": o.log if o else None,
-            "ppl": ppl, "ppl_status": ev.status if ev else None,
-            "delta_ppl": (ppl - baseline_ppl) if ppl is not None and baseline_ppl else None,
-        })
+        rows.append(_row(v.name, v.method, v.describe(), by_key.get(variant_steps[v.name].key), evals))
+    base = rows[0] if rows and rows[0]["variant"] == "baseline" else None
+    for r in rows:
+        if base and r is not base:
+            if r["ppl"] is not None and base["ppl"]:
+                r["delta_ppl"] = r["ppl"] - base["ppl"]
+                r["delta_ppl_pct"] = 100 * r["delta_ppl"] / base["ppl"]
+            if r["decode_tok_s"] and base["decode_tok_s"]:
+                r["throughput_ratio"] = r["decode_tok_s"] / base["decode_tok_s"]
     steps = [{"name": o.step.name, "kind": o.step.kind, "status": o.status, "key": o.step.key, "digest": o.digest,
               "seconds": round(o.seconds, 2), "error": o.error, "log": o.log} for o in outcomes]
     counts = {s: sum(1 for o in outcomes if o.status == s) for s in ("built", "cached", "failed", "skipped")}
-    return {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts}
+    protocol = recipe.evaluation.perplexity.canonical() if recipe.evaluation.perplexity else None
+    return {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol}
+
+
+def _fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def render_table(summary: dict, console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    rows = summary["variants"]
     table = Table(title=f"qbuild · {summary['recipe']}", title_justify="left")
-    for col in ("variant", "method", "size", "key", "status", "PPL", "ΔPPL"):
-        table.add_column(col, justify="right" if col in ("size", "PPL", "ΔPPL") else "left")
+    cols = [("variant", "left"), ("method", "left"), ("size", "right"), ("key", "left"), ("status", "left")]
+    optional = [("PPL", "ppl", ".3f"), ("ΔPPL", "delta_ppl", "+.3f"), ("KLD", "kld", ".4f"), ("top-1", "top1", ".1%"),
+                ("tok/s", "decode_tok_s", ".1f")]
+    shown = [o for o in optional if any(r.get(o[1]) is not None for r in rows)]
+    for name, justify in cols:
+        table.add_column(name, justify=justify)
+    for name, _, _ in shown:
+        table.add_column(name, justify="right")
     style = {"built": "green", "cached": "cyan", "failed": "bold red", "skipped": "yellow"}
-    for r in summary["variants"]:
-        status = r["status"]
-        method = r["method"] if r["method"] == "-" else f"{r['method']} {r.get('detail', '')}".strip()
-        table.add_row(
-            escape(r["variant"]), escape(method), human_size(r["size_bytes"]), (r["key"] or "")[:12],
-            f"[{style.get(status, '')}]{status}[/]",
-            f"{r['ppl']:.3f}" if r["ppl"] is not None else "-",
-            f"{r['delta_ppl']:+.3f}" if r.get("delta_ppl") is not None else "-",
-        )
+    for r in rows:
+        method = "-" if r["method"] == "-" else f"{r['method']} {r['detail']}".strip()
+        table.add_row(escape(r["variant"]), escape(method), human_size(r["size_bytes"]), (r["key"] or "")[:12],
+                      f"[{style.get(r['status'], '')}]{r['status']}[/]",
+                      *(_fmt(r.get(field), spec) for _, field, spec in shown))
     console.print(table)
     c = summary["counts"]
     console.print(f"{c['built']} built, {c['cached']} cached, {c['failed']} failed, {c['skipped']} skipped")
     for s in summary["steps"]:
         if s["status"] == "failed":
-            console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(str(s['error']))}  (log: {escape(str(s['log']))})")
+            console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(str(s['error']))}  "
+                          f"(log: {escape(str(s['log']))})")

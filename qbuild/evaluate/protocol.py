@@ -1,7 +1,10 @@
 """Perplexity protocols: how token windows are cut and which positions are scored.
 
-Runtimes only turn a window of token ids into logits; everything else lives here, so the same
-protocol gives the same number through any runtime.
+- fixed-window: concatenated text, non-overlapping windows of N tokens (the GPTQ/AWQ papers).
+- sliding-window: windows of N tokens every `stride` tokens; each token is scored once, with as much
+  left context as the window allows (the transformers perplexity guide).
+- llama.cpp: non-overlapping windows of N tokens, BOS replaces the first token, only the second half
+  of each window is scored (what `llama-perplexity` reports).
 """
 
 from __future__ import annotations
@@ -11,41 +14,77 @@ from dataclasses import dataclass
 
 import numpy as np
 
+PROTOCOLS = ("fixed-window", "sliding-window", "llama.cpp")
+
 
 @dataclass(frozen=True)
 class Window:
     tokens: list[int]   # what the runtime is fed
-    first_scored: int   # positions >= first_scored are scored (predicted from the prefix)
+    first_scored: int   # positions >= first_scored are scored, each predicted from the positions before it
 
 
-def fixed_windows(ids: np.ndarray, context_length: int, add_bos: bool, bos_id: int | None, max_windows: int | None) -> list[Window]:
-    """Concatenated text in non-overlapping windows (GPTQ/AWQ papers). BOS, if added, is never scored."""
-    body = context_length - 1 if add_bos else context_length
-    n = len(ids) // body
-    if max_windows:
-        n = min(n, max_windows)
-    windows = []
-    for i in range(n):
-        chunk = [int(t) for t in ids[i * body: (i + 1) * body]]
-        if add_bos:
-            windows.append(Window([bos_id] + chunk, 1))
-        else:
-            windows.append(Window(chunk, 1))
-    return windows
+def windows(ids: np.ndarray, protocol: str, context_length: int, add_bos: bool, bos_id: int | None,
+            max_windows: int | None, stride: int | None = None) -> list[Window]:
+    ids = [int(t) for t in ids]
+    if add_bos and bos_id is None:
+        raise ValueError("add_bos is set but the tokenizer has no BOS token")
+    out: list[Window] = []
+    if protocol == "fixed-window":
+        body = context_length - 1 if add_bos else context_length
+        for start in range(0, len(ids) - body + 1, body):
+            chunk = ids[start: start + body]
+            out.append(Window([bos_id] + chunk, 1) if add_bos else Window(chunk, 1))
+    elif protocol == "llama.cpp":
+        for start in range(0, len(ids) - context_length + 1, context_length):
+            chunk = ids[start: start + context_length]
+            if add_bos:
+                chunk = [bos_id] + chunk[1:]
+            out.append(Window(chunk, context_length // 2 + 1))
+    elif protocol == "sliding-window":
+        body = context_length - 1 if add_bos else context_length
+        stride = stride or body // 2
+        prev_end = 0
+        for start in range(0, len(ids), stride):
+            end = min(start + body, len(ids))
+            chunk = ids[start:end]
+            first = max(prev_end - start, 0 if add_bos else 1)
+            if add_bos:
+                chunk, first = [bos_id] + chunk, first + 1
+            if first < len(chunk):
+                out.append(Window(chunk, first))
+            prev_end = end
+            if end == len(ids):
+                break
+    else:
+        raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
+    return out[:max_windows] if max_windows else out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+
+
+def scored_logprobs(logits: np.ndarray, window: Window) -> np.ndarray:
+    """Log-probabilities (float64) at the positions that predict scored tokens: logits[i] predicts tokens[i+1]."""
+    return log_softmax(logits[window.first_scored - 1: len(window.tokens) - 1])
 
 
 def window_nll(logits: np.ndarray, window: Window) -> tuple[float, int]:
-    """Sum of negative log-likelihoods of the scored tokens, and how many were scored.
+    """Sum of negative log-likelihoods of the scored tokens, and how many were scored."""
+    lp = scored_logprobs(logits, window)
+    target = np.asarray(window.tokens[window.first_scored:])
+    return float(-lp[np.arange(len(target)), target].sum()), int(len(target))
 
-    logits[i] predicts tokens[i + 1]; computed in float64 for a stable log-sum-exp.
-    """
-    tokens = np.asarray(window.tokens)
-    pred = logits[window.first_scored - 1: len(tokens) - 1].astype(np.float64)
-    target = tokens[window.first_scored:]
-    m = pred.max(axis=1, keepdims=True)
-    logz = (m[:, 0] + np.log(np.exp(pred - m).sum(axis=1)))
-    nll = logz - pred[np.arange(len(target)), target]
-    return float(nll.sum()), int(len(target))
+
+def window_divergence(base_logits: np.ndarray, logits: np.ndarray, window: Window) -> dict:
+    """KL(base ‖ variant) per scored position, and whether both runtimes pick the same top-1 token."""
+    p = scored_logprobs(base_logits, window)
+    q = scored_logprobs(logits, window)
+    kld = (np.exp(p) * (p - q)).sum(axis=-1)
+    same = p.argmax(axis=-1) == q.argmax(axis=-1)
+    return {"kld": kld, "top1": same}
 
 
 def summarize(nlls: list[tuple[float, int]]) -> dict:

@@ -17,6 +17,7 @@ from types import ModuleType
 
 METHODS: dict[str, str] = {
     "gguf": "qbuild.quantize.gguf",
+    "modelopt": "qbuild.quantize.modelopt",
 }
 
 # Out-of-tree methods: QBUILD_PLUGIN_METHODS="name=package.module,other=pkg.mod"

