@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
 
-from qbuild.errors import EXIT_STEP_FAILED, EXIT_USER_ERROR, QBuildError
+from qbuild.errors import EXIT_GATE_FAILED, EXIT_STEP_FAILED, QBuildError
 
 STORE_OPTION = click.option(
     "--store", "store_path", envvar="QBUILD_STORE", type=click.Path(file_okay=False),
@@ -104,28 +105,40 @@ def _run(recipe_path, store_path, as_json, tag, dry_run, threads):
 
     run_id = store.new_run_id()
     console = _stderr()
-    started = __import__("time").time()
+    started = time.time()
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True,
                   disable=not any(p.status == "miss" for p in planned)) as progress:
         outcomes = Executor(store, recipe, Path(recipe_path), run_id, progress, recipe.runtime.device).run(planned)
     summary = summarize(recipe, outcomes, variant_steps)
     _set_refs(store, recipe, outcomes, variant_steps, tag)
-    summary.update({"run_id": run_id, "store": str(store.root), "seconds": round(__import__("time").time() - started, 3)})
+    from qbuild.fingerprint import cpu_model
+
+    summary.update({"run_id": run_id, "store": str(store.root), "seconds": round(time.time() - started, 3),
+                    "hardware": {"cpu": cpu_model(), "threads": recipe.runtime.resolved_threads()}})
     store.write_run(run_id, {**summary, "recipe_path": str(Path(recipe_path).resolve()),
                              "resolved_recipe": recipe.canonical()})
+    gate_rows = []
+    if recipe.evaluation.gates:
+        from qbuild.evaluate.gates import check_gates
+
+        gate_rows = check_gates(recipe.evaluation.gates, summary)
+        summary["gates"] = {"passed": all(r["passed"] for r in gate_rows), "checks": gate_rows}
     if as_json:
         click.echo(json.dumps(summary, indent=2, default=str))
     else:
-        render_table(summary, _stderr_or_stdout())
+        from rich.console import Console
+
+        console = Console()
+        render_table(summary, console)
+        if gate_rows:
+            from qbuild.evaluate.gates import render_gates
+
+            render_gates(gate_rows, console)
     if summary["counts"]["failed"]:
         sys.exit(EXIT_STEP_FAILED)
-
-
-def _stderr_or_stdout():
-    from rich.console import Console
-
-    return Console()
+    if gate_rows and not summary["gates"]["passed"]:
+        sys.exit(EXIT_GATE_FAILED)
 
 
 def _set_refs(store, recipe, outcomes, variant_steps, tag):
@@ -153,7 +166,7 @@ def _print_plan(planned, as_json):
     table = Table(title="plan", title_justify="left")
     for col in ("step", "key", "status", "why"):
         table.add_column(col)
-    style = {"hit": "cyan", "miss": "yellow", "source": "dim"}
+    style = {"hit": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta", "unavailable": "magenta"}
     for r in rows:
         table.add_row(escape(r["step"]), r["key"][:12], f"[{style[r['status']]}]{r['status']}[/]",
                       r["reason"] if r["status"] == "miss" else ("" if r["status"] == "hit" else r["reason"]))
@@ -275,6 +288,37 @@ def verify(names, store_path, as_json):
         click.echo(f"{len(rows)} object(s) checked, {len(bad)} damaged")
     if bad:
         sys.exit(EXIT_STEP_FAILED)
+
+
+@cli.command()
+@click.argument("name", required=False)
+@STORE_OPTION
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Write here (default: report-<recipe>.html).")
+@click.option("--markdown", is_flag=True, help="Print Markdown (for CI logs) instead of writing HTML.")
+def report(name, store_path, out_path, markdown):
+    """Report of a run: NAME is a run id, a recipe (name or file), or empty for the latest run.
+
+    The HTML page is self-contained (inline SVG plots of quality and speed vs size, Pareto front
+    marked) and states the perplexity protocol and the hardware.
+    """
+    from qbuild.artifacts import open_store
+    from qbuild.report import find_run, render_html, render_markdown
+
+    try:
+        run_record = find_run(open_store(store_path), name)
+    except QBuildError as exc:
+        _fail(exc)
+    if markdown:
+        click.echo(render_markdown(run_record), nl=False)
+        return
+    path = Path(out_path or f"report-{run_record['recipe']}.html")
+    path.write_text(render_html(run_record), encoding="utf-8")
+    click.echo(str(path))
+
+
+from qbuild.build.pull import pull_command  # noqa: E402  (light: click + core only; TensorRT-LLM engine selection)
+
+cli.add_command(pull_command)
 
 
 def main():

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qbuild.artifacts.store import Hit, Store, now_iso
-from qbuild.errors import StepFailed
+from qbuild.errors import StepFailed, UserError
 from qbuild.hashing import sha256_text
 from qbuild.plan import PlannedStep
 from qbuild.step import Step
@@ -57,6 +57,10 @@ class Executor:
 
     def run(self, planned: list[PlannedStep]) -> list[StepOutcome]:
         outcomes: dict[str, StepOutcome] = {}
+        blocked = [ps for ps in planned if ps.status in ("needs-gpu", "unavailable") and ps.step.on_unavailable != "skip"]
+        if blocked:  # fail before any work (exit 2), naming each step and why
+            raise UserError("cannot run on this machine: " + "; ".join(f"step {ps.step.name}: {ps.reason}" for ps in blocked)
+                            + " (set on_missing_gpu: skip on the target to build the rest)")
         for ps in planned:
             step = ps.step
             broken = [s.name for s in step.inputs.values() if outcomes[s.key].status in ("failed", "skipped")]
@@ -66,6 +70,8 @@ class Executor:
                 outcome = StepOutcome(step, "skipped", error=f"input failed: {', '.join(broken)}")
             elif ps.status == "hit":
                 outcome = StepOutcome(step, "cached", ps.hit.path, ps.hit.digest, record=ps.hit.record)
+            elif ps.status in ("needs-gpu", "unavailable"):
+                outcome = StepOutcome(step, "skipped", error=ps.reason)
             else:
                 outcome = self._build(step, outcomes)
             if outcome.status in ("built", "cached"):

@@ -21,7 +21,7 @@ from qbuild.step import Step
 @dataclass
 class PlannedStep:
     step: Step
-    status: str                  # hit | miss | source
+    status: str                  # hit | miss | source | needs-gpu (a miss this machine cannot build)
     hit: Hit | None = None
     reason: str = ""
 
@@ -154,6 +154,9 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store) -> tuple[list[Plan
         hit = store.lookup(step.key)
         if hit:
             planned.append(PlannedStep(step, "hit", hit))
+        elif step.unavailable:
+            planned.append(PlannedStep(step, "needs-gpu" if step.requires_gpu else "unavailable",
+                                       reason=step.unavailable))
         else:
             planned.append(PlannedStep(step, "miss", reason=explain_miss(step, store, recipe.name)))
     return planned, variant_steps

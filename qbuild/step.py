@@ -27,6 +27,9 @@ class Step:
     source_digest: str | None = None
     in_process: bool = False                  # cheap steps skip the subprocess
     runtime_args: dict = field(default_factory=dict)  # absolute paths etc.: given to the runner, not hashed
+    requires_gpu: bool = False                # e.g. TensorRT-LLM engines: plan shows 'needs-gpu' where it cannot run
+    unavailable: str = ""                     # why this machine cannot run the step (set at plan time); "" = it can
+    on_unavailable: str = "fail"              # fail: `run` exits 2 before any work; skip: the step is skipped
     key: str = ""
 
     def toolchain(self) -> dict[str, str]:

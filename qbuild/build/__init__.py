@@ -12,7 +12,10 @@ from types import ModuleType
 
 from qbuild.build.base import NoTarget
 
-TARGETS: dict[str, str] = {}
+TARGETS: dict[str, str] = {
+    "tensorrt-llm": "qbuild.build.tensorrt_llm",
+    "trtllm-pytorch": "qbuild.build.trtllm_pytorch",
+}
 
 
 def adapter(kind: str) -> ModuleType:

@@ -1,0 +1,193 @@
+"""NVIDIA ModelOpt: FP8, INT8-SmoothQuant, INT4-AWQ and W4A8-AWQ, exported for TensorRT-LLM.
+
+One step, `quantize[<variant>]`: load the HF model, calibrate ModelOpt's quantizers on the shared
+calibration set, export either a TensorRT-LLM checkpoint (config.json + rank<N>.safetensors, the
+input of `trtllm-build`) or a Hugging Face checkpoint with hf_quant_config.json (what TensorRT-LLM's
+PyTorch backend loads), then validate the export against the source model and record every fix
+(see qbuild/quantize/trtllm_checkpoint.py: ModelOpt 0.47 writes no rotary_base, for one).
+Runs on CPU; ModelOpt is imported only inside the step's worker process.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from qbuild.errors import RecipeError
+from qbuild.quantize.base import VariantBase
+from qbuild.quantize.trtllm_checkpoint import QUANT_ALGO, linear_in_features
+from qbuild.step import Step, StepContext
+
+EXTRA = "modelopt"
+REQUIRES = ("modelopt", "torch", "transformers")
+TOOLS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
+
+SCHEMES = ("fp8", "int8-sq", "int4-awq", "w4a8-awq", "none")
+AWQ_SCHEMES = ("int4-awq", "w4a8-awq")
+AWQ_BLOCK_SIZES = (64, 128)  # group sizes TensorRT-LLM's weight-only/W4A8 AWQ kernels take
+# HF model_type -> ModelOpt's TensorRT-LLM decoder_type (only types ModelOpt's export maps)
+DECODER_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gemma": "gemma",
+                 "gemma2": "gemma2", "phi3": "phi3", "gpt2": "gpt"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+FORMATS = {"trtllm-checkpoint": "trtllm-checkpoint", "hf": "hf-modelopt"}
+
+
+class Variant(VariantBase):
+    """A model quantized by NVIDIA ModelOpt, exported for TensorRT-LLM."""
+
+    method: Literal["modelopt"]
+    scheme: Literal["fp8", "int8-sq", "int4-awq", "w4a8-awq", "none"] = Field(
+        description="fp8 (W8A8 FP8 per-tensor), int8-sq (INT8 SmoothQuant), int4-awq (W4A16 AWQ), "
+        "w4a8-awq (INT4 weights, FP8 activations), none (unquantized export).")
+    block_size: int | None = Field(
+        None, description="AWQ group size along the input dimension (64 or 128; default 128). AWQ schemes only.")
+    dtype: Literal["float16", "bfloat16"] = Field("float16", description="Dtype of the layers left unquantized.")
+    export: Literal["trtllm-checkpoint", "hf"] = Field(
+        "trtllm-checkpoint", description="trtllm-checkpoint: input of trtllm-build (tensorrt-llm target); "
+        "hf: HF checkpoint + hf_quant_config.json (trtllm-pytorch target).")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks of the TensorRT-LLM checkpoint.")
+    pp_size: int = Field(1, ge=1, description="Pipeline-parallel ranks of the TensorRT-LLM checkpoint.")
+
+    @model_validator(mode="after")
+    def _block_size(self):
+        if self.scheme in AWQ_SCHEMES:
+            if self.block_size is None:
+                object.__setattr__(self, "block_size", 128)
+            elif self.block_size not in AWQ_BLOCK_SIZES:
+                raise ValueError(f"block_size {self.block_size} is not supported; allowed: 64, 128")
+        elif self.block_size is not None:
+            raise ValueError(f"block_size applies to int4-awq and w4a8-awq only, not {self.scheme}")
+        if self.export == "hf" and (self.tp_size, self.pp_size) != (1, 1):
+            raise ValueError("tp_size/pp_size apply to export: trtllm-checkpoint; an hf export is sharded at load time")
+        return self
+
+    def needs_calibration(self) -> bool:
+        return self.scheme != "none"
+
+    def describe(self) -> str:
+        label = {"fp8": "FP8", "int8-sq": "INT8-SQ", "int4-awq": "INT4-AWQ", "w4a8-awq": "W4A8-AWQ",
+                 "none": self.dtype}[self.scheme]
+        return f"{label} g{self.block_size}" if self.block_size else label
+
+
+def step_format(variant: Variant) -> str:
+    return FORMATS[variant.export]
+
+
+def check(variant: Variant, ctx, field: str) -> None:
+    info = ctx.model_info()
+    model_type = info.get("model_type")
+    if variant.export == "trtllm-checkpoint" and model_type not in DECODER_TYPES:
+        raise RecipeError(f"{field}.export", f"ModelOpt's TensorRT-LLM export does not map model_type "
+                          f"{model_type!r}; supported: {', '.join(sorted(DECODER_TYPES))} (or use export: hf)")
+    if variant.block_size:
+        dims = linear_in_features(info)
+        bad = {name: d for name, d in dims.items() if d % variant.block_size}
+        if bad:
+            fits = [b for b in AWQ_BLOCK_SIZES if all(d % b == 0 for d in dims.values())]
+            what = ", ".join(f"{n} = {d}" for n, d in bad.items())
+            allowed = ", ".join(map(str, fits)) if fits else "none of " + ", ".join(map(str, AWQ_BLOCK_SIZES))
+            raise RecipeError(f"{field}.block_size", f"{variant.block_size} does not divide {what}; "
+                              f"block sizes that fit this model: {allowed}")
+    heads = info.get("num_attention_heads", 1)
+    kv = info.get("num_key_value_heads") or heads
+    if variant.tp_size > 1 and (heads % variant.tp_size or kv % variant.tp_size):
+        raise RecipeError(f"{field}.tp_size", f"{variant.tp_size} does not divide num_attention_heads={heads} "
+                          f"and num_key_value_heads={kv}")
+    if variant.pp_size > info.get("num_hidden_layers", 1):
+        raise RecipeError(f"{field}.pp_size", f"{variant.pp_size} exceeds num_hidden_layers={info.get('num_hidden_layers')}")
+
+
+def plan(variant: Variant, ctx) -> Step:
+    model = ctx.model()
+    inputs = {"model": model}
+    if variant.needs_calibration():
+        inputs["calibration"] = ctx.calibration()
+    return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
+                        "qbuild.quantize.modelopt:run", inputs=inputs, tools=TOOLS, threads=ctx.threads,
+                        variant=variant.name, format=step_format(variant)))
+
+
+# --- worker side ------------------------------------------------------------------------------------
+def quant_config(params: dict) -> dict:
+    """ModelOpt's preset for the scheme, with the AWQ block size applied."""
+    import copy
+
+    import modelopt.torch.quantization as mtq
+
+    preset = {"fp8": mtq.FP8_DEFAULT_CFG, "int8-sq": mtq.INT8_SMOOTHQUANT_CFG, "int4-awq": mtq.INT4_AWQ_CFG,
+              "w4a8-awq": mtq.W4A8_AWQ_BETA_CFG}[params["scheme"]]
+    cfg = copy.deepcopy(preset)
+    if params.get("block_size"):
+        entries = cfg["quant_cfg"]
+        for entry in entries if isinstance(entries, list) else entries.values():
+            attrs = entry.get("cfg", entry) if isinstance(entry, dict) else entry
+            for attr in attrs if isinstance(attrs, list) else [attrs]:
+                if isinstance(attr, dict) and isinstance(attr.get("block_sizes"), dict):
+                    attr["block_sizes"][-1] = params["block_size"]
+    return cfg
+
+
+def run(ctx: StepContext) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qbuild.quantize.trtllm_checkpoint import validate_hf_export, validate_trtllm_checkpoint
+
+    p = ctx.params
+    src = Path(ctx.inputs["model"])
+    src_cfg = json.loads((src / "config.json").read_text())
+    ctx.progress(0, 3, "loading model")
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    if p["scheme"] != "none":
+        import modelopt.torch.quantization as mtq
+
+        from qbuild.calibration.build import load_calibration
+
+        ids, mask = load_calibration(Path(ctx.inputs["calibration"]))
+        n = len(ids)
+
+        def forward_loop(m):
+            for i in range(n):
+                m(input_ids=torch.from_numpy(ids[i: i + 1]).long(),
+                  attention_mask=torch.from_numpy(mask[i: i + 1]).long())
+                ctx.progress(i + 1, n, f"calibrating {p['scheme']}")
+
+        with torch.no_grad():
+            model = mtq.quantize(model, quant_config(p), forward_loop)
+    dtype = getattr(torch, p["dtype"])
+    ctx.progress(1, 3, f"exporting {p['export']}")
+    with torch.no_grad():
+        if p["export"] == "trtllm-checkpoint":
+            from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+            export_tensorrt_llm_checkpoint(model, DECODER_TYPES[src_cfg["model_type"]], dtype=dtype,
+                                           export_dir=str(ctx.out), inference_tensor_parallel=p["tp_size"],
+                                           inference_pipeline_parallel=p["pp_size"])
+        else:
+            from modelopt.torch.export import export_hf_checkpoint
+
+            export_hf_checkpoint(model.to(dtype), export_dir=str(ctx.out))
+    for name in TOKENIZER_FILES:  # the engine/runtime needs the tokenizer next to the weights
+        if (src / name).is_file() and not (ctx.out / name).exists():
+            shutil.copyfile(src / name, ctx.out / name)
+    ctx.progress(2, 3, "validating against the source model")
+    if p["export"] == "trtllm-checkpoint":
+        fixes = validate_trtllm_checkpoint(ctx.out, src_cfg, quant_algo=QUANT_ALGO[p["scheme"]],
+                                           group_size=p.get("block_size"), tp_size=p["tp_size"], pp_size=p["pp_size"])
+    else:
+        fixes = validate_hf_export(ctx.out, src_cfg)
+    for f in fixes:
+        ctx.log(f"fixed {f['field']}: {f['was']!r} -> {f['now']!r} ({f['why']})")
+    ctx.progress(3, 3, "done")
+    from importlib.metadata import version
+
+    size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
+    return {"format": FORMATS[p["export"]], "metrics": {"size_bytes": size},
+            "info": {"quant_algo": QUANT_ALGO[p["scheme"]], "checkpoint_fixes": fixes,
+                     "validated_against_source": True, "modelopt": version("nvidia-modelopt")}}
