@@ -75,10 +75,11 @@ def cli():
 @click.option("--tag", help="Also point RECIPE/VARIANT:TAG at each built variant (besides :latest).")
 @click.option("--dry-run", is_flag=True, help="Only plan: show what would run, build nothing.")
 @click.option("--threads", type=int, help="CPU threads per step (overrides runtime.threads).")
-def run(recipe, store_path, as_json, tag, dry_run, threads):
+@click.option("--mlflow", "mlflow_uri", metavar="URI", help="Log the run to MLflow (overrides tracking.mlflow.uri).")
+def run(recipe, store_path, as_json, tag, dry_run, threads, mlflow_uri):
     """Build every step of RECIPE that is not already stored, then print a summary table."""
     try:
-        _run(recipe, store_path, as_json, tag, dry_run, threads)
+        _run(recipe, store_path, as_json, tag, dry_run, threads, mlflow_uri)
     except QBuildError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -86,7 +87,7 @@ def run(recipe, store_path, as_json, tag, dry_run, threads):
         sys.exit(130)
 
 
-def _run(recipe_path, store_path, as_json, tag, dry_run, threads):
+def _run(recipe_path, store_path, as_json, tag, dry_run, threads, mlflow_uri=None):
     from qbuild.artifacts import open_store
     from qbuild.plan import make_plan
 
@@ -116,20 +117,22 @@ def _run(recipe_path, store_path, as_json, tag, dry_run, threads):
 
     summary.update({"run_id": run_id, "store": str(store.root), "seconds": round(time.time() - started, 3),
                     "hardware": {"cpu": cpu_model(), "threads": recipe.runtime.resolved_threads()}})
-    store.write_run(run_id, {**summary, "recipe_path": str(Path(recipe_path).resolve()),
-                             "resolved_recipe": recipe.canonical()})
     gate_rows = []
     if recipe.evaluation.gates:
         from qbuild.evaluate.gates import check_gates
 
         gate_rows = check_gates(recipe.evaluation.gates, summary)
         summary["gates"] = {"passed": all(r["passed"] for r in gate_rows), "checks": gate_rows}
+    mlflow_cfg = recipe.tracking.mlflow
+    if mlflow_uri or mlflow_cfg:
+        summary["mlflow"] = _track(mlflow_uri or mlflow_cfg.uri, mlflow_cfg.experiment if mlflow_cfg else None,
+                                   recipe, summary, store)
+    store.write_run(run_id, {**summary, "recipe_path": str(Path(recipe_path).resolve()),
+                             "resolved_recipe": recipe.canonical()})
     if as_json:
         click.echo(json.dumps(summary, indent=2, default=str))
     else:
-        from rich.console import Console
-
-        console = Console()
+        console = _table_console()
         render_table(summary, console)
         if gate_rows:
             from qbuild.evaluate.gates import render_gates
@@ -139,6 +142,32 @@ def _run(recipe_path, store_path, as_json, tag, dry_run, threads):
         sys.exit(EXIT_STEP_FAILED)
     if gate_rows and not summary["gates"]["passed"]:
         sys.exit(EXIT_GATE_FAILED)
+
+
+def _track(uri, experiment, recipe, summary, store) -> dict:
+    """Log to MLflow; a tracking failure is reported, never fatal to the stored artifacts."""
+    from qbuild.report import render_html
+    from qbuild.tracking import log_run
+
+    import contextlib
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # mlflow prints run links; stdout is for --json
+            run_id = log_run(uri, experiment, recipe, summary, store, render_html(summary))
+        return {"uri": uri, "run_id": run_id}
+    except QBuildError:
+        raise
+    except Exception as exc:  # server down, bad URI: the build itself succeeded
+        click.echo(f"qbuild: warning: MLflow tracking to {uri} failed: {type(exc).__name__}: {exc}", err=True)
+        return {"uri": uri, "error": str(exc)}
+
+
+def _table_console():
+    """Wide enough for the summary table even when stdout is a pipe or a CI log."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
 
 
 def _set_refs(store, recipe, outcomes, variant_steps, tag):

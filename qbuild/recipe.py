@@ -137,6 +137,15 @@ class Runtime(StrictModel):
         return max(1, int(self.threads))
 
 
+class MLflowTracking(StrictModel):
+    uri: str = Field(description="Tracking URI: http://host:port, sqlite:///path.db, or a file store path.")
+    experiment: str | None = Field(None, description="Default: qbuild/<recipe name>.")
+
+
+class Tracking(StrictModel):
+    mlflow: MLflowTracking | None = None
+
+
 class StoreConfig(StrictModel):
     path: str = "./artifacts"
     tag: str | None = Field(None, pattern=NAME_RE, description="Extra ref tag set on every variant of a run.")
@@ -172,6 +181,7 @@ class Recipe(StrictModel):
     evaluation: Evaluation = Field(default_factory=Evaluation)
     runtime: Runtime = Field(default_factory=Runtime)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    tracking: Tracking = Field(default_factory=Tracking)
 
     @field_validator("variants")
     @classmethod

@@ -1,0 +1,161 @@
+"""Reports (HTML rendered in headless Chromium, Markdown) and MLflow tracking (server and sqlite)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from helpers import fake_recipe, qbuild, write_recipe
+from qbuild.report import pareto, render_html
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
+
+RUN = {  # the shape `qbuild run` records; numbers from the demo
+    "recipe": "demo", "run_id": "r1", "store": "/s", "hardware": {"cpu": "test-cpu", "threads": 1},
+    "protocol": {"protocol": "fixed-window", "context_length": 512},
+    "variants": [
+        {"variant": "baseline", "method": "-", "detail": "unquantized", "size_bytes": 541_000_000, "ppl": 17.84,
+         "decode_tok_s": 18.1, "status": "cached"},
+        {"variant": "f16", "method": "gguf", "detail": "F16", "size_bytes": 270_000_000, "ppl": 17.84,
+         "delta_ppl": 0.0, "kld": 0.0, "top1": 0.998, "decode_tok_s": 28.0, "status": "cached"},
+        {"variant": "q8_0", "method": "gguf", "detail": "Q8_0", "size_bytes": 144_000_000, "ppl": 17.98,
+         "delta_ppl": 0.14, "kld": 0.004, "top1": 0.96, "decode_tok_s": 57.7, "status": "built"},
+        {"variant": "q4km", "method": "gguf", "detail": "Q4_K_M", "size_bytes": 105_000_000, "ppl": 19.08,
+         "delta_ppl": 1.24, "kld": 0.058, "top1": 0.873, "decode_tok_s": 75.7, "status": "built"},
+    ],
+    "gates": {"passed": False, "checks": [{"variant": "q4km", "check": "max_delta_ppl", "value": 1.24, "bound": 1.0,
+                                           "passed": False, "by": 0.24}]},
+}
+
+
+def test_pareto_front():
+    pts = [(100, 19.0, "q4"), (140, 18.0, "q8"), (270, 17.8, "f16"), (540, 17.8, "base"), (200, 19.5, "bad")]
+    assert pareto(pts, lower_y_better=True) == {"q4", "q8", "f16"}
+    assert pareto([(1, 5, "a"), (2, 9, "b"), (3, 4, "c")], lower_y_better=False) == {"a", "b"}
+
+
+def test_html_report_is_self_contained_and_complete():
+    page = render_html(RUN)
+    assert page.count("<svg") == 2 and "<script" not in page and "http://" not in page.replace(
+        'xmlns="http://www.w3.org/2000/svg"', "")
+    for text in ("q4km", "19.080", "+1.240", "87.3%", "fixed-window", "test-cpu", "Quality gates: FAILED",
+                 "Pareto front"):
+        assert text in page
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_html_report_renders_in_headless_chromium(tmp_path):
+    page = tmp_path / "report.html"
+    page.write_text(render_html(RUN))
+    shot = tmp_path / "report.png"
+    subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1280,1000",
+                    f"--screenshot={shot}", page.as_uri()], check=True, capture_output=True, timeout=120)
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 30_000  # a page with a table and two plots, not a blank canvas
+
+
+def _fake_run(tmp_path, store, *args):
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [
+        {"name": "small", "method": "fake"}, {"name": "big", "method": "fake", "level": 2}]))
+    res = qbuild(recipe, "--store", store, "--json", *args)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_report_command_writes_html_and_markdown(tmp_path, store_dir):
+    summary = _fake_run(tmp_path, store_dir)
+    out = tmp_path / "r.html"
+    res = qbuild("report", "t", "--store", store_dir, "--out", out)
+    assert res.returncode == 0 and out.read_text().startswith("<!doctype html>")
+    md = qbuild("report", summary["run_id"], "--store", store_dir, "--markdown").stdout
+    assert md.startswith("# qbuild report · t") and "| small | fake |" in md
+    missing = qbuild("report", "nope", "--store", store_dir)
+    assert missing.returncode == 2 and "no run of recipe 'nope'" in missing.stderr
+
+
+def _check_mlflow(uri: str, summary: dict):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("qbuild/t")
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(parents) == 1 and parents[0].data.tags["qbuild.run_id"] == summary["run_id"]
+    assert parents[0].data.params["model.source"] == "local"
+    by_variant = {r.data.tags["qbuild.variant"]: r for r in children}
+    assert set(by_variant) == {"small", "big"}
+    row = next(v for v in summary["variants"] if v["variant"] == "big")
+    assert by_variant["big"].data.tags["qbuild.key"] == row["key"]
+    assert by_variant["big"].data.metrics["size_bytes"] == row["size_bytes"]
+    assert by_variant["big"].data.params["level"] == "2"
+    names = {a.path for a in client.list_artifacts(by_variant["big"].info.run_id)}
+    assert "manifest.json" in names
+    assert {"summary.json", "report.html"} <= {a.path for a in client.list_artifacts(parents[0].info.run_id)}
+
+
+@pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'qbuild[mlflow]')")
+def test_mlflow_sqlite_uri_without_server(tmp_path, store_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # default artifact location ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    summary = _fake_run(tmp_path, store_dir, "--mlflow", uri)
+    assert summary["mlflow"]["run_id"]
+    _check_mlflow(uri, summary)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'qbuild[mlflow]')")
+def test_mlflow_server_on_loopback(tmp_path, store_dir):
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "mlartifacts"), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{uri}/health", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or server.poll() is not None:
+                    pytest.fail("mlflow server did not start")
+                time.sleep(0.5)
+        summary = _fake_run(tmp_path, store_dir, "--mlflow", uri)
+        _check_mlflow(uri, summary)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_tracking_failure_warns_but_keeps_artifacts(tmp_path, store_dir):
+    port = _free_port()  # nothing listens there
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [{"name": "a", "method": "fake"}]))
+    res = qbuild(recipe, "--store", store_dir, "--mlflow", f"http://127.0.0.1:{port}",
+                 env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"})
+    if not HAS_MLFLOW:
+        assert res.returncode == 2 and "pip install 'qbuild[mlflow]'" in res.stderr
+        return
+    assert res.returncode == 0
+    assert "MLflow tracking" in res.stderr and "failed" in res.stderr
+    assert qbuild("verify", "--store", store_dir).returncode == 0
