@@ -173,7 +173,8 @@ def _table_console():
 def _set_refs(store, recipe, outcomes, variant_steps, tag):
     """recipe/variant:latest (+ tags) for every variant artifact this run has, built or cached."""
     by_key = {o.step.key: o for o in outcomes}
-    named = {**variant_steps, **{o.step.variant: o.step for o in outcomes if o.step.variant == "base"}}
+    # variants (incl. identical ones sharing a step), the imported base model, and target builds (variant.target)
+    named = {**{o.step.variant: o.step for o in outcomes if o.step.variant}, **variant_steps}
     tags = ["latest"] + ([tag] if tag else []) + ([recipe.store.tag] if recipe.store.tag else [])
     for variant, step in named.items():
         o = by_key.get(step.key)

@@ -91,6 +91,8 @@ def render_table(summary: dict, console) -> None:
     c = summary["counts"]
     console.print(f"{c['built']} built, {c['cached']} cached, {c['failed']} failed, {c['skipped']} skipped")
     for s in summary["steps"]:
+        if s["status"] == "skipped":
+            console.print(f"[yellow]skipped {escape(s['name'])}[/]: {escape(str(s['error']))}")
         if s["status"] == "failed":
             console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(str(s['error']))}  "
                           f"(log: {escape(str(s['log']))})")
