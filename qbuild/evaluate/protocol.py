@@ -60,31 +60,33 @@ def windows(ids: np.ndarray, protocol: str, context_length: int, add_bos: bool, 
     return out[:max_windows] if max_windows else out
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    x = logits.astype(np.float64)
+def _logsumexp(x: np.ndarray) -> np.ndarray:
+    """Row-wise log-sum-exp: exp in float32 (fast), sums in float64 (exact enough for 1e-6 relative)."""
     m = x.max(axis=-1, keepdims=True)
-    return x - (m + np.log(np.exp(x - m).sum(axis=-1, keepdims=True)))
+    return m[:, 0].astype(np.float64) + np.log(np.exp(x - m).sum(axis=-1, dtype=np.float64))
 
 
-def scored_logprobs(logits: np.ndarray, window: Window) -> np.ndarray:
-    """Log-probabilities (float64) at the positions that predict scored tokens: logits[i] predicts tokens[i+1]."""
-    return log_softmax(logits[window.first_scored - 1: len(window.tokens) - 1])
+def _scored(logits: np.ndarray, window: Window) -> tuple[np.ndarray, np.ndarray]:
+    """Logit rows that predict scored tokens (logits[i] predicts tokens[i+1]), and those tokens."""
+    rows = np.asarray(logits[window.first_scored - 1: len(window.tokens) - 1], dtype=np.float32)
+    return rows, np.asarray(window.tokens[window.first_scored:])
 
 
 def window_nll(logits: np.ndarray, window: Window) -> tuple[float, int]:
     """Sum of negative log-likelihoods of the scored tokens, and how many were scored."""
-    lp = scored_logprobs(logits, window)
-    target = np.asarray(window.tokens[window.first_scored:])
-    return float(-lp[np.arange(len(target)), target].sum()), int(len(target))
+    rows, target = _scored(logits, window)
+    nll = _logsumexp(rows) - rows[np.arange(len(target)), target].astype(np.float64)
+    return float(nll.sum()), int(len(target))
 
 
 def window_divergence(base_logits: np.ndarray, logits: np.ndarray, window: Window) -> dict:
-    """KL(base ‖ variant) per scored position, and whether both runtimes pick the same top-1 token."""
-    p = scored_logprobs(base_logits, window)
-    q = scored_logprobs(logits, window)
-    kld = (np.exp(p) * (p - q)).sum(axis=-1)
-    same = p.argmax(axis=-1) == q.argmax(axis=-1)
-    return {"kld": kld, "top1": same}
+    """KL(base ‖ variant) per scored position, and whether both pick the same top-1 token."""
+    p_rows, _ = _scored(base_logits, window)
+    q_rows, _ = _scored(logits, window)
+    p = p_rows - _logsumexp(p_rows)[:, None].astype(np.float32)
+    q = q_rows - _logsumexp(q_rows)[:, None].astype(np.float32)
+    kld = (np.exp(p) * (p - q)).sum(axis=-1, dtype=np.float64)
+    return {"kld": np.maximum(kld, 0.0), "top1": p_rows.argmax(axis=-1) == q_rows.argmax(axis=-1)}
 
 
 def summarize(nlls: list[tuple[float, int]]) -> dict:
