@@ -352,6 +352,14 @@ cli.add_command(pull_command)
 
 
 def main():
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("qbuild: warning: %(message)s"))
+    logger = logging.getLogger("qbuild")
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    logger.propagate = False
     try:
         cli(standalone_mode=True)
     except QBuildError as exc:  # pragma: no cover - commands catch their own

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,12 +11,15 @@ from pathlib import Path
 from qbuild import build as build_registry
 from qbuild import quantize as quantize_registry
 from qbuild.artifacts.store import Hit, Store
-from qbuild.calibration.plan import calibration_step, eval_data_step
+from qbuild.calibration.plan import calibration_step, eval_data_step, overlapping_sources
 from qbuild.errors import MissingBackendError, RecipeError
 from qbuild.evaluate.plan import evaluation_steps
 from qbuild.models.resolve import model_info, model_step
 from qbuild.recipe import Recipe, locate
 from qbuild.step import Step
+
+
+log = logging.getLogger("qbuild")
 
 
 @dataclass
@@ -37,6 +41,7 @@ class PlanContext:
     _model: Step | None = None
     _calibration: Step | None = None
     _model_info: dict | None = None
+    warnings: list[str] = field(default_factory=list)  # also logged to the "qbuild" logger
 
     @property
     def threads(self) -> int:
@@ -104,6 +109,9 @@ def _build_steps(recipe: Recipe, recipe_dir: Path) -> tuple[PlanContext, dict[st
         for name in names:
             adapter.plan(t, variant_steps[name], ctx, field=f"targets[{i}]")
     evaluation_steps(recipe, ctx, variant_steps)
+    for warning in overlapping_sources(recipe.calibration, recipe.evaluation.perplexity, recipe_dir):
+        ctx.warnings.append(warning)
+        log.warning(warning)
     return ctx, variant_steps
 
 

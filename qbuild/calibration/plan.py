@@ -70,3 +70,22 @@ def eval_data_step(perplexity, model: Step, ctx) -> Step:
                 tools=tools, threads=ctx.threads)
     step.runtime_args = {"sources": runtimes}
     return step
+
+
+def overlapping_sources(calibration, perplexity, base: Path) -> list[str]:
+    """Evaluation sources that are also calibration sources: scores on them flatter the calibrated methods."""
+    if calibration is None or perplexity is None:
+        return []
+
+    def ident(src, field):
+        data, _ = source_identity(src, base, field)
+        data.pop("weight", None)
+        return data
+
+    cal = [ident(s, f"calibration.sources[{i}]") for i, s in enumerate(calibration.sources)]
+    out = []
+    for i, src in enumerate(perplexity.dataset.sources):
+        if ident(src, f"evaluation.perplexity.dataset.sources[{i}]") in cal:
+            out.append(f"evaluation.perplexity.dataset.sources[{i}] is also a calibration source: "
+                       "perplexity on calibration text flatters calibrated methods (use held-out text)")
+    return out
