@@ -189,7 +189,6 @@ def _print_plan(planned, as_json):
     if as_json:
         click.echo(json.dumps({"steps": rows, "to_build": sum(r["status"] == "miss" for r in rows)}, indent=2))
         return
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
@@ -200,7 +199,7 @@ def _print_plan(planned, as_json):
     for r in rows:
         table.add_row(escape(r["step"]), r["key"][:12], f"[{style[r['status']]}]{r['status']}[/]",
                       r["reason"] if r["status"] == "miss" else ("" if r["status"] == "hit" else r["reason"]))
-    console = Console()
+    console = _table_console()
     console.print(table)
     misses = sum(r["status"] == "miss" for r in rows)
     console.print(f"{misses} step(s) to build, {sum(r['status'] == 'hit' for r in rows)} cached")

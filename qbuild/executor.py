@@ -84,7 +84,7 @@ class Executor:
         if last is None or last.get("key") != step.key:
             self.store.remember_build(self.recipe.name, step.name, {
                 "key": step.key, "params": step.params, "inputs": step.input_keys(), "toolchain": step.toolchain(),
-                "when": now_iso()})
+                "impl": step.impl_version, "when": now_iso()})
 
     def _build(self, step: Step, outcomes: dict[str, StepOutcome]) -> StepOutcome:
         task = self.progress.add_task(escape(step.name), total=None, step=escape(step.name)) if self.progress else None

@@ -133,6 +133,8 @@ def explain_miss(step: Step, store: Store, recipe_name: str) -> str:
     tc = _diff(last.get("toolchain", {}), step.toolchain())
     if tc:
         reasons.append("toolchain changed: " + ", ".join(tc))
+    if last.get("impl", 1) != step.impl_version:
+        reasons.append(f"qbuild's {step.kind} implementation changed (v{last.get('impl', 1)} → v{step.impl_version})")
     return "; ".join(reasons) or "key changed"
 
 

@@ -30,6 +30,7 @@ class Step:
     requires_gpu: bool = False                # e.g. TensorRT-LLM engines: plan shows 'needs-gpu' where it cannot run
     unavailable: str = ""                     # why this machine cannot run the step (set at plan time); "" = it can
     on_unavailable: str = "fail"              # fail: `run` exits 2 before any work; skip: the step is skipped
+    impl_version: int = 1                     # bump when the runner's output changes for the same inputs
     key: str = ""
 
     def toolchain(self) -> dict[str, str]:
@@ -45,7 +46,8 @@ class Step:
         if self.source_digest is not None:
             self.key = self.source_digest
         else:
-            self.key = step_key(self.kind, self.params, self.input_keys(), self.toolchain())
+            params = self.params if self.impl_version == 1 else {**self.params, "_impl": self.impl_version}
+            self.key = step_key(self.kind, params, self.input_keys(), self.toolchain())
         return self.key
 
     @property

@@ -124,3 +124,11 @@ def test_gate_on_unknown_variant_is_a_recipe_error(tmp_path):
     data["evaluation"]["gates"] = [{"variants": ["nope"], "max_size_mb": 1}]
     res = qbuild("validate", write_recipe(tmp_path / "r.yaml", data))
     assert res.returncode == 2 and "unknown variant" in res.stderr
+
+
+def test_gguf_throughput_at_batch_above_one_is_refused_at_plan_time(tmp_path):
+    data = fake_recipe(tmp_path, [{"name": "q", "method": "gguf", "type": "Q8_0"}])
+    data["evaluation"] = {"perplexity": None, "throughput": {"batch_sizes": [1, 4]}}
+    res = qbuild("plan", write_recipe(tmp_path / "r.yaml", data), "--store", tmp_path / "s")
+    assert res.returncode == 2
+    assert "evaluation.throughput.batch_sizes" in res.stderr and "batch size 1 only" in res.stderr

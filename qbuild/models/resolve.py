@@ -71,7 +71,8 @@ def model_step(spec, recipe_dir: Path) -> Step:
         path = resolve_path(spec.path, recipe_dir, "model.path")
         params = {"source": "gguf", "gguf_sha256": dir_fingerprint(path), "dtype": spec.dtype}
         step = Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
-                    tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format="hf")
+                    tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format="hf",
+                    impl_version=2)  # 2: byte-level BPE tokenizers restored
         step.runtime_args = {"gguf_path": str(path)}
         return step
     raise AssertionError(spec)
