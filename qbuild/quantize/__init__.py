@@ -17,6 +17,10 @@ from types import ModuleType
 
 METHODS: dict[str, str] = {
     "gguf": "qbuild.quantize.gguf",
+    "gptq": "qbuild.quantize.gptq",
+    "awq": "qbuild.quantize.awq",
+    "fp8": "qbuild.quantize.fp8",
+    "rtn": "qbuild.quantize.rtn",
     "modelopt": "qbuild.quantize.modelopt",
 }
 

@@ -1,0 +1,59 @@
+"""FP8 (E4M3) weights and activations through llm-compressor; compressed-tensors output.
+
+scheme: dynamic  per-channel weight scales, per-token activation scales computed at run time
+                 (no calibration, seconds; llm-compressor's FP8_DYNAMIC)
+scheme: static   per-tensor weight and activation scales, activation scales calibrated on the
+                 shared calibration set (llm-compressor's FP8)
+kv_cache: true   also calibrate FP8 KV-cache scales (needs calibration).
+vLLM runs these natively on Ada/Hopper+; transformers emulates them on CPU (no speed gain).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from qbuild.quantize import llmcompressor as lc
+from qbuild.quantize.base import VariantBase
+
+EXTRA = lc.EXTRA
+REQUIRES = lc.REQUIRES
+
+
+class Variant(VariantBase):
+    """FP8 W8A8 (E4M3) with dynamic or calibrated static activation scales."""
+
+    method: Literal["fp8"]
+    scheme: Literal["dynamic", "static"] = Field(
+        "dynamic", description="dynamic: per-token activation scales at run time, no calibration; "
+                               "static: per-tensor activation scales calibrated once.")
+    kv_cache: bool = Field(False, description="Also quantize the KV cache to FP8 with calibrated scales.")
+    ignore: list[str] = Field(default_factory=lambda: ["lm_head"],
+                              description="Modules kept in full precision: exact names or 're:<regex>'.")
+
+    def needs_calibration(self) -> bool:
+        return self.scheme == "static" or self.kv_cache
+
+    def describe(self) -> str:
+        return f"FP8 {self.scheme}" + (" +KV" if self.kv_cache else "")
+
+
+def check(variant: Variant, ctx, field: str) -> None:
+    """FP8 per-channel/per-tensor scales have no group-size constraint."""
+
+
+def plan(variant: Variant, ctx):
+    return lc.plan_step(variant, ctx, "qbuild.quantize.fp8:run")
+
+
+def build_recipe(p: dict) -> list:
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    kv = {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                              "symmetric": True}} if p["kv_cache"] else {}
+    scheme = "FP8_DYNAMIC" if p["scheme"] == "dynamic" else "FP8"
+    return [QuantizationModifier(targets=["Linear"], scheme=scheme, ignore=list(p["ignore"]), **kv)]
+
+
+run = lc.runner(build_recipe)

@@ -1,0 +1,168 @@
+"""What the llm-compressor methods (gptq, awq, fp8, rtn) share: recipe fields, the plan step, the runner.
+
+Each method is its own adapter module (gptq.py, awq.py, fp8.py, rtn.py) that declares its Variant
+and turns its params into llm-compressor modifiers; this module runs `oneshot` on the shared
+calibration set and saves a compressed-tensors HF directory (vLLM, transformers, TGI load it).
+Nothing here imports torch or llm-compressor at module level.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Callable, Literal
+
+from pydantic import Field, field_validator
+
+from qbuild.quantize.base import VariantBase
+from qbuild.quantize.shapes import check_group_size
+from qbuild.step import Step, StepContext
+
+EXTRA = "llmcompressor"
+REQUIRES = ("llmcompressor", "compressed_tensors")
+# distributions whose versions enter the key of a quantize step
+TOOLS = ("llmcompressor", "compressed-tensors", "torch", "transformers", "safetensors")
+# transformers needs compressed-tensors to load the output: part of the evaluation key too
+EVAL_TOOLS = ("compressed-tensors",)
+
+
+class IntWeightVariant(VariantBase):
+    """Fields of the integer weight-only schemes (W{bits}A16, grouped)."""
+
+    bits: Literal[2, 3, 4, 8] = Field(4, description="Weight bits.")
+    group_size: int | None = Field(
+        128, description="Columns per scale/zero group; null or -1 = one scale per output channel.")
+    sym: bool = Field(True, description="Symmetric (no zero point). Asymmetric is often more accurate; "
+                                        "check that your serving kernel supports zero points.")
+    ignore: list[str] = Field(
+        default_factory=lambda: ["lm_head"],
+        description="Modules kept in full precision: exact module names or 're:<regex>' (compressed-tensors rules).")
+    on_indivisible: Literal["error", "ignore"] = Field(
+        "error", description="When group_size does not divide a layer's input dim: fail at plan time, "
+                             "or keep those layers unquantized (the rule is recorded in the step params).")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, v):
+        if v is None or v == -1:
+            return None
+        if v < 8 or v & (v - 1):
+            raise ValueError(f"group_size must be a power of two ≥ 8, or -1 for per-channel (got {v})")
+        return v
+
+    def describe(self) -> str:
+        g = f"g{self.group_size}" if self.group_size else "per-channel"
+        return f"W{self.bits}A16 {g} {'sym' if self.sym else 'asym'}"
+
+
+def check_int_weights(variant: IntWeightVariant, ctx, field: str) -> list[str]:
+    """Plan-time shape check from config.json; returns extra ignore rules to apply (on_indivisible: ignore)."""
+    return check_group_size(variant.group_size, ctx.model_info(), variant.ignore, field, variant.on_indivisible)
+
+
+def weight_args(p: dict, **extra) -> dict:
+    """compressed-tensors QuantizationArgs for an integer weight scheme."""
+    args = {"num_bits": p["bits"], "type": "int", "symmetric": p["sym"], **extra}
+    if p.get("group_size"):
+        args.update(strategy="group", group_size=p["group_size"])
+    else:
+        args.update(strategy="channel")
+    return args
+
+
+def resolved_ignore(p: dict) -> list[str]:
+    return list(p.get("ignore", [])) + list(p.get("auto_ignore", []))
+
+
+def plan_step(variant: VariantBase, ctx, runner: str, auto_ignore: list[str] = ()) -> Step:
+    params = variant.quant_params()
+    if auto_ignore:
+        params["auto_ignore"] = list(auto_ignore)
+    inputs = {"model": ctx.model()}
+    if variant.needs_calibration():
+        inputs["calibration"] = ctx.calibration()
+    step = ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
+                        threads=ctx.threads, variant=variant.name, format="hf"))
+    step.eval_tools = EVAL_TOOLS
+    return step
+
+
+# --- run time ------------------------------------------------------------------------------------
+def calibration_dataset(path: Path):
+    """The shared calibration artifact as a datasets.Dataset of input_ids/attention_mask."""
+    from datasets import Dataset
+
+    from qbuild.calibration.build import load_calibration
+
+    ids, mask = load_calibration(path)
+    return Dataset.from_dict({"input_ids": ids.astype("int64").tolist(),
+                              "attention_mask": mask.astype("int64").tolist()}), ids.shape
+
+
+@contextlib.contextmanager
+def layer_progress(ctx: StepContext, total: int):
+    """Report 'layers done / total' from llm-compressor's per-subgraph callback (restored on exit)."""
+    from llmcompressor.core import LifecycleCallbacks
+
+    original = LifecycleCallbacks.__dict__["sequential_epoch_end"]
+    done = [0]
+
+    def counting(cls, modules, **kwargs):
+        result = original.__func__(cls, modules, **kwargs)
+        done[0] += 1
+        ctx.progress(min(done[0], total), total, "layers quantized")
+        return result
+
+    LifecycleCallbacks.sequential_epoch_end = classmethod(counting)
+    try:
+        yield
+    finally:
+        LifecycleCallbacks.sequential_epoch_end = original
+
+
+def dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.AbstractContextManager | None = None) -> dict:
+    """Load the model, run llm-compressor's oneshot with `recipe`, save compressed-tensors + tokenizer."""
+    import torch
+    from llmcompressor import oneshot
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(ctx.inputs["model"])
+    config = json.loads((src / "config.json").read_text())
+    n_layers = int((config.get("text_config") or config).get("num_hidden_layers") or 1)
+    ctx.progress(0, n_layers + 1, "loading model")
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
+    tokenizer = AutoTokenizer.from_pretrained(str(src))
+    kwargs: dict = {}
+    if "calibration" in ctx.inputs:
+        dataset, shape = calibration_dataset(ctx.inputs["calibration"])
+        kwargs = {"dataset": dataset, "num_calibration_samples": int(shape[0]), "max_seq_length": int(shape[1]),
+                  "shuffle_calibration_samples": False}
+    ctx.log(f"llm-compressor recipe: {recipe}")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(layer_progress(ctx, n_layers + 1))
+        if workarounds is not None:
+            stack.enter_context(workarounds)
+        stack.enter_context(torch.no_grad())
+        oneshot(model=model, recipe=recipe, **kwargs)
+    ctx.progress(n_layers + 1, n_layers + 1, "saving compressed-tensors")
+    model.save_pretrained(str(ctx.out), save_compressed=True)
+    tokenizer.save_pretrained(str(ctx.out))
+    qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
+    return {"format": "hf", "metrics": {"size_bytes": dir_size(ctx.out)},
+            "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
+                     "ignore": qc.get("ignore"), "calibration_samples": kwargs.get("num_calibration_samples", 0),
+                     "device": "cuda" if torch.cuda.is_available() else "cpu",
+                     "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}}
+
+
+def runner(build_recipe: Callable[[dict], list], workarounds: Callable[[], contextlib.AbstractContextManager] | None = None):
+    """A step runner for a method: params → modifiers → oneshot → saved directory."""
+    def run(ctx: StepContext) -> dict:
+        return run_oneshot(ctx, build_recipe(ctx.params), workarounds() if workarounds else None)
+    return run

@@ -1,0 +1,154 @@
+"""GGUF beyond the plain types: importance matrix from the shared calibration set, per-tensor type
+overrides, output/embedding types. Run for real on the 2-layer SmolLM2 through llama.cpp."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import fake_model, qbuild, write_recipe
+from qbuild.errors import RecipeError
+from qbuild.plan import build_steps
+from qbuild.recipe import parse_recipe
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs qbuild[gguf]")
+
+VARIANTS = [
+    {"name": "q4_0", "method": "gguf", "type": "Q4_0"},
+    {"name": "q4_0-im", "method": "gguf", "type": "Q4_0", "imatrix": True},
+    {"name": "iq2_xs", "method": "gguf", "type": "IQ2_XS"},                       # imatrix implied
+    {"name": "mixed", "method": "gguf", "type": "Q4_K_M", "output_type": "Q8_0", "embedding_type": "Q8_0",
+     "tensor_types": [{"pattern": "ffn_down", "type": "Q8_0"}, {"pattern": "attn_v", "type": "F16"}]},
+]
+
+
+def recipe_for(model: Path, store: Path, variants=VARIANTS, calibration=True) -> dict:
+    data = {"name": "ggufx", "model": {"source": "local", "path": str(model)}, "variants": variants,
+            "evaluation": {"perplexity": {"context_length": 256, "max_windows": 2}},
+            "runtime": {"threads": 1}, "store": {"path": str(store)}}
+    if calibration:
+        data["calibration"] = {"sources": [{"type": "pydocs", "split": "train"}], "samples": 8, "seq_len": 128}
+    return data
+
+
+def obj(store: Path, digest: str) -> Path:
+    return store / "objects" / digest[:2] / digest
+
+
+@pytest.fixture(scope="module")
+def built(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("ggufx")
+    store = root / "store"
+    recipe = write_recipe(root / "recipe.yaml", recipe_for(tiny_model_dir, store))
+    res = qbuild("run", "--json", recipe, cwd=root)
+    assert res.returncode == 0, res.stderr[-4000:] + res.stdout[-2000:]
+    s = json.loads(res.stdout)
+    return {"root": root, "store": store, "recipe": recipe, "variants": {v["variant"]: v for v in s["variants"]},
+            "steps": {x["name"]: x for x in s["steps"]}, "summary": s}
+
+
+def gguf_file(built, variant: str):
+    import gguf
+
+    return gguf.GGUFReader(str(obj(built["store"], built["variants"][variant]["digest"]) / "model.gguf"))
+
+
+def test_one_imatrix_step_shared_and_recorded(built):
+    assert built["summary"]["counts"]["failed"] == 0
+    assert [n for n in built["steps"] if n.startswith("imatrix")] == ["imatrix[f16]"]
+    im_key = built["steps"]["imatrix[f16]"]["key"]
+    for name in ("q4_0-im", "iq2_xs"):
+        m = json.loads((obj(built["store"], built["variants"][name]["digest"]) / "manifest.json").read_text())
+        assert m["inputs"]["imatrix"]["key"] == im_key
+        assert m["info"]["imatrix"]["entries"] == 14 and m["info"]["imatrix"]["chunks"] == 8   # 2 layers × 7 Linear
+        fields = gguf_file(built, name).fields
+        assert fields["quantize.imatrix.file"].contents() == f"qbuild:imatrix:{im_key[:32]}"
+        assert fields["quantize.imatrix.entries_count"].contents() == 14
+    m = json.loads((obj(built["store"], built["variants"]["q4_0"]["digest"]) / "manifest.json").read_text())
+    assert "imatrix" not in m["inputs"] and "quantize.imatrix.file" not in gguf_file(built, "q4_0").fields
+
+
+def test_iq2_type_is_really_used(built):
+    types = {t.name: t.tensor_type.name for t in gguf_file(built, "iq2_xs").tensors}
+    # 1536-column ffn_down fits IQ2_XS's 256 blocks; 576-column tensors fall back (llama.cpp's rule)
+    assert types["blk.0.ffn_down.weight"] == "IQ2_XS"
+
+
+def test_imatrix_lowers_activation_weighted_error(built):
+    """The point of an imatrix: smaller weight error where the calibration activations are large."""
+    import gguf
+    from gguf.quants import dequantize
+    from safetensors.numpy import load_file
+
+    ref_reader = gguf.GGUFReader(str(obj(built["store"], built["steps"]["gguf-convert[f16]"]["digest"]) / "model.gguf"))
+    ref = {t.name: dequantize(t.data, t.tensor_type).astype(np.float64) for t in ref_reader.tensors}
+    im = load_file(str(obj(built["store"], built["steps"]["imatrix[f16]"]["digest"]) / "imatrix.safetensors"))
+    assert set(im) <= set(ref) and all(im[k].shape == (ref[k].shape[-1],) and (im[k] >= 0).all() for k in im)
+
+    def weighted_error(variant):
+        errs = []
+        for t in gguf_file(built, variant).tensors:
+            if t.name in im:
+                w = dequantize(t.data, t.tensor_type).astype(np.float64).reshape(ref[t.name].shape)
+                errs.append(((ref[t.name] - w) ** 2 * im[t.name]).sum() / (ref[t.name] ** 2 * im[t.name]).sum())
+        return float(np.mean(errs))
+
+    plain, with_im = weighted_error("q4_0"), weighted_error("q4_0-im")
+    assert with_im < 0.85 * plain, (plain, with_im)
+
+
+def test_tensor_type_overrides_and_output_embedding_types(built):
+    types = {t.name: t.tensor_type.name for t in gguf_file(built, "mixed").tensors}
+    assert types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.ffn_down.weight"] == types["blk.1.ffn_down.weight"] == "Q8_0"
+    assert types["blk.0.attn_v.weight"] == "F16"
+    assert built["variants"]["mixed"]["detail"] == "Q4_K_M ffn_down=Q8_0 attn_v=F16 output=Q8_0 embd=Q8_0"
+
+
+def test_all_load_in_llama_cpp_with_finite_perplexity(built):
+    base = built["variants"]["baseline"]["ppl"]
+    for v in VARIANTS:
+        ppl = built["variants"][v["name"]]["ppl"]
+        assert ppl is not None and np.isfinite(ppl) and ppl < 2 * base, (v["name"], ppl, base)
+
+
+def test_second_run_rebuilds_nothing(built):
+    res = qbuild("run", "--json", built["recipe"], cwd=built["root"])
+    assert res.returncode == 0 and json.loads(res.stdout)["counts"]["built"] == 0
+
+
+# --- plan time ---------------------------------------------------------------------------------------
+def test_explicit_type_that_does_not_fit_the_rows_fails_at_plan_time(tiny_model_dir, tmp_path):
+    bad = [{"name": "x", "method": "gguf", "type": "Q4_K_M", "embedding_type": "Q6_K"}]
+    with pytest.raises(RecipeError) as exc:
+        build_steps(parse_recipe(recipe_for(tiny_model_dir, tmp_path, bad)), tmp_path)
+    assert exc.value.field == "variants[0].embedding_type"
+    assert "576" in str(exc.value) and "Q8_0" in str(exc.value)
+    bad = [{"name": "x", "method": "gguf", "type": "Q8_0", "tensor_types": [{"pattern": "attn_q", "type": "IQ4_XS"}]}]
+    with pytest.raises(RecipeError, match=r"tensor_types\[0\]\.type"):
+        build_steps(parse_recipe(recipe_for(tiny_model_dir, tmp_path, bad)), tmp_path)
+
+
+@pytest.mark.parametrize("variant, calibration, problem", [
+    ({"name": "x", "method": "gguf", "type": "IQ2_XS", "imatrix": False}, True, "needs an importance matrix"),
+    ({"name": "x", "method": "gguf", "type": "IQ1_S"}, False, "needs calibration data"),
+    ({"name": "x", "method": "gguf", "type": "Q4_0", "tensor_types": [{"pattern": "(", "type": "Q8_0"}]}, True,
+     "not a valid regex"),
+    ({"name": "x", "method": "gguf", "type": "Q4_0", "output_type": "Q9_X"}, True, "not a ggml tensor type"),
+])
+def test_gguf_recipe_errors(tmp_path, variant, calibration, problem):
+    with pytest.raises(RecipeError, match=problem):
+        parse_recipe(recipe_for(fake_model(tmp_path), tmp_path, [variant], calibration=calibration))
+
+
+def test_calibration_seed_invalidates_only_imatrix_variants(tmp_path):
+    data = recipe_for(fake_model(tmp_path), tmp_path, [
+        {"name": "a", "method": "gguf", "type": "Q4_K_M"}, {"name": "b", "method": "gguf", "type": "Q4_K_M", "imatrix": True}])
+    _, before = build_steps(parse_recipe(data), tmp_path)
+    data["calibration"]["seed"] = 7
+    _, after = build_steps(parse_recipe(data), tmp_path)
+    assert before["a"].key == after["a"].key and before["b"].key != after["b"].key
