@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qbuild.build.tensorrt_llm import ENGINE_FORMAT  # engines get rows of their own
 from qbuild.executor import StepOutcome
 
 EVAL_KINDS = {"perplexity": "ppl", "divergence": "kld", "throughput": "speed"}
@@ -22,11 +23,11 @@ def _evaluations(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutco
     return {(o.step.inputs["model"].key, o.step.kind): o for o in outcomes if o.step.kind in EVAL_KINDS}
 
 
-def _row(name: str, method: str, detail: str, artifact: StepOutcome | None, evals: dict) -> dict:
+def _row(name: str, method: str, detail: str, artifact: StepOutcome | None, evals: dict, target: str | None = None) -> dict:
     key = artifact.step.key if artifact else None
     ppl, kld, speed = (evals.get((key, k)) for k in EVAL_KINDS)
     return {
-        "variant": name, "method": method, "detail": detail,
+        "variant": name, "method": method, "detail": detail, "target": target,
         "format": artifact.step.format if artifact else None, "status": artifact.status if artifact else "-",
         "size_bytes": artifact.size if artifact and artifact.record else None, "key": key,
         "digest": artifact.digest if artifact else None,
@@ -48,6 +49,10 @@ def summarize(recipe, outcomes: list[StepOutcome], variant_steps: dict) -> dict:
         rows.append(_row("baseline", "-", "unquantized", model, evals))
     for v in recipe.variants:
         rows.append(_row(v.name, v.method, v.describe(), by_key.get(variant_steps[v.name].key), evals))
+    for o in outcomes:  # TensorRT-LLM engines: "<variant>.<target name>", evaluated like variants when on a GPU
+        if o.step.format == ENGINE_FORMAT and o.step.variant:
+            sm = getattr(o.step, "env_toolchain", {}).get("gpu.sm", "?")
+            rows.append(_row(o.step.variant, "tensorrt-llm", f"engine, SM {sm}", o, evals, target="tensorrt-llm"))
     base = rows[0] if rows and rows[0]["variant"] == "baseline" else None
     for r in rows:
         if base and r is not base:

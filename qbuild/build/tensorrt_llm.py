@@ -72,6 +72,9 @@ class Target(TargetBase):
     plugins: Plugins = Field(default_factory=Plugins)
     kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
     use_paged_context_fmha: bool = True
+    gather_context_logits: bool = Field(
+        False, description="Build the engine so it can return context logits (trtllm-build --gather_context_logits): "
+        "needed for engine perplexity/KLD; costs GPU memory (max_num_tokens x vocab logits).")
     tp_size: int = Field(1, ge=1, description="Must match the checkpoint's tensor-parallel ranks.")
     pp_size: int = Field(1, ge=1, description="Must match the checkpoint's pipeline-parallel ranks.")
     on_missing_gpu: Literal["fail", "skip"] = Field(
@@ -123,13 +126,14 @@ def trtllm_build_args(settings: dict, checkpoint_dir: str | Path, output_dir: st
         "--gemm_plugin", p["plugins"]["gemm"],
         "--gpt_attention_plugin", p["plugins"]["gpt_attention"],
         "--use_paged_context_fmha", _onoff(p["use_paged_context_fmha"]),
-    ]
+    ] + (["--gather_context_logits"] if p.get("gather_context_logits") else [])
 
 
 def build_config(settings: dict) -> dict:
     """The same settings as an LLM-API `BuildConfig.from_dict(...)` dict (tensorrt_llm.builder, 1.2.x)."""
     p = settings
-    return {
+    extra = {"gather_context_logits": True} if p.get("gather_context_logits") else {}
+    return extra | {
         "max_batch_size": p["max_batch_size"],
         "max_input_len": p["max_input_len"],
         "max_seq_len": p["max_seq_len"],
@@ -145,11 +149,15 @@ def build_config(settings: dict) -> dict:
 
 def trtllm_bench_args(model: str, tokenizer_dir: str | Path, engine_dir: str | Path, dataset: str | Path,
                       report_json: str | Path, *, num_requests: int = 0, warmup: int = 2,
-                      concurrency: int | None = None, max_batch_size: int | None = None) -> list[str]:
+                      concurrency: int | None = None, max_batch_size: int | None = None,
+                      streaming: bool = False) -> list[str]:
     """`trtllm-bench ... throughput --backend tensorrt` (tensorrt_llm/bench/benchmark/throughput.py, 1.2.x).
 
     The dataset is JSON lines {"task_id", "input_ids", "output_tokens"}: see bench_dataset().
-    max_seq_len is not passed: for the tensorrt backend it comes from the engine.
+    max_seq_len is not passed: for the tensorrt backend it comes from the engine. `model_path` must be
+    a Hugging Face model dir (trtllm-bench reads its config.json with AutoConfig and its tokenizer), not
+    the engine dir, whose config.json is TensorRT-LLM's. `--streaming` adds TTFT/TPOT percentiles
+    ("streaming_metrics") to the report.
     """
     args = ["trtllm-bench", "--model", model, "--model_path", str(tokenizer_dir), "throughput",
             "--backend", "tensorrt", "--engine_dir", str(engine_dir), "--dataset", str(dataset),
@@ -158,6 +166,8 @@ def trtllm_bench_args(model: str, tokenizer_dir: str | Path, engine_dir: str | P
         args += ["--concurrency", str(concurrency)]
     if max_batch_size is not None:
         args += ["--max_batch_size", str(max_batch_size)]
+    if streaming:
+        args += ["--streaming"]
     return args
 
 
@@ -180,6 +190,20 @@ class EngineStep(Step):
 
     def toolchain(self) -> dict[str, str]:
         return {**super().toolchain(), **self.env_toolchain}
+
+
+def engine_dependent(engine: Step, kind: str, name: str, params: dict, runner: str, inputs: dict,
+                     extra_env: dict | None = None, **kw) -> EngineStep:
+    """A step that runs an engine (evaluation): the engine's environment facts (TensorRT-LLM, TensorRT,
+    CUDA, GPU SM) enter its key as they do the engine's, it is available exactly where the engine
+    can be built/run (needs-gpu, on_missing_gpu), and it runs in the same TensorRT-LLM interpreter."""
+    step = EngineStep(kind, name, params, runner, inputs=inputs,
+                      env_toolchain={**getattr(engine, "env_toolchain", {}), **(extra_env or {})}, **kw)
+    step.requires_gpu = True
+    step.unavailable = engine.unavailable
+    step.on_unavailable = engine.on_unavailable
+    step.runtime_args = dict(engine.runtime_args)
+    return step
 
 
 def version_line(version: str) -> tuple[int, int] | None:
@@ -257,17 +281,26 @@ def interpreter(python: str | None) -> list[str]:
 
 # Runs `trtllm-build` with the given argv inside the TensorRT-LLM interpreter.
 BUILD_SHIM = "import sys; sys.argv[0] = 'trtllm-build'; from tensorrt_llm.commands.build import main; sys.exit(main())"
+# Runs `trtllm-bench` (a click group) with the given argv inside the TensorRT-LLM interpreter.
+BENCH_SHIM = "import sys; sys.argv[0] = 'trtllm-bench'; from tensorrt_llm.commands.bench import main; sys.exit(main())"
+
+
+def current_environment(runtime_args: dict) -> tuple:
+    """(GPU, TensorRT-LLM env) of this machine; refuses to run where they differ from the planned key."""
+    gpu, env = trtllm_env.gpu(), trtllm_env.trtllm(runtime_args.get("python"))
+    now = {"gpu.sm": gpu.sm if gpu else None, "tensorrt_llm": env.tensorrt_llm if env else None,
+           "tensorrt": env.tensorrt if env else None, "cuda": env.cuda if env else None}
+    expected = runtime_args["expected"]
+    changed = [f"{k}: planned {expected[k]}, found {now[k]}" for k in ENV_KEYS if now[k] != expected[k]]
+    if changed:
+        raise RuntimeError("the TensorRT-LLM environment is not the one the key was computed for: " + "; ".join(changed))
+    return gpu, env
 
 
 def run_build(ctx: StepContext) -> dict:
-    p, rt = ctx.params, ctx.runtime_args
+    p = ctx.params
     ckpt = Path(ctx.inputs["checkpoint"])
-    gpu, env = trtllm_env.gpu(), trtllm_env.trtllm(rt.get("python"))
-    now = {"gpu.sm": gpu.sm if gpu else None, "tensorrt_llm": env.tensorrt_llm if env else None,
-           "tensorrt": env.tensorrt if env else None, "cuda": env.cuda if env else None}
-    changed = [f"{k}: planned {rt['expected'][k]}, found {now[k]}" for k in ENV_KEYS if now[k] != rt["expected"][k]]
-    if changed:
-        raise RuntimeError("the build environment is not the one the key was computed for: " + "; ".join(changed))
+    gpu, env = current_environment(ctx.runtime_args)
     cfg = json.loads((ckpt / "config.json").read_text())
     mapping = cfg.get("mapping", {})
     if (mapping.get("tp_size", 1), mapping.get("pp_size", 1)) != (p["tp_size"], p["pp_size"]):

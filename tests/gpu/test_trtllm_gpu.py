@@ -1,5 +1,8 @@
 """GPU suite for the TensorRT-LLM path: build engines, load them, generate, measure PPL and throughput.
 
+Also runs qbuild's own engine evaluation steps (perplexity/KLD through qbuild/evaluate/trtllm_shim.py,
+throughput through trtllm-bench) with a target built with gather_context_logits.
+
 Needs an NVIDIA GPU and TensorRT-LLM 1.2.x importable in this Python (NVIDIA's release container;
 see docs/tensorrt-llm.md for the exact commands). Skipped cleanly anywhere else: tensorrt_llm is
 located with importlib.util.find_spec, never imported at collection time.
@@ -97,11 +100,47 @@ def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
     ds = tmp_path / "bench.jsonl"
     ds.write_text(trt.bench_dataset(32, 128, 32, tok.vocab_size))
     report = tmp_path / "report.json"
-    args = trt.trtllm_bench_args("local-model", engine, engine, ds, report, num_requests=32, warmup=2)
+    # --model_path must be an HF dir (trtllm-bench reads its config.json with AutoConfig); the engine's is TRT-LLM's
+    args = trt.trtllm_bench_args("local-model", model_dir, engine, ds, report, num_requests=32, warmup=2)
     run = subprocess.run([sys.executable, "-c", "import sys; from tensorrt_llm.commands.bench import main; "
                           "sys.argv[0]='trtllm-bench'; main()", *args[1:]], capture_output=True, text=True, timeout=1800)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert json.loads(report.read_text())
+
+
+def test_engine_perplexity_and_throughput_steps(tmp_path, model_dir):
+    """qbuild's own engine evaluation steps (qbuild/evaluate/trtllm.py): PPL through the shim, trtllm-bench."""
+    from qbuild.artifacts.store import Store
+
+    ev = {"baseline": True, "kld": True,
+          "perplexity": {"protocol": "fixed-window", "context_length": 256, "max_windows": 4},
+          "throughput": {"batch_sizes": [1, 4], "input_len": 128, "output_len": 32, "warmup": 1, "repetitions": 2}}
+    recipe = {"name": "gpu-eval", "model": {"source": "local", "path": str(model_dir)},
+              "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 16, "seq_len": 256},
+              "variants": [{"name": "fp16", "method": "modelopt", "scheme": "none", "dtype": "float16"}],
+              "targets": [{"type": "tensorrt-llm", "max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
+                           "max_num_tokens": 4096, "gather_context_logits": True}],
+              "evaluation": ev, "store": {"path": str(tmp_path / "store")}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "QBUILD_TRTLLM_PYTHON": sys.executable}
+    out = subprocess.run([sys.executable, "-m", "qbuild", "run", str(path), "--json"], env=env,
+                         capture_output=True, text=True, timeout=3600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary = json.loads(out.stdout)
+    steps = {s["name"]: s for s in summary["steps"]}
+    for name in ("perplexity[fp16.trtllm]", "kld[fp16.trtllm]", "throughput[fp16.trtllm]"):
+        assert steps[name]["status"] == "built", steps[name]
+    rows = {r["variant"]: r for r in summary["variants"]}
+    engine, base = rows["fp16.trtllm"], rows["baseline"]
+    # an FP16 engine against the FP32 transformers baseline, same windows: close, not identical
+    assert abs(engine["ppl"] - base["ppl"]) / base["ppl"] < 0.02, (engine["ppl"], base["ppl"])
+    assert engine["kld"] < 0.01 and engine["top1"] > 0.95
+    assert engine["decode_tok_s"] > 0 and engine["ttft_ms"] > 0
+    store = Store(tmp_path / "store")
+    ppl = json.loads((store.object_dir(steps["perplexity[fp16.trtllm]"]["digest"]) / "perplexity.json").read_text())
+    assert ppl["protocol"]["protocol"] == "fixed-window" and ppl["windows"] == 4
+    assert ppl["runtime"]["name"] == "tensorrt-llm" and ppl["runtime"]["gpu"]["sm"]
 
 
 def test_second_run_rebuilds_no_engine(tmp_path, tiny_model_dir):

@@ -1,0 +1,6 @@
+"""Test-only stub (see tests/fake_trtllm/README.md)."""
+
+
+class KvCacheConfig:
+    def __init__(self, **kw):
+        self.kw = kw
