@@ -47,7 +47,8 @@ def log_run(uri: str, experiment: str | None, recipe, summary: dict, store, repo
         variant_params = {v["name"]: v for v in resolved["variants"]}
         for row in summary["variants"]:
             with mlflow.start_run(run_name=row["variant"], nested=True):
-                mlflow.log_params(flatten(variant_params.get(row["variant"], {"method": "baseline"})))
+                params = variant_params.get(row["variant"]) or {"method": row.get("method"), "detail": row.get("detail")}
+                mlflow.log_params(flatten(params))
                 mlflow.log_metrics({m: float(row[m]) for m in METRICS if row.get(m) is not None})
                 mlflow.set_tags({"qbuild.variant": row["variant"], "qbuild.key": row.get("key") or "",
                                  "qbuild.digest": row.get("digest") or "", "qbuild.status": row.get("status") or ""})
