@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qbuild.artifacts.store import Store
+
 from helpers import fake_model, qbuild, write_recipe
 from qbuild.errors import RecipeError
 from qbuild.plan import build_steps
@@ -36,7 +38,7 @@ def recipe_for(model: Path, store: Path, variants=VARIANTS, calibration=True) ->
 
 
 def obj(store: Path, digest: str) -> Path:
-    return store / "objects" / digest[:2] / digest
+    return Store(store).object_dir(digest)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from qbuild.artifacts.store import Store
+
 from helpers import fake_model, qbuild, write_recipe
 from qbuild.errors import MissingBackendError, RecipeError
 from qbuild.plan import build_steps
@@ -49,7 +51,7 @@ def recipe_for(model: Path, store: Path, variants=VARIANTS, **extra) -> dict:
 
 
 def obj_path(store: Path, digest: str) -> Path:
-    return store / "objects" / digest[:2] / digest
+    return Store(store).object_dir(digest)
 
 
 @pytest.fixture(scope="module")

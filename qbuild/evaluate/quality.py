@@ -59,11 +59,15 @@ def divergence(ctx: StepContext) -> dict:
         klds.append(d["kld"])
         top1.append(d["top1"])
         ctx.progress(i + 1, len(wins), "windows")
+    return write_divergence(ctx, klds, top1, {"protocol": protocol_record(p, info), "runtime": rt.info()})
+
+
+def write_divergence(ctx: StepContext, klds: list, top1: list, record: dict) -> dict:
+    """Summarize per-position KLD / top-1 agreement, write divergence.json, return the step result."""
     kld, same = np.concatenate(klds), np.concatenate(top1)
     result = {
         "kld_mean": float(kld.mean()), "kld_p99": float(np.quantile(kld, 0.99)), "kld_max": float(kld.max()),
-        "top1_agreement": float(same.mean()), "tokens_scored": int(len(kld)),
-        "protocol": protocol_record(p, info), "runtime": rt.info(),
+        "top1_agreement": float(same.mean()), "tokens_scored": int(len(kld)), **record,
     }
     (ctx.out / "divergence.json").write_text(json.dumps(result, indent=2))
     return {"format": "metrics", "metrics": {"kld": result["kld_mean"], "top1": result["top1_agreement"]}}

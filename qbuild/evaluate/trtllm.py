@@ -27,7 +27,7 @@ import numpy as np
 
 from qbuild.build import tensorrt_llm as trt
 from qbuild.evaluate import protocol
-from qbuild.evaluate.quality import _windows, protocol_record
+from qbuild.evaluate.quality import _windows, protocol_record, write_divergence
 from qbuild.fingerprint import cpu_model
 from qbuild.step import StepContext
 
@@ -120,14 +120,8 @@ def divergence(ctx: StepContext) -> dict:
             klds.append(d["kld"])
             top1.append(d["top1"])
             ctx.progress(i + 1, len(wins), "windows (baseline)")
-    kld, same = np.concatenate(klds), np.concatenate(top1)
-    result = {
-        "kld_mean": float(kld.mean()), "kld_p99": float(np.quantile(kld, 0.99)), "kld_max": float(kld.max()),
-        "top1_agreement": float(same.mean()), "tokens_scored": int(len(kld)),
-        "protocol": protocol_record(p, info), "runtime": res["runtime"], "baseline_runtime": base.info(),
-    }
-    (ctx.out / "divergence.json").write_text(json.dumps(result, indent=2))
-    return {"format": "metrics", "metrics": {"kld": result["kld_mean"], "top1": result["top1_agreement"]}}
+    return write_divergence(ctx, klds, top1, {"protocol": protocol_record(p, info), "runtime": res["runtime"],
+                                              "baseline_runtime": base.info()})
 
 
 # --- throughput through trtllm-bench -------------------------------------------------------------------
