@@ -44,9 +44,13 @@ def hardware(threads: int) -> dict[str, str]:
     return {"cpu": cpu_model(), "threads": str(threads), "machine": platform.machine()}
 
 
+def cache_dir() -> Path:
+    """qbuild's per-user cache (memos, extracted tools): QBUILD_CACHE or ~/.cache/qbuild."""
+    return Path(os.environ.get("QBUILD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qbuild"))
+
+
 def _memo_dir() -> Path:
-    base = os.environ.get("QBUILD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qbuild")
-    return Path(base) / "fingerprints"
+    return cache_dir() / "fingerprints"
 
 
 def dir_fingerprint(path: Path) -> str:

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from qbuild.errors import RecipeError
-from qbuild.fingerprint import dir_fingerprint
+from qbuild.artifacts.store import atomic_write_json
+from qbuild.fingerprint import cache_dir as fingerprint_cache, dir_fingerprint
 from qbuild.hashing import sha256_text
 from qbuild.recipe import GGUFModel, HubModel, LocalModel
 from qbuild.step import Step
@@ -82,6 +83,14 @@ def model_info(step: Step) -> dict:
     """Architecture facts for plan-time checks (hidden size, layer dims), read without torch."""
     if step.source_path is not None:
         return json.loads((step.source_path / "config.json").read_text())
+    # Parsing a GGUF's metadata (vocab, merges) takes seconds: memoize by the file's content hash.
+    memo = fingerprint_cache() / "model-info" / f"{step.params['gguf_sha256']}.json"
+    try:
+        return json.loads(memo.read_text())
+    except (OSError, ValueError):
+        pass
     from qbuild.models.gguf_import import gguf_config
 
-    return gguf_config(Path(step.runtime_args["gguf_path"]))
+    info = gguf_config(Path(step.runtime_args["gguf_path"]))
+    atomic_write_json(memo, info)
+    return info

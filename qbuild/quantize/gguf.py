@@ -177,12 +177,14 @@ def check(variant: Variant, ctx, field: str) -> None:
     requested tensor types do not (llama.cpp 0.3.36 aborts), so those are checked here, at plan time."""
     import re
 
-    cols = gguf_tensor_columns(ctx.model_info())
-    if not cols:
-        return
     requests = [("output_type", variant.output_type, r"^output\.weight$"),
                 ("embedding_type", variant.embedding_type, r"^token_embd\.weight$")]
     requests += [(f"tensor_types[{i}].type", t.type, t.pattern) for i, t in enumerate(variant.tensor_types)]
+    if not any(ggml_type for _, ggml_type, _ in requests):
+        return  # nothing explicit: llama.cpp's own per-tensor fallback applies, no model facts needed
+    cols = gguf_tensor_columns(ctx.model_info())
+    if not cols:
+        return
     for where, ggml_type, pattern in requests:
         if not ggml_type:
             continue

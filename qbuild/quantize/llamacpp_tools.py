@@ -15,14 +15,13 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from qbuild.fingerprint import package_version
+from qbuild.fingerprint import cache_dir, package_version
 
 MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 
 
 def cache_root() -> Path:
-    base = os.environ.get("QBUILD_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "qbuild")
-    return Path(base) / "llama.cpp"
+    return cache_dir() / "llama.cpp"
 
 
 def converter_dir(log=print) -> Path:
