@@ -25,7 +25,6 @@ class Step:
     format: str = ""                          # output format: hf, gguf, calibration, tokens, metrics, ...
     source_path: Path | None = None           # external input (local model dir): not built, fingerprinted
     source_digest: str | None = None
-    in_process: bool = False                  # cheap steps skip the subprocess
     runtime_args: dict = field(default_factory=dict)  # absolute paths etc.: given to the runner, not hashed
     requires_gpu: bool = False                # e.g. TensorRT-LLM engines: plan shows 'needs-gpu' where it cannot run
     unavailable: str = ""                     # why this machine cannot run the step (set at plan time); "" = it can
