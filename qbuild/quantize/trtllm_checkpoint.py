@@ -86,6 +86,17 @@ def safetensors_header(path: Path) -> dict:
     return header
 
 
+def _refuse_or_fix(where: str, cfg_path: Path, cfg: dict, problems: list[str], fixes: list[dict],
+                   indent: int) -> list[dict]:
+    """Refuse a checkpoint with problems; otherwise write the fixed config (if any fix) and return the fixes."""
+    if problems:
+        raise CheckpointError(where, problems)
+    if fixes:
+        cfg_path.chmod(0o644)
+        cfg_path.write_text(json.dumps(cfg, indent=indent))
+    return fixes
+
+
 def _close(a, b, rel: float = 1e-6) -> bool:
     return a is not None and b is not None and abs(float(a) - float(b)) <= rel * max(1.0, abs(float(b)))
 
@@ -162,12 +173,7 @@ def validate_trtllm_checkpoint(ckpt: Path, source_config: dict, *, quant_algo: s
     if ranks and not problems:
         problems += _check_tensors(safetensors_header(ckpt / "rank0.safetensors"), cfg, src, world, q)
 
-    if problems:
-        raise CheckpointError(f"TensorRT-LLM checkpoint {ckpt}", problems)
-    if fixes:
-        cfg_path.chmod(0o644)
-        cfg_path.write_text(json.dumps(cfg, indent=4))
-    return fixes
+    return _refuse_or_fix(f"TensorRT-LLM checkpoint {ckpt}", cfg_path, cfg, problems, fixes, indent=4)
 
 
 def _check_tensors(header: dict, cfg: dict, src: dict, world: int, q: dict) -> list[str]:
@@ -229,9 +235,4 @@ def validate_hf_export(ckpt: Path, source_config: dict, fix: bool = True) -> lis
             cfg["rope_scaling"] = scaling
         else:
             problems.append(f"rope_scaling missing for RoPE type {src['rope_type']!r}")
-    if problems:
-        raise CheckpointError(f"checkpoint {ckpt}", problems)
-    if fixes:
-        cfg_path.chmod(0o644)
-        cfg_path.write_text(json.dumps(cfg, indent=2))
-    return fixes
+    return _refuse_or_fix(f"checkpoint {ckpt}", cfg_path, cfg, problems, fixes, indent=2)

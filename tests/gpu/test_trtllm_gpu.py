@@ -31,7 +31,19 @@ pytestmark = [
 SCHEMES = [("fp16", {"scheme": "none", "dtype": "float16"}), ("fp8", {"scheme": "fp8"})]
 
 
+def run_recipe(tmp_path, recipe: dict) -> dict:
+    """`qbuild run --json` with this interpreter as the TensorRT-LLM one; the summary."""
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = {**os.environ, "QBUILD_TRTLLM_PYTHON": sys.executable}
+    out = subprocess.run([sys.executable, "-m", "qbuild", "run", str(path), "--json"], env=env,
+                         capture_output=True, text=True, timeout=3600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout)
+
+
 @pytest.fixture(scope="module", params=["tiny_model_dir", "smollm2_dir"])
+
 def model_dir(request):
     return request.getfixturevalue(request.param)
 
@@ -45,13 +57,7 @@ def _build(tmp_path: Path, model_dir: Path, name: str, variant: dict) -> tuple[d
               "targets": [{"type": "tensorrt-llm", "max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
                            "max_num_tokens": 4096}],
               "evaluation": {"baseline": False, "perplexity": None}, "store": {"path": str(tmp_path / "store")}}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "QBUILD_TRTLLM_PYTHON": sys.executable}
-    out = subprocess.run([sys.executable, "-m", "qbuild", "run", str(path), "--json"], env=env,
-                         capture_output=True, text=True, timeout=3600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    summary = json.loads(out.stdout)
+    summary = run_recipe(tmp_path, recipe)
     step = next(s for s in summary["steps"] if s["name"] == f"engine[{name}.trtllm]")
     store = Store(tmp_path / "store")
     return store.manifest(step["digest"]), store.object_dir(step["digest"])
@@ -121,13 +127,7 @@ def test_engine_perplexity_and_throughput_steps(tmp_path, model_dir):
               "targets": [{"type": "tensorrt-llm", "max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
                            "max_num_tokens": 4096, "gather_context_logits": True}],
               "evaluation": ev, "store": {"path": str(tmp_path / "store")}}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "QBUILD_TRTLLM_PYTHON": sys.executable}
-    out = subprocess.run([sys.executable, "-m", "qbuild", "run", str(path), "--json"], env=env,
-                         capture_output=True, text=True, timeout=3600)
-    assert out.returncode == 0, out.stderr[-4000:]
-    summary = json.loads(out.stdout)
+    summary = run_recipe(tmp_path, recipe)
     steps = {s["name"]: s for s in summary["steps"]}
     for name in ("perplexity[fp16.trtllm]", "kld[fp16.trtllm]", "throughput[fp16.trtllm]"):
         assert steps[name]["status"] == "built", steps[name]
