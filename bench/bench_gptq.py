@@ -36,11 +36,11 @@ def qbuild(*args) -> str:
 def perplexity(model_dir: Path, tokens_dir: Path, threads: int) -> float:
     from qbuild.evaluate.data import load_tokens
     from qbuild.evaluate.protocol import summarize, window_nll, windows
-    from qbuild.evaluate.runtimes import TransformersRuntime
+    from qbuild.runtimes.transformers import TransformersSession
 
     ids, info = load_tokens(tokens_dir)
     wins = windows(ids, "fixed-window", 512, True, info["bos_token_id"], 8)
-    rt = TransformersRuntime(model_dir, 512, threads, "cpu")
+    rt = TransformersSession(model_dir, threads, "cpu")
     return summarize([window_nll(rt.logits(w.tokens), w) for w in wins])["ppl"]
 
 
@@ -79,13 +79,14 @@ def main() -> None:
         from llmcompressor import oneshot
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from qbuild.quantize import gptq, llmcompressor as lc
+        from qbuild.quantize import llmcompressor as lc
+        from qbuild.quantize.gptq import GPTQ
 
         torch.set_num_threads(args.threads)
         t0 = time.perf_counter()
         m = AutoModelForCausalLM.from_pretrained(str(model), dtype="auto")
         dataset, shape = lc.calibration_dataset(calib)
-        oneshot(model=m, recipe=gptq.build_recipe(manifest["params"]), dataset=dataset,
+        oneshot(model=m, recipe=GPTQ().modifiers(manifest["params"]), dataset=dataset,
                 num_calibration_samples=int(shape[0]), max_seq_length=int(shape[1]), shuffle_calibration_samples=False)
         out = tmp / "direct"
         m.save_pretrained(str(out), save_compressed=True)

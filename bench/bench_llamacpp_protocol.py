@@ -50,7 +50,7 @@ def main() -> None:
 
     from qbuild.calibration.corpus import pydocs_documents
     from qbuild.evaluate.protocol import summarize, window_nll, windows
-    from qbuild.evaluate.runtimes import LlamaCppRuntime
+    from qbuild.runtimes.llamacpp import LlamaCppSession
 
     # ASCII only: this llama.cpp build's tokenizer aborts (unordered_map::at) on some stdlib docstring characters
     text = "\n\n".join(pydocs_documents("test")).encode("ascii", "ignore").decode()
@@ -62,7 +62,7 @@ def main() -> None:
     field = gguf_py.GGUFReader(str(gguf)).fields.get("tokenizer.ggml.add_bos_token")
     add_bos = bool(field.contents()) if field is not None else False
     wins = windows(ids, "llama.cpp", args.ctx, add_bos, tok.bos_token_id, args.chunks)
-    rt = LlamaCppRuntime(gguf, args.ctx, 1, "cpu")
+    rt = LlamaCppSession(gguf, args.ctx, 1)
     t0 = time.perf_counter()
     q = summarize([window_nll(rt.logits(w.tokens), w) for w in wins])
     t_q = time.perf_counter() - t0

@@ -46,7 +46,7 @@ def main() -> None:
 
     from qbuild.calibration.corpus import pydocs_documents
     from qbuild.evaluate.protocol import summarize, window_nll, windows
-    from qbuild.evaluate.runtimes import TransformersRuntime
+    from qbuild.runtimes.transformers import TransformersSession
 
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -55,7 +55,7 @@ def main() -> None:
 
     # qbuild: the runtime + protocol code the perplexity step runs; plain: labels=input_ids, mean loss.
     # Interleaved per window, best of `--repeat`, so a busy machine penalizes both alike.
-    rt = TransformersRuntime(model_dir, args.ctx, args.threads, "cpu")
+    rt = TransformersSession(model_dir, args.threads, "cpu")
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
     def plain(w):

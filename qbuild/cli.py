@@ -1,22 +1,26 @@
-"""Command line: `qbuild RECIPE` builds it; `qbuild plan|validate|schema|ls|show|verify` inspect."""
+"""Command line: a thin layer over qbuild.api (printing and exit codes). Every command lives here."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import click
 
-from qbuild.errors import EXIT_GATE_FAILED, EXIT_STEP_FAILED, QBuildError
+from qbuild.errors import EXIT_STEP_FAILED, QBuildError, UserError
 
 STORE_OPTION = click.option(
     "--store", "store_path", envvar="QBUILD_STORE", type=click.Path(file_okay=False),
     help="Artifact store directory [env QBUILD_STORE; default: the recipe's store.path, else ./artifacts].",
 )
 JSON_OPTION = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON on stdout.")
+REMOTE_OPTION = click.option(
+    "--remote", "remote_urls", multiple=True, metavar="URL",
+    help="Remote tier behind the local store (repeatable): s3://bucket/prefix, file:///mnt/share, oci://host/repo "
+         "[env QBUILD_REMOTE; default: the recipe's store.remotes]. Credentials come from the environment.")
+RECIPE_ARG = click.argument("recipe", type=click.Path(dir_okay=False))
 
 
 class DefaultToRun(click.Group):
@@ -26,12 +30,6 @@ class DefaultToRun(click.Group):
         if args and args[0] not in self.commands and not args[0].startswith("-"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
-
-
-def _stderr():
-    from rich.console import Console
-
-    return Console(stderr=True)
 
 
 def _fail(exc: BaseException) -> None:
@@ -45,10 +43,12 @@ def _fail(exc: BaseException) -> None:
     sys.exit(code)
 
 
-def _load(recipe_path: str):
-    from qbuild.recipe import load_recipe
+def _console(stderr: bool = False):
+    """Wide enough for tables when output is a pipe or a CI log."""
+    from rich.console import Console
 
-    return load_recipe(recipe_path)
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=160)
 
 
 @click.group(cls=DefaultToRun, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -62,217 +62,250 @@ def cli():
       qbuild plan recipes/demo.yaml     show each step: cached (hit) or to build (miss) and why
       qbuild ls                         list stored artifacts by ref (recipe/variant:tag)
       qbuild show demo/q4km             provenance of one artifact: params, inputs, files, metrics
+      qbuild pull demo/q4km -o ./q4km   copy a verified artifact out of the store
+      qbuild plugins                    the methods, targets and runtimes installed here
 
     Steps are pure functions of hashed inputs: a step whose key is already in the store is never
     rebuilt. Exit codes: 0 ok, 1 a step failed, 2 bad recipe or input, 3 a quality gate failed.
+    The same operations are a Python API: `import qbuild; qbuild.run("recipe.yaml")`.
     """
 
 
+class Terminated(BaseException):
+    """SIGTERM (what CI systems and Kubernetes send), raised in the main thread so cleanup runs."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
 @cli.command()
-@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.argument("recipes", nargs=-1, required=True, type=click.Path())
 @STORE_OPTION
 @JSON_OPTION
 @click.option("--tag", help="Also point RECIPE/VARIANT:TAG at each built variant (besides :latest).")
 @click.option("--dry-run", is_flag=True, help="Only plan: show what would run, build nothing.")
 @click.option("--threads", type=int, help="CPU threads per step (overrides runtime.threads).")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), help="Steps at most at once [default: the CPU cores; "
+              "threads per step × running steps never exceed them; timing steps always run alone].")
 @click.option("--mlflow", "mlflow_uri", metavar="URI", help="Log the run to MLflow (overrides tracking.mlflow.uri).")
-def run(recipe, store_path, as_json, tag, dry_run, threads, mlflow_uri):
-    """Build every step of RECIPE that is not already stored, then print a summary table."""
+@REMOTE_OPTION
+@click.option("--materialize", is_flag=True, help="Also download every remote hit's files (default: only what a "
+              "step that must run reads; metrics come from action records).")
+@click.option("--junit-xml", "junit_path", type=click.Path(dir_okay=False), help="Write each variant's quality "
+              "gates and each failed step as JUnit test cases (Jenkins, GitLab, GitHub Actions read it).")
+def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, remote_urls, materialize, junit_path):
+    """Build every step of RECIPES that is not already stored, then print a summary table.
+
+    RECIPES are recipe files or directories of them; several recipes are planned as one graph, so a
+    shared model, calibration set or evaluation is built once.
+
+    \b
+    Examples:
+      qbuild run recipes/demo.yaml --tag nightly --json > summary.json
+      qbuild run recipes/nightly/ --jobs 4 --junit-xml gates.xml    # many recipes, one deduplicated plan
+      qbuild run nightly.yaml --remote s3://team-models/qbuild       # reuse what other machines built
+    A failed step exits 1 (the others stay stored; rerun to resume), a failed quality gate 3.
+    Ctrl-C (130) and SIGTERM (143) stop every running step and remove its scratch.
+    """
+    import signal
+
+    from qbuild import api
+
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        _run(recipe, store_path, as_json, tag, dry_run, threads, mlflow_uri)
+        files = api.recipe_files(recipes)
+        if dry_run:
+            for f in files:
+                _print_plan(api.plan(f, store=store_path, threads=threads, remotes=remote_urls), as_json)
+            return
+        result = _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize)
     except QBuildError as exc:
         _fail(exc)
     except KeyboardInterrupt:
-        click.echo("qbuild: interrupted; finished steps are stored, rerun to resume", err=True)
+        click.echo("qbuild: interrupted: running steps stopped and their scratch removed; finished steps are "
+                   "stored, rerun to resume", err=True)
         sys.exit(130)
+    except Terminated:
+        click.echo("qbuild: terminated (SIGTERM): running steps stopped and their scratch removed; finished steps "
+                   "are stored, rerun to resume", err=True)
+        sys.exit(143)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    summaries = [r.summary for r in result.results]
+    if junit_path:
+        from qbuild.junit import write_junit
+
+        write_junit(junit_path, summaries)
+    if as_json:
+        data = summaries[0] if len(summaries) == 1 else {"recipes": summaries, "exit_code": result.exit_code}
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        from qbuild.summary import render_table
+
+        console = _console()
+        for r in result.results:
+            render_table(r.summary, console)
+            if r.gates:
+                from qbuild.evaluate.gates import render_gates
+
+                render_gates(list(r.gates), console)
+    if result.exit_code:
+        sys.exit(result.exit_code)
 
 
-def _run(recipe_path, store_path, as_json, tag, dry_run, threads, mlflow_uri=None):
-    from qbuild.artifacts import open_store
-    from qbuild.plan import make_plan
-
-    recipe = _load(recipe_path)
-    if threads:
-        recipe = recipe.model_copy(update={"runtime": recipe.runtime.model_copy(update={"threads": threads})})
-    store = open_store(store_path, recipe.store.path)
-    planned, variant_steps = make_plan(recipe, Path(recipe_path).resolve().parent, store)
-    if dry_run:
-        _print_plan(planned, as_json)
-        return
+def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from qbuild.executor import Executor
-    from qbuild.summary import render_table, summarize
+    from qbuild import api
 
-    run_id = store.new_run_id()
-    console = _stderr()
-    started = time.time()
+    # one live line per running step (parallel steps each get theirs)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=console, transient=True,
-                  disable=not any(p.status == "miss" for p in planned)) as progress:
-        outcomes = Executor(store, recipe, Path(recipe_path), run_id, progress, recipe.runtime.device).run(planned)
-    summary = summarize(recipe, outcomes, variant_steps)
-    _set_refs(store, recipe, outcomes, variant_steps, tag)
-    from qbuild.fingerprint import cpu_model
+                  TimeElapsedColumn(), console=_console(stderr=True), transient=True) as progress:
+        return api.run_many(files, store=store_path, tag=tag, threads=threads, mlflow=mlflow_uri, progress=progress,
+                            remotes=remote_urls, materialize=materialize, jobs=jobs)
 
-    summary.update({"run_id": run_id, "store": str(store.root), "seconds": round(time.time() - started, 3),
-                    "hardware": {"cpu": cpu_model(), "threads": recipe.runtime.resolved_threads()}})
-    gate_rows = []
-    if recipe.evaluation.gates:
-        from qbuild.evaluate.gates import check_gates
 
-        gate_rows = check_gates(recipe.evaluation.gates, summary)
-        summary["gates"] = {"passed": all(r["passed"] for r in gate_rows), "checks": gate_rows}
-    mlflow_cfg = recipe.tracking.mlflow
-    if mlflow_uri or mlflow_cfg:
-        summary["mlflow"] = _track(mlflow_uri or mlflow_cfg.uri, mlflow_cfg.experiment if mlflow_cfg else None,
-                                   recipe, summary, store)
-    store.write_run(run_id, {**summary, "recipe_path": str(Path(recipe_path).resolve()),
-                             "resolved_recipe": recipe.canonical()})
+def _print_plan(the_plan, as_json):
+    data = the_plan.as_dict()
     if as_json:
-        click.echo(json.dumps(summary, indent=2, default=str))
-    else:
-        console = _table_console()
-        render_table(summary, console)
-        if gate_rows:
-            from qbuild.evaluate.gates import render_gates
-
-            render_gates(gate_rows, console)
-    if summary["counts"]["failed"]:
-        sys.exit(EXIT_STEP_FAILED)
-    if gate_rows and not summary["gates"]["passed"]:
-        sys.exit(EXIT_GATE_FAILED)
-
-
-def _track(uri, experiment, recipe, summary, store) -> dict:
-    """Log to MLflow; a tracking failure is reported, never fatal to the stored artifacts."""
-    from qbuild.report import render_html
-    from qbuild.tracking import log_run
-
-    import contextlib
-
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # mlflow prints run links; stdout is for --json
-            run_id = log_run(uri, experiment, recipe, summary, store, render_html(summary))
-        return {"uri": uri, "run_id": run_id}
-    except QBuildError:
-        raise
-    except Exception as exc:  # server down, bad URI: the build itself succeeded
-        click.echo(f"qbuild: warning: MLflow tracking to {uri} failed: {type(exc).__name__}: {exc}", err=True)
-        return {"uri": uri, "error": str(exc)}
-
-
-def _table_console():
-    """Wide enough for the summary table even when stdout is a pipe or a CI log."""
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
-
-
-def _set_refs(store, recipe, outcomes, variant_steps, tag):
-    """recipe/variant:latest (+ tags) for every variant artifact this run has, built or cached."""
-    by_key = {o.step.key: o for o in outcomes}
-    # variants (incl. identical ones sharing a step), the imported base model, and target builds (variant.target)
-    named = {**{o.step.variant: o.step for o in outcomes if o.step.variant}, **variant_steps}
-    tags = ["latest"] + ([tag] if tag else []) + ([recipe.store.tag] if recipe.store.tag else [])
-    for variant, step in named.items():
-        o = by_key.get(step.key)
-        if o and o.digest and o.status in ("built", "cached"):
-            for t in tags:
-                store.set_ref(recipe.name, variant, t, o.digest, step.key)
-
-
-def _print_plan(planned, as_json):
-    rows = [{"step": p.step.name, "kind": p.step.kind, "status": p.status, "key": p.step.key, "reason": p.reason,
-             "digest": p.hit.digest if p.hit else None} for p in planned]
-    if as_json:
-        click.echo(json.dumps({"steps": rows, "to_build": sum(r["status"] == "miss" for r in rows)}, indent=2))
+        click.echo(json.dumps(data, indent=2, default=str))
         return
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title="plan", title_justify="left")
+    table = Table(title=f"plan · {the_plan.recipe.name}", title_justify="left")
     for col in ("step", "key", "status", "why"):
         table.add_column(col)
-    style = {"hit": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta", "unavailable": "magenta"}
-    for r in rows:
-        table.add_row(escape(r["step"]), r["key"][:12], f"[{style[r['status']]}]{r['status']}[/]",
-                      r["reason"] if r["status"] == "miss" else ("" if r["status"] == "hit" else r["reason"]))
-    console = _table_console()
+    style = {"hit": "cyan", "hit-remote": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta",
+             "unavailable": "magenta"}
+    for r in data["steps"]:
+        status = f"hit ({r['reason']})" if r["status"] == "hit-remote" else r["status"]
+        table.add_row(escape(r["step"]), r["key"][:12], f"[{style[r['status']]}]{escape(status)}[/]",
+                      "" if r["status"] in ("hit", "hit-remote") else escape(r["reason"]))
+    console = _console()
     console.print(table)
-    misses = sum(r["status"] == "miss" for r in rows)
-    console.print(f"{misses} step(s) to build, {sum(r['status'] == 'hit' for r in rows)} cached")
+    for row in data["not_evaluated"]:
+        console.print(f"[yellow]not evaluated[/]: {escape(row['artifact'])}: {escape(row['reason'])}")
+    hits = sum(r["status"] == "hit" for r in data["steps"])
+    remote = sum(r["status"] == "hit-remote" for r in data["steps"])
+    console.print(f"{data['to_build']} step(s) to build, {hits} cached" + (f", {remote} in a remote" if remote else ""))
 
 
 @cli.command()
-@click.argument("recipe", type=click.Path(dir_okay=False))
+@RECIPE_ARG
 @STORE_OPTION
 @JSON_OPTION
-def plan(recipe, store_path, as_json):
-    """Show every step of RECIPE with its key: hit (stored) or miss, and why it misses."""
-    from qbuild.artifacts import open_store
-    from qbuild.plan import make_plan
+@REMOTE_OPTION
+def plan(recipe, store_path, as_json, remote_urls):
+    """Show every step of RECIPE with its key: hit (stored) or miss, and why it misses.
+
+    \b
+    A miss says what changed since the step was last built for this recipe, e.g.
+      params changed: seed 0 → 1 · input changed: calibration · toolchain changed: torch 2.12 → 2.13
+    With remotes, a step stored in one shows as `hit (remote NAME)` (only its action record is read).
+    """
+    from qbuild import api
 
     try:
-        r = _load(recipe)
-        planned, _ = make_plan(r, Path(recipe).resolve().parent, open_store(store_path, r.store.path))
-        _print_plan(planned, as_json)
+        _print_plan(api.plan(recipe, store=store_path, remotes=remote_urls), as_json)
     except QBuildError as exc:
         _fail(exc)
 
 
 @cli.command()
-@click.argument("recipe", type=click.Path(dir_okay=False))
+@RECIPE_ARG
 def validate(recipe):
     """Check RECIPE: schema, files, installed backends and model shapes, without building anything."""
-    from qbuild.plan import build_steps
+    from qbuild import api
 
     try:
-        r = _load(recipe)
-        ctx, _ = build_steps(r, Path(recipe).resolve().parent)
+        the_plan = api.validate(recipe)
     except QBuildError as exc:
         _fail(exc)
-    click.echo(f"{recipe}: ok ({len(r.variants)} variant(s), {len(ctx.steps)} step(s))")
+    variants = sum(1 for a in the_plan.artifacts if not a.baseline and a.target is None)
+    click.echo(f"{recipe}: ok ({variants} variant(s), {len(the_plan.steps)} step(s))")
 
 
 @cli.command()
 def schema():
-    """Print the recipe's JSON Schema (point your editor's YAML plugin at it)."""
-    from qbuild.recipe import Recipe
+    """Print the recipe's JSON Schema (point your editor's YAML plugin at it).
 
+    Methods and targets from installed plugins (entry points) are part of it."""
+    try:
+        from qbuild.recipe import Recipe
+    except QBuildError as exc:
+        _fail(exc)
     click.echo(json.dumps(Recipe.model_json_schema(), indent=2))
+
+
+@cli.command()
+@JSON_OPTION
+def plugins(as_json):
+    """List the installed methods, targets and runtimes (built-in and from entry points), and formats."""
+    from qbuild.formats import FORMATS
+    from qbuild.plugins import plugin_table, runtimes_for
+
+    try:
+        rows = plugin_table()
+    except QBuildError as exc:
+        _fail(exc)
+    formats = [{"format": f.name, "description": f.description, "loads_in": list(f.loads_in),
+                "evaluated_by": [r.name for r in runtimes_for(f.name)]} for f in FORMATS.values() if f.model]
+    if as_json:
+        click.echo(json.dumps({"plugins": rows, "formats": formats}, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title="plugins", title_justify="left")
+    for col in ("kind", "name", "from", "installed", "reads / writes"):
+        table.add_column(col)
+    for r in rows:
+        io = ", ".join(r.get("formats", [])) or ", ".join(r.get("accepts", {}))
+        table.add_row(r["kind"], r["name"], r["origin"], "yes" if r["installed"] else f"no: qbuild[{r['extra']}]", io)
+    ftable = Table(title="formats", title_justify="left")
+    for col in ("format", "evaluated by", "loads in"):
+        ftable.add_column(col)
+    for f in formats:
+        ftable.add_row(f["format"], ", ".join(f["evaluated_by"]) or "-", ", ".join(f["loads_in"]))
+    console = _console()
+    console.print(table)
+    console.print(ftable)
 
 
 @cli.command(name="ls")
 @STORE_OPTION
 @JSON_OPTION
-def ls_cmd(store_path, as_json):
-    """List refs (recipe/variant:tag) in the store with their digests."""
-    from qbuild.artifacts import open_store
+@click.option("--remote", "remote_url", metavar="URL", help="List the refs of this remote instead of the local store.")
+def ls_cmd(store_path, as_json, remote_url):
+    """List refs (recipe/variant:tag) in the store (or a remote) with their digests."""
+    from qbuild import api
     from qbuild.summary import human_size
 
-    store = open_store(store_path)
+    try:
+        store = _open_remote(remote_url) if remote_url else api.open_store(store_path)
+        refs = store.list_refs() if remote_url else store.refs()
+    except QBuildError as exc:
+        _fail(exc)
     rows = []
-    for ref in store.refs():
+    for ref in refs:
         try:
-            m = store.manifest(ref["digest"])
-        except (OSError, ValueError):
+            m = (store.get_manifest(ref["digest"]) if remote_url else store.manifest(ref["digest"])) or {}
+        except (OSError, ValueError, QBuildError):
             m = {}
         rows.append({**ref, "kind": m.get("kind"), "format": m.get("format"),
                      "size_bytes": sum(f["size"] for f in m.get("files", [])), "created": m.get("created")})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"store {store.root}", title_justify="left")
+    table = Table(title=f"remote {store.display}" if remote_url else f"store {store.root}", title_justify="left")
     for col in ("ref", "digest", "format", "size", "updated"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["ref"], r["digest"][:12], r["format"] or "?", human_size(r["size_bytes"]), r["updated"])
-    Console().print(table)
+        table.add_row(r["ref"], r["digest"][:12], r["format"] or "?", human_size(r["size_bytes"]), r.get("updated") or "")
+    _console().print(table)
     if not rows:
         click.echo("(no refs yet: run `qbuild RECIPE` to build some)")
 
@@ -282,9 +315,9 @@ def ls_cmd(store_path, as_json):
 @STORE_OPTION
 def show(name, store_path):
     """Show the manifest (provenance) of a ref, digest or step key."""
-    from qbuild.artifacts import open_store
+    from qbuild import api
 
-    store = open_store(store_path)
+    store = api.open_store(store_path)
     try:
         digest = store.resolve(name)
     except QBuildError as exc:
@@ -298,16 +331,23 @@ def show(name, store_path):
 @click.argument("names", nargs=-1)
 @STORE_OPTION
 @JSON_OPTION
-def verify(names, store_path, as_json):
+@click.option("--remote", "remote_url", metavar="URL", help="Check a remote's objects instead of the local store.")
+@click.option("--deep", is_flag=True, help="With --remote: also stream every file and check its sha256.")
+def verify(names, store_path, as_json, remote_url, deep):
     """Re-hash stored objects (all, or the named refs/digests) against their manifests."""
-    from qbuild.artifacts import open_store
+    from qbuild import api
 
-    store = open_store(store_path)
     try:
-        digests = [store.resolve(n) for n in names] if names else None
+        if remote_url:
+            from qbuild.artifacts.remote.cache import resolve
+
+            remote = _open_remote(remote_url)
+            rows = remote.verify([resolve(remote, n) for n in names] if names else None, deep=deep)
+        else:
+            store = api.open_store(store_path)
+            rows = store.verify([store.resolve(n) for n in names] if names else None)
     except QBuildError as exc:
         _fail(exc)
-    rows = store.verify(digests)
     bad = [r for r in rows if not r["ok"]]
     if as_json:
         click.echo(json.dumps({"checked": len(rows), "damaged": bad}, indent=2))
@@ -330,24 +370,221 @@ def report(name, store_path, out_path, markdown):
     The HTML page is self-contained (inline SVG plots of quality and speed vs size, Pareto front
     marked) and states the perplexity protocol and the hardware.
     """
-    from qbuild.artifacts import open_store
-    from qbuild.report import find_run, render_html, render_markdown
+    from qbuild import api
+    from qbuild.report import render_html, render_markdown
 
     try:
-        run_record = find_run(open_store(store_path), name)
+        record = api.find_run(name, store=store_path)
     except QBuildError as exc:
         _fail(exc)
     if markdown:
-        click.echo(render_markdown(run_record), nl=False)
+        click.echo(render_markdown(record), nl=False)
         return
-    path = Path(out_path or f"report-{run_record['recipe']}.html")
-    path.write_text(render_html(run_record), encoding="utf-8")
+    path = Path(out_path or f"report-{record['recipe']}.html")
+    path.write_text(render_html(record), encoding="utf-8")
     click.echo(str(path))
 
 
-from qbuild.build.pull import pull_command  # noqa: E402  (light: click + core only; TensorRT-LLM engine selection)
+@cli.command(name="pull")
+@click.argument("name")
+@STORE_OPTION
+@click.option("-o", "--out", "output", type=click.Path(file_okay=False), help="Copy the verified files here.")
+@click.option("--from", "from_url", metavar="URL", help="Pull from this remote (s3://, oci://, file://) instead of "
+              "the local store.")
+@click.option("--verify-with", "pubkey", type=click.Path(dir_okay=False, exists=True),
+              help="Public key (qbuild keygen): refuse unsigned or tampered artifacts.")
+@click.option("--mlflow", "mlflow_uri", metavar="URI", help="Tracking URI for models:/ names [env MLFLOW_TRACKING_URI].")
+@click.option("--sm", help="Select engines for this compute capability (e.g. 9.0) instead of the local GPU's.")
+@click.option("--tensorrt-llm", "trtllm_version", help="Select engines built with this TensorRT-LLM version.")
+@click.option("--tensorrt", "trt_version", help="Select engines built with this TensorRT version.")
+def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trtllm_version, trt_version):
+    """Fetch NAME verified file by file: a ref, a digest, or models:/NAME@ALIAS from the MLflow registry.
 
-cli.add_command(pull_command)
+    \b
+    Examples:
+      qbuild pull demo/q4km -o ./q4km && llama-cli -m ./q4km/model.gguf
+      qbuild pull demo/q4km:nightly --from s3://team-models/qbuild -o ./q4km
+      qbuild pull models:/smollm2-q4km@champion -o ./q4km --verify-with team.pub
+    An engine ref picks the build that fits this GPU (SM, TensorRT-LLM, TensorRT, CUDA major).
+    """
+    from qbuild import api
+    from qbuild.trtllm.select import local_needs
+
+    try:
+        need = local_needs(sm, trtllm_version, trt_version) if (sm or trtllm_version or trt_version) else None
+        with _transfer_progress(f"pulling {name}") as progress:
+            digest, path = api.pull(name, store=store_path, out=output, need=need, remote=from_url,
+                                    verify_with=pubkey, tracking_uri=mlflow_uri, progress=progress)
+    except QBuildError as exc:
+        _fail(exc)
+    click.echo(f"{digest}  {path}")
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--to", "to_url", required=True, metavar="URL", help="The remote: s3://bucket/prefix, oci://host/repo, ...")
+@STORE_OPTION
+@JSON_OPTION
+def push(name, to_url, store_path, as_json):
+    """Upload NAME (ref or digest) from the local store to a remote.
+
+    Files first, then the model card (and the signature with QBUILD_SIGNING_KEY), the manifest, the action
+    record (the commit point: no remote record ever names a partial object) and the ref. Re-running
+    finishes an interrupted upload."""
+    from qbuild import api
+
+    try:
+        with _transfer_progress(f"pushing {name}") as progress:
+            result = api.push(name, to_url, store=store_path, progress=progress)
+    except QBuildError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+    else:
+        what = "uploaded" if result["uploaded"] else "already there"
+        click.echo(f"{result['digest'][:12]} {what} on {result['remote']}" +
+                   (f"; ref {', '.join(result['refs'])}" if result["refs"] else ""))
+
+
+@cli.command()
+@click.argument("source")
+@click.argument("target")
+@STORE_OPTION
+@click.option("--remote", "remote_url", metavar="URL", help="Tag on this remote instead of the local store.")
+def tag(source, target, store_path, remote_url):
+    """Point the ref TARGET (recipe/variant:tag) at SOURCE (a ref or a digest).
+
+    \b
+    Example:
+      qbuild tag demo/q4km:nightly-2026-11-23 demo/q4km:prod
+    """
+    from qbuild import api
+    from qbuild.artifacts.store import REF_RE
+
+    m = REF_RE.match(target)
+    if not m or not m.group("tag"):
+        _fail(UserError(f"{target!r}: expected recipe/variant:tag"))
+    try:
+        if remote_url:
+            from qbuild.artifacts.remote.cache import resolve
+
+            remote = _open_remote(remote_url)
+            digest = resolve(remote, source)
+            key = (remote.get_manifest(digest) or {}).get("key")
+            remote.set_ref(m.group("recipe"), m.group("variant"), m.group("tag"), digest, key)
+        else:
+            store = api.open_store(store_path)
+            digest = store.resolve(source)
+            store.set_ref(m.group("recipe"), m.group("variant"), m.group("tag"), digest, store.manifest(digest).get("key"))
+    except QBuildError as exc:
+        _fail(exc)
+    click.echo(f"{target} -> {digest[:12]}")
+
+
+@cli.command()
+@click.option("--remote", "remote_url", metavar="URL", help="Collect this remote (default: the local store).")
+@click.option("--keep-last", type=int, help="Keep the N newest objects of each kind besides what refs reach.")
+@click.option("--older-than", metavar="AGE", help="Only remove objects older than AGE (e.g. 30d, 12h).")
+@click.option("--dry-run", is_flag=True, help="Print what would be removed and the bytes freed; remove nothing.")
+@click.option("--mlflow", "mlflow_uri", metavar="URI", help="Also keep what registry aliases point at "
+              "[env MLFLOW_TRACKING_URI].")
+@STORE_OPTION
+@JSON_OPTION
+def gc(remote_url, keep_last, older_than, dry_run, mlflow_uri, store_path, as_json):
+    """Remove objects no ref, tag or registry alias reaches (nor anything a kept object depends on)."""
+    import os
+
+    from qbuild.summary import human_size
+
+    try:
+        roots: set[str] = set()
+        uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if uri:
+            from qbuild.artifacts.mlflow_registry import alias_digests
+
+            roots = alias_digests(uri)
+        if not remote_url:
+            raise UserError("local gc is not wired yet; use --remote URL")
+        from qbuild.artifacts.remote.gc import gc_remote
+
+        rows = gc_remote(_open_remote(remote_url), roots, keep_last, older_than, dry_run)
+    except QBuildError as exc:
+        _fail(exc)
+    freed = sum(r.get("bytes", 0) for r in rows)
+    if as_json:
+        click.echo(json.dumps({"removed": rows, "bytes_freed": freed, "dry_run": dry_run}, indent=2))
+        return
+    for r in rows:
+        click.echo(f"{'would remove' if dry_run else 'removed'} {r['digest'][:12]} {r.get('kind') or '?'} "
+                   f"{r.get('name') or ''} {human_size(r.get('bytes'))}")
+    click.echo(f"{len(rows)} object(s), {human_size(freed)} {'would be ' if dry_run else ''}freed")
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--name", "model_name", required=True, help="Registered model name.")
+@click.option("--alias", default=None, help="Also point this alias at the new version (e.g. champion).")
+@click.option("--mlflow", "mlflow_uri", metavar="URI", help="Tracking URI [env MLFLOW_TRACKING_URI].")
+@click.option("--remote", "remote_url", metavar="URL", help="The store the version points at (default: the local store).")
+@STORE_OPTION
+def register(name, model_name, alias, mlflow_uri, remote_url, store_path):
+    """Register the artifact NAME (ref or digest) as a new version of an MLflow registered model."""
+    import os
+
+    from qbuild import api
+    from qbuild.artifacts import mlflow_registry
+
+    try:
+        uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            raise UserError("register needs --mlflow URI or MLFLOW_TRACKING_URI")
+        store = api.open_store(store_path)
+        digest = store.resolve(name)
+        manifest = {**store.manifest(digest), "digest": digest}
+        store_url = _open_remote(remote_url).url if remote_url else f"qbuild-file://{store.root}"
+        version = mlflow_registry.register(uri, model_name, manifest, store_url, manifest.get("metrics"),
+                                           gates_passed=True if alias else None, alias=alias)
+    except QBuildError as exc:
+        _fail(exc)
+    click.echo(f"models:/{model_name}/{version}" + (f" (alias {alias})" if alias else ""))
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=False))
+def keygen(path):
+    """Write an EC P-256 signing key to PATH and its public key to PATH.pub (set QBUILD_SIGNING_KEY=PATH)."""
+    from qbuild.artifacts.signing import keygen as make_key
+
+    try:
+        private, public = make_key(path)
+    except QBuildError as exc:
+        _fail(exc)
+    click.echo(f"private key {private} (keep it secret), public key {public}")
+
+
+def _open_remote(url: str):
+    from qbuild.artifacts.remote import open_remote
+
+    return open_remote(url)
+
+
+class _transfer_progress:
+    """One progress bar for a transfer (bytes), on stderr, only on a terminal."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        self.bar = Progress("{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                            console=_console(stderr=True), transient=True)
+        self.bar.__enter__()
+        task = self.bar.add_task(self.what, total=None)
+        return lambda done, total: self.bar.update(task, completed=done, total=total or None)
+
+    def __exit__(self, *exc):
+        return self.bar.__exit__(*exc)
 
 
 def main():

@@ -1,8 +1,7 @@
-"""Error types and the exit codes they map to (see DESIGN.md, "Errors")."""
+"""Error types and the exit codes they map to (docs/architecture.md, "Errors")."""
 
 from __future__ import annotations
 
-EXIT_OK = 0
 EXIT_STEP_FAILED = 1
 EXIT_USER_ERROR = 2
 EXIT_GATE_FAILED = 3
@@ -64,7 +63,3 @@ class StepFailed(QBuildError):
         if log:
             text += f" (log: {log})"
         super().__init__(text)
-
-
-class GateFailed(QBuildError):
-    exit_code = EXIT_GATE_FAILED

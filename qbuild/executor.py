@@ -1,4 +1,15 @@
-"""Runs the missing steps of a plan in dependency order, each heavy step in its own process."""
+"""Runs the missing steps of a plan: in parallel where resources allow, each in its own worker process.
+
+Scheduling. A step starts when its inputs are done and it fits: the threads of the running steps never
+exceed the machine's cores (`runtime.threads` per step × concurrent steps ≤ cores), at most `jobs` steps
+run at once, a step that needs a GPU gets a free device of its own (CUDA_VISIBLE_DEVICES), and the memory
+estimated from its inputs' sizes fits in what is available. Timing steps (throughput: their key holds the
+hardware) run alone, so no other step disturbs what they measure.
+
+Cancellation. Ctrl-C / SIGTERM (the CLI turns SIGTERM into the same path) kills every running worker's
+process group, removes their scratch, and re-raises; what finished stays stored, so the next run resumes.
+Workers run in their own session (a terminal's Ctrl-C reaches qbuild only) and die with their parent.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +17,27 @@ import json
 import os
 import select
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import Hit, Store, now_iso
 from qbuild.errors import StepFailed, UserError
-from qbuild.hashing import sha256_text
+from qbuild.formats import spec as format_spec
 from qbuild.plan import PlannedStep
-from qbuild.step import Step
+from qbuild.step import OnUnavailable, Outcome, PlanStatus, Step
+
+if TYPE_CHECKING:
+    from qbuild.artifacts.remote.cache import RemoteHit
+
+UNBUILDABLE = (PlanStatus.NEEDS_GPU, PlanStatus.UNAVAILABLE)
+MEMORY_FACTOR = 2.5   # peak RSS of a step that loads a model ≈ this × the model's size on disk (measured: 1.9-2.4)
 
 
 def escape(text: str) -> str:
@@ -28,13 +49,16 @@ def escape(text: str) -> str:
 @dataclass
 class StepOutcome:
     step: Step
-    status: str                 # cached | built | failed | skipped | source
+    status: Outcome
     path: Path | None = None
     digest: str | None = None
     seconds: float = 0.0
     record: dict = field(default_factory=dict)
     error: str | None = None
     log: str | None = None
+    remote: RemoteHit | None = None   # a remote hit not (yet) fetched: path is None until materialized
+    started: float | None = None      # wall-clock start/end of a build (time.time()), for `--json` and tests
+    ended: float | None = None
 
     @property
     def metrics(self) -> dict:
@@ -45,70 +69,264 @@ class StepOutcome:
         return sum(f["size"] for f in self.record.get("files", [])) if self.record else 0
 
 
+@dataclass(frozen=True)
+class Origin:
+    """The recipe a step is built for: its provenance and its `plan` history."""
+
+    recipe: str
+    path: str
+    sha256: str | None = None
+
+
+def cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def available_memory_mb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def gpu_devices() -> list[str]:
+    """The GPUs steps may use: CUDA_VISIBLE_DEVICES if set, else those nvidia-smi lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d for d in visible.split(",") if d.strip() not in ("", "-1")]
+    from qbuild.trtllm.env import gpu
+
+    found = gpu()
+    return [str(i) for i in range(found.count)] if found else []
+
+
+@dataclass
+class Budget:
+    """What the machine can give running steps; a step takes a claim and gives it back when it ends."""
+
+    cpus: int            # free cores
+    jobs: int
+    memory_mb: float     # free memory
+    gpus: list[str]      # free devices
+    running: int = 0
+    exclusive: bool = False
+
+    def __post_init__(self):
+        self.cores = self.cpus
+
+    def claim(self, step: Step, memory_mb: float, alone: bool) -> dict | None:
+        threads = min(max(step.threads, 1), self.cores)  # a step wanting more cores than exist gets them all
+        if self.exclusive or (alone and self.running) or self.running >= self.jobs:
+            return None
+        if self.running and (threads > self.cpus or memory_mb > self.memory_mb):
+            return None
+        if step.requires_gpu and not self.gpus and self.running:
+            return None
+        claim = {"cpus": threads, "memory_mb": memory_mb, "gpu": self.gpus.pop(0) if step.requires_gpu and self.gpus
+                 else None, "alone": alone}
+        self.cpus -= threads
+        self.memory_mb -= memory_mb
+        self.running += 1
+        self.exclusive = alone
+        return claim
+
+    def release(self, claim: dict) -> None:
+        self.cpus += claim["cpus"]
+        self.memory_mb += claim["memory_mb"]
+        if claim["gpu"] is not None:
+            self.gpus.append(claim["gpu"])
+        self.running -= 1
+        self.exclusive = False
+
+
 class Executor:
-    def __init__(self, store: Store, recipe, recipe_path: Path, run_id: str, progress=None, device: str = "auto"):
+    def __init__(self, store: Store, run_id: str, origins: dict[str, Origin], *, progress=None, device: str = "auto",
+                 jobs: int | None = None, remotes: tuple = (), materialize: bool = False):
         self.store = store
-        self.recipe = recipe
-        self.recipe_path = recipe_path
-        self.recipe_sha = sha256_text(recipe_path.read_text()) if recipe_path.is_file() else None
         self.run_id = run_id
+        self.origins = origins        # step key → the (first) recipe it is built for
         self.progress = progress
         self.device = device
+        self.jobs = max(1, jobs or cpu_count())
+        self.remotes = tuple(remotes)
+        self.materialize_all = materialize  # fetch every remote hit, not only what a step that runs reads
+        self._procs: dict[str, subprocess.Popen] = {}   # step key → running worker
+        self._scratch: dict[str, Path] = {}             # step key → its private build dir
+        self._lock = threading.Lock()
+        self._cancelled = threading.Event()
 
+    # --- scheduling ------------------------------------------------------------------------------------
     def run(self, planned: list[PlannedStep]) -> list[StepOutcome]:
-        outcomes: dict[str, StepOutcome] = {}
-        blocked = [ps for ps in planned if ps.status in ("needs-gpu", "unavailable") and ps.step.on_unavailable != "skip"]
+        blocked = [ps for ps in planned if ps.status in UNBUILDABLE and ps.step.on_unavailable != OnUnavailable.SKIP]
         if blocked:  # fail before any work (exit 2), naming each step and why
             raise UserError("cannot run on this machine: " + "; ".join(f"step {ps.step.name}: {ps.reason}" for ps in blocked)
                             + " (set on_missing_gpu: skip on the target to build the rest)")
+        budget = Budget(cpus=cpu_count(), jobs=self.jobs, memory_mb=available_memory_mb() * 0.9,
+                        gpus=gpu_devices() if any(ps.step.requires_gpu and ps.status == PlanStatus.MISS
+                                                  for ps in planned) else [])
+        outcomes: dict[str, StepOutcome] = {}
+        pending = list(planned)
+        running: dict[Future, tuple[PlannedStep, dict]] = {}
+        pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="qbuild-step")
+        try:
+            while pending or running:
+                for ps in list(pending):
+                    inputs = [outcomes.get(s.key) for s in ps.step.inputs.values()]
+                    if any(o is None for o in inputs):
+                        continue  # an input is still running (or waiting)
+                    done = self._resolve_without_building(ps, inputs)
+                    if done is not None:
+                        outcomes[ps.step.key] = done
+                        pending.remove(ps)
+                        continue
+                    claim = budget.claim(ps.step, self._memory_estimate(ps.step, outcomes), ps.step.per_hardware)
+                    if claim is None:
+                        continue
+                    pending.remove(ps)
+                    running[pool.submit(self._build, ps.step, outcomes, claim)] = (ps, claim)
+                if not running:
+                    if pending:  # nothing runs and nothing can start: inputs missing from the plan (a bug)
+                        raise RuntimeError(f"cannot schedule {[ps.step.name for ps in pending]}")
+                    break
+                finished, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for fut in finished:
+                    ps, claim = running.pop(fut)
+                    budget.release(claim)
+                    outcomes[ps.step.key] = fut.result()
+        except BaseException:
+            self.cancel()
+            wait(list(running))
+            raise
+        finally:
+            pool.shutdown(wait=True)
         for ps in planned:
-            step = ps.step
-            broken = [s.name for s in step.inputs.values() if outcomes[s.key].status in ("failed", "skipped")]
-            if ps.status == "source":
-                outcome = StepOutcome(step, "source", path=step.source_path)
-            elif broken:
-                outcome = StepOutcome(step, "skipped", error=f"input failed: {', '.join(broken)}")
-            elif ps.status == "hit":
-                outcome = StepOutcome(step, "cached", ps.hit.path, ps.hit.digest, record=ps.hit.record)
-            elif ps.status in ("needs-gpu", "unavailable"):
-                outcome = StepOutcome(step, "skipped", error=ps.reason)
-            else:
-                outcome = self._build(step, outcomes)
-            if outcome.status in ("built", "cached"):
-                self._remember(step)
-            outcomes[step.key] = outcome
-        return list(outcomes.values())
+            if outcomes[ps.step.key].status in (Outcome.BUILT, Outcome.CACHED):
+                self._remember(ps.step)
+        return [outcomes[ps.step.key] for ps in planned]
+
+    def _resolve_without_building(self, ps: PlannedStep, inputs: list[StepOutcome]) -> StepOutcome | None:
+        step = ps.step
+        broken = [s.name for s, o in zip(step.inputs.values(), inputs, strict=True)
+                  if o.status in (Outcome.FAILED, Outcome.SKIPPED)]
+        if ps.status == PlanStatus.SOURCE:
+            return StepOutcome(step, Outcome.SOURCE, path=step.source_path)
+        if broken:
+            return StepOutcome(step, Outcome.SKIPPED, error=f"input failed: {', '.join(broken)}")
+        if ps.status == PlanStatus.HIT:
+            return StepOutcome(step, Outcome.CACHED, ps.hit.path, ps.hit.digest, record=ps.hit.record)
+        if ps.status == PlanStatus.REMOTE_HIT:  # the action record holds the manifest: metrics need no fetch
+            rh = ps.remote_hit
+            outcome = StepOutcome(step, Outcome.CACHED, None, rh.digest, record=rh.record, remote=rh)
+            if self.materialize_all:
+                self.materialize(outcome)
+            return outcome
+        if ps.status in UNBUILDABLE:
+            return StepOutcome(step, Outcome.SKIPPED, error=ps.reason)
+        return None
+
+    def _memory_estimate(self, step: Step, outcomes: dict[str, StepOutcome]) -> float:
+        """MEMORY_FACTOR × the size of the model artifacts a step reads (MiB); 0 when it reads none."""
+        total = 0
+        for s in step.inputs.values():
+            if not format_spec(s.format).model:
+                continue
+            o = outcomes[s.key]
+            if o.record:
+                total += o.size
+            elif o.path is not None and o.path.is_dir():  # a source: the local model directory
+                total += sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file())
+        return MEMORY_FACTOR * total / 2**20
+
+    def cancel(self) -> None:
+        """Kill every running worker (its whole process group) and remove its scratch."""
+        self._cancelled.set()
+        with self._lock:
+            procs, scratch = dict(self._procs), dict(self._scratch)
+        for proc in procs.values():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        for tmp in scratch.values():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # --- one step ---------------------------------------------------------------------------------------
+    def materialize(self, outcome: StepOutcome, task=None) -> Path:
+        """Fetch a remote hit's object into the local store (every file verified) and point the outcome at it."""
+        from qbuild.artifacts.remote.cache import materialize
+
+        rh = outcome.remote
+        progress = None
+        if self.progress is not None and task is not None:
+            def progress(done, total):
+                self.progress.update(task, completed=done, total=total or None,
+                                     description=f"{escape(outcome.step.name)}: fetching from {escape(rh.remote.name)}")
+        outcome.path = materialize(self.store, rh.remote, rh.digest, rh.key, rh.record, progress=progress)
+        return outcome.path
+
+    def _push_built(self, hit: Hit) -> None:
+        """Write-through right after a build, to every remote whose policy is `push: always`."""
+        from qbuild.artifacts.remote.cache import push_hit, should_push
+
+        for remote in self.remotes:
+            if should_push(remote, "step"):
+                push_hit(remote, self.store, hit.key, hit.digest, hit.record)
 
     def _remember(self, step: Step) -> None:
-        last = self.store.last_build(self.recipe.name, step.name)
+        origin = self.origins.get(step.key)
+        if origin is None:
+            return
+        last = self.store.last_build(origin.recipe, step.name)
         if last is None or last.get("key") != step.key:
-            self.store.remember_build(self.recipe.name, step.name, {
+            self.store.remember_build(origin.recipe, step.name, {
                 "key": step.key, "params": step.params, "inputs": step.input_keys(), "toolchain": step.toolchain(),
                 "impl": step.impl_version, "when": now_iso()})
 
-    def _build(self, step: Step, outcomes: dict[str, StepOutcome]) -> StepOutcome:
+    def _build(self, step: Step, outcomes: dict[str, StepOutcome], claim: dict) -> StepOutcome:
         task = self.progress.add_task(escape(step.name), total=None, step=escape(step.name)) if self.progress else None
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         try:
             with self.store.lock(step.key):
                 hit = self.store.lookup(step.key)  # another run may have built it while we waited
                 if hit:
-                    return StepOutcome(step, "cached", hit.path, hit.digest, record=hit.record)
-                hit = self._run_worker(step, outcomes, task)
-                return StepOutcome(step, "built", hit.path, hit.digest, time.perf_counter() - t0, hit.record)
+                    return StepOutcome(step, Outcome.CACHED, hit.path, hit.digest, record=hit.record)
+                hit = self._run_worker(step, outcomes, task, claim)
+                self._push_built(hit)
+                return StepOutcome(step, Outcome.BUILT, hit.path, hit.digest, time.perf_counter() - t0, hit.record,
+                                   started=started, ended=time.time())
         except StepFailed as exc:
-            return StepOutcome(step, "failed", seconds=time.perf_counter() - t0, error=exc.reason, log=exc.log)
+            return StepOutcome(step, Outcome.FAILED, seconds=time.perf_counter() - t0, error=exc.reason, log=exc.log,
+                               started=started, ended=time.time())
         finally:
             if self.progress and task is not None:
                 self.progress.update(task, visible=False)
 
-    def _run_worker(self, step: Step, outcomes: dict[str, StepOutcome], task) -> Hit:
+    def _run_worker(self, step: Step, outcomes: dict[str, StepOutcome], task, claim: dict) -> Hit:
         tmp = self.store.new_tmp(step.key)
+        with self._lock:
+            self._scratch[step.key] = tmp
+        try:
+            return self._run_in(tmp, step, outcomes, task, claim)
+        finally:  # published (out/ renamed into objects/), failed or cancelled: the scratch goes
+            shutil.rmtree(tmp, ignore_errors=True)
+            with self._lock:
+                self._scratch.pop(step.key, None)
+
+    def _run_in(self, tmp: Path, step: Step, outcomes: dict[str, StepOutcome], task, claim: dict) -> Hit:
         out = tmp / "out"
         out.mkdir()
         log_path = self.store.log_path(self.run_id, step.name)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         inputs = {role: outcomes[s.key] for role, s in step.inputs.items()}
+        for o in inputs.values():
+            if o.path is None and o.remote is not None:  # read through: fetch what this step reads, no more
+                self.materialize(o, task)
         spec = {
             "name": step.name, "runner": step.runner, "params": step.params, "out": str(out),
             "inputs": {r: str(o.path) for r, o in inputs.items()},
@@ -117,53 +335,69 @@ class Executor:
             "result": str(tmp / "result.json"),
         }
         (tmp / "spec.json").write_text(json.dumps(spec, default=str))
-        rusage, rc = self._spawn(tmp / "spec.json", log_path, step, task)
+        rusage, rc = self._spawn(tmp / "spec.json", log_path, step, task, claim)
+        if self._cancelled.is_set():
+            raise StepFailed(step.name, "cancelled", str(log_path))
         try:
             result = json.loads((tmp / "result.json").read_text())
         except (OSError, ValueError):
             result = {"error": f"worker exited with code {rc} (killed? out of memory?)"}
         if rc != 0 or "error" in result:
             raise StepFailed(step.name, result.get("error", f"exit code {rc}"), str(log_path))
+        origin = self.origins.get(step.key)
         # only `out` becomes the object: spec/result/log stay private
         provenance = {
             "kind": step.kind, "name": step.name, "variant": step.variant, "format": result.get("format", step.format),
+            "scheme": step.scheme or None,
             "params": step.params, "toolchain": step.toolchain(), "runner": step.runner,
             "inputs": {r: {"key": s.key, "digest": inputs[r].digest, "step": s.name} for r, s in step.inputs.items()},
             "metrics": result.get("metrics", {}), "info": result.get("info", {}),
             "timings": {"seconds": round(rusage["wall"], 3), "cpu_seconds": round(rusage["cpu"], 3),
                         "peak_rss_mb": rusage["peak_rss_mb"]},
-            "recipe": {"name": self.recipe.name, "path": str(self.recipe_path), "sha256": self.recipe_sha},
+            "recipe": {"name": origin.recipe, "path": origin.path, "sha256": origin.sha256} if origin else None,
             "run_id": self.run_id,
         }
-        hit = self.store.publish(step.key, out, provenance)
-        shutil.rmtree(tmp, ignore_errors=True)
-        return hit
+        return self.store.publish(step.key, out, provenance)
 
-    def _spawn(self, spec: Path, log_path: Path, step: Step, task) -> tuple[dict, int]:
+    def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: dict) -> tuple[dict, int]:
         read_fd, write_fd = os.pipe()
         env = dict(os.environ)
         threads = str(step.threads)
         env.update({"QBUILD_PROGRESS_FD": str(write_fd), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
-                    "HF_DATASETS_OFFLINE": env.get("HF_DATASETS_OFFLINE", "1"), "PYTHONUNBUFFERED": "1"})
+                    "HF_DATASETS_OFFLINE": env.get("HF_DATASETS_OFFLINE", "1"), "PYTHONUNBUFFERED": "1",
+                    "QBUILD_PARENT_PID": str(os.getpid())})
+        if claim["gpu"] is not None:
+            env["CUDA_VISIBLE_DEVICES"] = claim["gpu"]
         t0 = time.perf_counter()
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "qbuild.worker", str(spec)], stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_fd,), env=env)
+        with self._lock:
+            if self._cancelled.is_set():
+                os.close(read_fd), os.close(write_fd)
+                return {"wall": 0.0, "cpu": 0.0, "peak_rss_mb": 0.0}, -signal.SIGKILL
+            with open(log_path, "ab") as log:
+                # its own session: a terminal's Ctrl-C reaches qbuild, which cancels workers (and their children)
+                proc = subprocess.Popen([sys.executable, "-m", "qbuild.worker", str(spec)], stdout=log,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
+                                        env=env, start_new_session=True)
+            self._procs[step.key] = proc
         os.close(write_fd)
         buf = b""
-        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-            while True:
-                ready, _, _ = select.select([pipe], [], [], 0.5)
-                if ready:
-                    chunk = pipe.read(65536)
-                    if not chunk:
-                        break
-                    buf += chunk
-                    *lines, buf = buf.split(b"\n")
-                    for line in lines:
-                        self._on_progress(task, line)
-        _, status, usage = os.wait4(proc.pid, 0)
+        try:
+            with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+                while True:
+                    ready, _, _ = select.select([pipe], [], [], 0.5)
+                    if ready:
+                        chunk = pipe.read(65536)
+                        if not chunk:
+                            break
+                        buf += chunk
+                        *lines, buf = buf.split(b"\n")
+                        for line in lines:
+                            self._on_progress(task, line)
+            _, status, usage = os.wait4(proc.pid, 0)
+        finally:
+            with self._lock:
+                self._procs.pop(step.key, None)
         rc = os.waitstatus_to_exitcode(status)
         proc.returncode = rc
         return {"wall": time.perf_counter() - t0, "cpu": usage.ru_utime + usage.ru_stime,

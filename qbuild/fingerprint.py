@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import metadata
 from pathlib import Path
 
 from qbuild.hashing import canonical_json, sha256_file, sha256_text, tree_digest
 
 
-@lru_cache(maxsize=None)
+@cache
 def package_version(dist: str) -> str:
     try:
         return metadata.version(dist)

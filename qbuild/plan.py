@@ -2,46 +2,92 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from qbuild import build as build_registry
-from qbuild import quantize as quantize_registry
 from qbuild.artifacts.store import Hit, Store
 from qbuild.calibration.plan import calibration_step, eval_data_step, overlapping_sources
-from qbuild.errors import MissingBackendError, RecipeError
+from qbuild.errors import RecipeError
 from qbuild.evaluate.plan import evaluation_steps
 from qbuild.models.resolve import model_info, model_step
+from qbuild.plugins import methods, targets
 from qbuild.recipe import Recipe, locate
-from qbuild.step import Step
+from qbuild.step import PlanStatus, Step
 
+if TYPE_CHECKING:
+    from qbuild.artifacts.remote.cache import RemoteHit
 
 log = logging.getLogger("qbuild")
 
 
-@dataclass
+@dataclass(frozen=True)
+class Artifact:
+    """A named model artifact of the plan: the baseline, a variant, or a target's output."""
+
+    label: str                 # baseline | <variant> | <variant>.<target name>
+    step: Step
+    method: str                # method name, target type, or "-" for the baseline
+    detail: str                # e.g. "Q4_K_M", "W4A16 g64 asym", "engine, SM 9.0"
+    target: str | None = None  # the target type, for target outputs
+
+    @property
+    def baseline(self) -> bool:
+        return self.label == "baseline"
+
+
+@dataclass(frozen=True)
 class PlannedStep:
     step: Step
-    status: str                  # hit | miss | source | needs-gpu (a miss this machine cannot build)
+    status: PlanStatus
     hit: Hit | None = None
     reason: str = ""
+    remote_hit: RemoteHit | None = None   # status REMOTE_HIT: where the object is (its files are not fetched)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `run` needs, built complete by make_plan."""
+
+    recipe: Recipe
+    recipe_dir: Path
+    steps: tuple[PlannedStep, ...]
+    artifacts: tuple[Artifact, ...]
+    not_evaluated: dict[str, str]        # artifact label → why it gets no evaluation
+    warnings: tuple[str, ...]
+    remotes: tuple = ()                  # the remote tiers looked up (RemoteStore), in order
+
+    @property
+    def to_build(self) -> int:
+        return sum(p.status == PlanStatus.MISS for p in self.steps)
+
+    def artifact_steps(self) -> dict[str, Step]:
+        return {a.label: a.step for a in self.artifacts if not a.baseline}
+
+    def as_dict(self) -> dict:
+        rows = [{"step": p.step.name, "kind": p.step.kind, "status": p.status, "key": p.step.key, "reason": p.reason,
+                 "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None)}
+                for p in self.steps]
+        return {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
+                "not_evaluated": [{"artifact": label, "reason": why} for label, why in self.not_evaluated.items()],
+                "warnings": list(self.warnings)}
 
 
 @dataclass
 class PlanContext:
-    """What adapters get while planning: the recipe, shared upstream steps, and a way to add steps."""
+    """What plugins get while planning: the recipe, shared upstream steps, and a way to add steps."""
 
     recipe: Recipe
     recipe_dir: Path
     steps: list[Step] = field(default_factory=list)
+    artifacts: list[Artifact] = field(default_factory=list)
+    not_evaluated: dict[str, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)   # also logged to the "qbuild" logger
     _by_key: dict[str, Step] = field(default_factory=dict)
     _model: Step | None = None
     _calibration: Step | None = None
     _model_info: dict | None = None
-    warnings: list[str] = field(default_factory=list)  # also logged to the "qbuild" logger
 
     @property
     def threads(self) -> int:
@@ -53,12 +99,23 @@ class PlanContext:
 
     def add(self, step: Step) -> Step:
         """Add a step (its inputs must already be added); identical steps are shared, not repeated."""
-        step.compute_key()
         if step.key in self._by_key:
             return self._by_key[step.key]
         self._by_key[step.key] = step
         self.steps.append(step)
         return step
+
+    def artifact_steps(self) -> dict[str, Step]:
+        """label → step of every named artifact but the baseline (variants, target outputs)."""
+        return {a.label: a.step for a in self.artifacts if not a.baseline}
+
+    def warn(self, message: str) -> None:
+        if message not in self.warnings:
+            self.warnings.append(message)
+            log.warning(message)
+
+    def note_not_evaluated(self, label: str, reason: str) -> None:
+        self.not_evaluated[label] = reason
 
     def model(self) -> Step:
         if self._model is None:
@@ -80,39 +137,39 @@ class PlanContext:
         return self.add(eval_data_step(perplexity, self.model(), self))
 
 
-def require_backend(requires: tuple[str, ...], extra: str, field: str, what: str) -> None:
-    for mod in requires:
-        if importlib.util.find_spec(mod) is None:
-            raise MissingBackendError(f"{what} needs the Python module {mod!r}, which", extra, field=field)
-
-
-def build_steps(recipe: Recipe, recipe_dir: Path) -> tuple[PlanContext, dict[str, Step]]:
-    """All steps of the recipe in dependency order, and the artifact step of each variant."""
+def build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
+    """All steps of the recipe in dependency order, with its named artifacts."""
     try:
         return _build_steps(recipe, recipe_dir)
     except RecipeError as err:
         raise locate(err, recipe) from None
 
 
-def _build_steps(recipe: Recipe, recipe_dir: Path) -> tuple[PlanContext, dict[str, Step]]:
+def _build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
     ctx = PlanContext(recipe, recipe_dir)
-    ctx.model()
+    model = ctx.model()
+    if recipe.evaluation.baseline:
+        ctx.artifacts.append(Artifact("baseline", model, "-", "unquantized"))
     variant_steps: dict[str, Step] = {}
     for i, v in enumerate(recipe.variants):
-        adapter = quantize_registry.adapter(v.method)
-        require_backend(adapter.REQUIRES, adapter.EXTRA, f"variants[{i}].method", f"method {v.method!r}")
-        adapter.check(v, ctx, field=f"variants[{i}]")
-        variant_steps[v.name] = adapter.plan(v, ctx)
+        method = methods.get(v.method)
+        method.require(f"variants[{i}].method", f"method {v.method!r}")
+        method.check(v, ctx, field=f"variants[{i}]")
+        variant_steps[v.name] = step = method.plan(v, ctx)
+        ctx.artifacts.append(Artifact(v.name, step, v.method, v.describe()))
     for i, t in enumerate(recipe.targets):
-        adapter = build_registry.adapter(t.type)
+        target = targets.get(t.type)
+        target.require(f"targets[{i}].type", f"target {t.type!r}")
         names = [v.name for v in recipe.variants] if t.variants == "all" else t.variants
         for name in names:
-            adapter.plan(t, variant_steps[name], ctx, field=f"targets[{i}]")
-    evaluation_steps(recipe, ctx, variant_steps)
+            target.check_input(variant_steps[name], f"targets[{i}]")
+            out = target.plan(t, variant_steps[name], ctx, field=f"targets[{i}]")
+            ctx.artifacts.append(Artifact(out.variant or f"{name}.{t.type}", out, t.type, target.describe(out),
+                                          target=t.type))
+    evaluation_steps(ctx)
     for warning in overlapping_sources(recipe.calibration, recipe.evaluation.perplexity, recipe_dir):
-        ctx.warnings.append(warning)
-        log.warning(warning)
-    return ctx, variant_steps
+        ctx.warn(warning)
+    return ctx
 
 
 def explain_miss(step: Step, store: Store, recipe_name: str) -> str:
@@ -129,7 +186,8 @@ def explain_miss(step: Step, store: Store, recipe_name: str) -> str:
     old_inputs, new_inputs = last.get("inputs", {}), step.input_keys()
     moved = sorted(r for r in set(old_inputs) | set(new_inputs) if old_inputs.get(r) != new_inputs.get(r))
     if moved:
-        reasons.append("input changed: " + ", ".join(f"{r} ({step.inputs[r].name})" if r in step.inputs else r for r in moved))
+        reasons.append("input changed: " + ", ".join(f"{r} ({step.inputs[r].name})" if r in step.inputs else r
+                                                     for r in moved))
     tc = _diff(last.get("toolchain", {}), step.toolchain())
     if tc:
         reasons.append("toolchain changed: " + ", ".join(tc))
@@ -154,19 +212,27 @@ def _short(v) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
-def make_plan(recipe: Recipe, recipe_dir: Path, store: Store) -> tuple[list[PlannedStep], dict[str, Step]]:
-    ctx, variant_steps = build_steps(recipe, recipe_dir)
-    planned = []
-    for step in ctx.steps:
-        if step.source_path is not None:
-            planned.append(PlannedStep(step, "source", reason=str(step.source_path)))
-            continue
-        hit = store.lookup(step.key)
-        if hit:
-            planned.append(PlannedStep(step, "hit", hit))
-        elif step.unavailable:
-            planned.append(PlannedStep(step, "needs-gpu" if step.requires_gpu else "unavailable",
-                                       reason=step.unavailable))
-        else:
-            planned.append(PlannedStep(step, "miss", reason=explain_miss(step, store, recipe.name)))
-    return planned, variant_steps
+def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = ()) -> PlannedStep:
+    if step.source_path is not None:
+        return PlannedStep(step, PlanStatus.SOURCE, reason=str(step.source_path))
+    hit = store.lookup(step.key)
+    if hit:
+        return PlannedStep(step, PlanStatus.HIT, hit)
+    if remotes:
+        from qbuild.artifacts.remote.cache import lookup
+
+        remote_hit = lookup(remotes, step.key)  # reads the action record only, never the object's files
+        if remote_hit:
+            return PlannedStep(step, PlanStatus.REMOTE_HIT, reason=remote_hit.where, remote_hit=remote_hit)
+    if step.unavailable:
+        return PlannedStep(step, PlanStatus.NEEDS_GPU if step.requires_gpu else PlanStatus.UNAVAILABLE,
+                           reason=step.unavailable)
+    return PlannedStep(step, PlanStatus.MISS, reason=explain_miss(step, store, recipe_name))
+
+
+def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = ()) -> Plan:
+    """Every step with its status: local hit, else a hit in the first remote that has it, else a miss (and why)."""
+    ctx = build_steps(recipe, recipe_dir)
+    steps = tuple(_status(s, store, recipe.name, tuple(remotes)) for s in ctx.steps)
+    return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
+                tuple(remotes))

@@ -6,8 +6,9 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from qbuild.artifacts.remote.config import RegisterSpec, RemoteSpec
 from qbuild.data_sources import DataSource
 from qbuild.errors import RecipeError
 from qbuild.schema_base import StrictModel
@@ -147,22 +148,40 @@ class Tracking(StrictModel):
 
 
 class StoreConfig(StrictModel):
+    model_config = ConfigDict(**StrictModel.model_config, hide_input_in_errors=True)  # a bad URL may hold a secret
+
     path: str = "./artifacts"
     tag: str | None = Field(None, pattern=NAME_RE, description="Extra ref tag set on every variant of a run.")
+    remotes: list[RemoteSpec] = Field(
+        default_factory=list, description="Remote tiers behind the local store (s3://, file://, oci://, ...): read "
+        "through at plan time, written through after builds (see docs/remote-stores.md). A bare URL is allowed.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_urls(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("remotes"), list):
+            data = {**data, "remotes": [{"url": r} if isinstance(r, str) else r for r in data["remotes"]]}
+        return data
+
+
+def _plugin_union(registry, discriminator: str):
+    """The union of every registered plugin's options model (built-in and entry points), tagged by name."""
+    models = tuple(p.options for p in registry.all())
+    if not models:  # pydantic needs at least one member; a tag nothing declares never validates
+        return Annotated[Literal["(none registered)"], Field(description=f"no {registry.what} is installed")]
+    return Annotated[Union[models], Field(discriminator=discriminator)]  # type: ignore[valid-type]
 
 
 def _variant_union():
-    from qbuild.quantize import variant_models
+    from qbuild.plugins import methods
 
-    models = tuple(variant_models())
-    return Annotated[Union[models], Field(discriminator="method")]  # type: ignore[valid-type]
+    return _plugin_union(methods, "method")
 
 
 def _target_union():
-    from qbuild.build import target_models
+    from qbuild.plugins import targets
 
-    models = tuple(target_models())
-    return Annotated[Union[models], Field(discriminator="type")]  # type: ignore[valid-type]
+    return _plugin_union(targets, "type")
 
 
 Variant = _variant_union()
@@ -182,6 +201,8 @@ class Recipe(StrictModel):
     runtime: Runtime = Field(default_factory=Runtime)
     store: StoreConfig = Field(default_factory=StoreConfig)
     tracking: Tracking = Field(default_factory=Tracking)
+    model_registry: RegisterSpec | None = Field(
+        None, alias="register", description="Register each variant in the MLflow model registry (alias set when every gate passes).")
 
     @field_validator("variants")
     @classmethod
@@ -200,6 +221,15 @@ class Recipe(StrictModel):
             unknown = [] if g.variants == "all" else [n for n in g.variants if n not in names]
             if unknown:
                 raise ValueError(f"evaluation.gates names unknown variant(s) {unknown}; variants are {sorted(names)}")
+        return self
+
+    @model_validator(mode="after")
+    def _targets_name_known_variants(self):
+        names = {v.name for v in self.variants}
+        for i, t in enumerate(self.targets):
+            unknown = [] if t.variants == "all" else [n for n in t.variants if n not in names]
+            if unknown:
+                raise ValueError(f"targets[{i}].variants names unknown variant(s) {unknown}; variants are {sorted(names)}")
         return self
 
     @model_validator(mode="after")
@@ -227,7 +257,7 @@ def _field_path(loc: tuple, data: Any) -> tuple[str, Loc]:
             parts.append(("." if parts else "") + str(item))
             real.append(item)
             node = node[item]
-        elif isinstance(node, dict) and isinstance(item, str) and re.fullmatch(r"[\w-]+", item) and not parts[-1:] == [item]:
+        elif isinstance(node, dict) and isinstance(item, str) and re.fullmatch(r"[\w-]+", item) and parts[-1:] != [item]:
             # either a union tag (skip) or a missing required field (keep, it names what to add)
             if _is_union_tag(node, item):
                 continue
@@ -262,7 +292,8 @@ def _describe(err: dict) -> str:
     if kind == "literal_error":
         return f"{value!r} is not allowed; expected {ctx.get('expected')}"
     if kind == "union_tag_invalid":
-        return f"{ctx.get('tag')!r} is not a known {ctx.get('discriminator', 'kind').strip(chr(39))}; expected one of {ctx.get('expected_tags')}"
+        kind_name = ctx.get("discriminator", "kind").strip(chr(39))
+        return f"{ctx.get('tag')!r} is not a known {kind_name}; expected one of {ctx.get('expected_tags')}"
     if kind == "union_tag_not_found":
         return f"missing the {ctx.get('discriminator', 'kind')} key that says which kind this is"
     msg = err["msg"]

@@ -1,53 +1,94 @@
-"""A step: one pure function of hashed inputs, and what its worker process receives."""
+"""A step: one pure function of hashed inputs, and what its worker process receives.
+
+A Step is frozen: everything the planner, the executor, the summary and the store need is a
+declared field, fixed when the step is created, and its key is computed then. Steps are shared
+between variants by key (PlanContext.add), so nothing may change one after it is made.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import cached_property
 from pathlib import Path
 
 from qbuild.fingerprint import hardware, toolchain
 from qbuild.hashing import step_key
 
 
-@dataclass(eq=False)
+class PlanStatus(StrEnum):
+    """What planning found for a step."""
+
+    HIT = "hit"                  # stored: nothing runs
+    REMOTE_HIT = "hit-remote"    # stored in a remote tier: only its action record was read
+    MISS = "miss"                # must be built
+    SOURCE = "source"            # an external input (local model dir): fingerprinted, never built
+    NEEDS_GPU = "needs-gpu"      # a miss this machine cannot build (no GPU / GPU toolchain)
+    UNAVAILABLE = "unavailable"  # a miss this machine cannot build for another reason
+
+
+class Outcome(StrEnum):
+    """What running a plan did with a step."""
+
+    CACHED = "cached"
+    BUILT = "built"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    SOURCE = "source"
+
+
+class OnUnavailable(StrEnum):
+    FAIL = "fail"   # `run` exits 2 before any work
+    SKIP = "skip"   # the step (and what needs it) is skipped, the rest is built
+
+
+@dataclass(frozen=True, eq=False)
 class Step:
     kind: str                                 # e.g. calibrate, quantize, perplexity
     name: str                                 # display name, unique in a plan: quantize[q4km]
-    params: dict                              # canonical params (resolved recipe section)
-    runner: str | None                        # "module:function" run in a worker; None for sources
-    inputs: dict[str, "Step"] = field(default_factory=dict)
+    params: Mapping                           # canonical params (resolved recipe section)
+    runner: str | None                        # "module:function" or "module:Class.method"; None for sources
+    inputs: Mapping[str, Step] = field(default_factory=dict)
     tools: tuple[str, ...] = ()               # distributions whose versions enter the key
     threads: int = 1
     per_hardware: bool = False                # timings: the machine is part of the key
-    variant: str | None = None                # set on steps whose output is a variant artifact
-    format: str = ""                          # output format: hf, gguf, calibration, tokens, metrics, ...
+    variant: str | None = None                # set on steps whose output is a named artifact (ref)
+    format: str = ""                          # output format (qbuild.formats): gguf, compressed-tensors, metrics ...
+    scheme: str = ""                          # quantization scheme of a model artifact: Q4_K_M, w4a16, fp8-dynamic ...
     source_path: Path | None = None           # external input (local model dir): not built, fingerprinted
     source_digest: str | None = None
-    runtime_args: dict = field(default_factory=dict)  # absolute paths etc.: given to the runner, not hashed
-    requires_gpu: bool = False                # e.g. TensorRT-LLM engines: plan shows 'needs-gpu' where it cannot run
-    unavailable: str = ""                     # why this machine cannot run the step (set at plan time); "" = it can
-    on_unavailable: str = "fail"              # fail: `run` exits 2 before any work; skip: the step is skipped
+    runtime_args: Mapping = field(default_factory=dict)   # absolute paths etc.: given to the runner, not hashed
+    env_toolchain: Mapping[str, str] = field(default_factory=dict)  # facts from outside qbuild's Python (GPU SM, ...)
+    requires_gpu: bool = False                # plan shows 'needs-gpu' where it cannot run
+    unavailable: str = ""                     # why this machine cannot run the step; "" = it can
+    on_unavailable: OnUnavailable = OnUnavailable.FAIL
     impl_version: int = 1                     # bump when the runner's output changes for the same inputs
-    key: str = ""
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.source_digest is not None:
+            key = self.source_digest
+        else:
+            params = self.params if self.impl_version == 1 else {**self.params, "_impl": self.impl_version}
+            key = step_key(self.kind, params, self.input_keys(), self.toolchain())
+        object.__setattr__(self, "key", key)
 
     def toolchain(self) -> dict[str, str]:
+        return dict(self._toolchain)
+
+    @cached_property
+    def _toolchain(self) -> dict[str, str]:
         tc = toolchain(self.tools)
         if self.per_hardware:
             tc.update({f"hw.{k}": v for k, v in hardware(self.threads).items()})
+        tc.update(self.env_toolchain)
         return tc
 
     def input_keys(self) -> dict[str, str]:
         return {role: s.key for role, s in self.inputs.items()}
-
-    def compute_key(self) -> str:
-        if self.source_digest is not None:
-            self.key = self.source_digest
-        else:
-            params = self.params if self.impl_version == 1 else {**self.params, "_impl": self.impl_version}
-            self.key = step_key(self.kind, params, self.input_keys(), self.toolchain())
-        return self.key
 
     @property
     def short(self) -> str:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from qbuild.build.tensorrt_llm import ENGINE_FORMAT  # engines get rows of their own
 from qbuild.executor import StepOutcome
+from qbuild.plan import Artifact, Plan
+from qbuild.step import Outcome
 
 EVAL_KINDS = {"perplexity": "ppl", "divergence": "kld", "throughput": "speed"}
 
@@ -23,15 +24,17 @@ def _evaluations(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutco
     return {(o.step.inputs["model"].key, o.step.kind): o for o in outcomes if o.step.kind in EVAL_KINDS}
 
 
-def _row(name: str, method: str, detail: str, artifact: StepOutcome | None, evals: dict, target: str | None = None) -> dict:
-    key = artifact.step.key if artifact else None
+def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None) -> dict:
+    key = art.step.key
     ppl, kld, speed = (evals.get((key, k)) for k in EVAL_KINDS)
     return {
-        "variant": name, "method": method, "detail": detail, "target": target,
-        "format": artifact.step.format if artifact else None, "status": artifact.status if artifact else "-",
+        "variant": art.label, "method": art.method, "detail": art.detail, "target": art.target,
+        "format": art.step.format, "scheme": art.step.scheme or None,
+        "status": artifact.status if artifact else "-",
         "size_bytes": artifact.size if artifact and artifact.record else None, "key": key,
         "digest": artifact.digest if artifact else None,
         "error": artifact.error if artifact else None, "log": artifact.log if artifact else None,
+        "not_evaluated": not_evaluated,
         "ppl": ppl.metrics.get("ppl") if ppl else None,
         "kld": kld.metrics.get("kld") if kld else None, "top1": kld.metrics.get("top1") if kld else None,
         "decode_tok_s": speed.metrics.get("decode_tok_s") if speed else None,
@@ -40,19 +43,12 @@ def _row(name: str, method: str, detail: str, artifact: StepOutcome | None, eval
     }
 
 
-def summarize(recipe, outcomes: list[StepOutcome], variant_steps: dict) -> dict:
+def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
+    """One row per artifact of the plan (baseline, variants, target outputs), with its evaluations."""
+    recipe = plan.recipe
     by_key = {o.step.key: o for o in outcomes}
     evals = _evaluations(outcomes)
-    model = next((o for o in outcomes if o.step.name == "model"), None)
-    rows = []
-    if recipe.evaluation.baseline and model:
-        rows.append(_row("baseline", "-", "unquantized", model, evals))
-    for v in recipe.variants:
-        rows.append(_row(v.name, v.method, v.describe(), by_key.get(variant_steps[v.name].key), evals))
-    for o in outcomes:  # TensorRT-LLM engines: "<variant>.<target name>", evaluated like variants when on a GPU
-        if o.step.format == ENGINE_FORMAT and o.step.variant:
-            sm = getattr(o.step, "env_toolchain", {}).get("gpu.sm", "?")
-            rows.append(_row(o.step.variant, "tensorrt-llm", f"engine, SM {sm}", o, evals, target="tensorrt-llm"))
+    rows = [_row(a, by_key.get(a.step.key), evals, plan.not_evaluated.get(a.label)) for a in plan.artifacts]
     base = rows[0] if rows and rows[0]["variant"] == "baseline" else None
     for r in rows:
         if base and r is not base:
@@ -62,10 +58,13 @@ def summarize(recipe, outcomes: list[StepOutcome], variant_steps: dict) -> dict:
             if r["decode_tok_s"] and base["decode_tok_s"]:
                 r["throughput_ratio"] = r["decode_tok_s"] / base["decode_tok_s"]
     steps = [{"name": o.step.name, "kind": o.step.kind, "status": o.status, "key": o.step.key, "digest": o.digest,
-              "seconds": round(o.seconds, 2), "error": o.error, "log": o.log} for o in outcomes]
-    counts = {s: sum(1 for o in outcomes if o.status == s) for s in ("built", "cached", "failed", "skipped")}
+              "seconds": round(o.seconds, 2), "error": o.error, "log": o.log, "started": o.started, "ended": o.ended}
+             for o in outcomes]
+    counts = {s: sum(1 for o in outcomes if o.status == s)
+              for s in (Outcome.BUILT, Outcome.CACHED, Outcome.FAILED, Outcome.SKIPPED)}
     protocol = recipe.evaluation.perplexity.canonical() if recipe.evaluation.perplexity else None
-    return {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol}
+    return {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol,
+            "warnings": list(plan.warnings)}
 
 
 def _fmt(v, spec: str) -> str:
@@ -95,6 +94,10 @@ def render_table(summary: dict, console) -> None:
     console.print(table)
     c = summary["counts"]
     console.print(f"{c['built']} built, {c['cached']} cached, {c['failed']} failed, {c['skipped']} skipped")
+    for r in rows:
+        if r.get("not_evaluated"):
+            console.print(f"[yellow]not evaluated: {escape(r['variant'])}[/] ({escape(str(r['format']))}): "
+                          f"{escape(r['not_evaluated'])}")
     for s in summary["steps"]:
         if s["status"] == "skipped":
             console.print(f"[yellow]skipped {escape(s['name'])}[/]: {escape(str(s['error']))}")

@@ -14,7 +14,25 @@ import traceback
 from pathlib import Path
 
 
+def die_with_parent() -> None:
+    """When qbuild dies (kill -9 included), its workers and everything they started die too.
+
+    The worker leads its own process group (the executor starts it in a new session): on its parent's death
+    the kernel sends it SIGTERM (PR_SET_PDEATHSIG), and the handler kills the whole group."""
+    parent = os.environ.get("QBUILD_PARENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(os.getpgrp(), signal.SIGKILL))
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != int(parent):  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def main(spec_path: str) -> int:
+    die_with_parent()
     spec = json.loads(Path(spec_path).read_text())
     from qbuild.step import StepContext
 
@@ -30,7 +48,6 @@ def main(spec_path: str) -> int:
         runtime_args=spec["runtime_args"],
         progress_fd=int(fd) if fd else None,
     )
-    module, _, func = spec["runner"].partition(":")
     try:
         if spec["threads"]:
             try:
@@ -39,13 +56,25 @@ def main(spec_path: str) -> int:
                 torch.set_num_threads(spec["threads"])
             except ImportError:
                 pass
-        result = getattr(importlib.import_module(module), func)(ctx) or {}
+        result = resolve_runner(spec["runner"])(ctx) or {}
     except BaseException as exc:  # report every failure, incl. KeyboardInterrupt, as one line + log
         traceback.print_exc()
         Path(spec["result"]).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
         return 1
     Path(spec["result"]).write_text(json.dumps(result, default=str))
     return 0
+
+
+def resolve_runner(runner: str):
+    """'module:function', or 'module:Class.method' for a plugin class (instantiated without arguments)."""
+    module, _, attr = runner.partition(":")
+    obj = importlib.import_module(module)
+    *owners, name = attr.split(".")
+    for part in owners:
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        obj = obj()
+    return getattr(obj, name)
 
 
 if __name__ == "__main__":

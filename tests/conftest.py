@@ -22,10 +22,16 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# tests/fake_method.py: a torch-free method for store/executor tests; workers find it on PYTHONPATH
-os.environ["QBUILD_PLUGIN_METHODS"] = "fake=fake_method"
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-sys.path.insert(0, str(Path(__file__).parent))
+# tests/fake_method.py: a torch-free method for store/executor tests, installed the way any out-of-tree plugin
+# is: a distribution whose entry point names it (tests/plugins/*.dist-info), found on PYTHONPATH by workers too.
+_TESTS = Path(__file__).parent
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_TESTS), str(_TESTS / "plugins"),
+                                                         os.environ.get("PYTHONPATH")]))
+sys.path[:0] = [str(_TESTS), str(_TESTS / "plugins")]
+
+# real servers on 127.0.0.1 for the remote-store tests (moto S3, docker-registry, mlflow): defined once here so
+# each session-scoped server starts at most once per run, and only when a test asks for it
+from servers import mlflow_server, moto_s3, oci_env, oci_url, registry, s3_env, s3_url  # noqa: E402,F401
 
 
 def smollm2_gguf_path() -> Path | None:

@@ -1,4 +1,4 @@
-"""A test-only quantize method (registered through QBUILD_PLUGIN_METHODS): no torch, controllable.
+"""A test-only quantize method (an entry-point plugin, see conftest.py): no torch, controllable.
 
 It writes a file derived from its params and inputs, optionally sleeps (to test locking and
 interruption) or fails (to test error handling).
@@ -10,20 +10,20 @@ import hashlib
 import time
 from typing import Literal
 
+from qbuild.plugins import Method
 from qbuild.quantize.base import VariantBase
 from qbuild.step import Step, StepContext
 
-EXTRA = "dev"
-REQUIRES = ()
 TOOLS = ("pydantic",)
 
 
-class Variant(VariantBase):
+class FakeVariant(VariantBase):
     method: Literal["fake"]
     level: int = 1
     calibrated: bool = False
     sleep: float = 0.0
     fail: bool = False
+    timing: bool = False   # declare the step hardware-dependent, like a throughput measurement
 
     def needs_calibration(self) -> bool:
         return self.calibrated
@@ -32,16 +32,18 @@ class Variant(VariantBase):
         return f"level {self.level}"
 
 
-def check(variant, ctx, field):
-    pass
+class FakeMethod(Method):
+    name = "fake"
+    options = FakeVariant
+    extra = "dev"
 
-
-def plan(variant: Variant, ctx) -> Step:
-    inputs = {"model": ctx.model()}
-    if variant.calibrated:
-        inputs["calibration"] = ctx.calibration()
-    return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(), "fake_method:run",
-                        inputs=inputs, tools=TOOLS, variant=variant.name, format="fake"))
+    def plan(self, variant: FakeVariant, ctx) -> Step:
+        inputs = {"model": ctx.model()}
+        if variant.calibrated:
+            inputs["calibration"] = ctx.calibration()
+        return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(), "fake_method:run",
+                            inputs=inputs, tools=TOOLS, variant=variant.name, format="fake", scheme=f"l{variant.level}",
+                            per_hardware=variant.timing, threads=ctx.threads))
 
 
 def run(ctx: StepContext) -> dict:

@@ -1,4 +1,4 @@
-"""Helpers shared by tests: write recipes, run the CLI in a subprocess."""
+"""Helpers shared by tests: write recipes, run qbuild through its Python API or its CLI (a subprocess)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,14 @@ def fake_model(root: Path) -> Path:
 def write_recipe(path: Path, data: dict | str) -> Path:
     path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def run_api(recipe, store=None, **kwargs) -> tuple[int, dict]:
+    """qbuild.api.run; (exit code, the summary as `qbuild run --json` prints it)."""
+    from qbuild import api
+
+    result = api.run(recipe, store=store, **kwargs)
+    return result.exit_code, json.loads(json.dumps(result.summary, default=str))
 
 
 def qbuild(*args, cwd=None, env=None, timeout=900) -> subprocess.CompletedProcess:

@@ -10,13 +10,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from helpers import fake_model, fake_recipe, qbuild, write_recipe
-from qbuild.calibration.build import load_calibration, run as run_calibration, split_counts
+from qbuild.calibration.build import load_calibration, split_counts
+from qbuild.calibration.build import run as run_calibration
 from qbuild.calibration.corpus import pydocs_documents
 from qbuild.calibration.plan import calibration_step
 from qbuild.plan import PlanContext
 from qbuild.recipe import parse_recipe
 from qbuild.step import StepContext
+
+from helpers import fake_recipe, qbuild, write_recipe
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 40).strip()
 
@@ -53,7 +55,7 @@ def _calibrate(tmp: Path, model: Path, calibration: dict) -> tuple[np.ndarray, n
                            "variants": [{"name": "x", "method": "fake", "calibrated": True}]})
     ctx = PlanContext(recipe, tmp)
     step = calibration_step(recipe.calibration, ctx.model(), ctx)
-    out = tmp / f"out-{step.compute_key()[:8]}"
+    out = tmp / f"out-{step.key[:8]}"
     out.mkdir(exist_ok=True)
     run_calibration(StepContext(step.params, {"tokenizer": model}, {}, out, 1, "cpu", "calibrate",
                                 runtime_args=step.runtime_args))

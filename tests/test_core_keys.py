@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import fake_model, qbuild, write_recipe
 from qbuild import fingerprint
 from qbuild.artifacts.store import Store
-from qbuild.plan import build_steps, explain_miss, make_plan
+from qbuild.plan import build_steps, make_plan
 from qbuild.recipe import parse_recipe
+
+from helpers import fake_model, qbuild, write_recipe
 
 
 def base_recipe(model: Path) -> dict:
@@ -32,7 +33,7 @@ def base_recipe(model: Path) -> dict:
 
 
 def keys_of(data: dict, base: Path) -> dict[str, str]:
-    ctx, _ = build_steps(parse_recipe(copy.deepcopy(data)), base)
+    ctx = build_steps(parse_recipe(copy.deepcopy(data)), base)
     return {s.name: s.key for s in ctx.steps}
 
 
@@ -117,13 +118,13 @@ def test_plan_explains_why_a_step_misses(tmp_path, setup):
     _, data, _ = setup
     store = Store(tmp_path / "store")
     recipe = parse_recipe(copy.deepcopy(data))
-    ctx, _ = build_steps(recipe, tmp_path)
+    ctx = build_steps(recipe, tmp_path)
     for s in ctx.steps:  # pretend the first plan was built
         store.remember_build("keys", s.name, {"key": s.key, "params": s.params, "inputs": s.input_keys(),
                                               "toolchain": s.toolchain()})
     data["calibration"]["seed"] = 7
     data["variants"][2]["type"] = "Q5_K_M"
-    planned, _ = make_plan(parse_recipe(copy.deepcopy(data)), tmp_path, store)
+    planned = make_plan(parse_recipe(copy.deepcopy(data)), tmp_path, store).steps
     why = {p.step.name: p.reason for p in planned}
     assert why["calibrate"] == "params changed: seed 0 → 7"
     assert why["quantize[q4]"] == "params changed: type Q4_K_M → Q5_K_M"

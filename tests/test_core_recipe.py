@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from helpers import fake_model, qbuild, write_recipe
 from qbuild.errors import MissingBackendError, RecipeError
-from qbuild.plan import require_backend
 from qbuild.recipe import load_recipe
+
+from helpers import fake_model, qbuild, write_recipe
 
 GOOD = """\
 name: demo
@@ -82,10 +82,15 @@ def test_yaml_syntax_error_has_line(tmp_path, model_dir):
 
 
 def test_missing_backend_names_extra():
+    from qbuild.quantize.gguf import GGUF
+
+    class NotInstalled(GGUF):
+        requires = ("definitely_not_installed_mod",)
+
     with pytest.raises(MissingBackendError) as info:
-        require_backend(("definitely_not_installed_mod",), "gguf", "variants[0].method", "method 'gguf'")
+        NotInstalled.require("variants[0].method", "method 'gguf'")
     assert "pip install 'qbuild[gguf]'" in str(info.value)
-    assert "variants[0].method" in str(info.value)
+    assert "variants[0].method" in str(info.value) and "definitely_not_installed_mod" in str(info.value)
 
 
 def test_cli_validate_errors_are_one_line_exit_2(tmp_path, model_dir):

@@ -10,16 +10,13 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import fake_recipe, qbuild, write_recipe
 from qbuild.artifacts.store import Store
 
+from helpers import fake_recipe, qbuild, run_api, write_recipe
 
-def run_json(recipe: Path, store: Path, *extra) -> tuple[int, dict]:
-    res = qbuild(recipe, "--store", store, "--json", *extra)
-    try:
-        return res.returncode, json.loads(res.stdout)
-    except ValueError:
-        raise AssertionError(f"no JSON: rc={res.returncode}\n{res.stdout}\n{res.stderr}")
+
+def run_json(recipe: Path, store: Path, **kwargs) -> tuple[int, dict]:
+    return run_api(recipe, store, **kwargs)
 
 
 def statuses(summary: dict) -> dict[str, str]:
@@ -29,7 +26,7 @@ def statuses(summary: dict) -> dict[str, str]:
 def test_second_run_builds_nothing_and_refs_resolve(tmp_path, store_dir):
     recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [
         {"name": "a", "method": "fake"}, {"name": "b", "method": "fake", "level": 2}]))
-    rc, first = run_json(recipe, store_dir, "--tag", "nightly")
+    rc, first = run_json(recipe, store_dir, tag="nightly")
     assert rc == 0 and statuses(first) == {"model": "source", "quantize[a]": "built", "quantize[b]": "built"}
     rc, second = run_json(recipe, store_dir)
     assert rc == 0 and statuses(second) == {"model": "source", "quantize[a]": "cached", "quantize[b]": "cached"}
@@ -37,7 +34,8 @@ def test_second_run_builds_nothing_and_refs_resolve(tmp_path, store_dir):
     digest = first["variants"][0]["digest"]
     assert store.resolve("t/a") == store.resolve("t/a:nightly") == store.resolve(digest[:10]) == digest
     manifest = json.loads(qbuild("show", "t/a:latest", "--store", store_dir).stdout)
-    assert manifest["params"] == {"method": "fake", "level": 1, "calibrated": False, "sleep": 0.0, "fail": False}
+    assert manifest["params"] == {"method": "fake", "level": 1, "calibrated": False, "sleep": 0.0, "fail": False,
+                                  "timing": False}
     assert manifest["files"][0]["path"] == "weights.bin" and len(manifest["files"][0]["sha256"]) == 64
     assert manifest["toolchain"]["pydantic"] and manifest["recipe"]["name"] == "t"
     ls = json.loads(qbuild("ls", "--store", store_dir, "--json").stdout)

@@ -8,17 +8,18 @@ import math
 import numpy as np
 import pytest
 
-from helpers import fake_recipe, qbuild, write_recipe
 from qbuild.evaluate.gates import check_gates
 from qbuild.evaluate.protocol import window_divergence, window_nll, windows
 from qbuild.recipe import Gate
+
+from helpers import fake_recipe, qbuild, write_recipe
 
 IDS = np.arange(10, 1010)  # 1000 tokens
 
 
 def scored_positions(wins, ids, start_of: list[int]) -> list[int]:
     out = []
-    for w, start in zip(wins, start_of):
+    for w, start in zip(wins, start_of, strict=True):
         out += [start + i for i in range(w.first_scored, len(w.tokens))]
     return out
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from qbuild.artifacts.store import Store
-
-from helpers import fake_model, qbuild, write_recipe
 from qbuild.errors import RecipeError
 from qbuild.plan import build_steps
 from qbuild.recipe import parse_recipe
+
+from helpers import fake_model, run_api, write_recipe
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs qbuild[gguf]")
 
@@ -46,9 +46,8 @@ def built(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("ggufx")
     store = root / "store"
     recipe = write_recipe(root / "recipe.yaml", recipe_for(tiny_model_dir, store))
-    res = qbuild("run", "--json", recipe, cwd=root)
-    assert res.returncode == 0, res.stderr[-4000:] + res.stdout[-2000:]
-    s = json.loads(res.stdout)
+    rc, s = run_api(recipe)
+    assert rc == 0, s["steps"]
     return {"root": root, "store": store, "recipe": recipe, "variants": {v["variant"]: v for v in s["variants"]},
             "steps": {x["name"]: x for x in s["steps"]}, "summary": s}
 
@@ -119,8 +118,8 @@ def test_all_load_in_llama_cpp_with_finite_perplexity(built):
 
 
 def test_second_run_rebuilds_nothing(built):
-    res = qbuild("run", "--json", built["recipe"], cwd=built["root"])
-    assert res.returncode == 0 and json.loads(res.stdout)["counts"]["built"] == 0
+    rc, summary = run_api(built["recipe"])
+    assert rc == 0 and summary["counts"]["built"] == 0
 
 
 # --- plan time ---------------------------------------------------------------------------------------
@@ -150,7 +149,7 @@ def test_gguf_recipe_errors(tmp_path, variant, calibration, problem):
 def test_calibration_seed_invalidates_only_imatrix_variants(tmp_path):
     data = recipe_for(fake_model(tmp_path), tmp_path, [
         {"name": "a", "method": "gguf", "type": "Q4_K_M"}, {"name": "b", "method": "gguf", "type": "Q4_K_M", "imatrix": True}])
-    _, before = build_steps(parse_recipe(data), tmp_path)
+    before = build_steps(parse_recipe(data), tmp_path).artifact_steps()
     data["calibration"]["seed"] = 7
-    _, after = build_steps(parse_recipe(data), tmp_path)
+    after = build_steps(parse_recipe(data), tmp_path).artifact_steps()
     assert before["a"].key == after["a"].key and before["b"].key != after["b"].key

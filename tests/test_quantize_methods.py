@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from qbuild.artifacts.store import Store
-
-from helpers import fake_model, qbuild, write_recipe
 from qbuild.errors import MissingBackendError, RecipeError
 from qbuild.plan import build_steps
 from qbuild.recipe import parse_recipe
+
+from helpers import fake_model, qbuild, run_api, write_recipe
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None,
                                 reason="needs qbuild[llmcompressor]")
@@ -60,9 +60,8 @@ def built(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("methods")
     store = root / "store"
     recipe = write_recipe(root / "recipe.yaml", recipe_for(tiny_model_dir, store))
-    res = qbuild("run", "--json", recipe, cwd=root)
-    assert res.returncode == 0, res.stderr[-4000:] + res.stdout[-2000:]
-    summary = json.loads(res.stdout)
+    rc, summary = run_api(recipe)
+    assert rc == 0, summary["steps"]
     return {"root": root, "store": store, "recipe": recipe, "summary": summary, "model": tiny_model_dir,
             "variants": {v["variant"]: v for v in summary["variants"]},
             "steps": {s["name"]: s for s in summary["steps"]}}
@@ -76,7 +75,7 @@ def test_every_method_builds_a_compressed_tensors_checkpoint(built):
     assert built["summary"]["counts"]["failed"] == 0
     for spec in VARIANTS:
         row = built["variants"][spec["name"]]
-        assert row["status"] == "built" and row["format"] == "hf", row
+        assert row["status"] == "built" and row["format"] == "compressed-tensors", row
         out = obj_path(built["store"], row["digest"])
         config = json.loads((out / "config.json").read_text())
         qc = config["quantization_config"]
@@ -165,14 +164,14 @@ def test_calibrated_int4_beats_round_to_nearest(fidelity):
 
 
 def test_second_run_rebuilds_nothing(built):
-    res = qbuild("run", "--json", built["recipe"], cwd=built["root"])
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert json.loads(res.stdout)["counts"]["built"] == 0
+    rc, summary = run_api(built["recipe"])
+    assert rc == 0 and summary["counts"]["built"] == 0
 
 
 # --- plan-time behaviour (no torch, no model load) --------------------------------------------------
 def plan_of(data: dict, base: Path):
-    return build_steps(parse_recipe(data), base)
+    ctx = build_steps(parse_recipe(data), base)
+    return ctx, ctx.artifact_steps()
 
 
 def test_group_size_that_does_not_divide_hidden_size_fails_at_plan_time(tiny_model_dir, tmp_path):
@@ -270,8 +269,8 @@ def test_real_smollm2_gptq_beats_rtn(smollm2_dir, tmp_path):
     data = recipe_for(smollm2_dir, tmp_path / "s", variants)
     data["calibration"].update(samples=16, seq_len=512)
     data["evaluation"]["perplexity"] = {"context_length": 512, "max_windows": 8}
-    res = qbuild("run", "--json", write_recipe(tmp_path / "r.yaml", data), cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
-    rows = {v["variant"]: v for v in json.loads(res.stdout)["variants"]}
+    rc, summary = run_api(write_recipe(tmp_path / "r.yaml", data))
+    assert rc == 0, summary["steps"]
+    rows = {v["variant"]: v for v in summary["variants"]}
     base, gptq, rtn = rows["baseline"]["ppl"], rows["gptq"]["ppl"], rows["rtn"]["ppl"]
     assert base < gptq < rtn < 1.6 * base, (base, gptq, rtn)

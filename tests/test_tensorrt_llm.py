@@ -6,7 +6,6 @@ parsing, pull selection by SM, no-GPU behaviour and unsupported pairs. No GPU, n
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
 from pathlib import Path
@@ -15,13 +14,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from qbuild.build import trtllm_env
-from qbuild.build import tensorrt_llm as trt
-from qbuild.build import trtllm_pytorch as trtpt
-from qbuild.build.pull import engine_manifests, select_engine
 from qbuild.errors import RecipeError, UserError
-from qbuild.quantize.trtllm_checkpoint import CheckpointError, validate_hf_export, validate_trtllm_checkpoint
 from qbuild.step import Step
+from qbuild.trtllm import engine as trt
+from qbuild.trtllm import env as trtllm_env
+from qbuild.trtllm import pytorch_backend as trtpt
+from qbuild.trtllm.checkpoint import CheckpointError, validate_hf_export, validate_trtllm_checkpoint
+from qbuild.trtllm.select import engine_manifests, select_engine
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 L4 = "NVIDIA L4:8.9:550.54.15"
@@ -61,7 +60,7 @@ def _plan(path: Path):
     from qbuild.recipe import load_recipe
 
     r = load_recipe(path)
-    return make_plan(r, path.parent, Store(Path(r.store.path)))[0]
+    return make_plan(r, path.parent, Store(Path(r.store.path))).steps
 
 
 def _write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
@@ -209,50 +208,49 @@ def test_gguf_variant_to_tensorrt_llm_rejected(tmp_path, tiny_model_dir):
         _plan(path)
 
 
-def _vstep(fmt: str, **params) -> Step:
-    s = Step("quantize", "quantize[v]", params, None, variant="v", format=fmt)
-    s.compute_key()
-    return s
+def _vstep(fmt: str, capability: str, **params) -> Step:
+    return Step("quantize", "quantize[v]", params, None, variant="v", format=fmt, scheme=capability)
 
 
-@pytest.mark.parametrize("fmt, params, reason", [
-    ("hf", {"method": "gptq", "bits": 4, "group_size": 64}, "INT4 GPTQ weights in compressed-tensors"),
-    ("hf", {"method": "awq", "bits": 4}, "INT4 AWQ"),
-    ("hf", {"method": "fp8", "scheme": "static"}, "static per-tensor FP8"),
-    ("trtllm-checkpoint", {"method": "modelopt", "scheme": "fp8"}, "set export: hf"),
-    ("gguf", {"method": "gguf", "type": "Q4_K_M"}, "GGUF"),
+@pytest.mark.parametrize("fmt, scheme, params, reason", [
+    ("compressed-tensors", "w4a16", {"method": "gptq", "bits": 4, "group_size": 64}, "INT4/INT8 weight-only"),
+    ("compressed-tensors", "w4a16", {"method": "awq", "bits": 4}, "scheme fp8-dynamic, fp8-block, nvfp4, mxfp4, not w4a16"),
+    ("compressed-tensors", "fp8-static", {"method": "fp8", "scheme": "static"}, "static per-tensor FP8"),
+    ("trtllm-checkpoint", "fp8", {"method": "modelopt", "scheme": "fp8"}, "set export: hf"),
+    ("gguf", "Q4_K_M", {"method": "gguf", "type": "Q4_K_M"}, "GGUF is llama.cpp's format"),
+    ("hf-modelopt", "int8-sq", {"method": "modelopt", "scheme": "int8-sq"}, "use the tensorrt-llm target"),
 ])
-def test_unsupported_pairs_for_trtllm_pytorch(fmt, params, reason):
-    target = trtpt.Target(type="trtllm-pytorch")
-    with pytest.raises(RecipeError, match=reason):
-        trtpt.plan(target, _vstep(fmt, **params), None, field="targets[0]")
+def test_unsupported_pairs_for_trtllm_pytorch(fmt, scheme, params, reason):
+    with pytest.raises(RecipeError, match=reason) as exc:
+        trtpt.TensorRTLLMPyTorch().check_input(_vstep(fmt, scheme, **params), "targets[0]")
+    assert "targets[0]: variant 'v'" in str(exc.value) and "PyTorch backend" in str(exc.value)
 
 
-@pytest.mark.parametrize("fmt, params", [
-    ("hf", {"method": "fp8", "scheme": "dynamic"}), ("hf-modelopt", {"method": "modelopt", "scheme": "fp8"}),
-    ("hf-modelopt", {"method": "modelopt", "scheme": "int4-awq", "block_size": 64}),
+@pytest.mark.parametrize("fmt, scheme", [
+    ("compressed-tensors", "fp8-dynamic"), ("hf-modelopt", "fp8"), ("hf-modelopt", "int4-awq"), ("compressed-tensors", "nvfp4"),
 ])
-def test_supported_pairs_for_trtllm_pytorch(fmt, params):
-    assert trtpt.support(_vstep(fmt, **params)) is None
+def test_supported_pairs_for_trtllm_pytorch(fmt, scheme):
+    """Capability, not method name: any method whose output is this format + scheme is taken."""
+    assert trtpt.TensorRTLLMPyTorch().refusal(_vstep(fmt, scheme, method="some-future-method")) is None
 
 
 def test_tp_mismatch_rejected():
-    target = trt.Target(type="tensorrt-llm", tp_size=2)
+    target = trt.EngineTarget(type="tensorrt-llm", tp_size=2)
     with pytest.raises(RecipeError, match=r"targets\[0\].tp_size: 2 does not match"):
-        trt.check_input(target, _vstep("trtllm-checkpoint", method="modelopt", scheme="fp8", tp_size=1, pp_size=1),
-                        "targets[0]")
+        trt.TensorRTLLMEngine().check_parallelism(
+            target, _vstep("trtllm-checkpoint", "fp8", method="modelopt", scheme="fp8", tp_size=1, pp_size=1), "targets[0]")
 
 
 def test_target_settings_validated():
     with pytest.raises(ValueError, match="max_input_len"):
-        trt.Target(type="tensorrt-llm", max_input_len=4096, max_seq_len=2048)
+        trt.EngineTarget(type="tensorrt-llm", max_input_len=4096, max_seq_len=2048)
     with pytest.raises(ValueError, match="needs kv_cache_type: paged"):
-        trt.Target(type="tensorrt-llm", kv_cache_type="continuous")
+        trt.EngineTarget(type="tensorrt-llm", kv_cache_type="continuous")
 
 
 # --- goldens: trtllm-build, BuildConfig, trtllm-bench, extra_llm_api_options ------------------------------
 def test_trtllm_build_command_golden():
-    t = trt.Target(type="tensorrt-llm", max_batch_size=16, max_input_len=1024, max_seq_len=4096,
+    t = trt.EngineTarget(type="tensorrt-llm", max_batch_size=16, max_input_len=1024, max_seq_len=4096,
                    max_num_tokens=8192, plugins={"gemm": "auto", "gpt_attention": "float16"})
     assert trt.trtllm_build_args(trt.build_settings(t), "/ckpt", "/engine") == [
         "trtllm-build", "--checkpoint_dir", "/ckpt", "--output_dir", "/engine",
@@ -266,7 +264,7 @@ def test_trtllm_build_command_golden():
 
 
 def test_trtllm_build_command_continuous_kv():
-    t = trt.Target(type="tensorrt-llm", kv_cache_type="continuous", use_paged_context_fmha=False,
+    t = trt.EngineTarget(type="tensorrt-llm", kv_cache_type="continuous", use_paged_context_fmha=False,
                    plugins={"gemm": "disable"})
     args = trt.trtllm_build_args(trt.build_settings(t), "c", "e")
     assert args[args.index("--kv_cache_type") + 1] == "continuous"
@@ -286,15 +284,15 @@ def test_trtllm_bench_command_golden():
 
 
 def test_extra_llm_api_options_golden():
-    t = trtpt.Target(type="trtllm-pytorch", tp_size=2, llm_api_options={
+    t = trtpt.PyTorchBackendTarget(type="trtllm-pytorch", tp_size=2, llm_api_options={
         "max_batch_size": 32, "kv_cache_config": {"free_gpu_memory_fraction": 0.8}, "cuda_graph_config": {}})
     assert trtpt.llm_api_options(t.canonical()) == {
         "kv_cache_config": {"free_gpu_memory_fraction": 0.8}, "max_batch_size": 32,
         "pipeline_parallel_size": 1, "tensor_parallel_size": 2}
     with pytest.raises(ValueError):
-        trtpt.Target(type="trtllm-pytorch", llm_api_options={"kv_cache_config": {"free_gpu_memory_fraction": 1.5}})
+        trtpt.PyTorchBackendTarget(type="trtllm-pytorch", llm_api_options={"kv_cache_config": {"free_gpu_memory_fraction": 1.5}})
     with pytest.raises(ValueError):
-        trtpt.Target(type="trtllm-pytorch", llm_api_options={"max_batch_sise": 8})
+        trtpt.PyTorchBackendTarget(type="trtllm-pytorch", llm_api_options={"max_batch_sise": 8})
 
 
 # --- engine keys ------------------------------------------------------------------------------------------
@@ -306,11 +304,11 @@ def _engine_key(monkeypatch, gpu=H100, env=TRT_121, **target) -> Step:
         threads = 1
 
         def add(self, s):
-            s.compute_key()
             return s
 
-    return trt.plan(trt.Target(type="tensorrt-llm", **target),
-                    _vstep("trtllm-checkpoint", method="modelopt", scheme="fp8", tp_size=1, pp_size=1), Ctx(), "t")
+    return trt.TensorRTLLMEngine().plan(trt.EngineTarget(type="tensorrt-llm", **target),
+                                        _vstep("trtllm-checkpoint", "fp8", method="modelopt", scheme="fp8", tp_size=1,
+                                               pp_size=1), Ctx(), "t")
 
 
 def test_engine_key_sensitivity(monkeypatch):
@@ -441,8 +439,8 @@ def _publish_engine(store, key: str, sm: str, trtllm="1.2.1", tensorrt="10.13.3.
 
 
 def test_pull_selects_engine_by_sm(tmp_path):
+    from qbuild.api import pull
     from qbuild.artifacts.store import Store
-    from qbuild.build.pull import pull
 
     store = Store(tmp_path / "store")
     h = _publish_engine(store, "a" * 64, "9.0")
@@ -450,14 +448,14 @@ def test_pull_selects_engine_by_sm(tmp_path):
     store.set_ref("trt", "fp8.trtllm", "latest", l4.digest, l4.key)  # the ref points at the last build (L4)
     assert len(engine_manifests(store, "trt", "fp8.trtllm")) == 2
     need = {"gpu.sm": "9.0", "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
-    digest, path = pull(store, "trt/fp8.trtllm", tmp_path / "out", need)
+    digest, path = pull("trt/fp8.trtllm", store=store, out=tmp_path / "out", need=need)
     assert digest == h.digest and (path / "sm.txt").read_text() == "9.0"
     with pytest.raises(UserError) as exc:
-        pull(store, "trt/fp8.trtllm", None, {**need, "gpu.sm": "10.0"})
+        pull("trt/fp8.trtllm", store=store, need={**need, "gpu.sm": "10.0"})
     msg = str(exc.value)
     assert "needs: SM 10.0" in msg and "SM 9.0" in msg and "SM 8.9" in msg and "qbuild run /r/trt.yaml" in msg
     with pytest.raises(UserError, match="TensorRT 10.14"):
-        pull(store, "trt/fp8.trtllm", None, {**need, "tensorrt": "10.14"})
+        pull("trt/fp8.trtllm", store=store, need={**need, "tensorrt": "10.14"})
 
 
 def test_pull_cli_with_fake_gpu(tmp_path, monkeypatch):
@@ -493,13 +491,13 @@ def test_trtllm_probe_never_imports_tensorrt_llm(monkeypatch):
 
 
 def test_pull_engine_family_without_ref(tmp_path):
+    from qbuild.api import pull
     from qbuild.artifacts.store import Store
-    from qbuild.build.pull import pull
 
     store = Store(tmp_path / "store")
     h = _publish_engine(store, "d" * 64, "9.0")
     _publish_engine(store, "e" * 64, "8.9")
     need = {"gpu.sm": "9.0", "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
-    assert pull(store, "trt/fp8.trtllm", None, need)[0] == h.digest
+    assert pull("trt/fp8.trtllm", store=store, need=need)[0] == h.digest
     with pytest.raises(UserError, match="no ref"):
-        pull(store, "trt/other", None, need)
+        pull("trt/other", store=store, need=need)

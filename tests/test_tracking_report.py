@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 import socket
 import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
-from helpers import fake_recipe, qbuild, write_recipe
 from qbuild.report import pareto, render_html
+
+from helpers import fake_recipe, qbuild, run_api, write_recipe
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
@@ -67,12 +63,12 @@ def test_html_report_renders_in_headless_chromium(tmp_path):
     assert len(data) > 30_000  # a page with a table and two plots, not a blank canvas
 
 
-def _fake_run(tmp_path, store, *args):
+def _fake_run(tmp_path, store, **kwargs):
     recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [
         {"name": "small", "method": "fake"}, {"name": "big", "method": "fake", "level": 2}]))
-    res = qbuild(recipe, "--store", store, "--json", *args)
-    assert res.returncode == 0, res.stderr
-    return json.loads(res.stdout)
+    rc, summary = run_api(recipe, store, **kwargs)
+    assert rc == 0, summary["steps"]
+    return summary
 
 
 def test_report_command_writes_html_and_markdown(tmp_path, store_dir):
@@ -92,9 +88,11 @@ def _check_mlflow(uri: str, summary: dict):
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name("qbuild/t")
     runs = client.search_runs([exp.experiment_id])
-    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    # exactly one MLflow run for this qbuild run (a shared server may hold other runs too)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags
+               and r.data.tags.get("qbuild.run_id") == summary["run_id"]]
+    assert len(parents) == 1
     children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
-    assert len(parents) == 1 and parents[0].data.tags["qbuild.run_id"] == summary["run_id"]
     assert parents[0].data.params["model.source"] == "local"
     by_variant = {r.data.tags["qbuild.variant"]: r for r in children}
     assert set(by_variant) == {"small", "big"}
@@ -111,7 +109,7 @@ def _check_mlflow(uri: str, summary: dict):
 def test_mlflow_sqlite_uri_without_server(tmp_path, store_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)  # default artifact location ./mlruns
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    summary = _fake_run(tmp_path, store_dir, "--mlflow", uri)
+    summary = _fake_run(tmp_path, store_dir, mlflow=uri)
     assert summary["mlflow"]["run_id"]
     _check_mlflow(uri, summary)
 
@@ -122,30 +120,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.skipif(not HAS_MLFLOW, reason="mlflow is not installed (pip install 'qbuild[mlflow]')")
-def test_mlflow_server_on_loopback(tmp_path, store_dir):
-    port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "mlartifacts"), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 90
-        while True:
-            try:
-                urllib.request.urlopen(f"{uri}/health", timeout=2)
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    pytest.fail("mlflow server did not start")
-                time.sleep(0.5)
-        summary = _fake_run(tmp_path, store_dir, "--mlflow", uri)
-        _check_mlflow(uri, summary)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+def test_mlflow_server_on_loopback(tmp_path, store_dir, mlflow_server):
+    """A real `mlflow server` (sqlite backend, 127.0.0.1; the session's shared one from tests/servers.py)."""
+    summary = _fake_run(tmp_path, store_dir, mlflow=mlflow_server["uri"])
+    _check_mlflow(mlflow_server["uri"], summary)
 
 
 def test_tracking_failure_warns_but_keeps_artifacts(tmp_path, store_dir):

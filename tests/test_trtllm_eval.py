@@ -16,8 +16,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from qbuild.build import trtllm_env
 from qbuild.errors import RecipeError
+from qbuild.trtllm import env as trtllm_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 H100_PCIE = "NVIDIA H100 PCIe:9.0:560.35.03"
@@ -54,7 +54,7 @@ def _plan(path: Path) -> dict:
     from qbuild.recipe import load_recipe
 
     r = load_recipe(path)
-    return {p.step.name: p for p in make_plan(r, path.parent, Store(Path(r.store.path)))[0]}
+    return {p.step.name: p for p in make_plan(r, path.parent, Store(Path(r.store.path))).steps}
 
 
 @pytest.fixture
@@ -73,7 +73,7 @@ def test_engine_eval_steps_planned_with_engine_facts_in_key(tmp_path, fake_model
     assert ppl.status == speed.status == "miss"
     assert ppl.step.inputs["model"] is engine and speed.step.inputs["model"] is engine
     assert ppl.step.params["runtime"] == "tensorrt-llm" and ppl.step.requires_gpu
-    assert ppl.step.runner == "qbuild.evaluate.trtllm:perplexity"
+    assert ppl.step.runner == "qbuild.evaluate.quality:perplexity"
     facts = {"gpu.sm": "9.0", "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
     assert facts.items() <= ppl.step.toolchain().items()
     assert (facts | {"gpu.name": "NVIDIA H100 80GB HBM3"}).items() <= speed.step.toolchain().items()
@@ -181,7 +181,7 @@ def test_engine_ppl_kld_throughput_end_to_end_with_fake_interpreter(tmp_path, ti
 
     sys.path.insert(0, str(FAKE_DIR))
     try:
-        from tensorrt_llm._tensorrt_engine import fake_logits   # the stub's deterministic logits, to check against
+        from tensorrt_llm._tensorrt_engine import fake_logits  # the stub's deterministic logits, to check against
     finally:
         sys.path.remove(str(FAKE_DIR))
         for m in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
@@ -284,7 +284,7 @@ def _runner_ctx(tmp_path: Path, gather: bool, sm: str = "9.0"):
 
 
 def test_runner_sliding_window_through_shim(tmp_path):
-    from qbuild.evaluate import trtllm
+    from qbuild.evaluate import quality
     from qbuild.evaluate.data import load_tokens
     from qbuild.evaluate.protocol import summarize, window_nll, windows
 
@@ -296,7 +296,7 @@ def test_runner_sliding_window_through_shim(tmp_path):
         for m in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
             del sys.modules[m]
     ctx = _runner_ctx(tmp_path, gather=True)
-    res = trtllm.perplexity(ctx)
+    res = quality.perplexity(ctx)
     ids, _ = load_tokens(ctx.inputs["data"])
     wins = windows(ids, "sliding-window", 64, True, 1, 5, 16)
     assert res["metrics"]["ppl"] == pytest.approx(summarize([window_nll(fake_logits(w.tokens, 50), w) for w in wins])["ppl"])
@@ -305,17 +305,17 @@ def test_runner_sliding_window_through_shim(tmp_path):
 
 
 def test_runner_fails_clearly(tmp_path):
-    from qbuild.evaluate import trtllm
+    from qbuild.evaluate import quality
 
     with pytest.raises(RuntimeError, match="exited with code"):   # engine without context logits: the shim says so
-        trtllm.perplexity(_runner_ctx(tmp_path / "a", gather=False))
+        quality.perplexity(_runner_ctx(tmp_path / "a", gather=False))
     with pytest.raises(RuntimeError, match="not the one the key was computed for.*gpu.sm: planned 8.9, found 9.0"):
-        trtllm.perplexity(_runner_ctx(tmp_path / "b", gather=True, sm="8.9"))
+        quality.perplexity(_runner_ctx(tmp_path / "b", gather=True, sm="8.9"))
     assert "tensorrt_llm" not in sys.modules
 
 
 def test_parse_bench_report_without_streaming():
-    from qbuild.evaluate.trtllm import parse_bench_report
+    from qbuild.trtllm.runtime import parse_bench_report
 
     row = parse_bench_report({"performance": {"system_output_throughput_tok_s": 300.0}}, 4, 128)
     assert row["decode_tok_s"] == 300.0 and row["ttft_ms"] is None and row["prefill_tok_s"] is None
@@ -323,13 +323,13 @@ def test_parse_bench_report_without_streaming():
 
 
 def test_build_and_bench_args_for_evaluation():
-    from qbuild.build import tensorrt_llm as trt
+    from qbuild.trtllm import engine as trt
 
-    t = trt.Target(type="tensorrt-llm", gather_context_logits=True)
+    t = trt.EngineTarget(type="tensorrt-llm", gather_context_logits=True)
     args = trt.trtllm_build_args(trt.build_settings(t), "/c", "/e")
     assert args[-1] == "--gather_context_logits"
     assert trt.build_config(trt.build_settings(t))["gather_context_logits"] is True
-    assert "--gather_context_logits" not in trt.trtllm_build_args(trt.build_settings(trt.Target(type="tensorrt-llm")), "c", "e")
+    assert "--gather_context_logits" not in trt.trtllm_build_args(trt.build_settings(trt.EngineTarget(type="tensorrt-llm")), "c", "e")
     bench = trt.trtllm_bench_args("m", "/hf", "/e", "/d", "/r", concurrency=2, max_batch_size=2, streaming=True)
     assert bench[-5:] == ["--concurrency", "2", "--max_batch_size", "2", "--streaming"]
 

@@ -1,6 +1,6 @@
 """Local content-addressed store.
 
-Layout (the same on any filesystem; see DESIGN.md):
+Layout (the same on any filesystem; see docs/architecture.md):
   objects/<dd>/<digest>/        immutable artifact files + manifest.json (provenance of its producer)
   actions/<kk>/<key>.json       action cache: step key -> digest, with that step's provenance
   refs/<recipe>/<variant>/<tag> mutable names -> digest
@@ -17,10 +17,10 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from qbuild.errors import UserError
 from qbuild.hashing import canonical_json, sha256_file, tree_digest

@@ -50,7 +50,7 @@ def run(ctx: StepContext) -> dict:
     seq_len = p["seq_len"]
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     rows, masks, sample_ids, per_source = [], [], [], []
-    for si, (src, rt, n) in enumerate(zip(p["sources"], ctx.runtime_args["sources"], counts)):
+    for si, (src, rt, n) in enumerate(zip(p["sources"], ctx.runtime_args["sources"], counts, strict=True)):
         ctx.progress(si, len(counts), f"reading source {si} ({src['type']})")
         docs = [render(d, tok, p["chat_template"]) for d in read_source(src, rt)]
         if n == 0:

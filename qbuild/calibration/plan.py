@@ -7,6 +7,7 @@ from pathlib import Path
 
 from qbuild.errors import RecipeError
 from qbuild.fingerprint import dir_fingerprint
+from qbuild.formats import Format
 from qbuild.models.resolve import resolve_path
 from qbuild.step import Step
 
@@ -25,12 +26,11 @@ def source_identity(source, base: Path, field: str) -> tuple[dict, dict]:
             raise RecipeError(f"{field}.path", f"{source.path!r}: unknown extension; use .txt, .jsonl, .parquet or set format")
         data["sha256"] = dir_fingerprint(path)
         runtime["path"] = str(path)
-    elif source.type == "hf":
-        if source.data_files:
-            files = [source.data_files] if isinstance(source.data_files, str) else source.data_files
-            paths = [resolve_path(f, base, f"{field}.data_files") for f in files]
-            data["data_files_sha256"] = [dir_fingerprint(p) for p in paths]
-            runtime["data_files"] = [str(p) for p in paths]
+    elif source.type == "hf" and source.data_files:
+        files = [source.data_files] if isinstance(source.data_files, str) else source.data_files
+        paths = [resolve_path(f, base, f"{field}.data_files") for f in files]
+        data["data_files_sha256"] = [dir_fingerprint(p) for p in paths]
+        runtime["data_files"] = [str(p) for p in paths]
     return data, runtime
 
 
@@ -51,10 +51,8 @@ def calibration_step(calibration, model: Step, ctx) -> Step:
     identities, runtimes, tools = _dataset_sources(calibration, ctx, "calibration")
     params = calibration.canonical()
     params["sources"] = identities
-    step = Step("calibrate", "calibrate", params, "qbuild.calibration.build:run", inputs={"tokenizer": model},
-                tools=tools, threads=ctx.threads)
-    step.runtime_args = {"sources": runtimes}
-    return step
+    return Step("calibrate", "calibrate", params, "qbuild.calibration.build:run", inputs={"tokenizer": model},
+                tools=tools, threads=ctx.threads, format=Format.CALIBRATION, runtime_args={"sources": runtimes})
 
 
 def eval_data_step(perplexity, model: Step, ctx) -> Step:
@@ -66,10 +64,8 @@ def eval_data_step(perplexity, model: Step, ctx) -> Step:
         "add_bos": perplexity.add_bos,
         "join": "\\n\\n",
     }
-    step = Step("eval-data", "eval-data", params, "qbuild.evaluate.data:run", inputs={"tokenizer": model},
-                tools=tools, threads=ctx.threads)
-    step.runtime_args = {"sources": runtimes}
-    return step
+    return Step("eval-data", "eval-data", params, "qbuild.evaluate.data:run", inputs={"tokenizer": model},
+                tools=tools, threads=ctx.threads, format=Format.TOKENS, runtime_args={"sources": runtimes})
 
 
 def overlapping_sources(calibration, perplexity, base: Path) -> list[str]:

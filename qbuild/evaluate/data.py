@@ -18,7 +18,7 @@ def run(ctx: StepContext) -> dict:
     p = ctx.params
     tok = load_tokenizer(ctx.inputs["tokenizer"])
     docs = []
-    for src, rt in zip(p["dataset"]["sources"], ctx.runtime_args["sources"]):
+    for src, rt in zip(p["dataset"]["sources"], ctx.runtime_args["sources"], strict=True):
         docs += [render(d, tok, p["dataset"]["chat_template"]) for d in read_source(src, rt)]
     ids = np.array(tok("\n\n".join(docs), add_special_tokens=False)["input_ids"], dtype=np.int32)
     body = p["context_length"] - (1 if p["add_bos"] else 0)

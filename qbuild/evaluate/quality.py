@@ -9,7 +9,7 @@ import numpy as np
 
 from qbuild.evaluate.data import load_tokens
 from qbuild.evaluate.protocol import summarize, window_divergence, window_nll, windows
-from qbuild.evaluate.runtimes import open_runtime
+from qbuild.plugins import open_session
 from qbuild.step import StepContext
 
 
@@ -34,10 +34,10 @@ def perplexity(ctx: StepContext) -> dict:
     p = ctx.params
     wins, info = _windows(ctx)
     t0 = time.perf_counter()
-    rt = open_runtime(p["runtime"], ctx.inputs["model"], p["context_length"], ctx.threads, ctx.device)
+    rt = open_session(p["runtime"], ctx.inputs["model"], ctx, p["context_length"])
     nlls = []
-    for i, w in enumerate(wins):
-        nlls.append(window_nll(rt.logits(w.tokens), w))
+    for i, (w, logits) in enumerate(zip(wins, rt.window_logits(wins), strict=True)):
+        nlls.append(window_nll(logits, w))
         ctx.progress(i + 1, len(wins), "windows")
     result = summarize(nlls) | {"protocol": protocol_record(p, info),
                                 "runtime": rt.info() | {"seconds": time.perf_counter() - t0}}
@@ -49,17 +49,21 @@ def divergence(ctx: StepContext) -> dict:
     """KL divergence and top-1 agreement of a variant against the baseline, on the same tokens."""
     p = ctx.params
     wins, info = _windows(ctx)
-    base = open_runtime(p["baseline_runtime"], ctx.inputs["baseline"], p["context_length"], ctx.threads, ctx.device)
-    base_logits = [base.logits(w.tokens) for w in wins]
+    base = open_session(p["baseline_runtime"], ctx.inputs["baseline"], ctx, p["context_length"])
+    base_logits = list(base.window_logits(wins))
+    base_info = base.info()
     del base
-    rt = open_runtime(p["runtime"], ctx.inputs["model"], p["context_length"], ctx.threads, ctx.device)
+    rt = open_session(p["runtime"], ctx.inputs["model"], ctx, p["context_length"])
     klds, top1 = [], []
-    for i, (w, bl) in enumerate(zip(wins, base_logits)):
-        d = window_divergence(bl, rt.logits(w.tokens), w)
+    for i, (w, bl, logits) in enumerate(zip(wins, base_logits, rt.window_logits(wins), strict=True)):
+        if logits.shape != bl.shape:
+            raise RuntimeError(f"window {i}: logits {logits.shape} vs baseline {bl.shape}")
+        d = window_divergence(bl, logits, w)
         klds.append(d["kld"])
         top1.append(d["top1"])
         ctx.progress(i + 1, len(wins), "windows")
-    return write_divergence(ctx, klds, top1, {"protocol": protocol_record(p, info), "runtime": rt.info()})
+    return write_divergence(ctx, klds, top1, {"protocol": protocol_record(p, info), "runtime": rt.info(),
+                                              "baseline_runtime": base_info})
 
 
 def write_divergence(ctx: StepContext, klds: list, top1: list, record: dict) -> dict:

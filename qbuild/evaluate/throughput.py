@@ -7,15 +7,20 @@ import statistics
 
 import numpy as np
 
-from qbuild.evaluate.runtimes import open_runtime
 from qbuild.fingerprint import cpu_model
+from qbuild.plugins import open_session
 from qbuild.step import StepContext
 
 
 def run(ctx: StepContext) -> dict:
     p = ctx.params
-    n_ctx = p["input_len"] + p["output_len"] + 1
-    rt = open_runtime(p["runtime"], ctx.inputs["model"], n_ctx, ctx.threads, ctx.device)
+    session = open_session(p["runtime"], ctx.inputs["model"], ctx, p["input_len"] + p["output_len"] + 1)
+    own = getattr(session, "throughput", None)   # a runtime with its own benchmark tool (trtllm-bench)
+    return own(ctx, p) if own else measure(session, ctx, p)
+
+
+def measure(rt, ctx: StepContext, p: dict) -> dict:
+    """Throughput through a session's generate_timed: warm-up, repetitions, medians and spread."""
     rng = np.random.default_rng(0)
     results = []
     total = len(p["batch_sizes"]) * (p["warmup"] + p["repetitions"])

@@ -6,9 +6,11 @@ import importlib.util
 import json
 from pathlib import Path
 
-from qbuild.errors import RecipeError
 from qbuild.artifacts.store import atomic_write_json
-from qbuild.fingerprint import cache_dir as fingerprint_cache, dir_fingerprint
+from qbuild.errors import RecipeError
+from qbuild.fingerprint import cache_dir as fingerprint_cache
+from qbuild.fingerprint import dir_fingerprint
+from qbuild.formats import Format
 from qbuild.hashing import sha256_text
 from qbuild.recipe import GGUFModel, HubModel, LocalModel
 from qbuild.step import Step
@@ -61,21 +63,20 @@ def model_step(spec, recipe_dir: Path) -> Step:
         if not (path / "config.json").is_file():
             raise RecipeError("model.path", f"{path} is not a Hugging Face checkpoint (no config.json)")
         digest = sha256_text("local-dir:" + dir_fingerprint(path))
-        return Step("model", "model", {"source": "local"}, None, source_path=path, source_digest=digest, format="hf")
+        return Step("model", "model", {"source": "local"}, None, source_path=path, source_digest=digest, format=Format.HF)
     if isinstance(spec, HubModel):
         path = hub_snapshot(spec.repo, spec.revision)
         commit = path.name  # snapshots/<commit sha>
         digest = sha256_text(f"hub:{spec.repo}@{commit}")
         return Step("model", "model", {"source": "hub", "repo": spec.repo, "commit": commit}, None,
-                    source_path=path, source_digest=digest, format="hf")
+                    source_path=path, source_digest=digest, format=Format.HF)
     if isinstance(spec, GGUFModel):
         path = resolve_path(spec.path, recipe_dir, "model.path")
         params = {"source": "gguf", "gguf_sha256": dir_fingerprint(path), "dtype": spec.dtype}
-        step = Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
-                    tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format="hf",
+        return Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
+                    tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format=Format.HF,
+                    runtime_args={"gguf_path": str(path)},
                     impl_version=2)  # 2: byte-level BPE tokenizers restored
-        step.runtime_args = {"gguf_path": str(path)}
-        return step
     raise AssertionError(spec)
 
 

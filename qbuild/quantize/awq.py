@@ -12,13 +12,11 @@ from typing import Literal
 
 from pydantic import Field
 
+from qbuild.plugins import methods
 from qbuild.quantize import llmcompressor as lc
 
-EXTRA = lc.EXTRA
-REQUIRES = lc.REQUIRES
 
-
-class Variant(lc.IntWeightVariant):
+class AWQVariant(lc.IntWeightVariant):
     """AWQ (Lin et al.): calibrated weight-only integer quantization by activation-aware scaling."""
 
     method: Literal["awq"]
@@ -32,24 +30,6 @@ class Variant(lc.IntWeightVariant):
 
     def describe(self) -> str:
         return "AWQ " + super().describe()
-
-
-def check(variant: Variant, ctx, field: str) -> None:
-    lc.check_int_weights(variant, ctx, field)
-
-
-def plan(variant: Variant, ctx):
-    auto = lc.check_int_weights(variant, ctx, "variants")
-    return lc.plan_step(variant, ctx, "qbuild.quantize.awq:run", auto)
-
-
-def build_recipe(p: dict) -> list:
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-    from llmcompressor.modifiers.transform.awq import AWQModifier
-
-    return [AWQModifier(duo_scaling=p["duo_scaling"], n_grid=p["n_grid"]),
-            QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": lc.weight_args(p)}},
-                                 ignore=lc.resolved_ignore(p))]
 
 
 @contextlib.contextmanager
@@ -73,4 +53,18 @@ def cpu_pin_memory_workaround():
         IntermediatesCache.pin_memory = original
 
 
-run = lc.runner(build_recipe, cpu_pin_memory_workaround)
+@methods.register
+class AWQ(lc.LLMCompressorMethod):
+    name = "awq"
+    options = AWQVariant
+
+    def modifiers(self, p: dict) -> list:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
+        from llmcompressor.modifiers.transform.awq import AWQModifier
+
+        return [AWQModifier(duo_scaling=p["duo_scaling"], n_grid=p["n_grid"]),
+                QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": lc.weight_args(p)}},
+                                     ignore=lc.resolved_ignore(p))]
+
+    def workarounds(self):
+        return cpu_pin_memory_workaround()

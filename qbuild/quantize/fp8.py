@@ -14,14 +14,12 @@ from typing import Literal
 
 from pydantic import Field
 
+from qbuild.plugins import methods
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.base import VariantBase
 
-EXTRA = lc.EXTRA
-REQUIRES = lc.REQUIRES
 
-
-class Variant(VariantBase):
+class FP8Variant(VariantBase):
     """FP8 W8A8 (E4M3) with dynamic or calibrated static activation scales."""
 
     method: Literal["fp8"]
@@ -39,21 +37,18 @@ class Variant(VariantBase):
         return f"FP8 {self.scheme}" + (" +KV" if self.kv_cache else "")
 
 
-def check(variant: Variant, ctx, field: str) -> None:
-    """FP8 per-channel/per-tensor scales have no group-size constraint."""
+@methods.register
+class FP8(lc.LLMCompressorMethod):
+    name = "fp8"
+    options = FP8Variant
 
+    def scheme(self, variant: FP8Variant) -> str:
+        return f"fp8-{variant.scheme}"
 
-def plan(variant: Variant, ctx):
-    return lc.plan_step(variant, ctx, "qbuild.quantize.fp8:run")
+    def modifiers(self, p: dict) -> list:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
 
-
-def build_recipe(p: dict) -> list:
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-
-    kv = {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
-                              "symmetric": True}} if p["kv_cache"] else {}
-    scheme = "FP8_DYNAMIC" if p["scheme"] == "dynamic" else "FP8"
-    return [QuantizationModifier(targets=["Linear"], scheme=scheme, ignore=list(p["ignore"]), **kv)]
-
-
-run = lc.runner(build_recipe)
+        kv = {"kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False,
+                                  "symmetric": True}} if p["kv_cache"] else {}
+        scheme = "FP8_DYNAMIC" if p["scheme"] == "dynamic" else "FP8"
+        return [QuantizationModifier(targets=["Linear"], scheme=scheme, ignore=list(p["ignore"]), **kv)]

@@ -19,12 +19,12 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from qbuild.errors import RecipeError
+from qbuild.formats import Format
+from qbuild.plugins import Method, methods
 from qbuild.quantize.base import VariantBase
 from qbuild.schema_base import StrictModel
 from qbuild.step import Step, StepContext
 
-EXTRA = "gguf"
-REQUIRES = ("llama_cpp", "gguf")
 TOOLS = ("llama-cpp-python",)
 CONVERT_TOOLS = ("llama-cpp-python", "torch", "transformers", "safetensors")
 IMATRIX_TOOLS = ("torch", "transformers", "safetensors", "gguf")
@@ -79,7 +79,7 @@ class TensorType(StrictModel):
         return _tensor_type(v)
 
 
-class Variant(VariantBase):
+class GGUFVariant(VariantBase):
     """A GGUF file of one llama.cpp quantization type."""
 
     method: Literal["gguf"]
@@ -172,46 +172,55 @@ def gguf_tensor_columns(info: dict) -> dict[str, int]:
     return cols
 
 
-def check(variant: Variant, ctx, field: str) -> None:
-    """The main type falls back per tensor in llama.cpp when a row does not fit its block; explicitly
-    requested tensor types do not (llama.cpp 0.3.36 aborts), so those are checked here, at plan time."""
-    import re
+@methods.register
+class GGUF(Method):
+    """GGUF through llama.cpp: convert once per model, optional importance matrix, quantize per variant."""
 
-    requests = [("output_type", variant.output_type, r"^output\.weight$"),
-                ("embedding_type", variant.embedding_type, r"^token_embd\.weight$")]
-    requests += [(f"tensor_types[{i}].type", t.type, t.pattern) for i, t in enumerate(variant.tensor_types)]
-    if not any(ggml_type for _, ggml_type, _ in requests):
-        return  # nothing explicit: llama.cpp's own per-tensor fallback applies, no model facts needed
-    cols = gguf_tensor_columns(ctx.model_info())
-    if not cols:
-        return
-    for where, ggml_type, pattern in requests:
-        if not ggml_type:
-            continue
-        bs = block_size(ggml_type)
-        bad = sorted({n for n, c in cols.items() if re.search(pattern, n) and c % bs})
-        if bad:
-            shown = ", ".join(f"{n} ({cols[n]} columns)" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-            fits = [t for t in TENSOR_TYPES if all(cols[n] % block_size(t) == 0 for n in bad)]
-            raise RecipeError(f"{field}.{where}",
-                              f"{ggml_type} packs rows in blocks of {bs} columns, which does not divide {shown}; "
-                              f"types that fit: {', '.join(fits)}")
+    name = "gguf"
+    options = GGUFVariant
+    extra = "gguf"
+    requires = ("llama_cpp", "gguf")
 
+    def check(self, variant: GGUFVariant, ctx, field: str) -> None:
+        """The main type falls back per tensor in llama.cpp when a row does not fit its block; explicitly
+        requested tensor types do not (llama.cpp 0.3.36 aborts), so those are checked here, at plan time."""
+        import re
 
-def plan(variant: Variant, ctx) -> Step:
-    model = ctx.model()
-    convert = ctx.add(Step("gguf-convert", f"gguf-convert[{variant.convert_type}]", {"outtype": variant.convert_type},
-                           "qbuild.quantize.gguf:run_convert", inputs={"model": model}, tools=CONVERT_TOOLS,
-                           threads=ctx.threads, format="gguf"))
-    inputs = {"gguf": convert}
-    if variant.uses_imatrix():
-        inputs["imatrix"] = ctx.add(Step("imatrix", f"imatrix[{variant.convert_type}]", {"statistic": "mean-sq-input"},
-                                         "qbuild.quantize.gguf:run_imatrix",
-                                         inputs={"model": model, "calibration": ctx.calibration(), "gguf": convert},
-                                         tools=IMATRIX_TOOLS, threads=ctx.threads, format="imatrix"))
-    return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
-                        "qbuild.quantize.gguf:run_quantize", inputs=inputs, tools=TOOLS,
-                        threads=ctx.threads, variant=variant.name, format="gguf"))
+        requests = [("output_type", variant.output_type, r"^output\.weight$"),
+                    ("embedding_type", variant.embedding_type, r"^token_embd\.weight$")]
+        requests += [(f"tensor_types[{i}].type", t.type, t.pattern) for i, t in enumerate(variant.tensor_types)]
+        if not any(ggml_type for _, ggml_type, _ in requests):
+            return  # nothing explicit: llama.cpp's own per-tensor fallback applies, no model facts needed
+        cols = gguf_tensor_columns(ctx.model_info())
+        if not cols:
+            return
+        for where, ggml_type, pattern in requests:
+            if not ggml_type:
+                continue
+            bs = block_size(ggml_type)
+            bad = sorted({n for n, c in cols.items() if re.search(pattern, n) and c % bs})
+            if bad:
+                shown = ", ".join(f"{n} ({cols[n]} columns)" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+                fits = [t for t in TENSOR_TYPES if all(cols[n] % block_size(t) == 0 for n in bad)]
+                raise RecipeError(f"{field}.{where}",
+                                  f"{ggml_type} packs rows in blocks of {bs} columns, which does not divide {shown}; "
+                                  f"types that fit: {', '.join(fits)}")
+
+    def plan(self, variant: GGUFVariant, ctx) -> Step:
+        model = ctx.model()
+        convert = ctx.add(Step("gguf-convert", f"gguf-convert[{variant.convert_type}]", {"outtype": variant.convert_type},
+                               "qbuild.quantize.gguf:run_convert", inputs={"model": model}, tools=CONVERT_TOOLS,
+                               threads=ctx.threads, format=Format.GGUF))
+        inputs = {"gguf": convert}
+        if variant.uses_imatrix():
+            inputs["imatrix"] = ctx.add(Step("imatrix", f"imatrix[{variant.convert_type}]", {"statistic": "mean-sq-input"},
+                                             "qbuild.quantize.gguf:run_imatrix",
+                                             inputs={"model": model, "calibration": ctx.calibration(), "gguf": convert},
+                                             tools=IMATRIX_TOOLS, threads=ctx.threads, format=Format.IMATRIX))
+        return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
+                            "qbuild.quantize.gguf:run_quantize", inputs=inputs, tools=TOOLS,
+                            threads=ctx.threads, variant=variant.name, format=Format.GGUF,
+                            scheme=variant.type))
 
 
 def run_convert(ctx: StepContext) -> dict:

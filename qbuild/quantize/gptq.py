@@ -11,13 +11,11 @@ from typing import Literal
 
 from pydantic import Field
 
+from qbuild.plugins import methods
 from qbuild.quantize import llmcompressor as lc
 
-EXTRA = lc.EXTRA
-REQUIRES = lc.REQUIRES
 
-
-class Variant(lc.IntWeightVariant):
+class GPTQVariant(lc.IntWeightVariant):
     """GPTQ (Frantar et al.): calibrated weight-only integer quantization."""
 
     method: Literal["gptq"]
@@ -34,22 +32,15 @@ class Variant(lc.IntWeightVariant):
         return "GPTQ " + super().describe()
 
 
-def check(variant: Variant, ctx, field: str) -> None:
-    lc.check_int_weights(variant, ctx, field)
+@methods.register
+class GPTQ(lc.LLMCompressorMethod):
+    name = "gptq"
+    options = GPTQVariant
 
+    def modifiers(self, p: dict) -> list:
+        from llmcompressor.modifiers.gptq import GPTQModifier
 
-def plan(variant: Variant, ctx):
-    auto = lc.check_int_weights(variant, ctx, "variants")
-    return lc.plan_step(variant, ctx, "qbuild.quantize.gptq:run", auto)
-
-
-def build_recipe(p: dict) -> list:
-    from llmcompressor.modifiers.gptq import GPTQModifier
-
-    weights = lc.weight_args(p)
-    return [GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
-                         ignore=lc.resolved_ignore(p), dampening_frac=p["damp"], block_size=p["block_size"],
-                         actorder=p.get("actorder"))]
-
-
-run = lc.runner(build_recipe)
+        weights = lc.weight_args(p)
+        return [GPTQModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": weights}},
+                             ignore=lc.resolved_ignore(p), dampening_frac=p["damp"], block_size=p["block_size"],
+                             actorder=p.get("actorder"))]

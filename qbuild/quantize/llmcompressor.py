@@ -1,9 +1,9 @@
 """What the llm-compressor methods (gptq, awq, fp8, rtn) share: recipe fields, the plan step, the runner.
 
-Each method is its own adapter module (gptq.py, awq.py, fp8.py, rtn.py) that declares its Variant
-and turns its params into llm-compressor modifiers; this module runs `oneshot` on the shared
-calibration set and saves a compressed-tensors HF directory (vLLM, transformers, TGI load it).
-Nothing here imports torch or llm-compressor at module level.
+Each method is its own module (gptq.py, awq.py, fp8.py, rtn.py) with a `LLMCompressorMethod`
+subclass that declares its options and turns its params into llm-compressor modifiers; this module
+runs `oneshot` on the shared calibration set and saves a compressed-tensors HF directory (vLLM,
+SGLang and transformers load it). Nothing here imports torch or llm-compressor at module level.
 """
 
 from __future__ import annotations
@@ -11,21 +11,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from abc import abstractmethod
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 
+from qbuild.formats import Format
+from qbuild.plugins import Method
 from qbuild.quantize.base import VariantBase
 from qbuild.quantize.shapes import check_group_size
 from qbuild.step import Step, StepContext
 
-EXTRA = "llmcompressor"
-REQUIRES = ("llmcompressor", "compressed_tensors")
 # distributions whose versions enter the key of a quantize step
 TOOLS = ("llmcompressor", "compressed-tensors", "torch", "transformers", "safetensors")
-# transformers needs compressed-tensors to load the output: part of the evaluation key too
-EVAL_TOOLS = ("compressed-tensors",)
 
 
 class IntWeightVariant(VariantBase):
@@ -76,17 +75,43 @@ def resolved_ignore(p: dict) -> list[str]:
     return list(p.get("ignore", [])) + list(p.get("auto_ignore", []))
 
 
-def plan_step(variant: VariantBase, ctx, runner: str, auto_ignore: list[str] = ()) -> Step:
-    params = variant.quant_params()
-    if auto_ignore:
-        params["auto_ignore"] = list(auto_ignore)
-    inputs = {"model": ctx.model()}
-    if variant.needs_calibration():
-        inputs["calibration"] = ctx.calibration()
-    step = ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
-                        threads=ctx.threads, variant=variant.name, format="hf"))
-    step.eval_tools = EVAL_TOOLS
-    return step
+class LLMCompressorMethod(Method):
+    """A method run by llm-compressor's `oneshot`: subclasses give the options and the modifiers."""
+
+    extra = "llmcompressor"
+    requires = ("llmcompressor", "compressed_tensors")
+
+    def check(self, variant, ctx, field: str) -> None:
+        if isinstance(variant, IntWeightVariant):
+            check_int_weights(variant, ctx, field)
+
+    def scheme(self, variant) -> str:
+        """The quantization scheme targets select on (integer weight-only: w<bits>a16)."""
+        return f"w{variant.bits}a16"
+
+    def plan(self, variant: VariantBase, ctx) -> Step:
+        params = variant.quant_params()
+        if isinstance(variant, IntWeightVariant):
+            auto_ignore = check_int_weights(variant, ctx, "variants")
+            if auto_ignore:
+                params["auto_ignore"] = list(auto_ignore)
+        inputs = {"model": ctx.model()}
+        if variant.needs_calibration():
+            inputs["calibration"] = ctx.calibration()
+        runner = f"{type(self).__module__}:{type(self).__name__}.run"
+        return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
+                            threads=ctx.threads, variant=variant.name, format=Format.COMPRESSED_TENSORS,
+                            scheme=self.scheme(variant)))
+
+    @abstractmethod
+    def modifiers(self, params: dict) -> list:
+        """The llm-compressor recipe (a list of modifiers) for these params."""
+
+    def workarounds(self) -> contextlib.AbstractContextManager | None:
+        return None
+
+    def run(self, ctx: StepContext) -> dict:
+        return run_oneshot(ctx, self.modifiers(ctx.params), self.workarounds())
 
 
 # --- run time ------------------------------------------------------------------------------------
@@ -154,15 +179,8 @@ def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.Abstract
     model.save_pretrained(str(ctx.out), save_compressed=True)
     tokenizer.save_pretrained(str(ctx.out))
     qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
-    return {"format": "hf", "metrics": {"size_bytes": dir_size(ctx.out)},
+    return {"format": Format.COMPRESSED_TENSORS, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
                      "ignore": qc.get("ignore"), "calibration_samples": kwargs.get("num_calibration_samples", 0),
                      "device": "cuda" if torch.cuda.is_available() else "cpu",
                      "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}}
-
-
-def runner(build_recipe: Callable[[dict], list], workarounds: Callable[[], contextlib.AbstractContextManager] | None = None):
-    """A step runner for a method: params → modifiers → oneshot → saved directory."""
-    def run(ctx: StepContext) -> dict:
-        return run_oneshot(ctx, build_recipe(ctx.params), workarounds() if workarounds else None)
-    return run

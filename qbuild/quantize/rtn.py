@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+from qbuild.plugins import methods
 from qbuild.quantize import llmcompressor as lc
 
-EXTRA = lc.EXTRA
-REQUIRES = lc.REQUIRES
 
-
-class Variant(lc.IntWeightVariant):
+class RTNVariant(lc.IntWeightVariant):
     """Round-to-nearest integer weights (min/max scales per group), no calibration data."""
 
     method: Literal["rtn"]
@@ -23,20 +21,13 @@ class Variant(lc.IntWeightVariant):
         return "RTN " + super().describe()
 
 
-def check(variant: Variant, ctx, field: str) -> None:
-    lc.check_int_weights(variant, ctx, field)
+@methods.register
+class RTN(lc.LLMCompressorMethod):
+    name = "rtn"
+    options = RTNVariant
 
+    def modifiers(self, p: dict) -> list:
+        from llmcompressor.modifiers.quantization import QuantizationModifier
 
-def plan(variant: Variant, ctx):
-    auto = lc.check_int_weights(variant, ctx, "variants")
-    return lc.plan_step(variant, ctx, "qbuild.quantize.rtn:run", auto)
-
-
-def build_recipe(p: dict) -> list:
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-
-    return [QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": lc.weight_args(p)}},
-                                 ignore=lc.resolved_ignore(p))]
-
-
-run = lc.runner(build_recipe)
+        return [QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": lc.weight_args(p)}},
+                                     ignore=lc.resolved_ignore(p))]

@@ -1,6 +1,6 @@
 """GPU suite for the TensorRT-LLM path: build engines, load them, generate, measure PPL and throughput.
 
-Also runs qbuild's own engine evaluation steps (perplexity/KLD through qbuild/evaluate/trtllm_shim.py,
+Also runs qbuild's own engine evaluation steps (perplexity/KLD through qbuild/trtllm/_shim.py,
 throughput through trtllm-bench) with a target built with gather_context_logits.
 
 Needs an NVIDIA GPU and TensorRT-LLM 1.2.x importable in this Python (NVIDIA's release container;
@@ -65,8 +65,8 @@ def _build(tmp_path: Path, model_dir: Path, name: str, variant: dict) -> tuple[d
 
 @pytest.mark.parametrize("name, variant", SCHEMES, ids=[s[0] for s in SCHEMES])
 def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
-    from qbuild.build import tensorrt_llm as trt
-    from qbuild.build import trtllm_env
+    from qbuild.trtllm import engine as trt
+    from qbuild.trtllm import env as trtllm_env
 
     manifest, engine = _build(tmp_path, model_dir, name, variant)
     gpu = trtllm_env.gpu()
@@ -75,8 +75,8 @@ def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
     assert manifest["info"]["gpu"]["driver"] == gpu.driver and manifest["info"]["tensorrt"]
 
     # load + generate through the LLM API (TensorRT engine backend of 1.2.x)
-    from tensorrt_llm._tensorrt_engine import LLM
     from tensorrt_llm import SamplingParams
+    from tensorrt_llm._tensorrt_engine import LLM
 
     llm = LLM(model=str(engine), tokenizer=str(engine))
     text = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].outputs[0].text

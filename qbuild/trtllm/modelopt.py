@@ -4,7 +4,7 @@ One step, `quantize[<variant>]`: load the HF model, calibrate ModelOpt's quantiz
 calibration set, export either a TensorRT-LLM checkpoint (config.json + rank<N>.safetensors, the
 input of `trtllm-build`) or a Hugging Face checkpoint with hf_quant_config.json (what TensorRT-LLM's
 PyTorch backend loads), then validate the export against the source model and record every fix
-(see qbuild/quantize/trtllm_checkpoint.py: ModelOpt 0.47 writes no rotary_base, for one).
+(see qbuild/trtllm/checkpoint.py: ModelOpt 0.47 writes no rotary_base, for one).
 Runs on CPU; ModelOpt is imported only inside the step's worker process.
 """
 
@@ -18,12 +18,12 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from qbuild.errors import RecipeError
+from qbuild.formats import Format
+from qbuild.plugins import Method, methods
 from qbuild.quantize.base import VariantBase
-from qbuild.quantize.trtllm_checkpoint import QUANT_ALGO, linear_in_features
 from qbuild.step import Step, StepContext
+from qbuild.trtllm.checkpoint import QUANT_ALGO, linear_in_features
 
-EXTRA = "modelopt"
-REQUIRES = ("modelopt", "torch", "transformers")
 TOOLS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
 
 SCHEMES = ("fp8", "int8-sq", "int4-awq", "w4a8-awq", "none")
@@ -34,10 +34,10 @@ DECODER_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3":
                  "gemma2": "gemma2", "phi3": "phi3", "gpt2": "gpt"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
-FORMATS = {"trtllm-checkpoint": "trtllm-checkpoint", "hf": "hf-modelopt"}
+FORMATS = {"trtllm-checkpoint": Format.TRTLLM_CHECKPOINT, "hf": Format.HF_MODELOPT}
 
 
-class Variant(VariantBase):
+class ModelOptVariant(VariantBase):
     """A model quantized by NVIDIA ModelOpt, exported for TensorRT-LLM."""
 
     method: Literal["modelopt"]
@@ -75,42 +75,44 @@ class Variant(VariantBase):
         return f"{label} g{self.block_size}" if self.block_size else label
 
 
-def step_format(variant: Variant) -> str:
-    return FORMATS[variant.export]
+@methods.register
+class ModelOpt(Method):
+    name = "modelopt"
+    options = ModelOptVariant
+    extra = "modelopt"
+    requires = ("modelopt", "torch", "transformers")
 
+    def check(self, variant: ModelOptVariant, ctx, field: str) -> None:
+        info = ctx.model_info()
+        model_type = info.get("model_type")
+        if variant.export == "trtllm-checkpoint" and model_type not in DECODER_TYPES:
+            raise RecipeError(f"{field}.export", f"ModelOpt's TensorRT-LLM export does not map model_type "
+                              f"{model_type!r}; supported: {', '.join(sorted(DECODER_TYPES))} (or use export: hf)")
+        if variant.block_size:
+            dims = linear_in_features(info)
+            bad = {name: d for name, d in dims.items() if d % variant.block_size}
+            if bad:
+                fits = [b for b in AWQ_BLOCK_SIZES if all(d % b == 0 for d in dims.values())]
+                what = ", ".join(f"{n} = {d}" for n, d in bad.items())
+                allowed = ", ".join(map(str, fits)) if fits else "none of " + ", ".join(map(str, AWQ_BLOCK_SIZES))
+                raise RecipeError(f"{field}.block_size", f"{variant.block_size} does not divide {what}; "
+                                  f"block sizes that fit this model: {allowed}")
+        heads = info.get("num_attention_heads", 1)
+        kv = info.get("num_key_value_heads") or heads
+        if variant.tp_size > 1 and (heads % variant.tp_size or kv % variant.tp_size):
+            raise RecipeError(f"{field}.tp_size", f"{variant.tp_size} does not divide num_attention_heads={heads} "
+                              f"and num_key_value_heads={kv}")
+        if variant.pp_size > info.get("num_hidden_layers", 1):
+            raise RecipeError(f"{field}.pp_size", f"{variant.pp_size} exceeds num_hidden_layers={info.get('num_hidden_layers')}")
 
-def check(variant: Variant, ctx, field: str) -> None:
-    info = ctx.model_info()
-    model_type = info.get("model_type")
-    if variant.export == "trtllm-checkpoint" and model_type not in DECODER_TYPES:
-        raise RecipeError(f"{field}.export", f"ModelOpt's TensorRT-LLM export does not map model_type "
-                          f"{model_type!r}; supported: {', '.join(sorted(DECODER_TYPES))} (or use export: hf)")
-    if variant.block_size:
-        dims = linear_in_features(info)
-        bad = {name: d for name, d in dims.items() if d % variant.block_size}
-        if bad:
-            fits = [b for b in AWQ_BLOCK_SIZES if all(d % b == 0 for d in dims.values())]
-            what = ", ".join(f"{n} = {d}" for n, d in bad.items())
-            allowed = ", ".join(map(str, fits)) if fits else "none of " + ", ".join(map(str, AWQ_BLOCK_SIZES))
-            raise RecipeError(f"{field}.block_size", f"{variant.block_size} does not divide {what}; "
-                              f"block sizes that fit this model: {allowed}")
-    heads = info.get("num_attention_heads", 1)
-    kv = info.get("num_key_value_heads") or heads
-    if variant.tp_size > 1 and (heads % variant.tp_size or kv % variant.tp_size):
-        raise RecipeError(f"{field}.tp_size", f"{variant.tp_size} does not divide num_attention_heads={heads} "
-                          f"and num_key_value_heads={kv}")
-    if variant.pp_size > info.get("num_hidden_layers", 1):
-        raise RecipeError(f"{field}.pp_size", f"{variant.pp_size} exceeds num_hidden_layers={info.get('num_hidden_layers')}")
-
-
-def plan(variant: Variant, ctx) -> Step:
-    model = ctx.model()
-    inputs = {"model": model}
-    if variant.needs_calibration():
-        inputs["calibration"] = ctx.calibration()
-    return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
-                        "qbuild.quantize.modelopt:run", inputs=inputs, tools=TOOLS, threads=ctx.threads,
-                        variant=variant.name, format=step_format(variant)))
+    def plan(self, variant: ModelOptVariant, ctx) -> Step:
+        model = ctx.model()
+        inputs = {"model": model}
+        if variant.needs_calibration():
+            inputs["calibration"] = ctx.calibration()
+        return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
+                            "qbuild.trtllm.modelopt:run", inputs=inputs, tools=TOOLS, threads=ctx.threads,
+                            variant=variant.name, format=FORMATS[variant.export], scheme=variant.scheme))
 
 
 # --- worker side ------------------------------------------------------------------------------------
@@ -137,7 +139,7 @@ def run(ctx: StepContext) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qbuild.quantize.trtllm_checkpoint import validate_hf_export, validate_trtllm_checkpoint
+    from qbuild.trtllm.checkpoint import validate_hf_export, validate_trtllm_checkpoint
 
     p = ctx.params
     src = Path(ctx.inputs["model"])

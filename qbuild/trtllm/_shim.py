@@ -1,7 +1,7 @@
 """Engine context logits → per-window NLL. Runs INSIDE the TensorRT-LLM 1.2.x interpreter, never in qbuild's.
 
 qbuild copies this file and protocol.py next to the request and runs
-    <trtllm python> trtllm_shim.py REQUEST.json RESULT.json
+    <trtllm python> _shim.py REQUEST.json RESULT.json
 REQUEST: {"engine": dir, "tokenizer": HF dir, "protocol": path of a copy of qbuild/evaluate/protocol.py,
           "windows": [{"tokens": [...], "first_scored": n}, ...], "vocab_size": n | null,
           "batch": n, "logits_dir": dir | null}
@@ -42,10 +42,9 @@ def main(request_path: str, result_path: str) -> int:
         req = json.load(f)
     proto = load_protocol(req["protocol"])
     import numpy as np
-
     import tensorrt_llm
     from tensorrt_llm import SamplingParams
-    from tensorrt_llm._tensorrt_engine import LLM   # the TensorRT engine backend of the LLM API (1.2.x)
+    from tensorrt_llm._tensorrt_engine import LLM  # the TensorRT engine backend of the LLM API (1.2.x)
     from tensorrt_llm.llmapi import KvCacheConfig
 
     t0 = time.perf_counter()
@@ -59,7 +58,7 @@ def main(request_path: str, result_path: str) -> int:
     for start in range(0, len(wins), batch):
         chunk = wins[start: start + batch]
         outs = llm.generate([w.tokens for w in chunk], params, use_tqdm=False)
-        for i, (w, out) in enumerate(zip(chunk, outs)):
+        for i, (w, out) in enumerate(zip(chunk, outs, strict=True)):
             if out.context_logits is None:
                 raise RuntimeError("the engine returned no context logits: build it with gather_context_logits: true")
             logits = as_numpy(out.context_logits)
@@ -77,7 +76,7 @@ def main(request_path: str, result_path: str) -> int:
         import torch
 
         runtime["gpu"] = torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001 - informational only
+    except Exception:
         pass
     shutdown = getattr(llm, "shutdown", None)
     if shutdown:

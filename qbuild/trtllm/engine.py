@@ -10,6 +10,7 @@ versions + GPU compute capability (SM). Nothing else about the machine enters it
 GPUs share engines. TensorRT-LLM is never imported in qbuild's process: it is found with
 importlib.util.find_spec or in a configured interpreter (targets[i].python or QBUILD_TRTLLM_PYTHON),
 and the build runs there. Without a usable GPU + TensorRT-LLM 1.2.x the step plans as "needs-gpu".
+Engines are evaluated by the `tensorrt-llm` runtime (qbuild/trtllm/runtime.py).
 """
 
 from __future__ import annotations
@@ -20,25 +21,21 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.build import trtllm_env
-from qbuild.build.base import TargetBase
 from qbuild.errors import RecipeError, UserError
+from qbuild.formats import Format
+from qbuild.plugins import Target, TargetOptions, targets
 from qbuild.schema_base import StrictModel
-from qbuild.step import Step, StepContext
+from qbuild.step import OnUnavailable, Step, StepContext
+from qbuild.trtllm import env as trtllm_env
 
-EXTRA = "tensorrt-llm"
-REQUIRES: tuple[str, ...] = ()       # never required in qbuild's own environment
 ENGINE_LINE = (1, 2)                 # the last TensorRT-LLM line with the TensorRT engine builder
 ENGINE_KIND = "trtllm-engine"
-ENGINE_FORMAT = "trtllm-engine"
 BUILD_INFO = "qbuild-engine.json"
-CHECKPOINT_FORMAT = "trtllm-checkpoint"
 ENV_KEYS = ("gpu.sm", "tensorrt_llm", "tensorrt", "cuda")   # what enters the key besides settings
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 
@@ -60,7 +57,7 @@ class Expect(StrictModel):
     cuda: str | None = None
 
 
-class Target(TargetBase):
+class EngineTarget(TargetOptions):
     """A TensorRT-LLM engine (TensorRT backend, TensorRT-LLM 1.2.x), built on a GPU."""
 
     type: Literal["tensorrt-llm"]
@@ -95,7 +92,7 @@ class Target(TargetBase):
         return self
 
 
-def build_settings(target: Target) -> dict:
+def build_settings(target: EngineTarget) -> dict:
     """The hashed part of the target: everything that changes the engine, nothing that does not."""
     data = target.canonical()
     for k in ("variants", "name", "on_missing_gpu", "python", "expect"):
@@ -182,36 +179,12 @@ def bench_dataset(n: int, input_len: int, output_len: int, vocab_size: int, seed
 
 
 # --- the engine step ---------------------------------------------------------------------------------
-@dataclass(eq=False)
-class EngineStep(Step):
-    """A step whose toolchain lives outside qbuild's Python: TensorRT-LLM env + GPU SM enter the key."""
-
-    env_toolchain: dict = field(default_factory=dict)
-
-    def toolchain(self) -> dict[str, str]:
-        return {**super().toolchain(), **self.env_toolchain}
-
-
-def engine_dependent(engine: Step, kind: str, name: str, params: dict, runner: str, inputs: dict,
-                     extra_env: dict | None = None, **kw) -> EngineStep:
-    """A step that runs an engine (evaluation): the engine's environment facts (TensorRT-LLM, TensorRT,
-    CUDA, GPU SM) enter its key as they do the engine's, it is available exactly where the engine
-    can be built/run (needs-gpu, on_missing_gpu), and it runs in the same TensorRT-LLM interpreter."""
-    step = EngineStep(kind, name, params, runner, inputs=inputs,
-                      env_toolchain={**getattr(engine, "env_toolchain", {}), **(extra_env or {})}, **kw)
-    step.requires_gpu = True
-    step.unavailable = engine.unavailable
-    step.on_unavailable = engine.on_unavailable
-    step.runtime_args = dict(engine.runtime_args)
-    return step
-
-
 def version_line(version: str) -> tuple[int, int] | None:
     m = re.match(r"(\d+)\.(\d+)", version or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def resolve_environment(target: Target, gpu, env) -> tuple[dict, list[str]]:
+def resolve_environment(target: EngineTarget, gpu, env) -> tuple[dict, list[str]]:
     """(facts that enter the key, reasons this machine cannot build it). Pins win over probes."""
     probed = {"gpu.sm": gpu.sm if gpu else None,
               "tensorrt_llm": env.tensorrt_llm if env else None,
@@ -241,36 +214,45 @@ def resolve_environment(target: Target, gpu, env) -> tuple[dict, list[str]]:
     return facts, reasons
 
 
-def check_input(target: Target, variant_step: Step, field: str) -> None:
-    """Unsupported variant/target pairs fail at plan time, with the reason and what would work."""
-    name = variant_step.variant
-    method = variant_step.params.get("method", variant_step.kind)
-    if variant_step.format != CHECKPOINT_FORMAT:
-        hint = ("set export: trtllm-checkpoint on it" if method == "modelopt"
-                else "quantize it with method: modelopt (fp8, int8-sq, int4-awq, w4a8-awq, or scheme: none for FP16/BF16)")
-        raise RecipeError(field, f"variant {name!r} (method {method}, format {variant_step.format or '?'}) cannot be "
-                          f"built into a TensorRT-LLM engine: trtllm-build needs a TensorRT-LLM checkpoint; {hint}")
-    for k in ("tp_size", "pp_size"):
-        have = variant_step.params.get(k, 1)
-        if have != getattr(target, k):
-            raise RecipeError(f"{field}.{k}", f"{getattr(target, k)} does not match variant {name!r}'s checkpoint "
-                              f"({k}: {have}); trtllm-build takes parallelism from the checkpoint")
+@targets.register
+class TensorRTLLMEngine(Target):
+    name = "tensorrt-llm"
+    options = EngineTarget
+    extra = "tensorrt-llm"               # never required in qbuild's own environment: see `python:`
+    accepts = {Format.TRTLLM_CHECKPOINT: None}
+    purpose = "be built into a TensorRT-LLM engine"
+    hints = {Format.HF_MODELOPT: "trtllm-build needs a TensorRT-LLM checkpoint: set export: trtllm-checkpoint on it"}
+    default_hint = ("trtllm-build needs a TensorRT-LLM checkpoint: quantize it with method: modelopt "
+                    "(fp8, int8-sq, int4-awq, w4a8-awq, or scheme: none for FP16/BF16)")
 
+    def refusal(self, artifact: Step) -> str | None:
+        why = super().refusal(artifact)
+        if why and artifact.format not in self.hints:
+            why += f"; {self.default_hint}"
+        return why
 
-def plan(target: Target, variant_step: Step, ctx, field: str) -> Step:
-    check_input(target, variant_step, field)
-    python = trtllm_env.configured_python(target.python)
-    gpu, env = trtllm_env.gpu(), trtllm_env.trtllm(python)
-    facts, reasons = resolve_environment(target, gpu, env)
-    ref_name = f"{variant_step.variant}.{target.name}"
-    step = EngineStep(ENGINE_KIND, f"engine[{ref_name}]", build_settings(target), "qbuild.build.tensorrt_llm:run_build",
-                      inputs={"checkpoint": variant_step}, threads=ctx.threads, variant=ref_name,
-                      format=ENGINE_FORMAT, env_toolchain=facts)
-    step.requires_gpu = True
-    step.unavailable = "; ".join(reasons)
-    step.on_unavailable = target.on_missing_gpu
-    step.runtime_args = {"python": env.python if env else python, "expected": facts}
-    return ctx.add(step)
+    def check_parallelism(self, target: EngineTarget, artifact: Step, field: str) -> None:
+        for k in ("tp_size", "pp_size"):
+            have = artifact.params.get(k, 1)
+            if have != getattr(target, k):
+                raise RecipeError(f"{field}.{k}", f"{getattr(target, k)} does not match variant {artifact.variant!r}'s "
+                                  f"checkpoint ({k}: {have}); trtllm-build takes parallelism from the checkpoint")
+
+    def describe(self, output: Step) -> str:
+        return f"engine, SM {output.env_toolchain.get('gpu.sm', '?')}"
+
+    def plan(self, target: EngineTarget, artifact: Step, ctx, field: str) -> Step:
+        self.check_parallelism(target, artifact, field)
+        python = trtllm_env.configured_python(target.python)
+        gpu, env = trtllm_env.gpu(), trtllm_env.trtllm(python)
+        facts, reasons = resolve_environment(target, gpu, env)
+        ref_name = f"{artifact.variant}.{target.name}"
+        return ctx.add(Step(ENGINE_KIND, f"engine[{ref_name}]", build_settings(target),
+                            "qbuild.trtllm.engine:run_build", inputs={"checkpoint": artifact}, threads=ctx.threads,
+                            variant=ref_name, format=Format.TRTLLM_ENGINE, scheme=artifact.scheme,
+                            env_toolchain=facts, requires_gpu=True, unavailable="; ".join(reasons),
+                            on_unavailable=OnUnavailable(target.on_missing_gpu),
+                            runtime_args={"python": env.python if env else python, "expected": facts}))
 
 
 def interpreter(python: str | None) -> list[str]:
@@ -326,7 +308,7 @@ def run_build(ctx: StepContext) -> dict:
     (ctx.out / BUILD_INFO).write_text(json.dumps(info, indent=2, sort_keys=True))
     ctx.progress(1, 1, "built")
     size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
-    return {"format": ENGINE_FORMAT, "metrics": {"size_bytes": size, "build_seconds": round(seconds, 2)}, "info": info}
+    return {"format": Format.TRTLLM_ENGINE, "metrics": {"size_bytes": size, "build_seconds": round(seconds, 2)}, "info": info}
 
 
 # --- reading engines back ----------------------------------------------------------------------------

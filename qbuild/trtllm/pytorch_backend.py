@@ -19,19 +19,16 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.build.base import TargetBase
-from qbuild.errors import RecipeError
+from qbuild.formats import Format
+from qbuild.plugins import Target, TargetOptions, targets
 from qbuild.schema_base import StrictModel
 from qbuild.step import Step, StepContext
 
-EXTRA = "tensorrt-llm"
-REQUIRES: tuple[str, ...] = ()
 KIND = "trtllm-pytorch-package"
-FORMAT = "trtllm-pytorch"
 OPTIONS_FILE = "extra_llm_api_options.yaml"
 INFO_FILE = "qbuild-trtllm.json"
-MODELOPT_OK = ("fp8", "int4-awq", "w4a8-awq", "none")          # ModelOpt HF exports the backend loads
-CT_OK = ("FP8_DYNAMIC", "FP8_BLOCK", "NVFP4", "MXFP4")           # compressed-tensors schemes it loads
+MODELOPT_OK = ("fp8", "int4-awq", "w4a8-awq", "none")               # ModelOpt HF exports the backend loads
+CT_OK = ("fp8-dynamic", "fp8-block", "nvfp4", "mxfp4")               # compressed-tensors schemes it loads
 
 
 class KvCacheConfig(StrictModel):
@@ -58,7 +55,7 @@ class LlmApiOptions(StrictModel):
     attn_backend: Literal["TRTLLM", "FLASHINFER", "VANILLA"] | None = None
 
 
-class Target(TargetBase):
+class PyTorchBackendTarget(TargetOptions):
     """A checkpoint + extra_llm_api_options.yaml for TensorRT-LLM's PyTorch backend (no build step)."""
 
     type: Literal["trtllm-pytorch"]
@@ -80,45 +77,33 @@ def llm_api_options(target_params: dict) -> dict:
     return dict(sorted(opts.items()))
 
 
-def support(variant_step: Step) -> str | None:
-    """None if the PyTorch backend loads this variant's output, else the reason it does not."""
-    p, fmt = variant_step.params, variant_step.format
-    method = p.get("method")
-    if method == "modelopt":
-        if fmt != "hf-modelopt":
-            return "it is a TensorRT-LLM checkpoint (for trtllm-build); set export: hf on the variant"
-        if p.get("scheme") not in MODELOPT_OK:
-            return f"ModelOpt scheme {p.get('scheme')} is not one qbuild has checked for the PyTorch backend " \
-                   f"(checked: {', '.join(MODELOPT_OK)}); use the tensorrt-llm target"
-        return None
-    if method == "fp8" and fmt == "hf":
-        if p.get("scheme") == "dynamic":
-            return None
-        return "static per-tensor FP8 (compressed-tensors) is not read by the PyTorch backend; use scheme: dynamic"
-    if method in ("gptq", "awq", "rtn"):
-        return f"INT{p.get('bits', 4)} {method.upper()} weights in compressed-tensors format are not read by the " \
-               "PyTorch backend (it reads FP8 dynamic/block, NVFP4, MXFP4); use method: modelopt, scheme: int4-awq"
-    if fmt == "gguf":
-        return "GGUF is llama.cpp's format"
-    scheme = str(p.get("scheme", "")).upper()
-    if fmt == "hf" and scheme in CT_OK:
-        return None
-    return f"format {fmt or '?'} of method {method} is not one TensorRT-LLM's PyTorch backend is known to load"
+@targets.register
+class TensorRTLLMPyTorch(Target):
+    """What TensorRT-LLM's PyTorch backend loads, by capability (format + scheme), never by method name."""
 
+    name = "trtllm-pytorch"
+    options = PyTorchBackendTarget
+    extra = "tensorrt-llm"
+    accepts = {Format.HF_MODELOPT: MODELOPT_OK, Format.COMPRESSED_TENSORS: CT_OK, Format.HF: None}
+    purpose = "be served by TensorRT-LLM's PyTorch backend"
+    hints = {
+        Format.TRTLLM_CHECKPOINT: "it is a TensorRT-LLM checkpoint (for trtllm-build); set export: hf on the variant",
+        Format.COMPRESSED_TENSORS: "INT4/INT8 weight-only and static per-tensor FP8 compressed-tensors checkpoints are "
+                                   "not read by the PyTorch backend; use method: fp8 with scheme: dynamic, or method: "
+                                   "modelopt with scheme: int4-awq",
+        Format.HF_MODELOPT: "other ModelOpt schemes have not been checked for the PyTorch backend; use the "
+                            "tensorrt-llm target",
+        Format.GGUF: "GGUF is llama.cpp's format",
+    }
 
-def plan(target: Target, variant_step: Step, ctx, field: str) -> Step:
-    why = support(variant_step)
-    if why:
-        raise RecipeError(field, f"variant {variant_step.variant!r} cannot be served by TensorRT-LLM's PyTorch "
-                          f"backend: {why}")
-    params = target.canonical()
-    for k in ("variants", "name"):
-        params.pop(k, None)
-    ref_name = f"{variant_step.variant}.{target.name}"
-    step = Step(KIND, f"package[{ref_name}]", params, "qbuild.build.trtllm_pytorch:run_package",
-                inputs={"checkpoint": variant_step, "model": ctx.model()}, tools=("pyyaml",), threads=1,
-                variant=ref_name, format=FORMAT)
-    return ctx.add(step)
+    def plan(self, target: PyTorchBackendTarget, artifact: Step, ctx, field: str) -> Step:
+        params = target.canonical()
+        for k in ("variants", "name"):
+            params.pop(k, None)
+        ref_name = f"{artifact.variant}.{target.name}"
+        return ctx.add(Step(KIND, f"package[{ref_name}]", params, "qbuild.trtllm.pytorch_backend:run_package",
+                            inputs={"checkpoint": artifact, "model": ctx.model()}, tools=("pyyaml",), threads=1,
+                            variant=ref_name, format=Format.TRTLLM_PYTORCH, scheme=artifact.scheme))
 
 
 def check_quant_config(ckpt: Path) -> str:
@@ -150,7 +135,7 @@ def check_quant_config(ckpt: Path) -> str:
 def run_package(ctx: StepContext) -> dict:
     import yaml
 
-    from qbuild.quantize.trtllm_checkpoint import validate_hf_export
+    from qbuild.trtllm.checkpoint import validate_hf_export
 
     src = Path(ctx.inputs["checkpoint"])
     for f in sorted(src.rglob("*")):
@@ -166,4 +151,4 @@ def run_package(ctx: StepContext) -> dict:
     info = {"quantization": quant, "checkpoint_fixes": fixes, "llm_api_options": opts,
             "serve": f"trtllm-serve <dir> --extra_llm_api_options <dir>/{OPTIONS_FILE}"}
     (ctx.out / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
-    return {"format": FORMAT, "info": info}
+    return {"format": Format.TRTLLM_PYTORCH, "info": info}

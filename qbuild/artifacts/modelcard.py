@@ -1,0 +1,141 @@
+"""A Hugging Face model card (README.md) that travels with every pushed artifact, so it explains itself:
+YAML front matter (base_model, quantization, library, tags), then the metrics with their protocol, the
+gate results, the size, provenance, and how to load it in each engine that can."""
+
+from __future__ import annotations
+
+import yaml
+
+METRIC_COLUMNS = (("ppl", "PPL", "{:.3f}"), ("delta_ppl", "ΔPPL", "{:+.3f}"), ("delta_ppl_pct", "ΔPPL %", "{:+.2f}"),
+                  ("kld", "KLD", "{:.4f}"), ("top1", "top-1", "{:.1%}"), ("decode_tok_s", "decode tok/s", "{:.1f}"),
+                  ("prefill_tok_s", "prefill tok/s", "{:.1f}"), ("ttft_ms", "TTFT ms", "{:.1f}"))
+ENGINES = ("vLLM", "SGLang", "TGI", "LMDeploy", "transformers", "llama.cpp", "TensorRT-LLM")
+LIBRARY = {"gguf": "gguf", "hf": "transformers", "hf-modelopt": "transformers", "trtllm-engine": "tensorrt-llm",
+           "trtllm-checkpoint": "tensorrt-llm", "trtllm-pytorch": "tensorrt-llm"}
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def quantization_of(manifest: dict) -> dict:
+    """method + its settings (from the step's params), and the checkpoint format the engines care about."""
+    params = dict(manifest.get("params") or {})
+    info = manifest.get("info") or {}
+    q = {"method": params.pop("method", None) or manifest.get("kind")}
+    for k in ("type", "bits", "group_size", "scheme", "qformat", "kv_cache_dtype", "dtype", "sym", "damp",
+              "actorder", "targets", "ignore", "imatrix"):
+        if params.get(k) is not None:
+            q[k] = params[k]
+    q["format"] = manifest.get("format")
+    if info.get("checkpoint_format"):
+        q["checkpoint_format"] = info["checkpoint_format"]
+    if info.get("quant_format"):
+        q["quant_format"] = info["quant_format"]
+    return {k: v for k, v in q.items() if v is not None}
+
+
+def _gguf_file(manifest: dict) -> str:
+    return next((f["path"] for f in manifest.get("files", []) if f["path"].endswith(".gguf")), "model.gguf")
+
+
+def load_table(manifest: dict, name: str = "MODEL_DIR") -> list[tuple[str, bool, str]]:
+    """(engine, loads it, how) for every engine, derived from the format and quantization config."""
+    fmt = manifest.get("format") or ""
+    info = manifest.get("info") or {}
+    ct = info.get("checkpoint_format") == "compressed-tensors"
+    gguf = _gguf_file(manifest)
+    no = "—"
+    rows: dict[str, tuple[bool, str]] = {e: (False, no) for e in ENGINES}
+    if fmt == "gguf":
+        rows["llama.cpp"] = (True, f"`llama-server -m {name}/{gguf}`")
+        rows["vLLM"] = (True, f"`vllm serve {name}/{gguf} --tokenizer BASE_MODEL` (experimental GGUF loader)")
+        rows["transformers"] = (True, f"`AutoModelForCausalLM.from_pretrained('{name}', gguf_file='{gguf}')` "
+                                      "(dequantizes to full precision)")
+    elif fmt == "hf":
+        rows["vLLM"] = (True, f"`vllm serve {name}`")
+        rows["SGLang"] = (True, f"`python -m sglang.launch_server --model-path {name}`")
+        rows["TGI"] = (True, f"`text-generation-launcher --model-id {name}`")
+        rows["transformers"] = (True, f"`AutoModelForCausalLM.from_pretrained('{name}')`"
+                                      + (" (needs the compressed-tensors package)" if ct else ""))
+        if not ct:
+            rows["LMDeploy"] = (True, f"`lmdeploy serve api_server {name}`")
+            rows["llama.cpp"] = (True, f"convert first: `python convert_hf_to_gguf.py {name}`")
+            rows["TensorRT-LLM"] = (True, f"`trtllm-serve {name}` (PyTorch backend)")
+        else:
+            rows["LMDeploy"] = (False, "compressed-tensors checkpoints are not supported")
+            rows["llama.cpp"] = (False, "quantized with llm-compressor: build a GGUF variant instead")
+    elif fmt == "hf-modelopt":
+        rows["vLLM"] = (True, f"`vllm serve {name} --quantization modelopt`")
+        rows["SGLang"] = (True, f"`python -m sglang.launch_server --model-path {name} --quantization modelopt`")
+        rows["TensorRT-LLM"] = (True, f"`trtllm-serve {name}` (PyTorch backend)")
+    elif fmt == "trtllm-pytorch":
+        rows["TensorRT-LLM"] = (True, f"`trtllm-serve {name} --extra_llm_api_options {name}/extra_llm_api_options.yaml`")
+    elif fmt == "trtllm-engine":
+        sm = (manifest.get("toolchain") or {}).get("gpu.sm")
+        rows["TensorRT-LLM"] = (True, f"`trtllm-serve {name} --tokenizer BASE_MODEL`"
+                                      + (f" (only on SM {sm} GPUs, TensorRT-LLM "
+                                         f"{manifest['toolchain'].get('tensorrt_llm')})" if sm else ""))
+    elif fmt == "trtllm-checkpoint":
+        rows["TensorRT-LLM"] = (True, f"build an engine first: `trtllm-build --checkpoint_dir {name}`")
+    return [(e, ok, how) for e, (ok, how) in rows.items()]
+
+
+def render_model_card(manifest: dict, summary_row: dict | None = None, protocol: dict | None = None,
+                      gates: dict | None = None, base_model: str | None = None, license: str | None = None) -> str:
+    """README.md for one artifact. summary_row: its row of the run summary (metrics); protocol: the
+    evaluation protocol; gates: the run's gate results ({"passed", "checks": [...]})."""
+    row = summary_row or {}
+    recipe = (manifest.get("recipe") or {}).get("name") or "qbuild"
+    variant = manifest.get("variant") or row.get("variant") or manifest.get("name") or "artifact"
+    quant = quantization_of(manifest)
+    size = sum(f["size"] for f in manifest.get("files", []))
+    front = {"base_model": base_model, "base_model_relation": "quantized" if base_model else None,
+             "library_name": LIBRARY.get(manifest.get("format") or ""), "license": license,
+             "quantized_by": "qbuild",
+             "tags": [t for t in ("qbuild", "quantized", quant.get("method"), manifest.get("format")) if t],
+             "quantization": quant}
+    front = {k: v for k, v in front.items() if v not in (None, [], {})}
+    out = ["---", yaml.safe_dump(front, sort_keys=False, allow_unicode=True).rstrip(), "---", "",
+           f"# {recipe} / {variant}", "",
+           f"{'Quantized with **' + quant['method'] + '**' if quant.get('method') else 'Built'} by "
+           f"[qbuild](https://github.com/qbuild/qbuild) from `{base_model or 'the recipe model'}`. "
+           f"Format: `{manifest.get('format')}`. Size: **{_human(size)}** ({size:,} bytes, "
+           f"{len(manifest.get('files', []))} files).", ""]
+    metrics = {**(manifest.get("metrics") or {}), **{k: v for k, v in row.items() if v is not None}}
+    cols = [(k, label, fmt) for k, label, fmt in METRIC_COLUMNS if isinstance(metrics.get(k), (int, float))]
+    out += ["## Quality and speed", ""]
+    if cols:
+        out += ["| " + " | ".join(label for _, label, _ in cols) + " |", "|" + "---|" * len(cols),
+                "| " + " | ".join(fmt.format(metrics[k]) for k, _, fmt in cols) + " |", ""]
+    else:
+        out += ["No evaluation was recorded for this artifact.", ""]
+    if protocol:
+        out += ["Protocol: " + ", ".join(f"{k} {v}" for k, v in protocol.items() if v is not None) + ".", ""]
+    if gates is not None:
+        mine = [c for c in gates.get("checks", []) if c.get("variant") in (None, variant)]
+        status = "passed" if gates.get("passed") and all(c.get("passed") for c in mine) else (
+            "failed" if mine or not gates.get("passed") else "passed")
+        out += ["## Quality gates", "", f"Gates **{status}**.", ""]
+        if mine:
+            out += ["| check | value | bound | result |", "|---|---|---|---|"]
+            out += [f"| {c.get('check')} | {c.get('value')} | {c.get('bound')} | "
+                    f"{'pass' if c.get('passed') else 'FAIL'} |" for c in mine]
+            out.append("")
+    out += ["## How to load it", "", "| engine | loads it | how |", "|---|---|---|"]
+    out += [f"| {e} | {'yes' if ok else 'no'} | {how} |" for e, ok, how in load_table(manifest)]
+    out += ["", "`MODEL_DIR` is where `qbuild pull` (or `oras pull`) put the files.", "",
+            "## Provenance", "",
+            f"- digest: `{manifest.get('digest')}`",
+            f"- step key: `{manifest.get('key')}`",
+            f"- recipe: `{recipe}` (sha256 `{(manifest.get('recipe') or {}).get('sha256')}`)",
+            "- toolchain: " + ", ".join(f"{k} {v}" for k, v in sorted((manifest.get("toolchain") or {}).items())),
+            f"- built: {manifest.get('created')}", ""]
+    return "\n".join(out)
+
+
+__all__ = ["render_model_card", "load_table", "quantization_of"]

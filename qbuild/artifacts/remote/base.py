@@ -1,0 +1,420 @@
+"""The remote-store contract and what every backend shares: URL hygiene, errors, verified resumable fetch.
+
+A remote is a second tier behind the local store (see docs/remote-stores.md). Each backend maps four
+things onto its storage: objects (files + qbuild's manifest.json), action records (step key -> digest,
+the commit point), refs (recipe/variant:tag -> digest) and sidecars (model card, provenance, signature).
+
+Ordering guarantees every backend keeps:
+  put_object   uploads every file first (skipping blobs already there, so a re-run resumes), then the
+               manifest: an object is visible only when complete.
+  put_action   is called only after put_object returned; a crash before it leaves no action record,
+               so no remote record ever points at a partial object.
+  fetch_object verifies every file's size and sha256 before it is placed, stages into a private
+               directory (`.part` files resume), refuses unsafe paths, and renames the finished
+               directory into place: an interrupted fetch leaves nothing at the destination.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path, PurePosixPath
+from typing import ClassVar
+from urllib.parse import urlsplit, urlunsplit
+
+from qbuild.errors import QBuildError, UserError
+from qbuild.hashing import sha256_file, tree_digest
+from qbuild.plugins import Plugin
+
+MANIFEST = "manifest.json"
+CHUNK = 8 << 20
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # recipe / variant names (as in store.REF_RE)
+TAG_RE = re.compile(r"^[\w.-]+$")
+SIDECAR_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,99}$")
+PUSH_POLICIES = ("always", "on-success", "never")
+
+# Environment variables whose values are secrets: scrubbed from every message we produce.
+SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "MLFLOW_TRACKING_PASSWORD",
+              "MLFLOW_TRACKING_TOKEN", "QBUILD_REGISTRY_PASSWORD", "ORAS_PASS", "GOOGLE_APPLICATION_CREDENTIALS",
+              "AZURE_STORAGE_KEY", "AZURE_STORAGE_SAS_TOKEN", "AZURE_STORAGE_CONNECTION_STRING")
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total), called from any thread
+
+
+class RemoteError(QBuildError):
+    """A remote failed: one line that names the remote by its display URL. Exit 1 (2: configuration)."""
+
+    def __init__(self, display: str, message: str, exit_code: int | None = None):
+        self.display = display
+        self.reason = scrub(" ".join(str(message).split()))
+        if exit_code is not None:
+            self.exit_code = exit_code
+        super().__init__(f"remote {display}: {self.reason}")
+
+
+class RemoteConfigError(RemoteError, UserError):
+    """Bad remote URL or option: caught before any transfer (exit 2)."""
+
+    exit_code = 2
+
+
+def scrub(text: str) -> str:
+    """Remove credentials from a message: URL userinfo and the values of secret environment variables."""
+    text = re.sub(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]+@", r"\1", text)
+    for var in SECRET_ENV:
+        value = os.environ.get(var)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    text = re.sub(r"(?i)(authorization:\s*)(basic|bearer)\s+\S+", r"\1\2 ***", text)
+    return text
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(scheme, display URL). Refuses credentials in the URL: they come only from env/provider chains."""
+    parts = urlsplit(url)
+    if not parts.scheme or not re.fullmatch(r"[a-z][a-z0-9+.-]*", parts.scheme):
+        raise RemoteConfigError(url.split("@")[-1], "not a remote URL (expected scheme://...)")
+    if parts.username is not None or parts.password is not None:
+        clean = urlunsplit((parts.scheme, parts.hostname + (f":{parts.port}" if parts.port else ""), parts.path, "", ""))
+        raise RemoteConfigError(clean, "credentials in a remote URL are refused; use the environment "
+                                       "(AWS_*, docker config, QBUILD_REGISTRY_USERNAME/PASSWORD) instead")
+    display = urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
+    return parts.scheme, display
+
+
+def safe_relpath(path: str) -> str:
+    """A manifest entry's path, or ValueError: no absolute paths, no '..', no backslashes or NULs."""
+    if not isinstance(path, str) or not path or "\\" in path or "\0" in path:
+        raise ValueError(f"unsafe path {path!r}")
+    p = PurePosixPath(path)
+    if p.is_absolute() or any(part in ("..", ".", "") for part in path.split("/")) or re.match(r"^[A-Za-z]:", path):
+        raise ValueError(f"unsafe path {path!r}")
+    return p.as_posix()
+
+
+def check_manifest(manifest: dict, digest: str) -> list[dict]:
+    """The manifest's file list if it is the object `digest` and every path is safe; ValueError otherwise."""
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        raise ValueError("manifest has no file list")
+    seen: set[str] = set()
+    for f in files:
+        if not isinstance(f, dict) or f.get("type", "file") != "file":
+            raise ValueError(f"manifest entry {f.get('path') if isinstance(f, dict) else f!r} is not a regular file "
+                             "(symlinks and special files are refused)")
+        rel = safe_relpath(f.get("path"))
+        if rel == MANIFEST or rel in seen:
+            raise ValueError(f"unsafe path {rel!r} (duplicate or reserved)")
+        if not isinstance(f.get("size"), int) or f["size"] < 0 or not HEX64.match(str(f.get("sha256", ""))):
+            raise ValueError(f"manifest entry {rel!r} has no valid size/sha256")
+        seen.add(rel)
+    for rel in seen:  # a file may not also be a directory of another entry
+        for parent in PurePosixPath(rel).parents:
+            if parent.as_posix() in seen:
+                raise ValueError(f"unsafe path {rel!r} (under another file)")
+    if tree_digest(files) != digest:
+        raise ValueError("manifest does not match the object's digest")
+    return files
+
+
+def check_name(kind: str, value: str, rx: re.Pattern = NAME_RE) -> str:
+    if not isinstance(value, str) or not rx.match(value):
+        raise UserError(f"invalid {kind} {value!r}")
+    return value
+
+
+def check_digest(digest: str) -> str:
+    if not isinstance(digest, str) or not HEX64.match(digest):
+        raise UserError(f"invalid digest {digest!r} (64 lowercase hex characters)")
+    return digest
+
+
+class _Counter:
+    """Thread-safe byte counter that reports (done, total) to a progress callback."""
+
+    def __init__(self, total: int, progress: Progress | None):
+        self.total, self.done, self.progress = total, 0, progress
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        if not n:
+            return
+        with self._lock:
+            self.done += n
+            done = self.done
+        if self.progress:
+            self.progress(done, self.total)
+
+
+class RemoteStore(Plugin, ABC):
+    """One remote tier: a plugin (registry `qbuild.artifacts.remote.remotes`, entry points `qbuild.remotes`).
+
+    Subclasses serve `schemes`; their libraries come with the pip extra `extra`. The class's `name`
+    names the plugin ("fsspec", "oci"); an opened remote's `name` is the remote's own (recipe `name:`
+    or its display URL)."""
+
+    schemes: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, url: str, *, name: str | None = None, endpoint_url: str | None = None,
+                 region: str | None = None, insecure: bool = False, push: str = "on-success", jobs: int = 4):
+        self.scheme, self.display = split_url(url)
+        self.url = self.display  # credentials never kept
+        self.name = name or self.display
+        if push not in PUSH_POLICIES:
+            raise RemoteConfigError(self.display, f"push: {push!r} is not one of {', '.join(PUSH_POLICIES)}")
+        if endpoint_url is not None:
+            _, endpoint_url = split_url(endpoint_url)
+        self.endpoint_url, self.region, self.insecure, self.push, self.jobs = endpoint_url, region, insecure, push, jobs
+        # transfer counters since construction (file contents only; JSON records are not counted)
+        self.stats = {"bytes_up": 0, "bytes_down": 0, "files_up": 0, "files_down": 0, "files_skipped": 0}
+        self._stats_lock = threading.Lock()
+
+    def _count(self, **kw: int) -> None:
+        with self._stats_lock:
+            for k, v in kw.items():
+                self.stats[k] += v
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.display}>"
+
+    def error(self, message: str, exit_code: int | None = None) -> RemoteError:
+        return RemoteError(self.display, message, exit_code)
+
+    # --- the contract ----------------------------------------------------------------------------
+    @abstractmethod
+    def check(self) -> None:
+        """Endpoint reachable, credentials accepted, bucket exists: else one-line RemoteError."""
+
+    @abstractmethod
+    def get_action(self, key: str) -> dict | None:
+        """The action record of step `key` (small JSON, no weights), or None; None too if its object is gone."""
+
+    @abstractmethod
+    def put_action(self, key: str, record: dict) -> None:
+        """The commit point: call only after put_object(record['digest']) returned."""
+
+    @abstractmethod
+    def get_manifest(self, digest: str) -> dict | None:
+        ...
+
+    @abstractmethod
+    def has_object(self, digest: str) -> bool:
+        """Manifest and every file present."""
+
+    @abstractmethod
+    def put_object(self, digest: str, local_dir: Path, manifest: dict, progress: Progress | None = None,
+                   sidecars: dict[str, bytes] | None = None) -> None:
+        """Upload files (skipping those already there), sidecars, then the manifest. Resumable."""
+
+    @abstractmethod
+    def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None) -> None:
+        ...
+
+    @abstractmethod
+    def get_ref(self, recipe: str, variant: str, tag: str = "latest") -> dict | None:
+        """{'ref', 'digest', 'key', 'updated'} or None."""
+
+    @abstractmethod
+    def list_refs(self) -> list[dict]:
+        ...
+
+    @abstractmethod
+    def list_objects(self) -> list[str]:
+        """Digests of complete objects."""
+
+    @abstractmethod
+    def list_actions(self) -> Iterator[tuple[str, str]]:
+        """(key, digest) of every action record."""
+
+    @abstractmethod
+    def delete_object(self, digest: str) -> None:
+        """Remove an object with its sidecars and every action record that points at it."""
+
+    @abstractmethod
+    def put_sidecar(self, digest: str, name: str, data: bytes) -> None:
+        ...
+
+    @abstractmethod
+    def get_sidecar(self, digest: str, name: str) -> bytes | None:
+        ...
+
+    # blob primitives used by the shared fetch: read one file of an object from `offset`
+    @abstractmethod
+    def _read_file(self, digest: str, entry: dict, offset: int) -> Iterator[bytes]:
+        ...
+
+    # --- shared --------------------------------------------------------------------------------------
+    def object_size(self, digest: str) -> int | None:
+        m = self.get_manifest(digest)
+        return None if m is None else sum(f["size"] for f in m.get("files", []))
+
+    def verify(self, digests: Iterable[str] | None = None, deep: bool = False) -> list[dict]:
+        """`qbuild verify --remote R`: one row per object, like Store.verify. Every object's manifest must be
+        safe and match its digest and every file must be present with its size; deep=True also streams each
+        file and checks its sha256 (nothing is written to disk)."""
+        rows = []
+        for digest in list(digests) if digests is not None else self.list_objects():
+            problems: list[str] = []
+            manifest = self.get_manifest(digest)
+            if manifest is None:
+                rows.append({"digest": digest, "ok": False, "problems": ["no manifest"]})
+                continue
+            try:
+                files = check_manifest(manifest, digest)
+            except ValueError as exc:
+                rows.append({"digest": digest, "kind": manifest.get("kind"), "ok": False, "problems": [str(exc)]})
+                continue
+            if not self.has_object(digest):
+                problems.append("files missing or truncated")
+            elif deep:
+                for f in files:
+                    h, n = hashlib.sha256(), 0
+                    for chunk in self._read_file(digest, f, 0):
+                        h.update(chunk)
+                        n += len(chunk)
+                    if n != f["size"] or h.hexdigest() != f["sha256"]:
+                        problems.append(f"content changed: {f['path']}")
+            rows.append({"digest": digest, "kind": manifest.get("kind"), "ok": not problems, "problems": problems})
+        return rows
+
+    def fetch_object(self, digest: str, dest_dir: Path, progress: Progress | None = None, jobs: int | None = None,
+                     staging: Path | None = None) -> dict:
+        """Download object `digest` into dest_dir (files + manifest.json); returns its manifest.
+
+        Each file is streamed into `<staging>/<path>.part`, hashed while it is written, and renamed to its
+        final name only when size and sha256 match the manifest. An interrupted fetch resumes from the
+        `.part` files and keeps the files already verified. dest_dir appears (one rename) only complete.
+        """
+        check_digest(digest)
+        dest_dir = Path(dest_dir)
+        manifest = self.get_manifest(digest)
+        if manifest is None:
+            raise self.error(f"no object {digest[:12]} here")
+        try:
+            files = check_manifest(manifest, digest)
+        except ValueError as exc:
+            raise self.error(f"object {digest[:12]} refused: {exc}") from None
+        if (dest_dir / MANIFEST).is_file():
+            try:
+                if json.loads((dest_dir / MANIFEST).read_text()).get("digest") == digest:
+                    return manifest
+            except (OSError, ValueError):
+                pass
+        if dest_dir.exists() and any(dest_dir.iterdir()):
+            raise UserError(f"{dest_dir} exists and is not empty")
+        staging = Path(staging) if staging else dest_dir.with_name(f".{dest_dir.name}.partial-{digest[:16]}")
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            todo = []
+            for f in files:
+                final = staging / f["path"]
+                if final.is_file() and not final.is_symlink() and final.stat().st_size == f["size"] \
+                        and sha256_file(final) == f["sha256"]:
+                    self._count(files_skipped=1)
+                    continue  # verified by an earlier, interrupted fetch
+                todo.append(f)
+            need = sum(f["size"] for f in todo) - sum(_part_size(staging, f) for f in todo)
+            free = shutil.disk_usage(staging).free
+            if need > free:
+                raise self.error(f"not enough disk space in {staging.parent}: the pull needs {need:,} more bytes, "
+                                 f"{free:,} are free")
+            counter = _Counter(sum(f["size"] for f in files), progress)
+            counter.add(sum(f["size"] for f in files if f not in todo))
+            todo.sort(key=lambda f: -f["size"])
+            with ThreadPoolExecutor(max_workers=max(1, jobs or self.jobs)) as pool:
+                for fut in [pool.submit(self._fetch_file, digest, staging, f, counter) for f in todo]:
+                    fut.result()
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+            dest_dir.parent.mkdir(parents=True, exist_ok=True)
+            if dest_dir.exists():
+                dest_dir.rmdir()  # empty (checked above)
+            os.rename(staging, dest_dir)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise self.error(f"disk full while pulling {digest[:12]} into {dest_dir.parent}; "
+                                 "free space and re-run to resume") from None
+            raise self.error(f"pull of {digest[:12]} failed: {exc}") from None
+        return manifest
+
+    def _fetch_file(self, digest: str, staging: Path, entry: dict, counter: _Counter) -> None:
+        final = staging / entry["path"]
+        part = final.with_name(final.name + ".part")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        resume = part.is_file() and not part.is_symlink() and part.stat().st_size <= entry["size"]
+        while True:
+            h = hashlib.sha256()
+            start = part.stat().st_size if resume else 0
+            if start:
+                with open(part, "rb") as f:
+                    while chunk := f.read(CHUNK):
+                        h.update(chunk)
+                counter.add(start)
+            got = start
+            with open(part, "ab" if start else "wb") as out:
+                if start < entry["size"]:
+                    for chunk in self._read_file(digest, entry, start):
+                        h.update(chunk)
+                        out.write(chunk)
+                        got += len(chunk)
+                        counter.add(len(chunk))
+                        self._count(bytes_down=len(chunk))
+                        if got > entry["size"]:
+                            break
+            if got == entry["size"] and h.hexdigest() == entry["sha256"]:
+                os.replace(part, final)
+                self._count(files_down=1)
+                return
+            part.unlink(missing_ok=True)
+            counter.add(-got)
+            if not start:
+                raise self.error(f"object {digest[:12]}: file {entry['path']} is corrupt on the remote "
+                                 "(size or sha256 does not match the manifest); nothing was placed")
+            resume = False  # a stale .part: once more from scratch
+
+    def _push_files(self, digest: str, manifest: dict) -> list[dict]:
+        """The file list of an object about to be pushed; refuses a manifest that is not `digest`'s."""
+        check_digest(digest)
+        try:
+            return check_manifest(manifest, digest)
+        except ValueError as exc:
+            raise self.error(f"object {digest[:12]} not pushed: {exc}") from None
+
+    def _upload_files(self, local_dir: Path, files: list[dict], exists: Callable[[dict], bool],
+                      put: Callable[[Path, dict], None], progress: Progress | None) -> None:
+        """Parallel upload of the files not yet on the remote, each verified locally first."""
+        counter = _Counter(sum(f["size"] for f in files), progress)
+        local_dir = Path(local_dir)
+
+        def one(f: dict) -> None:
+            src = local_dir / f["path"]
+            if exists(f):
+                counter.add(f["size"])
+                self._count(files_skipped=1)
+                return
+            if src.is_symlink() or not src.is_file() or src.stat().st_size != f["size"] or sha256_file(src) != f["sha256"]:
+                raise self.error(f"local file {f['path']} does not match its manifest; not uploaded "
+                                 "(run qbuild verify)")
+            put(src, f)
+            counter.add(f["size"])
+            self._count(bytes_up=f["size"], files_up=1)
+
+        with ThreadPoolExecutor(max_workers=max(1, self.jobs)) as pool:
+            for fut in [pool.submit(one, f) for f in sorted(files, key=lambda f: -f["size"])]:
+                fut.result()
+
+
+def _part_size(staging: Path, f: dict) -> int:
+    part = staging / (f["path"] + ".part")
+    try:
+        return min(part.stat().st_size, f["size"])
+    except OSError:
+        return 0

@@ -1,0 +1,209 @@
+"""Read-through / write-through between the local store and its remotes: what plan, run and pull call.
+
+    hit = lookup(remotes, key)                 # plan: local miss -> first remote with the action record
+    materialize(store, hit.remote, hit.digest) # only when a step that must run (or the user) needs the files
+    push_hit(remote, store, key, digest, ...)  # run: files, sidecars, manifest, then the action record
+    manifest = pull_engine(remote, "demo/q4.trtllm", need)   # the engine build that fits this GPU
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteStore
+from qbuild.artifacts.store import REF_RE, Store, atomic_write_json
+
+
+@dataclass(frozen=True)
+class RemoteHit:
+    remote: RemoteStore
+    key: str
+    digest: str
+    record: dict
+
+    @property
+    def where(self) -> str:
+        """For `qbuild plan`: hit (remote NAME)."""
+        return f"remote {self.remote.name}"
+
+
+def lookup(remotes: Iterable[RemoteStore], key: str) -> RemoteHit | None:
+    """First remote whose action cache has `key` with a complete object. Downloads the record only."""
+    for remote in remotes:
+        record = remote.get_action(key)
+        if record is not None:
+            return RemoteHit(remote, key, record["digest"], record)
+    return None
+
+
+def materialize(store: Store, remote: RemoteStore, digest: str, key: str | None = None, record: dict | None = None,
+                progress: Progress | None = None, jobs: int | None = None) -> Path:
+    """Fetch object `digest` into the local store (every file verified), then adopt its action record.
+
+    Stages under the store's tmp/ (an interrupted fetch resumes from there) and renames into objects/ only
+    when complete, so the local store never shows a partial object.
+    """
+    dest = store.object_dir(digest)
+    with store.lock(f"fetch-{digest}"):
+        if not (dest / MANIFEST).is_file():
+            remote.fetch_object(digest, dest, progress=progress, jobs=jobs,
+                                staging=store.root / "tmp" / f"fetch-{digest[:32]}")
+            for f in dest.rglob("*"):
+                if f.is_file():
+                    f.chmod(0o444)
+    if key and record:
+        adopt_action(store, key, record)
+    return dest
+
+
+def adopt_action(store: Store, key: str, record: dict) -> None:
+    """Record a remote action locally (its object must already be in the local store)."""
+    if (store.object_dir(record["digest"]) / MANIFEST).is_file():
+        atomic_write_json(store.root / "actions" / key[:2] / f"{key}.json", record)
+
+
+def push_hit(remote: RemoteStore, store: Store, key: str, digest: str, record: dict | None = None,
+             sidecars: dict[str, bytes] | Callable[[], dict[str, bytes]] | None = None,
+             refs: Iterable[tuple[str, str, str]] = (), progress: Progress | None = None) -> bool:
+    """Write-through of one local object: files, sidecars and manifest, then the action record (the commit
+    point), then refs. Safe to call for every hit of every run: when the remote already has the action record
+    only the refs are set; an interrupted upload is finished (blobs already there are skipped). `sidecars` may
+    be a callable (e.g. lambda: build_sidecars(...)) so cards are rendered and artifacts signed only when an
+    upload really happens. Returns True when something was uploaded."""
+    uploaded = remote.get_action(key) is None
+    if uploaded:
+        manifest = json.loads((store.object_dir(digest) / MANIFEST).read_text())
+        extra = sidecars() if callable(sidecars) else sidecars
+        remote.put_object(digest, store.object_dir(digest), manifest, progress=progress, sidecars=extra)
+        remote.put_action(key, record or {**manifest, "object_manifest_key": manifest.get("key")})
+    for recipe, variant, tag in refs:
+        remote.set_ref(recipe, variant, tag, digest, key)
+    return uploaded
+
+
+def build_sidecars(store: Store, digest: str, summary_row: dict | None = None, protocol: dict | None = None,
+                   gates: dict | None = None, base_model: str | None = None, signing_key: str | os.PathLike | None = None,
+                   source: dict | None = None, hardware: dict | None = None) -> dict[str, bytes]:
+    """What travels with a pushed artifact: the model card, and with a signing key (or QBUILD_SIGNING_KEY)
+    the SLSA provenance statement and the model-signing signature. Pass the result to push_hit(sidecars=)."""
+    from qbuild.artifacts import signing
+    from qbuild.artifacts.modelcard import render_model_card
+
+    obj = store.object_dir(digest)
+    manifest = json.loads((obj / MANIFEST).read_text())
+    out = {"README.md": render_model_card(manifest, summary_row, protocol, gates, base_model).encode()}
+    key = signing.signing_key(signing_key)
+    if key is not None:
+        statement, signature = signing.sign(obj, manifest, key, source=source, hardware=hardware)
+        out[signing.STATEMENT], out[signing.SIGNATURE] = statement, signature
+    return out
+
+
+def should_push(remote: RemoteStore, when: str) -> bool:
+    """when='step' (right after a step published) or 'success' (the run finished, gates passed)."""
+    return remote.push == "always" or (remote.push == "on-success" and when == "success")
+
+
+def resolve(remote: RemoteStore, name: str) -> str:
+    """REF (recipe/variant[:tag]) or a full digest, on the remote; RemoteError when it has neither."""
+    m = REF_RE.match(name)
+    if m:
+        tag = m.group("tag") or "latest"
+        ref = remote.get_ref(m.group("recipe"), m.group("variant"), tag)
+        if ref is None:
+            raise remote.error(f"no ref {m.group('recipe')}/{m.group('variant')}:{tag}")
+        return ref["digest"]
+    digest = name.removeprefix("sha256:").lower()
+    if len(digest) == 64 and remote.get_manifest(digest) is not None:
+        return digest
+    raise remote.error(f"no object {name} (give a ref recipe/variant:tag or a full 64-character digest)")
+
+
+def remote_engine_manifests(remote: RemoteStore, recipe: str, variant: str) -> list[dict]:
+    """Every TensorRT-LLM engine build of recipe/variant on the remote (newest first): manifests only."""
+    from qbuild.trtllm.select import is_engine_of, newest_first
+
+    found = []
+    for digest in remote.list_objects():
+        m = remote.get_manifest(digest)
+        if m and is_engine_of(m, recipe, variant):
+            found.append(m)
+    return newest_first(found)
+
+
+def pull_engine(remote: RemoteStore, name: str, need: dict) -> dict:
+    """The engine manifest for NAME (recipe/variant[:tag]) that fits `need` (SM, TensorRT-LLM, TensorRT, CUDA),
+    chosen by qbuild.trtllm.select.select_engine; its UserError lists what exists and why none fits."""
+    from qbuild.trtllm.select import select_engine
+
+    m = REF_RE.match(name)
+    if not m:
+        raise remote.error(f"{name!r} is not an engine ref (recipe/variant[:tag])")
+    family = remote_engine_manifests(remote, m.group("recipe"), m.group("variant"))
+    return select_engine(family, need, f"{name} on {remote.display}")
+
+
+SIDECARS = ("README.md", "provenance.intoto.json", "signature.sig")
+
+
+def pull(remote: RemoteStore, name: str, out: Path, need: dict | None = None, progress: Progress | None = None,
+         jobs: int | None = None, verify_with: str | os.PathLike | None = None,
+         sidecars: Iterable[str] = SIDECARS) -> dict:
+    """`qbuild pull NAME --from REMOTE --out DIR [--verify-with PUBKEY]` without a local store: resolve the
+    name (an engine ref picks the build that fits `need`), fetch every file verified, add the model card and
+    signature sidecars, check the signature when asked, and only then make DIR appear (one rename)."""
+    from qbuild.trtllm.engine import ENGINE_KIND
+
+    try:
+        digest = resolve(remote, name)
+    except Exception:
+        if need is None:
+            raise
+        digest = pull_engine(remote, name, need)["digest"]
+    else:
+        if need is not None and (remote.get_manifest(digest) or {}).get("kind") == ENGINE_KIND:
+            digest = pull_engine(remote, name, need)["digest"]
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        from qbuild.errors import UserError
+
+        raise UserError(f"{out} exists and is not empty")
+    check = out.with_name(f".{out.name}.pull-{digest[:16]}")
+    manifest = remote.fetch_object(digest, check, progress=progress, jobs=jobs,
+                                   staging=out.with_name(f".{out.name}.partial-{digest[:16]}"))
+    write_sidecars(remote, digest, check, sidecars)
+    if verify_with is not None:
+        from qbuild.artifacts.signing import verify
+
+        try:
+            verify(check, verify_with)
+        except Exception:
+            shutil.rmtree(check, ignore_errors=True)
+            raise
+    if out.exists():
+        out.rmdir()
+    os.rename(check, out)
+    return manifest
+
+
+def write_sidecars(remote: RemoteStore, digest: str, out: Path, names: Iterable[str]) -> list[Path]:
+    """Place sidecars beside a pulled object: README.md (if the object has none) and .qbuild/<name>."""
+    written = []
+    files = {f["path"] for f in (remote.get_manifest(digest) or {}).get("files", [])}
+    for name in names:
+        data = remote.get_sidecar(digest, name)
+        if data is None:
+            continue
+        rel = name if name == "README.md" and "README.md" not in files else f".qbuild/{name}"
+        path = Path(out) / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        written.append(path)
+    return written

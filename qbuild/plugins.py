@@ -1,0 +1,303 @@
+"""The plugin contract: quantization methods, build targets and evaluation runtimes.
+
+Each is a class that declares everything the core needs, registered by name:
+
+    from qbuild.plugins import Method, methods
+
+    @methods.register
+    class MyMethod(Method):
+        name = "my-method"            # the recipe's `method:` value
+        options = MyVariant           # pydantic model of the recipe entry (method: Literal["my-method"])
+        extra = "my-extra"            # pip install 'qbuild[my-extra]' (or your package) provides...
+        requires = ("mylib",)         # ...these import names, checked at plan time (never imported then)
+        def plan(self, variant, ctx) -> Step: ...
+
+In-tree plugins are the modules of qbuild.quantize, qbuild.runtimes and qbuild.trtllm (every module
+there is imported when a registry is first used: adding one is adding a file). Out-of-tree plugins
+are Python entry points in the groups `qbuild.methods`, `qbuild.targets` and `qbuild.runtimes`,
+each naming a plugin class (`name = "package.module:Class"`). Plugin modules must stay light at
+import: heavy libraries are imported inside the functions their steps run.
+See docs/plugins.md for a worked example.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pkgutil
+import typing
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+
+from pydantic import Field
+
+from qbuild.errors import MissingBackendError, RecipeError, UserError
+from qbuild.schema_base import StrictModel
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from qbuild.evaluate.protocol import Window
+    from qbuild.step import Step, StepContext
+
+
+class Plugin:
+    name: ClassVar[str]
+    extra: ClassVar[str] = ""                  # the pip extra (or package) that provides `requires`
+    requires: ClassVar[tuple[str, ...]] = ()   # import names, checked with find_spec (never imported at plan time)
+    origin: ClassVar[str] = "qbuild"           # set at registration: "qbuild" or the entry point's distribution
+
+    @classmethod
+    def missing(cls) -> list[str]:
+        return [m for m in cls.requires if importlib.util.find_spec(m) is None]
+
+    @classmethod
+    def require(cls, field: str, what: str) -> None:
+        """Raise the one-line error that names the extra to install, if a required module is missing."""
+        missing = cls.missing()
+        if missing:
+            raise MissingBackendError(f"{what} needs the Python module {missing[0]!r}, which", cls.extra or cls.origin,
+                                      field=field)
+
+
+# --- quantization methods ------------------------------------------------------------------------------
+class Method(Plugin, ABC):
+    """A quantization method: recipe `variants[i].method: NAME`."""
+
+    options: ClassVar[type[StrictModel]]   # subclass of qbuild.quantize.base.VariantBase
+
+    def check(self, variant, ctx, field: str) -> None:
+        """Plan-time validation beyond the schema (shapes, unsupported combinations): raise RecipeError."""
+
+    @abstractmethod
+    def plan(self, variant, ctx) -> Step:
+        """Add this variant's steps to the plan (ctx.add) and return the step that produces its artifact.
+
+        That step sets `variant`, `format` (qbuild.formats) and `scheme`, which is what targets and
+        runtimes select on."""
+
+
+# --- build targets -----------------------------------------------------------------------------------------
+class TargetOptions(StrictModel):
+    """Fields every target entry has; a target's own options model subclasses this."""
+
+    variants: list[str] | Literal["all"] = Field("all", description="Which variants to build this target for.")
+
+
+class Target(Plugin, ABC):
+    """A build target: recipe `targets[i].type: NAME`, applied to variant artifacts.
+
+    A target takes inputs by capability, never by method name: `accepts` maps each input format it
+    reads to the schemes it takes (None: any scheme of that format)."""
+
+    options: ClassVar[type[TargetOptions]]
+    accepts: ClassVar[dict[str, tuple[str, ...] | None]] = {}
+    hints: ClassVar[dict[str, str]] = {}     # format → what to do instead, for the refusal message
+    purpose: ClassVar[str] = ""              # "be built into a TensorRT-LLM engine": completes the refusal message
+
+    def refusal(self, artifact: Step) -> str | None:
+        """None if this target takes the artifact, else why not (and what would work)."""
+        if artifact.format in self.accepts:
+            schemes = self.accepts[artifact.format]
+            if schemes is None or artifact.scheme in schemes:
+                return None
+            why = f"it takes {artifact.format} with scheme {', '.join(schemes)}, not {artifact.scheme or '?'}"
+        else:
+            why = f"it reads {', '.join(self.accepts) or 'nothing'}, not {artifact.format or '?'}"
+        hint = self.hints.get(artifact.format)
+        return why + (f"; {hint}" if hint else "")
+
+    def check_input(self, artifact: Step, field: str) -> None:
+        why = self.refusal(artifact)
+        if why:
+            method = artifact.params.get("method", artifact.kind)
+            raise RecipeError(field, f"variant {artifact.variant!r} (method {method}, format {artifact.format or '?'}"
+                              f"{', scheme ' + artifact.scheme if artifact.scheme else ''}) cannot "
+                              f"{self.purpose or 'be used by target ' + self.name}: {why}")
+
+    def describe(self, output: Step) -> str:
+        """Short label of a built output for the summary (e.g. 'engine, SM 9.0')."""
+        return output.format
+
+    @abstractmethod
+    def plan(self, target, artifact: Step, ctx, field: str) -> Step:
+        """Add the build of `artifact` for this target; return the step producing the output.
+
+        Its `variant` is "<variant>.<target name>" (its ref), its `format` says what runtimes evaluate it."""
+
+
+# --- evaluation runtimes ------------------------------------------------------------------------------------
+class RuntimeSession:
+    """An opened model: logits for token windows, timed generation. Made by Runtime.open in a worker.
+
+    A session may also define `throughput(ctx, params) -> step result` to measure speed its own way
+    (the TensorRT-LLM runtime runs trtllm-bench); otherwise qbuild times `generate_timed`."""
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    def window_logits(self, windows: list[Window]) -> Iterator[np.ndarray]:
+        """Logits (tokens × vocab, float32) of each window, in order."""
+        for w in windows:
+            yield self.logits(w.tokens)
+
+    def generate_timed(self, prompts: list[list[int]], n_out: int) -> dict:
+        """Greedy decode of a batch: {"prefill_s": float, "decode_s": [seconds per token]}."""
+        raise NotImplementedError
+
+    def info(self) -> dict:
+        return {}
+
+
+class Runtime(Plugin, ABC):
+    """Evaluates model artifacts of the formats it declares: perplexity, KLD and throughput."""
+
+    formats: ClassVar[tuple[str, ...]] = ()
+    tools: ClassVar[tuple[str, ...]] = ()        # distributions whose versions enter evaluation keys
+    max_batch_size: ClassVar[int | None] = None  # largest throughput batch it measures (None: any)
+
+    def plan_fields(self, label: str, artifact: Step, ctx, measure: str) -> dict:
+        """Extra Step fields of an evaluation step of `artifact` (inputs, env_toolchain, availability ...)."""
+        return {}
+
+    def cannot_measure(self, label: str, artifact: Step, evaluation) -> dict[str, str]:
+        """Measures ("perplexity", "kld", "throughput") it cannot take for this artifact → why; bad settings
+        raise RecipeError."""
+        if evaluation.throughput and self.max_batch_size is not None and \
+                max(evaluation.throughput.batch_sizes) > self.max_batch_size:
+            sizes = "batch size 1" if self.max_batch_size == 1 else f"batch sizes up to {self.max_batch_size}"
+            raise RecipeError("evaluation.throughput.batch_sizes",
+                              f"variant {label!r} is {artifact.format}, and the {self.name} runtime measures {sizes} "
+                              f"only (got {evaluation.throughput.batch_sizes})")
+        return {}
+
+    @abstractmethod
+    def open(self, model: Path, ctx: StepContext, n_ctx: int) -> RuntimeSession:
+        """Load the artifact at `model` in the step's worker (heavy imports go here)."""
+
+
+# --- registries ------------------------------------------------------------------------------------------------
+P = TypeVar("P", bound=Plugin)
+
+# in-tree plugin packages: every module in them is imported when a registry is first used
+PLUGIN_PACKAGES = ("qbuild.quantize", "qbuild.runtimes", "qbuild.trtllm")
+
+
+class Registry(Generic[P]):
+    """Plugins of one kind by name: the modules of `packages` (in-tree, registering with `register`)
+    and the entry points of `group` (out of tree), loaded once, on first use."""
+
+    def __init__(self, group: str, base: type[P], what: str, packages: tuple[str, ...] = PLUGIN_PACKAGES,
+                 discriminator: str | None = None):
+        self.group, self.base, self.what, self.packages = group, base, what, packages
+        self.discriminator = discriminator  # the options field whose literal must be the plugin's name
+        self._classes: dict[str, type[P]] = {}
+        self._instances: dict[str, P] = {}
+        self._loaded = False
+
+    def register(self, cls: type[P]) -> type[P]:
+        """Class decorator: make `cls` available under `cls.name`."""
+        if not (isinstance(cls, type) and issubclass(cls, self.base)):
+            raise TypeError(f"{cls!r} is not a {self.base.__name__} plugin")
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{cls.__name__} declares no name")
+        known = self._classes.get(name)
+        if known is not None and known is not cls:
+            raise UserError(f"{self.what} {name!r} from {cls.origin} clashes with the one from {known.origin}")
+        self._classes[name] = cls
+        return cls
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        for package in self.packages:
+            pkg = importlib.import_module(package)
+            for mod in pkgutil.iter_modules(pkg.__path__):
+                if not mod.name.startswith("_"):
+                    importlib.import_module(f"{package}.{mod.name}")
+        for ep in metadata.entry_points(group=self.group):
+            dist = ep.dist.name if ep.dist else "?"
+            try:
+                cls = ep.load()
+            except Exception as exc:  # any import failure of someone else's package: one line, exit 2
+                raise UserError(f"plugin {ep.name!r} ({self.group} = {ep.value}, from {dist}) failed to load: "
+                                f"{type(exc).__name__}: {exc}") from None
+            if not (isinstance(cls, type) and issubclass(cls, self.base)):
+                raise UserError(f"plugin {ep.name!r} ({self.group} = {ep.value}, from {dist}) is not a "
+                                f"{self.base.__module__}.{self.base.__name__} subclass")
+            if cls.__dict__.get("origin") is None:
+                cls.origin = dist
+            self.register(cls)
+        if self.discriminator:
+            for cls in self._classes.values():
+                _check_discriminator(cls, self.discriminator)
+
+    def names(self) -> list[str]:
+        self._load()
+        return list(self._classes)
+
+    def get(self, name: str) -> P:
+        self._load()
+        if name not in self._instances:
+            self._instances[name] = self._classes[name]()
+        return self._instances[name]
+
+    def classes(self) -> list[type[P]]:
+        self._load()
+        return list(self._classes.values())
+
+    def all(self) -> list[P]:
+        return [self.get(n) for n in self.names()]
+
+    def __contains__(self, name: str) -> bool:
+        self._load()
+        return name in self._classes
+
+
+def _check_discriminator(plugin: type[Plugin], field: str) -> None:
+    """The options model's `method:`/`type:` literal must be the plugin's name (the recipe key maps 1:1)."""
+    info = plugin.options.model_fields.get(field)
+    if info is None or typing.get_args(info.annotation) != (plugin.name,):
+        raise UserError(f"plugin {plugin.name!r} (from {plugin.origin}): its options model "
+                        f"{plugin.options.__name__} must declare {field}: Literal[{plugin.name!r}]")
+
+
+methods: Registry[Method] = Registry("qbuild.methods", Method, "method", discriminator="method")
+targets: Registry[Target] = Registry("qbuild.targets", Target, "target", discriminator="type")
+runtimes: Registry[Runtime] = Registry("qbuild.runtimes", Runtime, "runtime")
+
+
+def open_session(runtime: str, model: Path, ctx: StepContext, n_ctx: int) -> RuntimeSession:
+    """A session of the registered runtime `runtime` (recorded in the step's params) on `model`."""
+    return runtimes.get(runtime).open(model, ctx, n_ctx)
+
+
+def runtimes_for(fmt: str) -> list[Runtime]:
+    """Registered runtimes that evaluate `fmt`, installed ones first (registration order otherwise)."""
+    found = [r for r in runtimes.all() if fmt in r.formats]
+    return sorted(found, key=lambda r: bool(r.missing()))
+
+
+def plugin_table() -> list[dict[str, Any]]:
+    """Every registered plugin, for `qbuild plugins`."""
+    from qbuild.artifacts.remote import remotes
+
+    rows = []
+    for kind, registry in (("method", methods), ("target", targets), ("runtime", runtimes)):
+        for p in registry.all():
+            row = {"kind": kind, "name": p.name, "origin": p.origin, "extra": p.extra,
+                   "installed": not p.missing()}
+            if isinstance(p, Runtime):
+                row["formats"] = list(p.formats)
+            if isinstance(p, Target):
+                row["accepts"] = {f: list(s) if s else "any" for f, s in p.accepts.items()}
+            rows.append(row)
+    for cls in remotes.classes():   # remote stores are opened per URL: listed by class
+        rows.append({"kind": "remote store", "name": cls.name, "origin": cls.origin, "extra": cls.extra,
+                     "installed": not cls.missing(), "schemes": list(cls.schemes)})
+    return rows

@@ -1,0 +1,103 @@
+"""The end of a run: write-through to remote tiers, and registration in the MLflow model registry.
+
+write_through  every object of the run that a remote lacks is uploaded (files, sidecars, manifest, then
+               the action record: the commit point); the named artifacts get their model card (and, with a
+               signing key, SLSA provenance + signature) and their refs. Called when no step failed, for
+               remotes whose policy is `always` or `on-success`; `always` remotes already got each object
+               right after it was built (qbuild/executor.py), this adds what only the end of a run knows.
+register       one MLflow model version per variant artifact, pointing at the store that holds it; the
+               alias (e.g. champion) moves only when every quality gate passed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from qbuild.artifacts.remote.cache import SIDECARS, build_sidecars, push_hit, should_push
+
+if TYPE_CHECKING:
+    from qbuild.artifacts.remote.base import RemoteStore
+    from qbuild.artifacts.store import Store
+    from qbuild.executor import StepOutcome
+    from qbuild.plan import Plan
+
+log = logging.getLogger("qbuild")
+
+
+def _base_model(plan: Plan) -> str | None:
+    model = plan.recipe.model
+    return getattr(model, "repo", None) or getattr(model, "path", None)
+
+
+def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary: dict, tags: list[str]) -> dict:
+    """Upload what the remotes lack; returns {remote name: {"objects": n uploaded, "refs": n set}}."""
+    rows = {r["variant"]: r for r in summary.get("variants", [])}
+    named = {a.step.key: a.label for a in plan.artifacts if not a.baseline}
+    report: dict = {}
+    for remote in plan.remotes:
+        if not should_push(remote, "success"):
+            continue
+        uploaded = refs = 0
+        for o in outcomes:
+            if o.digest is None or o.path is None or o.status not in ("built", "cached"):
+                continue  # sources, failures, and remote hits not fetched here (the remote has them)
+            label = named.get(o.step.key)
+            sidecars = None
+            if label is not None:
+                def sidecars(o=o, label=label):
+                    return build_sidecars(store, o.digest, rows.get(label), summary.get("protocol"),
+                                          summary.get("gates"), _base_model(plan), hardware=summary.get("hardware"))
+            ref_list = [(plan.recipe.name, label, t) for t in tags] if label else []
+            if push_hit(remote, store, o.step.key, o.digest, o.record, sidecars=sidecars, refs=()):
+                uploaded += 1
+            elif label is not None:
+                _refresh_sidecars(remote, o.digest, sidecars)
+            for recipe, variant, tag in ref_list:  # refs last: on OCI a sidecar re-tags the object
+                remote.set_ref(recipe, variant, tag, o.digest, o.step.key)
+                refs += 1
+        report[remote.name] = {"objects": uploaded, "refs": refs}
+    return report
+
+
+def _refresh_sidecars(remote: RemoteStore, digest: str, sidecars) -> None:
+    """An object already on the remote: its model card follows the latest run; a missing signature is added."""
+    data = sidecars()
+    for name in SIDECARS:
+        if name in data and (name == "README.md" or remote.get_sidecar(digest, name) is None):
+            remote.put_sidecar(digest, name, data[name])
+
+
+def register(plan: Plan, outcomes: list[StepOutcome], summary: dict, store: Store, tracking_uri: str | None) -> dict:
+    """Register every variant artifact (or the listed ones) in the MLflow model registry."""
+    import os
+
+    from qbuild.artifacts import mlflow_registry
+
+    spec = plan.recipe.model_registry
+    uri = spec.tracking_uri or tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        from qbuild.errors import UserError
+
+        raise UserError("register: needs an MLflow tracking URI (register.tracking_uri, tracking.mlflow.uri, "
+                        "--mlflow or MLFLOW_TRACKING_URI)")
+    pushed = [r for r in plan.remotes if r.push != "never"]
+    store_url = pushed[0].url if pushed else f"qbuild-file://{store.root}"
+    by_key = {o.step.key: o for o in outcomes}
+    gates = summary.get("gates")
+    out = {}
+    for row in summary.get("variants", []):
+        variant = row["variant"]
+        if row.get("target") or variant == "baseline" or (spec.variants and variant not in spec.variants):
+            continue
+        o = by_key.get(row.get("key"))
+        if o is None or o.digest is None:
+            continue
+        passed = gates["passed"] if gates else True  # the alias moves only when the whole run passed its gates
+        name = spec.model_name(plan.recipe.name, variant)
+        metrics = {k: row[k] for k in ("ppl", "delta_ppl", "delta_ppl_pct", "kld", "top1", "decode_tok_s")
+                   if row.get(k) is not None}
+        version = mlflow_registry.register(uri, name, {**o.record, "digest": o.digest}, store_url, metrics,
+                                           gates_passed=passed, alias=spec.alias, gates=gates)
+        out[variant] = {"name": name, "version": version, "alias": spec.alias if passed else None}
+    return out

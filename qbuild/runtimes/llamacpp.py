@@ -1,0 +1,65 @@
+"""Runtime `llama.cpp`: GGUF files through llama-cpp-python, on CPU."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from qbuild.formats import Format
+from qbuild.plugins import Runtime, RuntimeSession, runtimes
+from qbuild.step import StepContext
+
+
+class LlamaCppSession(RuntimeSession):
+    def __init__(self, path: Path, n_ctx: int, threads: int):
+        from llama_cpp import Llama
+
+        files = sorted(Path(path).glob("*.gguf")) if Path(path).is_dir() else [Path(path)]
+        if len(files) != 1:
+            raise ValueError(f"expected one .gguf file in {path}, found {len(files)}")
+        self.threads = threads
+        self.llm = Llama(model_path=str(files[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
+                         n_threads=threads, n_threads_batch=threads, verbose=False)
+
+    def logits(self, tokens: list[int]):
+        import numpy as np
+
+        self.llm.reset()
+        self.llm.eval(tokens)
+        return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+
+    def generate_timed(self, prompts: list[list[int]], n_out: int) -> dict:
+        import numpy as np
+
+        if len(prompts) != 1:
+            raise ValueError("the llama.cpp runtime measures batch size 1 only")
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompts[0])
+        prefill = time.perf_counter() - t0
+        steps = []
+        for _ in range(n_out - 1):
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            t1 = time.perf_counter()
+            llm.eval([tok])
+            steps.append(time.perf_counter() - t1)
+        return {"prefill_s": prefill, "decode_s": steps}
+
+    def info(self) -> dict:
+        import llama_cpp
+
+        return {"name": LlamaCppRuntime.name, "llama_cpp_python": llama_cpp.__version__, "threads": self.threads}
+
+
+@runtimes.register
+class LlamaCppRuntime(Runtime):
+    name = "llama.cpp"
+    formats = (Format.GGUF,)
+    tools = ("llama-cpp-python",)
+    extra = "gguf"
+    requires = ("llama_cpp",)
+    max_batch_size = 1
+
+    def open(self, model: Path, ctx: StepContext, n_ctx: int) -> LlamaCppSession:
+        return LlamaCppSession(Path(model), n_ctx, ctx.threads)

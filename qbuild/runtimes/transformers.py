@@ -1,0 +1,68 @@
+"""Runtime `transformers`: HF checkpoints (plain, compressed-tensors) on CPU or CUDA."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from qbuild.formats import Format
+from qbuild.plugins import Runtime, RuntimeSession, runtimes
+from qbuild.step import StepContext
+
+
+class TransformersSession(RuntimeSession):
+    def __init__(self, path: Path, threads: int, device: str):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        dtype = "auto" if self.device == "cuda" else torch.float32
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).to(self.device).eval()
+
+    def logits(self, tokens: list[int]):
+        with self.torch.inference_mode():
+            out = self.model(self.torch.tensor([tokens], device=self.device)).logits[0]
+        return out.float().cpu().numpy()
+
+    def generate_timed(self, prompts: list[list[int]], n_out: int) -> dict:
+        torch = self.torch
+        ids = torch.tensor(prompts, device=self.device)
+        sync = torch.cuda.synchronize if self.device == "cuda" else (lambda: None)
+        with torch.inference_mode():
+            sync()
+            t0 = time.perf_counter()
+            out = self.model(ids, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+            sync()
+            prefill = time.perf_counter() - t0
+            steps = []
+            for _ in range(n_out - 1):
+                t1 = time.perf_counter()
+                out = self.model(nxt, past_key_values=past, use_cache=True)
+                past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+                sync()
+                steps.append(time.perf_counter() - t1)
+        return {"prefill_s": prefill, "decode_s": steps}
+
+    def info(self) -> dict:
+        import transformers
+
+        info = {"name": TransformersRuntime.name, "transformers": transformers.__version__,
+                "torch": self.torch.__version__, "device": self.device}
+        if self.device == "cuda":
+            info["gpu"] = self.torch.cuda.get_device_name()
+            info["sm"] = ".".join(map(str, self.torch.cuda.get_device_capability()))
+        return info
+
+
+@runtimes.register
+class TransformersRuntime(Runtime):
+    name = "transformers"
+    formats = (Format.HF, Format.COMPRESSED_TENSORS)
+    tools = ("torch", "transformers")
+    extra = "hf"
+    requires = ("torch", "transformers")
+
+    def open(self, model: Path, ctx: StepContext, n_ctx: int) -> TransformersSession:
+        return TransformersSession(Path(model), ctx.threads, ctx.device)

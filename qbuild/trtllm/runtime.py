@@ -1,0 +1,229 @@
+"""The `tensorrt-llm` runtime: evaluates TensorRT-LLM engines (perplexity, KLD, throughput/latency).
+
+It runs in qbuild's worker but never imports tensorrt_llm: TensorRT-LLM code runs in the configured
+TensorRT-LLM interpreter (the target's `python:` / $QBUILD_TRTLLM_PYTHON, as for the build).
+
+- logits: qbuild cuts the windows (protocol.windows) and writes them to a JSON request in the
+  step's private dir inside the store; _shim.py, run there, loads the engine with the LLM API and
+  saves each window's context logits; the generic runners (qbuild/evaluate/quality.py) score them
+  exactly as they score every other runtime's.
+- throughput: `trtllm-bench throughput --backend tensorrt --streaming` per batch size (the command
+  engine.trtllm_bench_args generates), its --report_json mapped to throughput.py's metric names.
+
+Plan side: an engine evaluation is keyed like the engine (TensorRT-LLM, TensorRT, CUDA, GPU SM; the
+GPU model too for timings), available exactly where the engine is (needs-gpu, on_missing_gpu), and
+reads the source model's tokenizer/config (the engine dir has neither).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from qbuild.errors import RecipeError
+from qbuild.fingerprint import cpu_model
+from qbuild.formats import Format
+from qbuild.plugins import Runtime, RuntimeSession, runtimes
+from qbuild.step import StepContext
+from qbuild.trtllm import engine as trt
+from qbuild.trtllm import env as trtllm_env
+
+SHIM = Path(__file__).with_name("_shim.py")
+
+
+def _engine_vocab(engine: Path) -> int | None:
+    try:
+        return json.loads((engine / "config.json").read_text())["pretrained_config"]["vocab_size"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _run(ctx: StepContext, cmd: list[str], what: str) -> float:
+    """Run a TensorRT-LLM command, its output into the step's log; seconds taken."""
+    ctx.log("running: " + " ".join(cmd))
+    t0 = time.perf_counter()
+    sys.stdout.flush()
+    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} exited with code {proc.returncode} (see the step log)")
+    return time.perf_counter() - t0
+
+
+def _workdir(ctx: StepContext):
+    # private to this step, inside the store (ctx.out's parent is removed after publishing), never in the object
+    return tempfile.TemporaryDirectory(dir=ctx.out.parent, prefix="trtllm-")
+
+
+class EngineSession(RuntimeSession):
+    def __init__(self, engine: Path, ctx: StepContext):
+        self.engine, self.ctx = engine, ctx
+        self.gpu, self.env = trt.current_environment(ctx.runtime_args)
+        self._info: dict = {"name": EngineRuntime.name}
+
+    def window_logits(self, windows) -> Iterator:
+        """Run the shim over every window in the TensorRT-LLM interpreter, then hand out each window's logits."""
+        import numpy as np
+
+        from qbuild.evaluate import protocol
+
+        ctx = self.ctx
+        with _workdir(ctx) as work:
+            work = Path(work)
+            # the shim and protocol.py travel with the request: only the store must be visible to the interpreter
+            shutil.copyfile(SHIM, work / SHIM.name)
+            shutil.copyfile(protocol.__file__, work / "protocol.py")
+            logits_dir = work / "logits"
+            logits_dir.mkdir()
+            request = {"engine": str(self.engine), "tokenizer": str(ctx.inputs["tokenizer"]),
+                       "protocol": str(work / "protocol.py"),
+                       "windows": [{"tokens": [int(t) for t in w.tokens], "first_scored": w.first_scored}
+                                   for w in windows],
+                       "vocab_size": _engine_vocab(self.engine), "batch": 1, "logits_dir": str(logits_dir)}
+            (work / "request.json").write_text(json.dumps(request))
+            _run(ctx, [*trt.interpreter(self.env.python), str(work / SHIM.name), str(work / "request.json"),
+                       str(work / "result.json")], "the TensorRT-LLM logits shim")
+            try:
+                result = json.loads((work / "result.json").read_text())
+            except (OSError, ValueError) as exc:
+                raise RuntimeError(f"the TensorRT-LLM logits shim wrote no result ({exc})") from None
+            if len(result.get("nll", ())) != len(windows):
+                raise RuntimeError(f"the shim scored {len(result.get('nll', ()))} windows, expected {len(windows)}")
+            self._info = {**result.get("runtime", {}), "name": EngineRuntime.name, "engine": str(self.engine),
+                          "gpu": self.gpu.as_dict(), "tensorrt_llm": self.env.tensorrt_llm,
+                          "tensorrt": self.env.tensorrt, "cuda": self.env.cuda, "seconds": result.get("seconds")}
+            for i in range(len(windows)):
+                path = logits_dir / f"{i}.npy"
+                logits = np.load(path)
+                path.unlink()  # full-vocabulary logits are large: one window on disk at a time
+                yield logits
+
+    def throughput(self, ctx: StepContext, params: dict) -> dict:
+        return bench_throughput(self, ctx, params)
+
+    def info(self) -> dict:
+        return self._info
+
+
+@runtimes.register
+class EngineRuntime(Runtime):
+    name = "tensorrt-llm"
+    formats = (Format.TRTLLM_ENGINE,)
+    extra = "tensorrt-llm"   # runs in the TensorRT-LLM interpreter, never imported here
+
+    def plan_fields(self, label: str, artifact, ctx, measure: str) -> dict:
+        env = dict(artifact.env_toolchain)
+        if measure == "throughput":  # timings belong to a machine: the GPU model enters the key too
+            gpu = trtllm_env.gpu()
+            env["gpu.name"] = gpu.name if gpu else "unknown"
+        # the source model's HF config + tokenizer: the LLM API and trtllm-bench read them, the engine has neither
+        return {"extra_inputs": {"tokenizer": ctx.model()}, "env_toolchain": env, "requires_gpu": True,
+                "unavailable": artifact.unavailable, "on_unavailable": artifact.on_unavailable,
+                "runtime_args": dict(artifact.runtime_args)}
+
+    def cannot_measure(self, label: str, artifact, evaluation) -> dict[str, str]:
+        """Evaluation settings the engine cannot serve: RecipeError. Returns what to leave out, with why."""
+        s, skipped = artifact.params, {}
+        if evaluation.perplexity:
+            if not s.get("gather_context_logits"):
+                why = (f"engine {label!r} is built without gather_context_logits (set gather_context_logits: true on "
+                       "the target to measure perplexity/KLD; it changes the engine key)")
+                skipped = {"perplexity": why, "kld": why}
+            else:
+                n = evaluation.perplexity.context_length
+                if n > s["max_input_len"] or n + 1 > s["max_seq_len"] or n > s["max_num_tokens"]:
+                    raise RecipeError("evaluation.perplexity.context_length",
+                                      f"{n} does not fit engine {label!r} (max_input_len {s['max_input_len']}, "
+                                      f"max_seq_len {s['max_seq_len']} ≥ context_length + 1, max_num_tokens "
+                                      f"{s['max_num_tokens']})")
+        if evaluation.throughput:
+            t = evaluation.throughput
+            if t.input_len > s["max_input_len"] or t.input_len + t.output_len > s["max_seq_len"]:
+                raise RecipeError("evaluation.throughput.input_len",
+                                  f"input_len {t.input_len} + output_len {t.output_len} does not fit engine {label!r} "
+                                  f"(max_input_len {s['max_input_len']}, max_seq_len {s['max_seq_len']})")
+            if max(t.batch_sizes) > s["max_batch_size"]:
+                raise RecipeError("evaluation.throughput.batch_sizes",
+                                  f"{t.batch_sizes} exceeds engine {label!r}'s max_batch_size {s['max_batch_size']}")
+        return skipped
+
+    def open(self, model: Path, ctx: StepContext, n_ctx: int) -> EngineSession:
+        return EngineSession(Path(model), ctx)
+
+
+# --- throughput through trtllm-bench -------------------------------------------------------------------
+def parse_bench_report(report: dict, batch_size: int, input_len: int) -> dict:
+    """trtllm-bench (1.2.x) --report_json → throughput.py's metric names, plus the raw headline numbers.
+
+    decode_tok_s = batch size × per-user generation speed (streaming_metrics.token_output_speed_tok_s,
+    which excludes the first token), the analogue of throughput.py's batch-size × decode steps/s;
+    ttft_ms = p50 time to first token; token_latency_ms_p50/p95 = percentiles over requests of the
+    per-request mean time per output token (TPOT); prefill_tok_s = batch size × input_len / TTFT p50
+    (derived: TTFT includes scheduling). Without streaming metrics, decode_tok_s falls back to the
+    system output throughput (all output tokens / end-to-end time) and the latency fields are None.
+    """
+    perf = report.get("performance") or {}
+    stream = report.get("streaming_metrics") or {}
+    ttft, tpot = stream.get("ttft_percentiles") or {}, stream.get("tpot_percentiles") or {}
+    per_user = stream.get("token_output_speed_tok_s")
+    system = perf.get("system_output_throughput_tok_s", perf.get("output_throughput_tok_s"))
+    ttft_ms = ttft.get("p50", stream.get("avg_ttft_ms"))
+    return {
+        "batch_size": batch_size,
+        "decode_tok_s": batch_size * per_user if per_user else system,
+        "decode_tok_s_source": "batch_size x streaming token_output_speed_tok_s" if per_user
+        else "performance.system_output_throughput_tok_s",
+        "prefill_tok_s": batch_size * input_len / (ttft_ms / 1000) if ttft_ms else None,
+        "ttft_ms": ttft_ms,
+        "token_latency_ms_p50": tpot.get("p50"), "token_latency_ms_p95": tpot.get("p95"),
+        "system_output_tok_s": system,
+        "request_throughput_req_s": perf.get("request_throughput_req_s"),
+        "request_latency_ms_p50": (perf.get("request_latency_percentiles_ms") or {}).get("p50"),
+        "num_requests": (report.get("request_info") or {}).get("num_requests"),
+    }
+
+
+def bench_throughput(session: EngineSession, ctx: StepContext, p: dict) -> dict:
+    gpu, env = session.gpu, session.env
+    engine, hf_dir = session.engine, Path(ctx.inputs["tokenizer"])
+    vocab = _engine_vocab(engine) or 32000
+    results, commands, machine = [], [], None
+    with _workdir(ctx) as work:
+        work = Path(work)
+        for i, bs in enumerate(p["batch_sizes"]):
+            n = bs * p["repetitions"]
+            dataset, report = work / f"dataset-bs{bs}.jsonl", work / f"report-bs{bs}.json"
+            dataset.write_text(trt.bench_dataset(n, p["input_len"], p["output_len"], vocab))
+            args = trt.trtllm_bench_args("qbuild-model", hf_dir, engine, dataset, report, num_requests=n,
+                                         warmup=p["warmup"] * bs, concurrency=bs, max_batch_size=bs, streaming=True)
+            ctx.progress(i, len(p["batch_sizes"]), f"trtllm-bench batch {bs}")
+            _run(ctx, [*trt.interpreter(env.python), "-c", trt.BENCH_SHIM, *args[1:]], "trtllm-bench")
+            try:
+                rep = json.loads(report.read_text())
+            except (OSError, ValueError) as exc:
+                raise RuntimeError(f"trtllm-bench wrote no report ({exc})") from None
+            (ctx.out / report.name).write_text(json.dumps(rep, indent=2))  # the raw report, kept with the result
+            machine = rep.get("machine") or machine
+            results.append(parse_bench_report(rep, bs, p["input_len"]))
+            commands.append(["trtllm-bench"] + [{str(engine): "<engine>", str(hf_dir): "<model>", str(dataset): "<dataset>",
+                                                 str(report): "<report>"}.get(a, a) for a in args[1:]])
+    ctx.progress(len(p["batch_sizes"]), len(p["batch_sizes"]), "done")
+    hardware = {"gpu": gpu.as_dict(), "gpu_bench": machine, "cpu": cpu_model()}
+    settings = {k: p[k] for k in ("input_len", "output_len", "warmup", "repetitions", "batch_sizes")} | {
+        "requests_per_batch_size": "batch_size x repetitions", "warmup_requests": "batch_size x warmup",
+        "concurrency": "batch_size", "streaming": True, "eos": "disabled (fixed output length)",
+        "trtllm_bench": commands}
+    runtime = {"name": EngineRuntime.name, "tool": "trtllm-bench throughput --backend tensorrt", "tensorrt_llm": env.tensorrt_llm,
+               "tensorrt": env.tensorrt, "cuda": env.cuda}
+    out = {"results": results, "settings": settings, "runtime": runtime, "hardware": hardware}
+    (ctx.out / "throughput.json").write_text(json.dumps(out, indent=2))
+    first = results[0]
+    metrics = {k: first[k] for k in ("decode_tok_s", "prefill_tok_s", "ttft_ms", "token_latency_ms_p95")}
+    return {"format": "metrics", "metrics": {k: v for k, v in metrics.items() if v is not None},
+            "info": {"hardware": hardware}}
+

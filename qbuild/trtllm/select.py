@@ -1,0 +1,89 @@
+"""Which stored TensorRT-LLM engine fits this machine (used by `qbuild pull`, qbuild/api.py).
+
+An engine only loads on the GPU architecture (SM) and the exact TensorRT / TensorRT-LLM versions it
+was built with, so an engine ref (recipe/<variant>.<target>[:tag]) names a family of builds: every
+stored engine manifest of that recipe and variant. pull picks the one whose SM and toolchain match
+this machine and refuses a mismatch, saying what the store has, what this machine needs, and the
+command that builds it here. Light module: nothing heavy is imported.
+"""
+
+from __future__ import annotations
+
+import json
+
+from qbuild.errors import UserError
+
+MATCH_KEYS = (("gpu.sm", "SM"), ("tensorrt_llm", "TensorRT-LLM"), ("tensorrt", "TensorRT"), ("cuda", "CUDA"))
+
+
+def _cuda_major(v: str | None) -> str | None:
+    return v.split(".")[0] if v else v
+
+
+def describe(facts: dict) -> str:
+    return ", ".join(f"{label} {facts.get(k) or '?'}" for k, label in MATCH_KEYS)
+
+
+def is_engine_of(m: dict, recipe: str, variant: str) -> bool:
+    """Whether manifest m is a TensorRT-LLM engine build of recipe/variant (local store or remote)."""
+    from qbuild.trtllm.engine import ENGINE_KIND
+
+    return m.get("kind") == ENGINE_KIND and m.get("variant") == variant and (m.get("recipe") or {}).get("name") == recipe
+
+
+def newest_first(manifests: list[dict]) -> list[dict]:
+    return sorted(manifests, key=lambda m: m.get("created", ""), reverse=True)
+
+
+def engine_manifests(store, recipe: str, variant: str) -> list[dict]:
+    """Every stored engine build of recipe/variant (newest first)."""
+    found = []
+    for obj in store.objects():
+        try:
+            m = json.loads((obj / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if is_engine_of(m, recipe, variant):
+            found.append(m)
+    return newest_first(found)
+
+
+def select_engine(manifests: list[dict], need: dict, ref: str) -> dict:
+    """The manifest whose SM, TensorRT-LLM and TensorRT versions equal `need` (CUDA: same major).
+
+    Raises UserError naming what the store has, what is needed, and how to build it.
+    """
+    def fits(m: dict) -> bool:
+        tc = m.get("toolchain", {})
+        return all(tc.get(k) == need.get(k) for k in ("gpu.sm", "tensorrt_llm", "tensorrt")) and \
+            (need.get("cuda") in (None, "unknown") or _cuda_major(tc.get("cuda")) == _cuda_major(need.get("cuda")))
+
+    for m in manifests:
+        if fits(m):
+            return m
+    if not manifests:
+        raise UserError(f"{ref}: no TensorRT-LLM engine is stored under this name")
+    recipe = next((m.get("recipe", {}).get("path") for m in manifests if m.get("recipe", {}).get("path")), "RECIPE.yaml")
+    has = "; ".join(f"{describe(m.get('toolchain', {}))} (digest {m['digest'][:12]}"
+                    + (f", built on {m['info']['gpu']['name']}" if (m.get("info") or {}).get("gpu") else "") + ")"
+                    for m in manifests)
+    raise UserError(f"{ref}: no stored engine fits this machine. It needs: {describe(need)}. "
+                    f"The store has: {has}. An engine only loads on the SM and TensorRT version it was built "
+                    f"with; build one here with: qbuild run {recipe}")
+
+
+def local_needs(sm: str | None = None, tensorrt_llm: str | None = None, tensorrt: str | None = None,
+                python: str | None = None) -> dict:
+    from qbuild.trtllm import env as trtllm_env
+
+    gpu = trtllm_env.gpu()
+    env = trtllm_env.trtllm(trtllm_env.configured_python(python))
+    need = {"gpu.sm": sm or (gpu.sm if gpu else None),
+            "tensorrt_llm": tensorrt_llm or (env.tensorrt_llm if env else None),
+            "tensorrt": tensorrt or (env.tensorrt if env else None),
+            "cuda": env.cuda if env else None}
+    missing = [label for k, label in MATCH_KEYS[:3] if not need[k]]
+    if missing:
+        raise UserError(f"cannot tell which engine fits this machine: no {', '.join(missing)} found "
+                        "(no NVIDIA GPU / TensorRT-LLM here); pass --sm/--tensorrt-llm/--tensorrt")
+    return need

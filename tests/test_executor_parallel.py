@@ -1,0 +1,171 @@
+"""The parallel local executor: independent steps overlap within the machine's cores, timing steps run alone,
+Ctrl-C / SIGTERM / kill -9 stop every worker and leave no scratch, runs resume; several recipes run as one
+deduplicated graph with one JUnit report. Overlap is asserted from recorded start/end times, never wall clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from qbuild.executor import cpu_count
+
+from helpers import fake_recipe, qbuild, run_api, write_recipe
+
+
+def _overlaps(steps: list[dict]) -> int:
+    """The largest number of builds running at the same moment."""
+    events = sorted([(s["started"], 1) for s in steps] + [(s["ended"], -1) for s in steps])
+    now = peak = 0
+    for _, delta in events:
+        now += delta
+        peak = max(peak, now)
+    return peak
+
+
+def _built(summary: dict) -> list[dict]:
+    return [s for s in summary["steps"] if s["status"] == "built"]
+
+
+def test_independent_steps_overlap_within_the_cores(tmp_path, store_dir):
+    variants = [{"name": f"v{i}", "method": "fake", "level": i, "sleep": 1.5} for i in range(4)]
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
+    rc, summary = run_api(recipe, store_dir, jobs=4)
+    assert rc == 0
+    built = _built(summary)
+    assert len(built) == 4 and all(s["started"] and s["ended"] for s in built)
+    # 1 thread per step: as many at once as there are cores (never more), so 4 steps take ~2 rounds on 2 cores
+    assert _overlaps(built) == min(4, cpu_count())
+
+
+def test_steps_that_need_every_core_run_one_at_a_time(tmp_path, store_dir):
+    variants = [{"name": f"v{i}", "method": "fake", "level": i, "sleep": 0.8} for i in range(3)]
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": cpu_count()}))
+    rc, summary = run_api(recipe, store_dir, jobs=4)
+    assert rc == 0 and _overlaps(_built(summary)) == 1
+
+
+def test_jobs_1_is_sequential_and_timing_steps_run_alone(tmp_path, store_dir):
+    variants = [{"name": "a", "method": "fake", "sleep": 0.8}, {"name": "t", "method": "fake", "level": 2, "sleep": 0.8,
+                                                              "timing": True},
+                {"name": "b", "method": "fake", "level": 3, "sleep": 0.8}]
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
+    rc, summary = run_api(recipe, store_dir, jobs=4)
+    assert rc == 0
+    steps = {s["name"]: s for s in _built(summary)}
+    timing = steps.pop("quantize[t]")
+    for other in steps.values():  # nothing runs while the timing step measures
+        assert other["ended"] <= timing["started"] or other["started"] >= timing["ended"], (other, timing)
+    rc, summary = run_api(write_recipe(tmp_path / "r2.yaml", fake_recipe(
+        tmp_path, [dict(v, level=v.get("level", 1) + 10) for v in variants], runtime={"threads": 1})), store_dir, jobs=1)
+    assert rc == 0 and _overlaps(_built(summary)) == 1
+
+
+def _start_slow_run(tmp_path, store_dir, sleep=20.0):
+    variants = [{"name": f"s{i}", "method": "fake", "level": i, "sleep": sleep} for i in range(2)]
+    recipe = write_recipe(tmp_path / "slow.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
+    proc = subprocess.Popen([sys.executable, "-m", "qbuild", str(recipe), "--store", str(store_dir), "--jobs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    want = min(2, cpu_count())
+    deadline = time.time() + 60
+    while time.time() < deadline and len(list((store_dir / "tmp").glob("*/out/weights.bin"))) < want:
+        time.sleep(0.1)
+    assert len(list((store_dir / "tmp").glob("*/out/weights.bin"))) == want, "the workers never started"
+    return recipe, proc
+
+
+def _workers_of(store_dir: Path) -> list[int]:
+    """Worker processes still running for this store (found by their spec path)."""
+    out = subprocess.run(["pgrep", "-f", f"qbuild.worker {store_dir}"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.parametrize("sig, code, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")])
+def test_interrupt_stops_workers_removes_scratch_and_the_rerun_resumes(tmp_path, store_dir, sig, code, word):
+    recipe, proc = _start_slow_run(tmp_path, store_dir)
+    proc.send_signal(sig)                       # to qbuild only: workers are in sessions of their own
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert word in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not list((store_dir / "tmp").glob("*")), "scratch left behind"
+    assert not _workers_of(store_dir)
+    assert not list((store_dir / "objects").glob("*/*")) if (store_dir / "objects").exists() else True
+    data = json.loads(json.dumps(fake_recipe(tmp_path, [{"name": f"s{i}", "method": "fake", "level": i, "sleep": 0.2}
+                                                        for i in range(2)], runtime={"threads": 1})))
+    rc, summary = run_api(write_recipe(recipe, data), store_dir)
+    assert rc == 0 and len(_built(summary)) == 2
+
+
+def test_workers_die_with_a_killed_qbuild(tmp_path, store_dir):
+    _, proc = _start_slow_run(tmp_path, store_dir)
+    assert _workers_of(store_dir)
+    proc.kill()                                 # kill -9: no cleanup code runs in qbuild
+    proc.wait(timeout=30)
+    deadline = time.time() + 15
+    while time.time() < deadline and _workers_of(store_dir):
+        time.sleep(0.2)
+    assert not _workers_of(store_dir), "workers outlived their parent"
+
+
+# --- several recipes, one graph, one JUnit report -------------------------------------------------------------
+@pytest.fixture(scope="session")
+def junit_xsd(tmp_path_factory) -> Path:
+    """The JUnit schema Jenkins' xUnit reads (junit-10.xsd), as shipped in pytest's own sdist (testing/)."""
+    import pytest as pytest_module
+
+    pytest.importorskip("xmlschema", reason="xmlschema is not installed (pip install 'qbuild[dev]')")
+    cache = tmp_path_factory.mktemp("junit-xsd")
+    res = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+                          f"pytest=={pytest_module.__version__}", "-d", str(cache)], capture_output=True, text=True,
+                         timeout=300)
+    sdists = list(cache.glob("pytest-*.tar.gz"))
+    if res.returncode != 0 or not sdists:
+        pytest.skip(f"pytest's sdist (which ships junit-10.xsd) could not be downloaded: {res.stderr[-300:]}")
+    with tarfile.open(sdists[0]) as tar:
+        member = next(m for m in tar.getmembers() if m.name.endswith("testing/example_scripts/junit-10.xsd"))
+        member.name = "junit-10.xsd"
+        tar.extract(member, cache, filter="data")
+    return cache / "junit-10.xsd"
+
+
+def test_several_recipes_one_deduplicated_plan_and_junit(tmp_path, store_dir, junit_xsd):
+    import xmlschema
+
+    shared = {"name": "shared", "method": "fake", "sleep": 0.3}
+    a = fake_recipe(tmp_path, [shared, {"name": "a-only", "method": "fake", "level": 2}])
+    a.update(name="nightly-a")
+    a["evaluation"]["gates"] = [{"max_size_mb": 10}]
+    b = fake_recipe(tmp_path, [shared, {"name": "b-only", "method": "fake", "level": 3, "fail": True}])
+    b.update(name="nightly-b")
+    b["evaluation"]["gates"] = [{"max_size_mb": 0.001}]   # fails: exit 1 (a step failed) beats 3
+    folder = tmp_path / "nightly"
+    folder.mkdir()
+    write_recipe(folder / "a.yaml", a)
+    write_recipe(folder / "b.yaml", b)
+    xml = tmp_path / "out" / "gates.xml"
+    res = qbuild("run", folder, "--store", store_dir, "--json", "--junit-xml", xml)
+    assert res.returncode == 1, res.stderr
+    data = json.loads(res.stdout)
+    assert [s["recipe"] for s in data["recipes"]] == ["nightly-a", "nightly-b"]
+    built = [s["name"] for r in data["recipes"] for s in r["steps"] if s["status"] == "built"]
+    shared_steps = [s for r in data["recipes"] for s in r["steps"] if s["name"] == "quantize[shared]"]
+    assert len(shared_steps) == 2 and len({(s["key"], s["started"]) for s in shared_steps}) == 1   # built once
+    assert built.count("quantize[shared]") == 2   # ... and both recipes report that one build
+    xmlschema.XMLSchema(junit_xsd).validate(xml)
+    text = xml.read_text()
+    assert 'name="gates[a-only]"' in text and 'name="gates[b-only]"' in text
+    assert "max_size_mb" in text and 'type="quality gate"' in text and "quantize[b-only]" in text
+    assert 'type="step failed"' in text and "fake failure requested" in text
+    # without the failing step, the failed gate alone exits 3
+    b["variants"][1]["fail"] = False
+    write_recipe(folder / "b.yaml", b)
+    res = qbuild("run", folder, "--store", store_dir, "--junit-xml", xml)
+    assert res.returncode == 3, res.stderr
+    assert os.path.getsize(xml) > 0
