@@ -24,6 +24,7 @@ class Format(StrEnum):
     CALIBRATION = "calibration"
     TOKENS = "tokens"
     METRICS = "metrics"
+    LOGPROBS = "logprobs"                       # a baseline's reference log-probabilities (KLD)
     IMATRIX = "imatrix"
 
 
@@ -68,6 +69,7 @@ for _spec in (
     FormatSpec(Format.CALIBRATION, "tokenized calibration set", model=False),
     FormatSpec(Format.TOKENS, "tokenized evaluation text", model=False),
     FormatSpec(Format.METRICS, "evaluation results", model=False),
+    FormatSpec(Format.LOGPROBS, "reference log-probabilities of the baseline on the evaluation tokens", model=False),
     FormatSpec(Format.IMATRIX, "llama.cpp importance matrix", model=False),
 ):
     register_format(_spec)

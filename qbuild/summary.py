@@ -6,7 +6,9 @@ from qbuild.executor import StepOutcome
 from qbuild.plan import Artifact, Plan
 from qbuild.step import Outcome
 
-EVAL_KINDS = {"perplexity": "ppl", "divergence": "kld", "throughput": "speed"}
+# "reference" is the baseline's one pass with KLD on (its perplexity + reference log-probs); a variant's
+# "perplexity" step carries its KLD and top-1 agreement when KLD is on
+EVAL_KINDS = {"perplexity": "ppl", "reference": "ppl", "throughput": "speed"}
 
 
 def human_size(n: int | None) -> str:
@@ -26,7 +28,9 @@ def _evaluations(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutco
 
 def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None) -> dict:
     key = art.step.key
-    ppl, kld, speed = (evals.get((key, k)) for k in EVAL_KINDS)
+    ppl = evals.get((key, "perplexity")) or evals.get((key, "reference"))
+    speed = evals.get((key, "throughput"))
+    kld = ppl if ppl and "kld" in ppl.metrics else None
     return {
         "variant": art.label, "method": art.method, "detail": art.detail, "target": art.target,
         "format": art.step.format, "scheme": art.step.scheme or None,

@@ -61,7 +61,9 @@ def test_method_and_runtime_from_entry_points_run_end_to_end(tmp_path, tiny_mode
     assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads(res.stdout)
     steps = {s["name"]: s["status"] for s in summary["steps"]}
-    assert steps["quantize[int8]"] == steps["perplexity[int8]"] == steps["kld[int8]"] == "built"
+    # one pass per model: the baseline's reference log-probs, then the variant's PPL + KLD + top-1 in one step
+    assert steps["quantize[int8]"] == steps["perplexity[int8]"] == steps["reference[baseline]"] == "built"
+    assert "kld[int8]" not in steps and "perplexity[baseline]" not in steps
     rows = {r["variant"]: r for r in summary["variants"]}
     int8, base = rows["int8"], rows["baseline"]
     assert int8["format"] == "int8-safetensors" and int8["scheme"] == "w8a16" and int8["not_evaluated"] is None

@@ -194,7 +194,7 @@ def test_engine_ppl_kld_throughput_end_to_end_with_fake_interpreter(tmp_path, ti
     code, summary, out = _run(path)
     assert code == 0, out
     steps = {s["name"]: s for s in summary["steps"]}
-    for name in ("engine[fp8.trtllm]", "perplexity[fp8.trtllm]", "kld[fp8.trtllm]", "throughput[fp8.trtllm]"):
+    for name in ("engine[fp8.trtllm]", "perplexity[fp8.trtllm]", "reference[baseline]", "throughput[fp8.trtllm]"):
         assert steps[name]["status"] == "built", steps[name]
 
     # the engine row, next to the variants, with what was measured through the engine
@@ -226,7 +226,9 @@ def test_engine_ppl_kld_throughput_end_to_end_with_fake_interpreter(tmp_path, ti
     assert result["tokens_scored"] == expected["tokens_scored"] and result["windows"] == 2
     assert result["runtime"]["name"] == "tensorrt-llm" and result["runtime"]["gpu"]["sm"] == "9.0"
     assert ppl_m["toolchain"]["gpu.sm"] == "9.0" and ppl_m["toolchain"]["tensorrt_llm"] == "1.2.1"
-    assert sorted(p.name for p in ppl_dir.iterdir() if p.name != "manifest.json") == ["perplexity.json"]  # no work files
+    # PPL and KLD from the one pass; no work files
+    assert sorted(p.name for p in ppl_dir.iterdir() if p.name != "manifest.json") == ["divergence.json",
+                                                                                        "perplexity.json"]
     speed = json.loads((store.object_dir(steps["throughput[fp8.trtllm]"]["digest"]) / "throughput.json").read_text())
     assert [r["batch_size"] for r in speed["results"]] == [1, 2]
     assert speed["results"][1]["decode_tok_s"] == pytest.approx(200.0)
@@ -234,7 +236,7 @@ def test_engine_ppl_kld_throughput_end_to_end_with_fake_interpreter(tmp_path, ti
     assert speed["hardware"]["gpu"]["name"] == "NVIDIA H100 80GB HBM3" and speed["hardware"]["gpu_bench"]
     assert speed["settings"]["trtllm_bench"][0][:4] == ["trtllm-bench", "--model", "qbuild-model", "--model_path"]
     assert "--streaming" in speed["settings"]["trtllm_bench"][0]
-    kld = json.loads((store.object_dir(steps["kld[fp8.trtllm]"]["digest"]) / "divergence.json").read_text())
+    kld = json.loads((ppl_dir / "divergence.json").read_text())
     assert kld["tokens_scored"] == expected["tokens_scored"] and kld["runtime"]["name"] == "tensorrt-llm"
 
     # a second run builds nothing: engine and its evaluations are cached

@@ -1,5 +1,10 @@
 """Plan-time side of evaluation: perplexity, KLD and throughput steps per model artifact.
 
+One forward pass per model and evaluation: with `kld`, the baseline's pass is `reference[baseline]`
+(its perplexity + its scored log-probs, an object keyed by baseline × eval data × protocol ×
+runtime, so every variant and every later recipe with the same baseline reuses it), and each
+variant's `perplexity[...]` step reads that object and gives PPL, KLD and top-1 from its one pass.
+
 The runtime is chosen by the artifact's format (qbuild.plugins.runtimes_for). An artifact no
 installed runtime can evaluate is recorded in ctx.not_evaluated, which `qbuild plan` and the run
 summary show: nothing is dropped silently.
@@ -15,7 +20,7 @@ from qbuild.step import Step
 
 log = logging.getLogger("qbuild")
 
-RUNNERS = {"perplexity": "qbuild.evaluate.quality:perplexity", "divergence": "qbuild.evaluate.quality:divergence",
+RUNNERS = {"perplexity": "qbuild.evaluate.quality:perplexity", "reference": "qbuild.evaluate.quality:reference",
            "throughput": "qbuild.evaluate.throughput:run"}
 
 
@@ -35,8 +40,9 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
     fields = runtime.plan_fields(label, artifact, ctx, kind)
     extra_inputs = fields.pop("extra_inputs", {})
     tools = tuple(sorted(set(tools) | set(runtime.tools) | set(spec(artifact.format).load_tools)))
+    kw.setdefault("format", "metrics")
     return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **extra_inputs}, tools=tools,
-                        threads=ctx.threads, format="metrics", **fields, **kw))
+                        threads=ctx.threads, **fields, **kw))
 
 
 def evaluation_steps(ctx) -> None:
@@ -45,11 +51,16 @@ def evaluation_steps(ctx) -> None:
     if not (ev.perplexity or ev.throughput):
         return
     data = ctx.eval_data(ev.perplexity) if ev.perplexity else None
-    baseline_rt = None
+    reference = None
     if ev.kld:
         baseline_rt, why = pick_runtime(ctx.model().format)
         if baseline_rt is None:
             ctx.note_not_evaluated("baseline", f"KLD needs the baseline's logits: {why}")
+        else:
+            params = {**ev.perplexity.canonical(), "runtime": baseline_rt.name}
+            params.pop("dataset")  # identified by the eval-data input
+            reference = _step("reference", "reference[baseline]", params, baseline_rt, "baseline", ctx.model(),
+                              {"model": ctx.model(), "data": data}, (), ctx, format="logprobs")
     for art in ctx.artifacts:
         if not spec(art.step.format).model:
             continue
@@ -61,14 +72,15 @@ def evaluation_steps(ctx) -> None:
         for reason in dict.fromkeys(skipped.values()):
             ctx.warn(reason)
         if ev.perplexity and "perplexity" not in skipped:
-            params = {**ev.perplexity.canonical(), "runtime": rt.name}
-            params.pop("dataset")  # identified by the eval-data input
-            _step("perplexity", f"perplexity[{art.label}]", params, rt, art.label, art.step,
-                  {"model": art.step, "data": data}, (), ctx)
-            if ev.kld and not art.baseline and baseline_rt is not None and "kld" not in skipped:
-                _step("divergence", f"kld[{art.label}]", {**params, "baseline_runtime": baseline_rt.name}, rt,
-                      art.label, art.step, {"model": art.step, "baseline": ctx.model(), "data": data},
-                      baseline_rt.tools + spec(ctx.model().format).load_tools, ctx)
+            if art.baseline and reference is not None and art.step.key == ctx.model().key:
+                pass  # the reference step is the baseline's one pass: its perplexity comes from there
+            else:
+                params = {**ev.perplexity.canonical(), "runtime": rt.name}
+                params.pop("dataset")  # identified by the eval-data input
+                inputs = {"model": art.step, "data": data}
+                if reference is not None and not art.baseline and "kld" not in skipped:
+                    inputs["reference"] = reference  # KLD + top-1 from the same pass
+                _step("perplexity", f"perplexity[{art.label}]", params, rt, art.label, art.step, inputs, (), ctx)
         if ev.throughput and "throughput" not in skipped:
             params = {**ev.throughput.canonical(), "runtime": rt.name, "device": ctx.device}
             # timings belong to a machine: the hardware is part of the key, so another machine never hits

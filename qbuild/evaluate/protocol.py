@@ -79,14 +79,25 @@ def window_nll(logits: np.ndarray, window: Window) -> tuple[float, int]:
     return float(nll.sum()), int(len(target))
 
 
-def window_divergence(base_logits: np.ndarray, logits: np.ndarray, window: Window) -> dict:
-    """KL(base ‖ variant) per scored position, and whether both pick the same top-1 token."""
-    p_rows, _ = _scored(base_logits, window)
+def scored_logprobs(logits: np.ndarray, window: Window) -> np.ndarray:
+    """Log-softmax (float32) of the logit rows that predict scored tokens: what a reference stores."""
+    rows, _ = _scored(logits, window)
+    return rows - _logsumexp(rows)[:, None].astype(np.float32)
+
+
+def divergence_from_logprobs(p: np.ndarray, logits: np.ndarray, window: Window) -> dict:
+    """KL(base ‖ variant) per scored position from the base's scored log-probs `p`, and top-1 agreement."""
     q_rows, _ = _scored(logits, window)
-    p = p_rows - _logsumexp(p_rows)[:, None].astype(np.float32)
+    if p.shape != q_rows.shape:
+        raise RuntimeError(f"reference log-probs {p.shape} vs variant's scored logits {q_rows.shape}")
     q = q_rows - _logsumexp(q_rows)[:, None].astype(np.float32)
     kld = (np.exp(p) * (p - q)).sum(axis=-1, dtype=np.float64)
-    return {"kld": np.maximum(kld, 0.0), "top1": p_rows.argmax(axis=-1) == q_rows.argmax(axis=-1)}
+    return {"kld": np.maximum(kld, 0.0), "top1": p.argmax(axis=-1) == q_rows.argmax(axis=-1)}
+
+
+def window_divergence(base_logits: np.ndarray, logits: np.ndarray, window: Window) -> dict:
+    """KL(base ‖ variant) per scored position, and whether both pick the same top-1 token."""
+    return divergence_from_logprobs(scored_logprobs(base_logits, window), logits, window)
 
 
 def summarize(nlls: list[tuple[float, int]]) -> dict:

@@ -1,16 +1,32 @@
-"""Perplexity and divergence step runners, generic over runtimes."""
+"""Perplexity, KLD and reference log-probability step runners, generic over runtimes.
+
+One forward pass per model: the baseline's pass (`reference`) gives its perplexity and stores its
+log-probabilities at every scored position as an object of its own; a variant's pass
+(`perplexity`, with a `reference` input when KLD is asked for) gives its perplexity, KLD and top-1
+agreement from the same logits.
+"""
 
 from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 
 from qbuild.evaluate.data import load_tokens
-from qbuild.evaluate.protocol import summarize, window_divergence, window_nll, windows
+from qbuild.evaluate.protocol import divergence_from_logprobs, scored_logprobs, summarize, window_nll, windows
 from qbuild.plugins import open_session
 from qbuild.step import StepContext
+
+LOGPROBS = "logprobs.npy"        # float32 [scored positions × vocab], windows in order, rows in position order
+REFERENCE = "reference.json"     # what the log-probs are: protocol, runtime, per-window row offsets, format
+REFERENCE_FORMAT = {
+    "name": "qbuild-logprobs-v1",
+    "dtype": "float32",
+    "content": "log-softmax of the baseline's logits at every scored position (row i predicts scored token i)",
+    "error_bound": "0: bit-identical to the log-probs the variant step would compute from the baseline's logits",
+}
 
 
 def _windows(ctx: StepContext):
@@ -30,40 +46,87 @@ def protocol_record(p: dict, info: dict) -> dict:
                                            "bos_token_id": info["bos_token_id"]}
 
 
-def perplexity(ctx: StepContext) -> dict:
+def _write_perplexity(ctx: StepContext, nlls: list, record: dict) -> dict:
+    result = summarize(nlls) | record
+    (ctx.out / "perplexity.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def reference(ctx: StepContext) -> dict:
+    """The baseline's one pass: its perplexity, and its scored log-probs stored for every variant's KLD."""
     p = ctx.params
     wins, info = _windows(ctx)
     t0 = time.perf_counter()
     rt = open_session(p["runtime"], ctx.inputs["model"], ctx, p["context_length"])
-    nlls = []
-    for i, (w, logits) in enumerate(zip(wins, rt.window_logits(wins), strict=True)):
-        nlls.append(window_nll(logits, w))
-        ctx.progress(i + 1, len(wins), "windows")
-    result = summarize(nlls) | {"protocol": protocol_record(p, info),
-                                "runtime": rt.info() | {"seconds": time.perf_counter() - t0}}
-    (ctx.out / "perplexity.json").write_text(json.dumps(result, indent=2))
-    return {"format": "metrics", "metrics": {"ppl": result["ppl"], "tokens_scored": result["tokens_scored"]}}
+    n_rows = sum(len(w.tokens) - w.first_scored for w in wins)
+    offsets, nlls, row = [], [], 0
+    with open(ctx.out / LOGPROBS, "wb") as f:
+        for i, (w, logits) in enumerate(zip(wins, rt.window_logits(wins), strict=True)):
+            nlls.append(window_nll(logits, w))
+            lp = np.ascontiguousarray(scored_logprobs(logits, w), dtype="<f4")
+            if i == 0:
+                np.lib.format.write_array_header_1_0(
+                    f, {"descr": "<f4", "fortran_order": False, "shape": (n_rows, lp.shape[1])})
+            lp.tofile(f)
+            offsets.append([row, len(lp)])
+            row += len(lp)
+            ctx.progress(i + 1, len(wins), "windows")
+    record = {"protocol": protocol_record(p, info), "runtime": rt.info() | {"seconds": time.perf_counter() - t0}}
+    result = _write_perplexity(ctx, nlls, record)
+    ref = {"format": REFERENCE_FORMAT, "rows": n_rows, "vocab": int(lp.shape[1]), "windows": offsets, **record}
+    (ctx.out / REFERENCE).write_text(json.dumps(ref, indent=2))
+    return {"format": "logprobs", "metrics": {"ppl": result["ppl"], "tokens_scored": result["tokens_scored"]},
+            "info": {"logprobs": REFERENCE_FORMAT | {"rows": n_rows, "vocab": int(lp.shape[1])}}}
 
 
-def divergence(ctx: StepContext) -> dict:
-    """KL divergence and top-1 agreement of a variant against the baseline, on the same tokens."""
+class ReferenceReader:
+    """A reference object's log-probs, read one window at a time (no memory map: RSS stays one window)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.info = json.loads((self.path / REFERENCE).read_text())
+        with open(self.path / LOGPROBS, "rb") as f:
+            np.lib.format.read_magic(f)
+            shape, _, _ = np.lib.format.read_array_header_1_0(f)
+            self.data_offset = f.tell()
+        self.vocab = shape[1]
+
+    def __len__(self) -> int:
+        return len(self.info["windows"])
+
+    def window(self, i: int) -> np.ndarray:
+        start, n = self.info["windows"][i]
+        with open(self.path / LOGPROBS, "rb") as f:
+            f.seek(self.data_offset + start * self.vocab * 4)
+            return np.fromfile(f, dtype="<f4", count=n * self.vocab).reshape(n, self.vocab)
+
+
+def perplexity(ctx: StepContext) -> dict:
+    """A model's one pass: perplexity, and with a `reference` input KLD + top-1 agreement on the same logits."""
     p = ctx.params
     wins, info = _windows(ctx)
-    base = open_session(p["baseline_runtime"], ctx.inputs["baseline"], ctx, p["context_length"])
-    base_logits = list(base.window_logits(wins))
-    base_info = base.info()
-    del base
+    ref = ReferenceReader(ctx.inputs["reference"]) if "reference" in ctx.inputs else None
+    if ref is not None and len(ref) != len(wins):
+        raise RuntimeError(f"the reference has {len(ref)} windows, the evaluation data {len(wins)}")
+    t0 = time.perf_counter()
     rt = open_session(p["runtime"], ctx.inputs["model"], ctx, p["context_length"])
-    klds, top1 = [], []
-    for i, (w, bl, logits) in enumerate(zip(wins, base_logits, rt.window_logits(wins), strict=True)):
-        if logits.shape != bl.shape:
-            raise RuntimeError(f"window {i}: logits {logits.shape} vs baseline {bl.shape}")
-        d = window_divergence(bl, logits, w)
-        klds.append(d["kld"])
-        top1.append(d["top1"])
+    nlls, klds, top1 = [], [], []
+    for i, (w, logits) in enumerate(zip(wins, rt.window_logits(wins), strict=True)):
+        nlls.append(window_nll(logits, w))
+        if ref is not None:
+            d = divergence_from_logprobs(ref.window(i), logits, w)
+            klds.append(d["kld"])
+            top1.append(d["top1"])
         ctx.progress(i + 1, len(wins), "windows")
-    return write_divergence(ctx, klds, top1, {"protocol": protocol_record(p, info), "runtime": rt.info(),
-                                              "baseline_runtime": base_info})
+    record = {"protocol": protocol_record(p, info), "runtime": rt.info() | {"seconds": time.perf_counter() - t0}}
+    result = _write_perplexity(ctx, nlls, record)
+    metrics = {"ppl": result["ppl"], "tokens_scored": result["tokens_scored"]}
+    if ref is not None:
+        runtime = {k: v for k, v in record["runtime"].items() if k != "seconds"}
+        base_runtime = {k: v for k, v in ref.info["runtime"].items() if k != "seconds"}
+        metrics |= write_divergence(ctx, klds, top1, {"protocol": record["protocol"], "runtime": runtime,
+                                                      "baseline_runtime": base_runtime})["metrics"]
+    return {"format": "metrics", "metrics": metrics}
 
 
 def write_divergence(ctx: StepContext, klds: list, top1: list, record: dict) -> dict:

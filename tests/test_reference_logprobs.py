@@ -1,0 +1,77 @@
+"""One forward pass per model: the baseline's reference log-probs are an object of their own, reused by
+every variant and by every later recipe with the same baseline and evaluation data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from qbuild.artifacts.store import Store
+from qbuild.evaluate.protocol import divergence_from_logprobs, scored_logprobs, window_divergence, windows
+from qbuild.evaluate.quality import LOGPROBS, REFERENCE, ReferenceReader
+
+from helpers import qbuild, write_recipe
+
+
+def test_divergence_from_stored_logprobs_equals_the_in_process_one():
+    rng = np.random.default_rng(0)
+    w = windows(np.arange(10, 74), "fixed-window", 33, True, 1, None)[0]
+    base, var = rng.normal(size=(33, 500)).astype(np.float32), rng.normal(size=(33, 500)).astype(np.float32)
+    a = window_divergence(base, var, w)
+    b = divergence_from_logprobs(scored_logprobs(base, w), var, w)
+    assert np.array_equal(a["kld"], b["kld"]) and np.array_equal(a["top1"], b["top1"])
+
+
+def _recipe(tmp_path, model, name, variants):
+    return write_recipe(tmp_path / f"{name}.yaml", {
+        "name": name, "model": {"source": "local", "path": str(model)}, "variants": variants,
+        "evaluation": {"baseline": True, "kld": True, "perplexity": {"context_length": 64, "max_windows": 2}},
+        "runtime": {"threads": 1}})
+
+
+def test_second_recipe_with_same_baseline_builds_no_baseline_evaluation(tmp_path, tiny_model_dir):
+    store = tmp_path / "store"
+    first = qbuild(_recipe(tmp_path, tiny_model_dir, "a", [{"name": "w8", "method": "rtn", "bits": 8,
+                                                            "group_size": 64}]), "--store", store, "--json")
+    assert first.returncode == 0, first.stderr[-3000:]
+    s1 = json.loads(first.stdout)
+    steps = {s["name"]: s for s in s1["steps"]}
+    # one pass per model: no kld[...] step re-running the baseline, no separate baseline perplexity
+    assert steps["reference[baseline]"]["status"] == "built" and steps["perplexity[w8]"]["status"] == "built"
+    assert not any(n.startswith("kld[") for n in steps) and "perplexity[baseline]" not in steps
+    rows = {r["variant"]: r for r in s1["variants"]}
+    assert rows["baseline"]["ppl"] > 1 and 0 < rows["w8"]["kld"] < 0.05 and rows["w8"]["top1"] > 0.8
+
+    # the reference object: float32 log-probs of the scored positions, its format and error bound recorded
+    st = Store(store)
+    ref_dir = st.object_dir(steps["reference[baseline]"]["digest"])
+    info = json.loads((ref_dir / REFERENCE).read_text())
+    assert info["format"]["dtype"] == "float32" and info["format"]["error_bound"].startswith("0")
+    assert st.manifest(steps["reference[baseline]"]["digest"])["info"]["logprobs"]["name"] == "qbuild-logprobs-v1"
+    reader = ReferenceReader(ref_dir)
+    lp = reader.window(0)
+    assert lp.shape == (63, reader.vocab) and np.allclose(np.exp(lp).sum(axis=1), 1, atol=1e-4)
+    assert np.load(ref_dir / LOGPROBS, mmap_mode="r").shape[0] == info["rows"] == 126
+    div = json.loads((st.object_dir(steps["perplexity[w8]"]["digest"]) / "divergence.json").read_text())
+    assert div["tokens_scored"] == 126 and div["baseline_runtime"]["name"] == "transformers"
+
+    # another recipe, other variants, same baseline and evaluation data: the baseline is not evaluated again
+    second = qbuild(_recipe(tmp_path, tiny_model_dir, "b", [{"name": "w4", "method": "rtn", "bits": 4,
+                                                             "group_size": 64}]), "--store", store, "--json")
+    assert second.returncode == 0, second.stderr[-3000:]
+    s2 = {s["name"]: s for s in json.loads(second.stdout)["steps"]}
+    assert s2["reference[baseline]"]["status"] == "cached"
+    assert s2["reference[baseline]"]["digest"] == steps["reference[baseline]"]["digest"]
+    assert s2["perplexity[w4]"]["status"] == "built"
+    built = [n for n, s in s2.items() if s["status"] == "built"]
+    assert sorted(built) == ["perplexity[w4]", "quantize[w4]"], built
+    w4 = {r["variant"]: r for r in json.loads(second.stdout)["variants"]}["w4"]
+    assert w4["kld"] > rows["w8"]["kld"]
+
+
+@pytest.mark.parametrize("bad", ["missing"])
+def test_reader_names_a_missing_object(tmp_path, bad):
+    with pytest.raises(OSError):
+        ReferenceReader(tmp_path / bad)
