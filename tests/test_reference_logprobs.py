@@ -75,3 +75,33 @@ def test_second_recipe_with_same_baseline_builds_no_baseline_evaluation(tmp_path
 def test_reader_names_a_missing_object(tmp_path, bad):
     with pytest.raises(OSError):
         ReferenceReader(tmp_path / bad)
+
+
+def test_score_rows_is_window_nll_and_window_divergence_in_one():
+    from qbuild.evaluate.protocol import score_rows, window_nll
+
+    rng = np.random.default_rng(1)
+    for w in windows(np.arange(10, 200), "llama.cpp", 64, True, 1, None) + \
+            windows(np.arange(10, 200), "sliding-window", 64, True, 1, None, 16):
+        base = rng.normal(size=(len(w.tokens), 300)).astype(np.float32)
+        var = base + rng.normal(scale=0.1, size=base.shape).astype(np.float32)
+        rows = var[w.first_scored - 1: len(w.tokens) - 1]
+        ref = score_rows(base[w.first_scored - 1: len(w.tokens) - 1], w)["logprobs"]
+        got = score_rows(rows, w, ref)
+        assert (got["nll"], got["count"]) == window_nll(var, w)
+        expected = window_divergence(base, var, w)
+        assert np.array_equal(got["kld"], expected["kld"]) and np.array_equal(got["top1"], expected["top1"])
+
+
+def test_batched_hf_windows_give_the_unbatched_logits(tiny_model_dir, monkeypatch):
+    from qbuild.runtimes.transformers import TransformersSession
+
+    s = TransformersSession(tiny_model_dir, 1, "cpu")
+    wins = windows(np.arange(100, 400), "sliding-window", 64, True, 1, None, 32)
+    one = [s.logits(w.tokens) for w in wins]
+    monkeypatch.setenv("QBUILD_EVAL_BATCH_SIZE", "3")
+    assert s.batch_size(64) == 3
+    batched = list(s.window_logits(wins))
+    assert len(batched) == len(one) and len({len(w.tokens) for w in wins}) > 1
+    for a, b in zip(one, batched, strict=True):
+        assert a.shape == b.shape and np.allclose(a, b, atol=1e-4)

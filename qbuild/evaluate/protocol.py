@@ -72,6 +72,27 @@ def _scored(logits: np.ndarray, window: Window) -> tuple[np.ndarray, np.ndarray]
     return rows, np.asarray(window.tokens[window.first_scored:])
 
 
+def score_rows(rows: np.ndarray, window: Window, reference: np.ndarray | None = None) -> dict:
+    """One window scored from the logit rows that predict its scored tokens (`_scored`'s rows, or what a
+    session's `scored_logits` returns): NLL sum and count, the log-probs (float32, what a reference stores),
+    and with `reference` (the baseline's log-probs of the same rows) per-position KLD and top-1 agreement.
+    The same arithmetic as window_nll / window_divergence, with one log-sum-exp per row."""
+    rows = np.asarray(rows, dtype=np.float32)
+    target = np.asarray(window.tokens[window.first_scored:])
+    if rows.shape[0] != len(target):
+        raise RuntimeError(f"{rows.shape[0]} logit rows for {len(target)} scored tokens")
+    lse = _logsumexp(rows)
+    nll = lse - rows[np.arange(len(target)), target].astype(np.float64)
+    lp = rows - lse[:, None].astype(np.float32)
+    out = {"nll": float(nll.sum()), "count": int(len(target)), "logprobs": lp}
+    if reference is not None:
+        if reference.shape != lp.shape:
+            raise RuntimeError(f"reference log-probs {reference.shape} vs the model's {lp.shape}")
+        kld = (np.exp(reference) * (reference - lp)).sum(axis=-1, dtype=np.float64)
+        out |= {"kld": np.maximum(kld, 0.0), "top1": reference.argmax(axis=-1) == rows.argmax(axis=-1)}
+    return out
+
+
 def window_nll(logits: np.ndarray, window: Window) -> tuple[float, int]:
     """Sum of negative log-likelihoods of the scored tokens, and how many were scored."""
     rows, target = _scored(logits, window)

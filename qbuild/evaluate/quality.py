@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from qbuild.evaluate.data import load_tokens
-from qbuild.evaluate.protocol import divergence_from_logprobs, scored_logprobs, summarize, window_nll, windows
+from qbuild.evaluate.protocol import score_rows, summarize, windows
 from qbuild.plugins import open_session
 from qbuild.step import StepContext
 
@@ -46,6 +46,18 @@ def protocol_record(p: dict, info: dict) -> dict:
                                            "bos_token_id": info["bos_token_id"]}
 
 
+def scored_rows(rt, wins):
+    """Each window's logit rows that predict its scored tokens. A session with `scored_logits(tokens,
+    first_scored)` computes only those rows (llama.cpp); otherwise they are cut from `window_logits`."""
+    fast = getattr(rt, "scored_logits", None)
+    if fast is not None:
+        for w in wins:
+            yield fast(w.tokens, w.first_scored)
+    else:
+        for w, logits in zip(wins, rt.window_logits(wins), strict=True):
+            yield logits[w.first_scored - 1: len(w.tokens) - 1]
+
+
 def _write_perplexity(ctx: StepContext, nlls: list, record: dict) -> dict:
     result = summarize(nlls) | record
     (ctx.out / "perplexity.json").write_text(json.dumps(result, indent=2))
@@ -61,9 +73,10 @@ def reference(ctx: StepContext) -> dict:
     n_rows = sum(len(w.tokens) - w.first_scored for w in wins)
     offsets, nlls, row = [], [], 0
     with open(ctx.out / LOGPROBS, "wb") as f:
-        for i, (w, logits) in enumerate(zip(wins, rt.window_logits(wins), strict=True)):
-            nlls.append(window_nll(logits, w))
-            lp = np.ascontiguousarray(scored_logprobs(logits, w), dtype="<f4")
+        for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins), strict=True)):
+            scored = score_rows(rows, w)
+            nlls.append((scored["nll"], scored["count"]))
+            lp = np.ascontiguousarray(scored["logprobs"], dtype="<f4")
             if i == 0:
                 np.lib.format.write_array_header_1_0(
                     f, {"descr": "<f4", "fortran_order": False, "shape": (n_rows, lp.shape[1])})
@@ -111,10 +124,10 @@ def perplexity(ctx: StepContext) -> dict:
     t0 = time.perf_counter()
     rt = open_session(p["runtime"], ctx.inputs["model"], ctx, p["context_length"])
     nlls, klds, top1 = [], [], []
-    for i, (w, logits) in enumerate(zip(wins, rt.window_logits(wins), strict=True)):
-        nlls.append(window_nll(logits, w))
+    for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins), strict=True)):
+        d = score_rows(rows, w, ref.window(i) if ref is not None else None)
+        nlls.append((d["nll"], d["count"]))
         if ref is not None:
-            d = divergence_from_logprobs(ref.window(i), logits, w)
             klds.append(d["kld"])
             top1.append(d["top1"])
         ctx.progress(i + 1, len(wins), "windows")

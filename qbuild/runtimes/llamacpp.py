@@ -18,6 +18,7 @@ class LlamaCppSession(RuntimeSession):
         if len(files) != 1:
             raise ValueError(f"expected one .gguf file in {path}, found {len(files)}")
         self.threads = threads
+        self._batch, self._batch_size = None, 0
         self.llm = Llama(model_path=str(files[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                          n_threads=threads, n_threads_batch=threads, verbose=False)
 
@@ -27,6 +28,30 @@ class LlamaCppSession(RuntimeSession):
         self.llm.reset()
         self.llm.eval(tokens)
         return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
+
+    def scored_logits(self, tokens: list[int], first_scored: int):
+        """Logit rows first_scored-1 .. len-2 (those that predict scored tokens), as llama-perplexity takes them:
+        one llama_decode that outputs only those rows, read through a numpy view over llama.cpp's own logits
+        buffer (no copy, no Python floats). The view is valid until the next call."""
+        import llama_cpp
+        import numpy as np
+        from llama_cpp._internals import LlamaBatch
+
+        llm, n = self.llm, len(tokens)
+        if self._batch is None or self._batch_size < n:
+            self._batch, self._batch_size = LlamaBatch(n_tokens=n, embd=0, n_seq_max=1, verbose=False), n
+        b = self._batch.batch
+        b.n_tokens = n
+        lo, hi = first_scored - 1, n - 2
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i] = t, i, 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = lo <= i <= hi
+        llm.reset()
+        llm._ctx.kv_cache_clear()
+        llm._ctx.decode(self._batch)
+        n_out = hi - lo + 1
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm._ctx.ctx), shape=(n_out, llm.n_vocab()))
 
     def generate_timed(self, prompts: list[list[int]], n_out: int) -> dict:
         import numpy as np

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from qbuild.formats import Format
@@ -24,6 +26,40 @@ class TransformersSession(RuntimeSession):
         with self.torch.inference_mode():
             out = self.model(self.torch.tensor([tokens], device=self.device)).logits[0]
         return out.float().cpu().numpy()
+
+    def batch_size(self, n_tokens: int) -> int:
+        """Windows per forward pass: $QBUILD_EVAL_BATCH_SIZE, else 1 on CPU (one thread gains nothing from
+        batching, and each window's logits cost n_tokens × vocab × 4 bytes), else what half the free GPU
+        memory holds (logits in the model dtype and in fp32, plus activations), at most 64."""
+        forced = os.environ.get("QBUILD_EVAL_BATCH_SIZE")
+        if forced:
+            return max(1, int(forced))
+        if self.device != "cuda":
+            return 1
+        cfg = self.model.config
+        free, _ = self.torch.cuda.mem_get_info()
+        per_window = n_tokens * (cfg.vocab_size * 8 + cfg.hidden_size * 4 * 16)
+        return max(1, min(64, int(free * 0.5 // per_window)))
+
+    def window_logits(self, windows) -> Iterator:
+        """Logits of each window, in order; windows of equal length go through the model together."""
+        if not windows:
+            return
+        bs = self.batch_size(len(windows[0].tokens))
+        i = 0
+        while i < len(windows):
+            n = len(windows[i].tokens)
+            group = []
+            for w in windows[i: i + bs]:
+                if len(w.tokens) != n:
+                    break
+                group.append(w.tokens)
+            with self.torch.inference_mode():
+                out = self.model(self.torch.tensor(group, device=self.device)).logits
+            for row in out:
+                yield row.float().cpu().numpy()
+            del out
+            i += len(group)
 
     def generate_timed(self, prompts: list[list[int]], n_out: int) -> dict:
         torch = self.torch

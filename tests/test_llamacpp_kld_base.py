@@ -1,0 +1,87 @@
+"""Reading llama-perplexity's KL-divergence base files (`--kl-divergence-base FILE --save-all-logits`).
+
+No llama-perplexity build exists on this machine, so these tests check the reader against files laid out
+byte by byte as llama.cpp's tools/perplexity/perplexity.cpp writes them (magic, n_ctx, n_vocab, n_chunk,
+tokens, then per scored position two float32 + n_vocab uint16 padded to even), not against a file made
+by the real tool."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from qbuild.evaluate.llamacpp_kld import encode_rows, llamacpp_kld, read_kld_base, write_kld_base
+from qbuild.evaluate.protocol import score_rows, windows
+
+
+def _reference_encode(row: np.ndarray) -> bytes:
+    """One row, transcribed from perplexity.cpp's log_softmax(n_vocab, logits, log_prob, tok), in plain Python."""
+    row = [float(np.float32(x)) for x in row]
+    mx, mn = max(row), min(row)
+    mn = max(mn, mx - 16)
+    lse = float(np.float32(np.log(sum(float(np.exp(np.float32(x - mx))) for x in row))))
+    min_log_prob = np.float32(np.float32(mn - mx) - np.float32(lse))
+    scale = np.float32(np.float32(mx - mn) / np.float32(65535))
+    inv = np.float32(1) / scale
+    q = [int(np.rint(np.float32(inv * np.float32(x - mn)))) if x > mn else 0 for x in row]
+    if len(q) % 2:
+        q.append(0)
+    return struct.pack("<ff", scale, min_log_prob) + struct.pack(f"<{len(q)}H", *q)
+
+
+def test_file_layout_matches_llama_perplexity(tmp_path):
+    rng = np.random.default_rng(0)
+    n_ctx, n_vocab, n_chunk = 16, 7, 2          # odd vocab: rows are padded to an even count
+    tokens = rng.integers(0, n_vocab, size=n_chunk * n_ctx).astype(np.int32)
+    chunks = [rng.normal(scale=4, size=(n_ctx - 1 - n_ctx // 2, n_vocab)).astype(np.float32) for _ in range(n_chunk)]
+    by_hand = b"_logits_" + struct.pack("<iii", n_ctx, n_vocab, n_chunk) + tokens.astype("<i4").tobytes()
+    by_hand += b"".join(_reference_encode(r) for c in chunks for r in c)
+    ours = tmp_path / "ours.kld"
+    write_kld_base(ours, tokens, n_ctx, chunks)
+    assert ours.read_bytes() == by_hand
+
+    (tmp_path / "hand.kld").write_bytes(by_hand)
+    base = read_kld_base(tmp_path / "hand.kld")
+    assert (base.n_ctx, base.n_vocab, base.n_chunk, base.nv) == (16, 7, 2, 12)
+    assert np.array_equal(base.tokens, tokens) and np.array_equal(base.chunk_tokens(1), tokens[16:])
+    for c, logits in enumerate(chunks):
+        exact = logits - np.log(np.exp(logits.astype(np.float64)).sum(axis=1, keepdims=True))
+        lp = base.logprobs(c)
+        scale = (logits.max(1) - np.maximum(logits.min(1), logits.max(1) - 16)) / 65535
+        assert lp.shape == (7, 7)
+        assert np.all(np.abs(lp - exact) <= scale[:, None] / 2 + 1e-5)   # the documented error bound
+
+
+def test_truncated_or_foreign_files_are_refused(tmp_path):
+    (tmp_path / "x.kld").write_bytes(b"GGUF" + b"\0" * 40)
+    with pytest.raises(ValueError, match="magic"):
+        read_kld_base(tmp_path / "x.kld")
+    tokens = np.arange(32, dtype=np.int32)
+    write_kld_base(tmp_path / "t.kld", tokens, 16, [np.zeros((7, 5), np.float32), np.ones((7, 5), np.float32)])
+    data = (tmp_path / "t.kld").read_bytes()
+    (tmp_path / "t.kld").write_bytes(data[:-10])
+    with pytest.raises(ValueError, match="bytes"):
+        read_kld_base(tmp_path / "t.kld")
+
+
+def test_llamacpp_kld_matches_exact_kld_within_the_16_bit_encoding(tmp_path):
+    rng = np.random.default_rng(1)
+    n_ctx, vocab = 64, 400
+    tokens = rng.integers(0, vocab, size=2 * n_ctx)
+    base = [rng.normal(scale=3, size=(n_ctx - 1 - n_ctx // 2, vocab)).astype(np.float32) for _ in range(2)]
+    var = [b + rng.normal(scale=0.3, size=b.shape).astype(np.float32) for b in base]
+    write_kld_base(tmp_path / "b.kld", tokens, n_ctx, base)
+    f = read_kld_base(tmp_path / "b.kld")
+    # qbuild's llama.cpp protocol scores exactly the stored positions of each chunk
+    wins = windows(tokens, "llama.cpp", n_ctx, False, None, None)
+    assert [len(w.tokens) - w.first_scored for w in wins] == [f.rows_per_chunk] * 2
+    for c, w in enumerate(wins):
+        exact = score_rows(var[c], w, score_rows(base[c], w)["logprobs"])
+        ours = llamacpp_kld(f.logprobs(c), var[c])
+        assert np.allclose(ours["kld"], exact["kld"], rtol=2e-3, atol=2e-4)
+        assert np.mean(ours["top1"] == exact["top1"]) > 0.97
+    flat = encode_rows(np.zeros((1, 3), np.float32), 3)   # all logits equal: scale 0, every q 0 (as memset)
+    assert flat[0, :2].tolist() == [0, 0] and flat[0, 4:].tolist() == [0, 0, 0, 0]
+    assert flat[0, 2:4].view("<f4")[0] == pytest.approx(-np.log(3))
