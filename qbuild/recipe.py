@@ -108,6 +108,10 @@ class Evaluation(StrictModel):
     baseline: bool = Field(True, description="Also evaluate the unquantized model (needed for ΔPPL, KLD, ratios).")
     perplexity: Perplexity | None = Field(default_factory=Perplexity)
     kld: bool = Field(False, description="KL divergence + top-1 agreement against the baseline, on the perplexity tokens.")
+    kld_base: str | None = Field(
+        None, description="A `llama-perplexity --kl-divergence-base FILE --save-all-logits` file: KLD and top-1 against "
+        "its stored log-probs, computed llama.cpp's way, on its tokens (needs kld: true, protocol llama.cpp and "
+        "its context length); comparable with llama.cpp's published tables.")
     throughput: Throughput | None = None
     gates: list[Gate] = Field(default_factory=list)
 
@@ -115,6 +119,8 @@ class Evaluation(StrictModel):
     def _needs(self):
         if self.kld and (self.perplexity is None or not self.baseline):
             raise ValueError("kld needs perplexity (its tokens) and baseline: true")
+        if self.kld_base and (not self.kld or self.perplexity is None or self.perplexity.protocol != "llama.cpp"):
+            raise ValueError("kld_base needs kld: true and perplexity.protocol: llama.cpp (the file's scoring)")
         for g in self.gates:
             if (g.max_delta_ppl is not None or g.max_delta_ppl_pct is not None) and self.perplexity is None:
                 raise ValueError("a ΔPPL gate needs evaluation.perplexity")

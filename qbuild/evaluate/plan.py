@@ -52,7 +52,9 @@ def evaluation_steps(ctx) -> None:
         return
     data = ctx.eval_data(ev.perplexity) if ev.perplexity else None
     reference = None
-    if ev.kld:
+    if ev.kld and ev.kld_base:
+        reference = _kld_base_reference(ctx, ev, data)
+    elif ev.kld:
         baseline_rt, why = pick_runtime(ctx.model().format)
         if baseline_rt is None:
             ctx.note_not_evaluated("baseline", f"KLD needs the baseline's logits: {why}")
@@ -80,9 +82,36 @@ def evaluation_steps(ctx) -> None:
                 inputs = {"model": art.step, "data": data}
                 if reference is not None and not art.baseline and "kld" not in skipped:
                     inputs["reference"] = reference  # KLD + top-1 from the same pass
+                    if ev.kld_base:
+                        inputs["kld_base"] = reference.inputs["kld_base"]  # windows are the file's tokens
                 _step("perplexity", f"perplexity[{art.label}]", params, rt, art.label, art.step, inputs, (), ctx)
         if ev.throughput and "throughput" not in skipped:
             params = {**ev.throughput.canonical(), "runtime": rt.name, "device": ctx.device}
             # timings belong to a machine: the hardware is part of the key, so another machine never hits
             _step("throughput", f"throughput[{art.label}]", params, rt, art.label, art.step, {"model": art.step}, (),
                   ctx, per_hardware=True)
+
+
+def _kld_base_reference(ctx, ev, data: Step) -> Step:
+    """A user's llama-perplexity KL-divergence base file as the reference: a source (fingerprinted, never built),
+    and a `reference[baseline]` step that reads the baseline's PPL off it (no model runs)."""
+    from qbuild.errors import RecipeError
+    from qbuild.evaluate.llamacpp_kld import read_kld_base
+    from qbuild.fingerprint import dir_fingerprint
+    from qbuild.hashing import sha256_text
+    from qbuild.models.resolve import resolve_path
+
+    path = resolve_path(ev.kld_base, ctx.recipe_dir, "evaluation.kld_base")
+    try:
+        base = read_kld_base(path)
+    except (OSError, ValueError) as exc:
+        raise RecipeError("evaluation.kld_base", str(exc)) from None
+    if base.n_ctx != ev.perplexity.context_length:
+        raise RecipeError("evaluation.perplexity.context_length",
+                          f"{ev.perplexity.context_length}, but {path.name} was made with -c {base.n_ctx}")
+    src = ctx.add(Step("kld-base", "kld-base", {"source": "llama-perplexity"}, None, source_path=path,
+                       source_digest=sha256_text("kld-base:" + dir_fingerprint(path)), format="logprobs"))
+    params = {**ev.perplexity.canonical(), "runtime": "llama-perplexity-file"}
+    params.pop("dataset")
+    return ctx.add(Step("reference", "reference[baseline]", params, "qbuild.evaluate.quality:reference_from_kld_base",
+                        inputs={"model": ctx.model(), "kld_base": src, "data": data}, threads=1, format="logprobs"))

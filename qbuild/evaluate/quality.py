@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from qbuild.evaluate.data import load_tokens
+from qbuild.evaluate.llamacpp_kld import llamacpp_kld, read_kld_base
 from qbuild.evaluate.protocol import score_rows, summarize, windows
 from qbuild.plugins import open_session
 from qbuild.step import StepContext
@@ -32,6 +33,10 @@ REFERENCE_FORMAT = {
 def _windows(ctx: StepContext):
     p = ctx.params
     ids, info = load_tokens(ctx.inputs["data"])
+    if "kld_base" in ctx.inputs:  # a llama-perplexity base file: its tokens are the text
+        ids = read_kld_base(ctx.inputs["kld_base"]).tokens
+        info = {**info, "sources": [{"kld_base": ctx.input_manifests.get("kld_base", {}).get("key")
+                                     or Path(ctx.inputs["kld_base"]).name}]}
     wins = windows(ids, p["protocol"], p["context_length"], p["add_bos"], info["bos_token_id"], p["max_windows"],
                    p.get("stride"))
     if not wins:
@@ -92,6 +97,24 @@ def reference(ctx: StepContext) -> dict:
             "info": {"logprobs": REFERENCE_FORMAT | {"rows": n_rows, "vocab": int(lp.shape[1])}}}
 
 
+def reference_from_kld_base(ctx: StepContext) -> dict:
+    """The baseline's PPL read off a llama-perplexity base file (its stored log-prob of each next token)."""
+    p = ctx.params
+    wins, info = _windows(ctx)
+    base = read_kld_base(ctx.inputs["kld_base"])
+    nlls = []
+    for i, w in enumerate(wins):
+        lp = base.logprobs(i)
+        target = np.asarray(w.tokens[w.first_scored:])
+        nlls.append((float(-lp[np.arange(len(target)), target].astype(np.float64).sum()), len(target)))
+    record = {"protocol": protocol_record(p, info),
+              "runtime": {"name": "llama-perplexity --kl-divergence-base", "n_ctx": base.n_ctx, "n_chunk": base.n_chunk}}
+    result = _write_perplexity(ctx, nlls, record)
+    return {"format": "logprobs", "metrics": {"ppl": result["ppl"], "tokens_scored": result["tokens_scored"]},
+            "info": {"logprobs": {"name": "llama-perplexity-kld-base", "dtype": "uint16",
+                                  "error_bound": "scale/2 per entry, at most 16/131070 nats"}}}
+
+
 class ReferenceReader:
     """A reference object's log-probs, read one window at a time (no memory map: RSS stays one window)."""
 
@@ -118,7 +141,8 @@ def perplexity(ctx: StepContext) -> dict:
     """A model's one pass: perplexity, and with a `reference` input KLD + top-1 agreement on the same logits."""
     p = ctx.params
     wins, info = _windows(ctx)
-    ref = ReferenceReader(ctx.inputs["reference"]) if "reference" in ctx.inputs else None
+    file_base = read_kld_base(ctx.inputs["kld_base"]) if "kld_base" in ctx.inputs else None
+    ref = None if file_base else ReferenceReader(ctx.inputs["reference"]) if "reference" in ctx.inputs else None
     if ref is not None and len(ref) != len(wins):
         raise RuntimeError(f"the reference has {len(ref)} windows, the evaluation data {len(wins)}")
     t0 = time.perf_counter()
@@ -127,16 +151,20 @@ def perplexity(ctx: StepContext) -> dict:
     for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins), strict=True)):
         d = score_rows(rows, w, ref.window(i) if ref is not None else None)
         nlls.append((d["nll"], d["count"]))
-        if ref is not None:
+        if file_base is not None:
+            d |= llamacpp_kld(file_base.logprobs(i), rows)
+        if ref is not None or file_base is not None:
             klds.append(d["kld"])
             top1.append(d["top1"])
         ctx.progress(i + 1, len(wins), "windows")
     record = {"protocol": protocol_record(p, info), "runtime": rt.info() | {"seconds": time.perf_counter() - t0}}
     result = _write_perplexity(ctx, nlls, record)
     metrics = {"ppl": result["ppl"], "tokens_scored": result["tokens_scored"]}
-    if ref is not None:
+    if ref is not None or file_base is not None:
         runtime = {k: v for k, v in record["runtime"].items() if k != "seconds"}
-        base_runtime = {k: v for k, v in ref.info["runtime"].items() if k != "seconds"}
+        base_runtime = ({"name": "llama-perplexity --kl-divergence-base", "kld": "llama.cpp (base entries > -16 nats)",
+                         "n_ctx": file_base.n_ctx, "n_chunk": file_base.n_chunk} if file_base else
+                        {k: v for k, v in ref.info["runtime"].items() if k != "seconds"})
         metrics |= write_divergence(ctx, klds, top1, {"protocol": record["protocol"], "runtime": runtime,
                                                       "baseline_runtime": base_runtime})["metrics"]
     return {"format": "metrics", "metrics": metrics}
