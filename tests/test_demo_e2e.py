@@ -74,7 +74,9 @@ def test_second_run_is_all_hits(demo_runs):
 # numbers the two-pass evaluation gave before it.
 DEMO_NUMBERS = {
     "baseline": {"ppl": 17.841689624871226},
-    "f16": {"ppl": 17.841235119031776, "kld": 5.6076e-06, "top1": 0.99829},
+    # f16's KLD: 5.6076e-06 was quoted when this test was written; old main (two passes, kld[...] steps) run on
+    # this machine the same day gives 5.615825357649642e-06, and so does the one-pass evaluation
+    "f16": {"ppl": 17.841235119031776, "kld": 5.615825357649642e-06, "top1": 0.99829},
     "q8_0": {"ppl": 17.983722417896495, "kld": 0.004362, "top1": 0.96037},
     "q4km": {"ppl": 19.084052613298418, "kld": 0.057916, "top1": 0.87280},
 }
