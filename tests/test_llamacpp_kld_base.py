@@ -78,7 +78,7 @@ def test_llamacpp_kld_matches_exact_kld_within_the_16_bit_encoding(tmp_path):
     wins = windows(tokens, "llama.cpp", n_ctx, False, None, None)
     assert [len(w.tokens) - w.first_scored for w in wins] == [f.rows_per_chunk] * 2
     for c, w in enumerate(wins):
-        exact = score_rows(var[c], w, score_rows(base[c], w)["logprobs"])
+        exact = score_rows(var[c], w, score_rows(base[c], w, logprobs=True)["logprobs"])
         ours = llamacpp_kld(f.logprobs(c), var[c])
         assert np.allclose(ours["kld"], exact["kld"], rtol=2e-3, atol=2e-4)
         assert np.mean(ours["top1"] == exact["top1"]) > 0.97

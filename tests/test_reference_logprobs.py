@@ -86,7 +86,7 @@ def test_score_rows_is_window_nll_and_window_divergence_in_one():
         base = rng.normal(size=(len(w.tokens), 300)).astype(np.float32)
         var = base + rng.normal(scale=0.1, size=base.shape).astype(np.float32)
         rows = var[w.first_scored - 1: len(w.tokens) - 1]
-        ref = score_rows(base[w.first_scored - 1: len(w.tokens) - 1], w)["logprobs"]
+        ref = score_rows(base[w.first_scored - 1: len(w.tokens) - 1], w, logprobs=True)["logprobs"]
         got = score_rows(rows, w, ref)
         assert (got["nll"], got["count"]) == window_nll(var, w)
         expected = window_divergence(base, var, w)

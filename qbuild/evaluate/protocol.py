@@ -72,10 +72,12 @@ def _scored(logits: np.ndarray, window: Window) -> tuple[np.ndarray, np.ndarray]
     return rows, np.asarray(window.tokens[window.first_scored:])
 
 
-def score_rows(rows: np.ndarray, window: Window, reference: np.ndarray | None = None) -> dict:
+def score_rows(rows: np.ndarray, window: Window, reference: np.ndarray | None = None,
+               logprobs: bool = False) -> dict:
     """One window scored from the logit rows that predict its scored tokens (`_scored`'s rows, or what a
-    session's `scored_logits` returns): NLL sum and count, the log-probs (float32, what a reference stores),
-    and with `reference` (the baseline's log-probs of the same rows) per-position KLD and top-1 agreement.
+    session's `scored_logits` returns): NLL sum and count, with `logprobs` the log-probs (float32, what a
+    reference stores), and with `reference` (the baseline's log-probs of the same rows) per-position KLD
+    and top-1 agreement.
     The same arithmetic as window_nll / window_divergence, with one log-sum-exp per row."""
     rows = np.asarray(rows, dtype=np.float32)
     target = np.asarray(window.tokens[window.first_scored:])
@@ -83,8 +85,12 @@ def score_rows(rows: np.ndarray, window: Window, reference: np.ndarray | None = 
         raise RuntimeError(f"{rows.shape[0]} logit rows for {len(target)} scored tokens")
     lse = _logsumexp(rows)
     nll = lse - rows[np.arange(len(target)), target].astype(np.float64)
+    out = {"nll": float(nll.sum()), "count": int(len(target))}
+    if reference is None and not logprobs:
+        return out
     lp = rows - lse[:, None].astype(np.float32)
-    out = {"nll": float(nll.sum()), "count": int(len(target)), "logprobs": lp}
+    if logprobs:
+        out["logprobs"] = lp
     if reference is not None:
         if reference.shape != lp.shape:
             raise RuntimeError(f"reference log-probs {reference.shape} vs the model's {lp.shape}")

@@ -79,7 +79,7 @@ def reference(ctx: StepContext) -> dict:
     offsets, nlls, row = [], [], 0
     with open(ctx.out / LOGPROBS, "wb") as f:
         for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins), strict=True)):
-            scored = score_rows(rows, w)
+            scored = score_rows(rows, w, logprobs=True)
             nlls.append((scored["nll"], scored["count"]))
             lp = np.ascontiguousarray(scored["logprobs"], dtype="<f4")
             if i == 0:
