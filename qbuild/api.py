@@ -216,8 +216,10 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
     if r.evaluation.gates:
         from qbuild.evaluate.gates import check_gates
 
-        gate_rows = check_gates(r.evaluation.gates, summary)
-        summary["gates"] = {"passed": all(g["passed"] for g in gate_rows), "checks": gate_rows}
+        previous = st.last_good_run(r.name, before=run_id)   # what regression bounds compare with
+        gate_rows = check_gates(r.evaluation.gates, summary, previous)
+        summary["gates"] = {"passed": all(g["passed"] for g in gate_rows), "checks": gate_rows,
+                            "compared_with": previous.get("run_id") if previous else None}
     failed = any(o.status == "failed" for o in outcomes)
     if the_plan.remotes and not failed:
         from qbuild.publish import write_through
@@ -232,7 +234,7 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
         summary["mlflow"] = track(mlflow or mlflow_cfg.uri, mlflow_cfg.experiment if mlflow_cfg else None,
                                   r, summary, st)
     st.write_run(run_id, {**summary, "recipe_path": str(path.resolve()) if path else None,
-                          "resolved_recipe": r.canonical()})
+                          "resolved_recipe": r.canonical(), "finished": time.time()})
     return RunResult(run_id, the_plan, tuple(outcomes), summary, tuple(gate_rows))
 
 
@@ -397,6 +399,25 @@ def report(name: str | None = None, *, store=None, markdown: bool = False) -> st
 
     record = find_run(open_store(store), name)
     return render_markdown(record) if markdown else render_html(record)
+
+
+def diff(run_a: str | None = None, run_b: str | None = None, *, last: str | None = None, store=None) -> dict:
+    """What changed between two recorded runs (ids), or the last two runs of recipe `last` (a name or file):
+    per variant Δ PPL / KLD / decode tok/s and size, and each step run B rebuilt with why."""
+    from qbuild.diff import diff_runs, find_record, last_two
+
+    st = open_store(store)
+    if last is not None:
+        if Path(last).is_file():
+            from qbuild.recipe import load_recipe
+
+            last = load_recipe(last).name
+        a, b = last_two(st, last)
+    elif run_a and run_b:
+        a, b = find_record(st, run_a), find_record(st, run_b)
+    else:
+        raise UserError("diff needs two run ids (RUN_A RUN_B) or --last RECIPE")
+    return diff_runs(st, a, b)
 
 
 def find_run(name: str | None = None, *, store=None) -> dict[str, Any]:

@@ -385,6 +385,36 @@ def report(name, store_path, out_path, markdown):
     click.echo(str(path))
 
 
+@cli.command()
+@click.argument("runs", nargs=-1)
+@click.option("--last", "last", metavar="RECIPE", help="Compare the last two runs of RECIPE (a name or a recipe file).")
+@STORE_OPTION
+@JSON_OPTION
+def diff(runs, last, store_path, as_json):
+    """What changed between two runs: per variant Δ perplexity, ΔKLD, Δ throughput and size, and which
+    steps were rebuilt and why (recipe parameter, source model digest, tool version, implementation).
+
+    \b
+    Examples:
+      qbuild diff 20261123T020000Z-1a2b3c 20261124T020000Z-4d5e6f
+      qbuild diff --last nightly --json
+    Run ids are the file names under STORE/runs/ (and `run_id` in `qbuild run --json`)."""
+    from qbuild import api
+
+    if last is not None and runs or last is None and len(runs) != 2:
+        _fail(UserError("give two run ids (qbuild diff RUN_A RUN_B) or --last RECIPE"))
+    try:
+        data = api.diff(*runs, last=last, store=store_path) if runs else api.diff(last=last, store=store_path)
+    except QBuildError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        from qbuild.diff import render
+
+        render(data, _console())
+
+
 @cli.command(name="pull")
 @click.argument("name")
 @STORE_OPTION

@@ -59,6 +59,7 @@ class StepOutcome:
     remote: RemoteHit | None = None   # a remote hit not (yet) fetched: path is None until materialized
     started: float | None = None      # wall-clock start/end of a build (time.time()), for `--json` and tests
     ended: float | None = None
+    worker: str | None = None         # where it was built (the Ray executor: the node), None for this machine
 
     @property
     def metrics(self) -> dict:
@@ -349,7 +350,7 @@ class Executor:
         provenance = {
             "kind": step.kind, "name": step.name, "variant": step.variant, "format": result.get("format", step.format),
             "scheme": step.scheme or None,
-            "params": step.params, "toolchain": step.toolchain(), "runner": step.runner,
+            "params": step.params, "toolchain": step.toolchain(), "runner": step.runner, "impl": step.impl_version,
             "inputs": {r: {"key": s.key, "digest": inputs[r].digest, "step": s.name} for r, s in step.inputs.items()},
             "metrics": result.get("metrics", {}), "info": result.get("info", {}),
             "timings": {"seconds": round(rusage["wall"], 3), "cpu_seconds": round(rusage["cpu"], 3),

@@ -102,6 +102,12 @@ class Gate(StrictModel):
     min_top1: float | None = Field(None, ge=0, le=1)
     min_throughput_ratio: float | None = Field(None, description="Decode tok/s of the variant ÷ the baseline's.")
     max_size_mb: float | None = None
+    # compared with the previous successful run of the same recipe (the store's run records): a nightly job
+    # fails when a variant got worse since the last good night, even where it still meets the absolute bounds
+    max_regression_ppl_pct: float | None = Field(
+        None, ge=0, description="Largest allowed PPL increase since the previous successful run, in %.")
+    max_regression_decode_pct: float | None = Field(
+        None, ge=0, description="Largest allowed decode tok/s drop since the previous successful run, in %.")
 
 
 class Evaluation(StrictModel):
@@ -122,6 +128,10 @@ class Evaluation(StrictModel):
                 raise ValueError("a KLD/top-1 gate needs evaluation.kld: true")
             if g.min_throughput_ratio is not None and (self.throughput is None or not self.baseline):
                 raise ValueError("a throughput gate needs evaluation.throughput and baseline: true")
+            if g.max_regression_ppl_pct is not None and self.perplexity is None:
+                raise ValueError("max_regression_ppl_pct needs evaluation.perplexity (the PPL it compares)")
+            if g.max_regression_decode_pct is not None and self.throughput is None:
+                raise ValueError("max_regression_decode_pct needs evaluation.throughput (the decode speed it compares)")
         return self
 
 

@@ -107,7 +107,7 @@ def _gates_html(gates: dict | None) -> str:
         return ""
     rows = []
     for g in gates["checks"]:
-        value = "not measured" if g["value"] is None else f"{g['value']:.4g}"
+        value = g.get("note") or ("not measured" if g["value"] is None else f"{g['value']:.4g}")
         rows.append(f"<tr class={'ok' if g['passed'] else 'bad'}><td>{html.escape(g['variant'])}</td>"
                     f"<td>{g['check']}</td><td>{value}</td><td>{g['bound']}</td>"
                     f"<td>{'pass' if g['passed'] else 'FAIL'}</td></tr>")

@@ -193,6 +193,27 @@ class Store:
         atomic_write_json(path, record)
         return path
 
+    def runs(self, recipe: str | None = None) -> list[dict]:
+        """Run records, oldest first (by when they finished), of one recipe or all."""
+        out = []
+        for f in (self.root / "runs").glob("*.json"):
+            try:
+                record = json.loads(f.read_text())
+            except (OSError, ValueError):
+                continue
+            if recipe is None or record.get("recipe") == recipe:
+                out.append(record)
+        return sorted(out, key=lambda r: (r.get("finished") or 0, r.get("run_id") or ""))
+
+    def last_good_run(self, recipe: str, before: str | None = None) -> dict | None:
+        """The latest successful run of `recipe` (no step failed, its gates passed), other than run `before`."""
+        for record in reversed(self.runs(recipe)):
+            if record.get("run_id") == before:
+                continue
+            if not record.get("counts", {}).get("failed") and (record.get("gates") or {}).get("passed", True):
+                return record
+        return None
+
     # --- integrity -------------------------------------------------------------------------------------
     def verify(self, digests: list[str] | None = None) -> list[dict]:
         """Re-hash objects against their manifests; returns one row per object."""

@@ -44,7 +44,7 @@ def evaluation_steps(ctx) -> None:
     ev = ctx.recipe.evaluation
     if not (ev.perplexity or ev.throughput):
         return
-    data = ctx.eval_data(ev.perplexity) if ev.perplexity else None
+    data = None  # the tokenized evaluation text, planned on first use: no step builds data that nothing reads
     baseline_rt = None
     if ev.kld:
         baseline_rt, why = pick_runtime(ctx.model().format)
@@ -63,6 +63,7 @@ def evaluation_steps(ctx) -> None:
         if ev.perplexity and "perplexity" not in skipped:
             params = {**ev.perplexity.canonical(), "runtime": rt.name}
             params.pop("dataset")  # identified by the eval-data input
+            data = data or ctx.eval_data(ev.perplexity)
             _step("perplexity", f"perplexity[{art.label}]", params, rt, art.label, art.step,
                   {"model": art.step, "data": data}, (), ctx)
             if ev.kld and not art.baseline and baseline_rt is not None and "kld" not in skipped:
