@@ -397,8 +397,18 @@ def report(name: str | None = None, *, store=None, markdown: bool = False) -> st
     """The report of a run (run id, recipe name or file, or None for the latest) as HTML or Markdown."""
     from qbuild.report import find_run, render_html, render_markdown
 
-    record = find_run(open_store(store), name)
-    return render_markdown(record) if markdown else render_html(record)
+    st = open_store(store)
+    record = find_run(st, name)
+    if markdown:
+        return render_markdown(record)
+    return render_html(record, history=history(st, record))
+
+
+def history(st: Store, record: dict) -> list[dict]:
+    """The report's history view: the run records of the recipe of `record`, oldest first, up to that run."""
+    runs = st.runs(record.get("recipe"))
+    ids = [r.get("run_id") for r in runs]
+    return runs[:ids.index(record["run_id"]) + 1] if record.get("run_id") in ids else runs
 
 
 def diff(run_a: str | None = None, run_b: str | None = None, *, last: str | None = None, store=None) -> dict:

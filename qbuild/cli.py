@@ -368,7 +368,8 @@ def report(name, store_path, out_path, markdown):
     """Report of a run: NAME is a run id, a recipe (name or file), or empty for the latest run.
 
     The HTML page is self-contained (inline SVG plots of quality and speed vs size, Pareto front
-    marked) and states the perplexity protocol and the hardware.
+    marked), each variant's metrics over the recipe's runs up to this one (history), and states the
+    perplexity protocol and the hardware.
     """
     from qbuild import api
     from qbuild.report import render_html, render_markdown
@@ -381,7 +382,7 @@ def report(name, store_path, out_path, markdown):
         click.echo(render_markdown(record), nl=False)
         return
     path = Path(out_path or f"report-{record['recipe']}.html")
-    path.write_text(render_html(record), encoding="utf-8")
+    path.write_text(render_html(record, history=api.history(api.open_store(store_path), record)), encoding="utf-8")
     click.echo(str(path))
 
 

@@ -134,3 +134,36 @@ def test_diff_errors_are_one_line(tmp_path, store_dir):
     assert res.returncode == 2 and "has 0 run(s)" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     res = qbuild("diff", "only-one", "--store", store_dir)
     assert res.returncode == 2 and "two run ids" in res.stderr
+
+
+# --- the report's history view --------------------------------------------------------------------------------
+def test_report_history_has_one_series_per_variant_with_its_points(tmp_path, store_dir):
+    import xml.etree.ElementTree as ET
+
+    values = [(10.0, 100.0, 20.0), (10.2, 97.0, 20.0), (9.9, 105.0, 21.5)]
+    ids = []
+    for a_ppl, a_speed, b_ppl in values:
+        rc, summary = run_api(_recipe(tmp_path, a_ppl, a_speed, b_ppl=b_ppl, gates=[]), store_dir)
+        assert rc == 0
+        ids.append(summary["run_id"])
+    out = tmp_path / "report.html"
+    res = qbuild("report", "t", "--store", store_dir, "--out", out)
+    assert res.returncode == 0, res.stderr
+    page = out.read_text()
+    start = page.index('<section id="history">')
+    section = ET.fromstring(page[start:page.index("</section>", start) + len("</section>")])
+    svg = "{http://www.w3.org/2000/svg}"
+    plots = {p.get("data-metric"): p for p in section.iter(f"{svg}svg")}
+    assert set(plots) == {"ppl", "decode_tok_s", "size_bytes"}   # KLD was never measured: no plot
+    for metric, column in (("ppl", 0), ("decode_tok_s", 1)):
+        series = {g.get("data-variant"): g for g in plots[metric].iter(f"{svg}g") if g.get("class") == "series"}
+        assert sorted(series) == ["a", "b"]
+        points = [(c.get("data-run"), float(c.get("data-value"))) for c in series["a"].iter(f"{svg}circle")]
+        assert points == [(rid, v[column]) for rid, v in zip(ids, values, strict=True)]
+        assert len(series["a"].findall(f"{svg}polyline")) == 1
+    b_ppl = [float(c.get("data-value")) for g in plots["ppl"].iter(f"{svg}g") if g.get("data-variant") == "b"
+             for c in g.iter(f"{svg}circle")]
+    assert b_ppl == [20.0, 20.0, 21.5]
+    # the report of an earlier run shows the history up to that run only
+    res = qbuild("report", ids[1], "--store", store_dir, "--out", out)
+    assert res.returncode == 0 and "History: 2 runs" in out.read_text() and ids[2] not in out.read_text()
