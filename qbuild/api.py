@@ -128,14 +128,16 @@ def recipe_files(args) -> list[Path]:
 
 def run(recipe, *, store=None, executor: str = "local", tag: str | None = None, threads: int | None = None,
         mlflow: str | None = None, progress=None, remotes: list[str] | tuple = (), materialize: bool = False,
-        jobs: int | None = None) -> RunResult:
+        jobs: int | None = None, address: str | None = None) -> RunResult:
     """Build what is missing, evaluate, set refs, check gates, push to remotes, register, track.
 
     Returns the result (never exits). progress: a rich Progress (the CLI passes one) or None.
     remotes: URLs overriding the recipe's store.remotes; materialize: fetch every remote hit's files;
-    jobs: steps at most at once (default: the CPU cores; threads per step × steps never exceed them)."""
+    jobs: steps at most at once (default: the CPU cores; threads per step × steps never exceed them);
+    executor: "local" (this machine) or "ray" (a Ray cluster at `address`: auto, HOST:PORT or ray://HOST:PORT;
+    it needs a remote store every node shares)."""
     return run_many([recipe], store=store, executor=executor, tag=tag, threads=threads, mlflow=mlflow,
-                    progress=progress, remotes=remotes, materialize=materialize, jobs=jobs).results[0]
+                    progress=progress, remotes=remotes, materialize=materialize, jobs=jobs, address=address).results[0]
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,7 @@ class MultiRunResult:
 
 def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = None, threads: int | None = None,
              mlflow: str | None = None, progress=None, remotes: list[str] | tuple = (), materialize: bool = False,
-             jobs: int | None = None) -> MultiRunResult:
+             jobs: int | None = None, address: str | None = None) -> MultiRunResult:
     """Several recipes as one deduplicated graph: a shared model, calibration set or evaluation is built once.
 
     Every recipe still gets its own summary, refs, gates, run record and registration."""
@@ -162,8 +164,8 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     from qbuild.hashing import sha256_text
     from qbuild.plan import make_plan
 
-    if executor != "local":
-        raise UserError(f"unknown executor {executor!r}; available: local")
+    if executor not in ("local", "ray"):
+        raise UserError(f"unknown executor {executor!r}; available: local, ray")
     loaded = [load(r, threads) for r in recipes]
     if not loaded:
         raise UserError("no recipe given")
@@ -171,6 +173,10 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
         raise UserError("these recipes name different store.path values; run them into one store with --store DIR")
     st = open_store(store, loaded[0][0])
     remote_tiers = open_remotes(None, remotes) if remotes else _union_remotes([r for r, _, _ in loaded])
+    if executor == "ray" and not remote_tiers:   # before planning: nodes share objects through a remote only
+        from qbuild.executor_ray import need_remote_message
+
+        raise UserError(need_remote_message())
     plans = [make_plan(r, base, st, remote_tiers) for r, base, _ in loaded]
     origins: dict = {}
     merged: dict = {}
@@ -182,8 +188,15 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     run_id = st.new_run_id()
     started = time.time()
     device = loaded[0][0].runtime.device
-    done = Executor(st, run_id, origins, progress=progress, device=device, jobs=jobs, remotes=remote_tiers,
-                    materialize=materialize).run(list(merged.values()))
+    if executor == "ray":
+        from qbuild.executor_ray import RayExecutor
+
+        runner = RayExecutor(st, run_id, origins, address=address, progress=progress, device=device, jobs=jobs,
+                             remotes=remote_tiers, materialize=materialize)
+    else:
+        runner = Executor(st, run_id, origins, progress=progress, device=device, jobs=jobs, remotes=remote_tiers,
+                          materialize=materialize)
+    done = runner.run(list(merged.values()))
     by_key = {o.step.key: o for o in done}
     results = []
     for i, ((_, _, path), the_plan) in enumerate(zip(loaded, plans, strict=True)):

@@ -94,7 +94,12 @@ def _on_sigterm(signum, frame):
               "step that must run reads; metrics come from action records).")
 @click.option("--junit-xml", "junit_path", type=click.Path(dir_okay=False), help="Write each variant's quality "
               "gates and each failed step as JUnit test cases (Jenkins, GitLab, GitHub Actions read it).")
-def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, remote_urls, materialize, junit_path):
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where steps run: this machine, or a Ray cluster (needs a remote store every node shares).")
+@click.option("--address", metavar="auto|HOST:PORT", help="With --executor ray: the cluster [env RAY_ADDRESS; "
+              "default: auto, the cluster this machine belongs to].")
+def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, remote_urls, materialize, junit_path,
+        executor, address):
     """Build every step of RECIPES that is not already stored, then print a summary table.
 
     RECIPES are recipe files or directories of them; several recipes are planned as one graph, so a
@@ -105,6 +110,7 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
       qbuild run recipes/demo.yaml --tag nightly --json > summary.json
       qbuild run recipes/nightly/ --jobs 4 --junit-xml gates.xml    # many recipes, one deduplicated plan
       qbuild run nightly.yaml --remote s3://team-models/qbuild       # reuse what other machines built
+      qbuild run recipes/nightly/ --executor ray --address auto        # steps as Ray tasks (docs/nightly.md)
     A failed step exits 1 (the others stay stored; rerun to resume), a failed quality gate 3.
     Ctrl-C (130) and SIGTERM (143) stop every running step and remove its scratch.
     """
@@ -119,7 +125,10 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
             for f in files:
                 _print_plan(api.plan(f, store=store_path, threads=threads, remotes=remote_urls), as_json)
             return
-        result = _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize)
+        if address and executor != "ray":
+            raise UserError("--address names a Ray cluster: use it with --executor ray")
+        result = _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize,
+                                    executor, address)
     except QBuildError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -154,7 +163,8 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
         sys.exit(result.exit_code)
 
 
-def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize):
+def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize, executor="local",
+                       address=None):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from qbuild import api
@@ -163,7 +173,8 @@ def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=_console(stderr=True), transient=True) as progress:
         return api.run_many(files, store=store_path, tag=tag, threads=threads, mlflow=mlflow_uri, progress=progress,
-                            remotes=remote_urls, materialize=materialize, jobs=jobs)
+                            remotes=remote_urls, materialize=materialize, jobs=jobs, executor=executor,
+                            address=address)
 
 
 def _print_plan(the_plan, as_json):
