@@ -135,7 +135,11 @@ def build_on_node(step: Step, origin: Origin | None, run_id: str, device: str, r
                        queue=queue)
     ex._step_key = step.key
     claim = {"cpus": step.threads, "memory_mb": 0, "gpu": None, "alone": False}   # Ray placed it: CUDA_VISIBLE_DEVICES is set
-    out = ex._build(step, outcomes, claim)
+    try:
+        out = ex._build(step, outcomes, claim)
+    except BaseException:   # ray.cancel: KeyboardInterrupt here; stop the worker process, remove its scratch
+        ex.cancel()
+        raise
     log = store.log_path(run_id, step.name)
     text = log.read_bytes()[-LOG_LIMIT:].decode(errors="replace") if log.is_file() else ""
     result = {"status": out.status, "digest": out.digest, "record": out.record, "seconds": out.seconds,
@@ -228,8 +232,13 @@ class RayExecutor(Executor):
                         self.progress.update(bar, visible=False)
                     outcomes[ps.step.key] = self._outcome(ray, ref, ps.step, t0)
         except BaseException:
+            # Ctrl-C / SIGTERM: each task stops its worker process and removes its scratch (KeyboardInterrupt in
+            # the task); one that has not within a few seconds is killed (its qbuild.worker dies with it)
             for ref in running:
-                ray.cancel(ref, force=True)   # kills the task's worker; its qbuild.worker dies with it
+                ray.cancel(ref, force=False)
+            _, late = ray.wait(list(running), num_returns=len(running), timeout=5) if running else ([], [])
+            for ref in late:
+                ray.cancel(ref, force=True)
             raise
         for ps in planned:
             if outcomes[ps.step.key].status in (Outcome.BUILT, Outcome.CACHED):

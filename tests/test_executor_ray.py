@@ -122,3 +122,14 @@ def test_ray_without_a_remote_store_fails_at_once_in_one_line(tmp_path):
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "needs a shared remote store" in res.stderr and "--remote" in res.stderr and "store.remotes" in res.stderr
     assert not (tmp_path / "s" / "objects").exists()
+
+
+def test_step_resources_for_ray():
+    from qbuild.executor_ray import resources
+    from qbuild.step import Step
+
+    cpu = Step("quantize", "quantize[a]", {"x": 1}, "m:f", threads=8)
+    assert resources(cpu, max_cpus=4) == {"num_cpus": 4}   # never more than the largest node has: no infeasible task
+    engine = Step("trtllm-engine", "engine[a]", {"x": 1}, "m:f", threads=2, requires_gpu=True,
+                  env_toolchain={"gpu.sm": "9.0", "trtllm": "1.2.0"})
+    assert resources(engine, max_cpus=16) == {"num_cpus": 2, "num_gpus": 1, "resources": {"sm_90": 0.001}}
