@@ -2,6 +2,7 @@
 moto S3 server as the shared remote store. Each node has its own local store; steps are fake-method steps.
 
 - each step is built exactly once across both nodes, and every object reaches the remote;
+- Ctrl-C cancels the tasks: exit 130, no scratch and no worker process left on any node;
 - a node lost mid-step: its step is retried on the other node, the run succeeds, `qbuild verify` is clean;
 - with no remote store, `--executor ray` fails at once with one line saying what to configure.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +63,12 @@ def _objects(store: Path) -> dict[str, str]:
     return out
 
 
+def _workers(root: Path) -> list[int]:
+    """qbuild.worker processes building into this cluster's node stores (found by their spec path)."""
+    out = subprocess.run(["pgrep", "-f", f"qbuild.worker {root}"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
 def _run(cluster, recipe: Path, s3: str, store: Path, *extra) -> subprocess.Popen:
     env = {**cluster["env"], **DRIVER_ENV}
     return subprocess.Popen([sys.executable, "-m", "qbuild", "run", str(recipe), "--store", str(store), "--executor",
@@ -68,7 +76,7 @@ def _run(cluster, recipe: Path, s3: str, store: Path, *extra) -> subprocess.Pope
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
-@pytest.mark.slow   # ~20 s to start the cluster, ~75 s for both runs on 2 shared cores: `pytest -m slow`
+# ~15 s to start the cluster, ~40 s for the runs, on 2 shared cores
 def test_each_step_is_built_once_across_the_nodes_and_a_lost_node_is_retried(cluster, tmp_path, s3_url):
     variants = [{"name": f"v{i}", "method": "fake", "level": i, "sleep": 0.5} for i in range(3)]
     recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
@@ -85,6 +93,24 @@ def test_each_step_is_built_once_across_the_nodes_and_a_lost_node_is_retried(clu
     res = qbuild("verify", "--remote", s3_url, "--json", env=cluster["env"])
     assert res.returncode == 0 and json.loads(res.stdout) == {"checked": 3, "damaged": []}, res.stdout
     assert qbuild("ls", "--remote", s3_url, env=cluster["env"]).stdout.count("t/v") == 3   # refs set on the remote
+
+    # Ctrl-C while both nodes build: exit 130, the tasks are cancelled, no scratch and no worker process is left
+    slow = [{"name": f"c{i}", "method": "fake", "level": 20 + i, "sleep": 60.0} for i in range(2)]
+    proc = _run(cluster, write_recipe(tmp_path / "cancel.yaml", fake_recipe(tmp_path, slow, runtime={"threads": 1})),
+                s3_url, tmp_path / "driver")
+    scratch = [store / "tmp" for store in cluster["stores"].values()]
+    deadline = time.time() + 120
+    while time.time() < deadline and sum(len(list(d.glob("*/out/weights.bin"))) for d in scratch) < 2:
+        time.sleep(0.1)
+    assert sum(len(list(d.glob("*/out/weights.bin"))) for d in scratch) == 2, "the steps never started"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "interrupted" in err, err
+    deadline = time.time() + 20
+    while time.time() < deadline and (any(list(d.iterdir()) for d in scratch) or _workers(cluster["root"])):
+        time.sleep(0.2)
+    assert not any(list(d.iterdir()) for d in scratch), "scratch left on a node"
+    assert not _workers(cluster["root"]), "a worker process outlived its cancelled task"
 
     # two slow steps, one per node (1 CPU each); the second node dies while it builds its step
     slow = [{"name": f"s{i}", "method": "fake", "level": 10 + i, "sleep": 6.0} for i in range(2)]
