@@ -15,7 +15,7 @@ from qbuild.summary import human_size
 
 def find_run(store, name: str | None) -> dict:
     """A run id, a recipe name (its latest run), or None (the store's latest run)."""
-    runs = sorted((store.root / "runs").glob("*.json"))
+    runs = store.runs()   # oldest first, by when they finished (two run ids of one second sort at random)
     if not runs:
         raise UserError(f"no runs in store {store.root}; run `qbuild RECIPE` first")
     if name:
@@ -26,11 +26,11 @@ def find_run(store, name: str | None) -> dict:
             from qbuild.recipe import load_recipe
 
             name = load_recipe(name).name
-        matching = [r for r in runs if json.loads(r.read_text()).get("recipe") == name]
+        matching = [r for r in runs if r.get("recipe") == name]
         if not matching:
             raise UserError(f"no run of recipe {name!r} (or run id) in store {store.root}")
         runs = matching
-    return json.loads(runs[-1].read_text())
+    return runs[-1]
 
 
 def pareto(points: list[tuple[float, float, str]], lower_y_better: bool) -> set[str]:

@@ -51,6 +51,7 @@ class FakeMethod(Method):
 
 def run(ctx: StepContext) -> dict:
     p = ctx.params
+    ctx.log(f"fake step, level {p['level']}")   # the step's log (executors bring it back to the driver's store)
     h = hashlib.sha256(repr(sorted(p.items())).encode())
     for role in sorted(ctx.inputs):
         h.update(str(ctx.input_manifests.get(role, {}).get("digest", role)).encode())

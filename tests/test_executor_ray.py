@@ -90,6 +90,8 @@ def test_each_step_is_built_once_across_the_nodes_and_a_lost_node_is_retried(clu
     for key in built:   # built exactly once: one node's store published it, the other never did
         assert sum(key in objs for objs in per_node.values()) == 1, per_node
     assert not list((tmp_path / "driver" / "objects").glob("*/*"))   # the driver never needed the files
+    log = tmp_path / "driver" / "logs" / summary["run_id"] / "quantize[v1].log"   # each node's log, on the driver
+    assert "[quantize[v1]] fake step, level 1" in log.read_text()
     res = qbuild("verify", "--remote", s3_url, "--json", env=cluster["env"])
     assert res.returncode == 0 and json.loads(res.stdout) == {"checked": 3, "damaged": []}, res.stdout
     assert qbuild("ls", "--remote", s3_url, env=cluster["env"]).stdout.count("t/v") == 3   # refs set on the remote
