@@ -24,7 +24,7 @@ def regression_pct(now: float | None, before: float | None, sign: int) -> float 
     """How much worse `now` is than `before`, in % of `before` (negative: better); None when either is missing."""
     if now is None or not before:
         return None
-    return sign * 100 * (now - before) / before
+    return sign * 100 * (now - before) / before + 0.0   # + 0.0: no "-0" for an unchanged value
 
 
 def check_gates(gates, summary: dict, previous: dict | None = None) -> list[dict]:
