@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from qbuild.errors import EXIT_STEP_FAILED, QBuildError, UserError
+from qbuild.names import check_name, redact_url
 
 STORE_OPTION = click.option(
     "--store", "store_path", envvar="QBUILD_STORE", type=click.Path(file_okay=False),
@@ -35,6 +36,7 @@ class DefaultToRun(click.Group):
 def _fail(exc: BaseException) -> None:
     code = exc.exit_code if isinstance(exc, QBuildError) else EXIT_STEP_FAILED
     msg = str(exc) if isinstance(exc, QBuildError) else f"internal error: {type(exc).__name__}: {exc}"
+    msg = " ".join(redact_url(msg).split("\n"))
     click.echo(f"qbuild: error: {msg}", err=True)
     if os.environ.get("QBUILD_DEBUG"):
         import traceback
@@ -44,11 +46,15 @@ def _fail(exc: BaseException) -> None:
 
 
 def _console(stderr: bool = False):
-    """Wide enough for tables when output is a pipe or a CI log."""
+    """Wide enough for tables when output is a pipe or a CI log (tables there also fold, never cut)."""
     from rich.console import Console
 
     console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=160)
+    return console if console.is_terminal else Console(stderr=stderr, width=200, soft_wrap=False)
+
+
+def _is_tty() -> bool:
+    return sys.stdout.isatty()
 
 
 @click.group(cls=DefaultToRun, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -94,7 +100,12 @@ def _on_sigterm(signum, frame):
               "step that must run reads; metrics come from action records).")
 @click.option("--junit-xml", "junit_path", type=click.Path(dir_okay=False), help="Write each variant's quality "
               "gates and each failed step as JUnit test cases (Jenkins, GitLab, GitHub Actions read it).")
-def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, remote_urls, materialize, junit_path):
+@click.option("--verify", "verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
+              help="How every cache hit is checked before use: fast = file set, sizes and memoized hashes "
+              "(a file whose size/mtime/inode changed is re-hashed); full = re-hash every file. A damaged object "
+              "is quarantined and rebuilt.")
+def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, remote_urls, materialize, junit_path,
+        verify):
     """Build every step of RECIPES that is not already stored, then print a summary table.
 
     RECIPES are recipe files or directories of them; several recipes are planned as one graph, so a
@@ -114,12 +125,15 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        if tag is not None:
+            check_name(tag, "tag")
         files = api.recipe_files(recipes)
         if dry_run:
             for f in files:
-                _print_plan(api.plan(f, store=store_path, threads=threads, remotes=remote_urls), as_json)
+                _print_plan(api.plan(f, store=store_path, threads=threads, remotes=remote_urls, verify=verify), as_json)
             return
-        result = _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize)
+        result = _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize,
+                                    verify)
     except QBuildError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -154,7 +168,7 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
         sys.exit(result.exit_code)
 
 
-def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize):
+def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize, verify="fast"):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from qbuild import api
@@ -163,7 +177,7 @@ def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=_console(stderr=True), transient=True) as progress:
         return api.run_many(files, store=store_path, tag=tag, threads=threads, mlflow=mlflow_uri, progress=progress,
-                            remotes=remote_urls, materialize=materialize, jobs=jobs)
+                            remotes=remote_urls, materialize=materialize, jobs=jobs, verify=verify)
 
 
 def _print_plan(the_plan, as_json):
@@ -287,27 +301,43 @@ def ls_cmd(store_path, as_json, remote_url):
         refs = store.list_refs() if remote_url else store.refs()
     except QBuildError as exc:
         _fail(exc)
+    from qbuild.artifacts.store import valid_files
+
     rows = []
     for ref in refs:
         try:
             m = (store.get_manifest(ref["digest"]) if remote_url else store.manifest(ref["digest"])) or {}
         except (OSError, ValueError, QBuildError):
             m = {}
-        rows.append({**ref, "kind": m.get("kind"), "format": m.get("format"),
-                     "size_bytes": sum(f["size"] for f in m.get("files", [])), "created": m.get("created")})
+        if not isinstance(m, dict):
+            m = {}
+        files = m.get("files") if valid_files(m.get("files")) else []
+        rows.append({**ref, "kind": _text(m.get("kind")), "format": _text(m.get("format")),
+                     "size_bytes": sum(f["size"] for f in files), "created": _text(m.get("created")),
+                     **({} if m else {"problem": "object or manifest missing"})})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
+        return
+    if not _is_tty():  # a pipe or a CI log: complete, tab-separated lines a script can read
+        for r in rows:
+            click.echo("\t".join([r["ref"], r["digest"], r["format"] or "?", str(r["size_bytes"]),
+                                  str(r.get("updated") or "")]))
         return
     from rich.table import Table
 
     table = Table(title=f"remote {store.display}" if remote_url else f"store {store.root}", title_justify="left")
     for col in ("ref", "digest", "format", "size", "updated"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in rows:
-        table.add_row(r["ref"], r["digest"][:12], r["format"] or "?", human_size(r["size_bytes"]), r.get("updated") or "")
+        table.add_row(r["ref"], r["digest"][:12], r["format"] or "?", human_size(r["size_bytes"]),
+                      str(r.get("updated") or ""))
     _console().print(table)
     if not rows:
         click.echo("(no refs yet: run `qbuild RECIPE` to build some)")
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 @cli.command()
@@ -320,11 +350,18 @@ def show(name, store_path):
     store = api.open_store(store_path)
     try:
         digest = store.resolve(name)
+        manifest = store.manifest(digest)
     except QBuildError as exc:
         _fail(exc)
-    manifest = store.manifest(digest)
     manifest["path"] = str(store.object_dir(digest))
-    click.echo(json.dumps(manifest, indent=2, sort_keys=True))
+    problems = store.check_object(digest)
+    if problems:
+        manifest["damaged"] = problems
+    click.echo(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    if problems:
+        click.echo(f"qbuild: error: object {digest[:12]} is damaged: {'; '.join(problems)} "
+                   "(run `qbuild verify --repair`)", err=True)
+        sys.exit(EXIT_STEP_FAILED)
 
 
 @cli.command()
@@ -333,7 +370,9 @@ def show(name, store_path):
 @JSON_OPTION
 @click.option("--remote", "remote_url", metavar="URL", help="Check a remote's objects instead of the local store.")
 @click.option("--deep", is_flag=True, help="With --remote: also stream every file and check its sha256.")
-def verify(names, store_path, as_json, remote_url, deep):
+@click.option("--repair", is_flag=True, help="Quarantine every damaged object (moved under quarantine/, kept for "
+              "inspection) and drop the action records that name it, so the next run rebuilds it.")
+def verify(names, store_path, as_json, remote_url, deep, repair):
     """Re-hash stored objects (all, or the named refs/digests) against their manifests."""
     from qbuild import api
 
@@ -345,17 +384,21 @@ def verify(names, store_path, as_json, remote_url, deep):
             rows = remote.verify([resolve(remote, n) for n in names] if names else None, deep=deep)
         else:
             store = api.open_store(store_path)
-            rows = store.verify([store.resolve(n) for n in names] if names else None)
+            if repair:
+                store.require_writable("verify --repair")
+            rows = store.verify([store.resolve(n) for n in names] if names else None, repair=repair)
     except QBuildError as exc:
         _fail(exc)
     bad = [r for r in rows if not r["ok"]]
     if as_json:
-        click.echo(json.dumps({"checked": len(rows), "damaged": bad}, indent=2))
+        click.echo(json.dumps({"checked": len(rows), "damaged": bad, "repaired": bool(repair)}, indent=2))
     else:
         for r in bad:
-            click.echo(f"DAMAGED {r['digest'][:12]} ({r.get('kind')}): " + "; ".join(r["problems"]))
-        click.echo(f"{len(rows)} object(s) checked, {len(bad)} damaged")
-    if bad:
+            where = f"; quarantined in {r['quarantined']}" if r.get("quarantined") else ""
+            click.echo(f"DAMAGED {r['digest'][:12]} ({r.get('kind')}): " + "; ".join(r["problems"]) + where)
+        click.echo(f"{len(rows)} object(s) checked, {len(bad)} damaged"
+                   + (" (quarantined; the next run rebuilds them)" if repair and bad else ""))
+    if bad and not repair:
         sys.exit(EXIT_STEP_FAILED)
 
 
@@ -462,8 +505,8 @@ def tag(source, target, store_path, remote_url):
     from qbuild.artifacts.store import REF_RE
 
     m = REF_RE.match(target)
-    if not m or not m.group("tag"):
-        _fail(UserError(f"{target!r}: expected recipe/variant:tag"))
+    if not m or not m.group("tag") or any(v in (".", "..") for v in m.groups()):
+        _fail(UserError(f"{target!r}: expected recipe/variant:tag (letters, digits, '.', '_', '-')"))
     try:
         if remote_url:
             from qbuild.artifacts.remote.cache import resolve

@@ -177,9 +177,13 @@ def explain_miss(step: Step, store: Store, recipe_name: str) -> str:
     last = store.last_build(recipe_name, step.name)
     if last is None:
         return "new"
+    if any(q.get("key") == step.key for q in store.quarantined):
+        return "stored object damaged (quarantined)"
     if last.get("key") == step.key:
         return "stored object missing (deleted or damaged)"
     reasons = []
+    if not all(isinstance(last.get(k, {}), dict) for k in ("params", "inputs", "toolchain")):
+        return "key changed"
     changed = _diff(last.get("params", {}), step.params)
     if changed:
         reasons.append("params changed: " + ", ".join(changed))
@@ -212,10 +216,10 @@ def _short(v) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
-def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = ()) -> PlannedStep:
+def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = (), verify: str = "fast") -> PlannedStep:
     if step.source_path is not None:
         return PlannedStep(step, PlanStatus.SOURCE, reason=str(step.source_path))
-    hit = store.lookup(step.key)
+    hit = store.lookup(step.key, verify=verify)
     if hit:
         return PlannedStep(step, PlanStatus.HIT, hit)
     if remotes:
@@ -230,9 +234,11 @@ def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = ()) -> 
     return PlannedStep(step, PlanStatus.MISS, reason=explain_miss(step, store, recipe_name))
 
 
-def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = ()) -> Plan:
-    """Every step with its status: local hit, else a hit in the first remote that has it, else a miss (and why)."""
+def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (), verify: str = "fast") -> Plan:
+    """Every step with its status: local hit, else a hit in the first remote that has it, else a miss (and why).
+
+    Every local hit is checked first (verify="fast": file set, sizes, memoized hashes; "full": re-hash)."""
     ctx = build_steps(recipe, recipe_dir)
-    steps = tuple(_status(s, store, recipe.name, tuple(remotes)) for s in ctx.steps)
+    steps = tuple(_status(s, store, recipe.name, tuple(remotes), verify) for s in ctx.steps)
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
                 tuple(remotes))

@@ -14,23 +14,35 @@ from qbuild.summary import human_size
 
 
 def find_run(store, name: str | None) -> dict:
-    """A run id, a recipe name (its latest run), or None (the store's latest run)."""
-    runs = sorted((store.root / "runs").glob("*.json"))
+    """A run id, a recipe name (its latest run), a recipe file, or None (the store's latest run).
+
+    NAME never becomes a path by itself: a run id or recipe name must follow the name grammar (qbuild/names.py)."""
+    from qbuild.artifacts.store import read_json
+    from qbuild.names import valid_name
+
+    runs = sorted(p for p in (store.root / "runs").glob("*.json") if p.is_file() and not p.is_symlink())
     if not runs:
         raise UserError(f"no runs in store {store.root}; run `qbuild RECIPE` first")
     if name:
-        exact = store.root / "runs" / f"{name}.json"
-        if exact.is_file():
-            return json.loads(exact.read_text())
-        if Path(name).is_file():  # a recipe path: use its name
+        if valid_name(name):
+            exact = store.root / "runs" / f"{name}.json"
+            if exact in runs and (record := read_json(exact)) is not None:
+                return record
+        if Path(name).is_file() and Path(name).suffix in (".yaml", ".yml"):  # a recipe path: use its name
             from qbuild.recipe import load_recipe
 
             name = load_recipe(name).name
-        matching = [r for r in runs if json.loads(r.read_text()).get("recipe") == name]
+        elif not valid_name(name):
+            raise UserError(f"invalid run id or recipe name {name[:80]!r}: use letters, digits, '.', '_' or '-'")
+        matching = [r for r in runs if (read_json(r) or {}).get("recipe") == name]
         if not matching:
             raise UserError(f"no run of recipe {name!r} (or run id) in store {store.root}")
         runs = matching
-    return json.loads(runs[-1].read_text())
+    for r in reversed(runs):
+        record = read_json(r)
+        if record is not None:
+            return record
+    raise UserError(f"no readable run record in store {store.root}")
 
 
 def pareto(points: list[tuple[float, float, str]], lower_y_better: bool) -> set[str]:
