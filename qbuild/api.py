@@ -276,22 +276,45 @@ def set_refs(store: Store, the_plan: Plan, outcomes: list[StepOutcome], tag: str
     return tags
 
 
+TRACKING_ENV = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+_tracking_failed: set[str] = set()   # tracking URIs that failed in this process: warned once, not retried
+
+
 def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store: Store) -> dict:
-    """Log to MLflow; a tracking failure is reported as a warning, never fatal to the stored artifacts."""
+    """Log to MLflow; a tracking failure is one warning (once per server), never fatal to the stored artifacts.
+
+    The client's HTTP timeout and retries are bounded (TRACKING_ENV, unless the environment sets its own), so an
+    unreachable server costs seconds, not minutes; the run's result never depends on it."""
+    import os
+
     from qbuild.names import redact_url
     from qbuild.report import render_html
     from qbuild.tracking import log_run
 
+    shown = redact_url(uri)
+    if uri in _tracking_failed:
+        return {"uri": shown, "error": "unreachable (see the warning above)"}
+    saved = {k: os.environ.get(k) for k in TRACKING_ENV}
+    for k, v in TRACKING_ENV.items():
+        os.environ.setdefault(k, v)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # mlflow prints run links; stdout is for --json
             run_id = log_run(uri, experiment, recipe, summary, store, render_html(summary))
-        return {"uri": redact_url(uri), "run_id": run_id}
+        return {"uri": shown, "run_id": run_id}
     except QBuildError:
         raise
     except Exception as exc:  # server down, bad URI: the build itself succeeded
-        reason = redact_url(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-        log.warning(f"MLflow tracking to {redact_url(uri)} failed (run result unchanged): {reason}")
-        return {"uri": redact_url(uri), "error": reason}
+        _tracking_failed.add(uri)
+        reason = redact_url(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+        log.warning(f"MLflow tracking to {shown} failed (the run's result is unchanged): {reason}")
+        return {"uri": shown, "error": reason}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def pull(name: str, *, store=None, out: str | Path | None = None, need: dict | None = None, remote=None,
