@@ -534,11 +534,33 @@ def tag(source, target, store_path, remote_url):
 @STORE_OPTION
 @JSON_OPTION
 def gc(remote_url, keep_last, older_than, dry_run, mlflow_uri, store_path, as_json):
-    """Remove objects no ref, tag or registry alias reaches (nor anything a kept object depends on)."""
+    """Remove objects no ref, tag or registry alias reaches (nor anything a kept object depends on).
+
+    On the local store: stale scratch (tmp/) and unheld lock files, and logs, run records and quarantined
+    objects older than --older-than (default 30d; the --keep-last newest runs, default 20, always stay).
+    Local objects are not collected yet."""
     import os
 
     from qbuild.summary import human_size
 
+    if not remote_url:
+        from qbuild import api
+        from qbuild.artifacts.remote.gc import parse_age
+
+        try:
+            store = api.open_store(store_path)
+            rows = store.gc_housekeeping(parse_age(older_than or "30d"), keep_runs=20 if keep_last is None
+                                         else keep_last, dry_run=dry_run)
+        except QBuildError as exc:
+            _fail(exc)
+        freed = sum(r["bytes"] for r in rows)
+        if as_json:
+            click.echo(json.dumps({"removed": rows, "bytes_freed": freed, "dry_run": dry_run}, indent=2))
+            return
+        for r in rows:
+            click.echo(f"{'would remove' if dry_run else 'removed'} {r['kind']} {r['path']} {human_size(r['bytes'])}")
+        click.echo(f"{len(rows)} item(s), {human_size(freed)} {'would be ' if dry_run else ''}freed")
+        return
     try:
         roots: set[str] = set()
         uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -546,8 +568,6 @@ def gc(remote_url, keep_last, older_than, dry_run, mlflow_uri, store_path, as_js
             from qbuild.artifacts.mlflow_registry import alias_digests
 
             roots = alias_digests(uri)
-        if not remote_url:
-            raise UserError("local gc is not wired yet; use --remote URL")
         from qbuild.artifacts.remote.gc import gc_remote
 
         rows = gc_remote(_open_remote(remote_url), roots, keep_last, older_than, dry_run)

@@ -35,21 +35,14 @@ _SECRET_QUERY = re.compile(r"(?i)([?&](?:token|access_token|api_key|apikey|key|p
 
 
 def redact_url(value: str | None) -> str | None:
-    """The URL with its password (user:pass@ → user:***@) and secret query values replaced by ***.
+    """The URL with its credentials (user:pass@ → ***@) and secret query values replaced by ***.
 
     Every place that prints or records a URL goes through here: CLI output, --json, runs/*.json, MLflow params.
     Works on free text too (each URL inside is redacted)."""
     if not isinstance(value, str):
         return value
 
-    def userinfo(m: re.Match) -> str:
-        info = m.group("userinfo")
-        user = info.split(":", 1)[0] if ":" in info else info
-        if ":" in info:
-            return f"{m.group('scheme')}{user}:***@"
-        return f"{m.group('scheme')}***@" if len(user) > 24 else f"{m.group('scheme')}{user}@"
-
-    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(userinfo, value))
+    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\g<scheme>***@", value))
 
 
 def redact_tree(data):

@@ -234,10 +234,10 @@ def test_a_step_symlink_output_is_stored_as_bytes_and_its_target_untouched(tmp_p
 
 # --- secrets: one redaction for every URL that is printed or recorded ----------------------------------------------
 @pytest.mark.parametrize("url, shown", [
-    ("http://user:hunter2@mlflow.example:5000/x", "http://user:***@mlflow.example:5000/x"),
-    ("https://alice:p%40ss@host/data.jsonl?token=abc&x=1", "https://alice:***@host/data.jsonl?token=***&x=1"),
+    ("http://user:hunter2@mlflow.example:5000/x", "http://***@mlflow.example:5000/x"),
+    ("https://alice:p%40ss@host/data.jsonl?token=abc&x=1", "https://***@host/data.jsonl?token=***&x=1"),
     ("s3://bucket/key?X-Amz-Signature=deadbeef", "s3://bucket/key?X-Amz-Signature=***"),
-    ("see http://u:pw@h/ and https://v:pw2@k/", "see http://u:***@h/ and https://v:***@k/"),
+    ("see http://u:pw@h/ and https://v:pw2@k/", "see http://***@h/ and https://***@k/"),
     ("http://host/plain", "http://host/plain"),
 ])
 def test_redact_url(url, shown):

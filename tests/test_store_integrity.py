@@ -407,3 +407,40 @@ def test_stale_scratch_and_locks_are_cleaned_on_start_but_live_ones_are_kept(tmp
         removed = store.clean_stale()
         assert live.exists() and (store_dir / "locks" / f"{'f' * 64}.lock").exists()
     assert not stale.exists() and removed["tmp"] == 1 and removed["locks"] >= 1
+
+
+def test_gc_cleans_tmp_locks_logs_runs_with_retention(tmp_path, store_dir):
+    recipe, _ = _built_store(tmp_path, store_dir)
+    for _ in range(3):
+        assert run_api(recipe, store_dir)[0] == 0
+    runs = sorted((store_dir / "runs").glob("*.json"))
+    assert len(runs) == 4
+    old = time.time() - 40 * 86400
+    for p in [*runs, *(store_dir / "logs").iterdir(), *(store_dir / "locks").iterdir()]:
+        os.utime(p, (old, old))
+    stale = store_dir / "tmp" / f"{'e' * 64}.999999999.abcd1234"
+    stale.mkdir(parents=True)
+    os.utime(stale, (old, old))
+    res = qbuild("gc", "--store", store_dir, "--dry-run", "--json")
+    assert res.returncode == 0, res.stderr
+    assert stale.exists() and len(list((store_dir / "runs").glob("*.json"))) == 4
+    res = qbuild("gc", "--store", store_dir, "--keep-last", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    kinds = {r["kind"] for r in json.loads(res.stdout)["removed"]}
+    assert {"tmp", "lock", "run", "log"} <= kinds
+    assert not stale.exists() and [p.name for p in (store_dir / "runs").glob("*.json")] == [runs[-1].name]
+    assert not list((store_dir / "locks").iterdir())
+    assert statuses(run_api(recipe, store_dir)[1])["quantize[a]"] == "cached"    # objects untouched
+
+
+def test_ls_in_a_pipe_prints_complete_lines(tmp_path, store_dir):
+    long_name = "smollm2-methods-with-a-very-long-recipe-name"
+    data = fake_recipe(tmp_path, [{"name": "a-variant-with-a-long-name-too", "method": "fake"}])
+    data["name"] = long_name
+    recipe = write_recipe(tmp_path / "r.yaml", data)
+    assert run_api(recipe, store_dir)[0] == 0
+    res = qbuild("ls", "--store", store_dir, env={"COLUMNS": "40"})
+    assert res.returncode == 0
+    ref = f"{long_name}/a-variant-with-a-long-name-too:latest"
+    assert any(line.split("\t")[0] == ref for line in res.stdout.splitlines()), res.stdout
+    assert "…" not in res.stdout

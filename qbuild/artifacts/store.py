@@ -368,11 +368,13 @@ class Store:
             pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
             if pid is not None and pid != os.getpid() and _alive(pid):
                 continue
-            key = parts[0]
+            lock_file = self.root / "locks" / f"{parts[0]}.lock"
             try:
-                with FileLock(str(self.root / "locks" / f"{key}.lock"), timeout=0):
+                with FileLock(str(lock_file), timeout=0):
                     _remove(entry)
                     removed["tmp"] += 1
+                    with _quiet():
+                        lock_file.unlink()   # held by us: a waiter re-opens it (filelock checks st_nlink)
             except (Timeout, OSError):
                 continue
         for entry in _listdir(self.root / "locks"):
@@ -387,6 +389,71 @@ class Store:
             except (Timeout, OSError):
                 continue
         return removed
+
+    def gc_housekeeping(self, older_than_s: float = 30 * 86400, keep_runs: int = 20, dry_run: bool = False,
+                        now: float | None = None) -> list[dict]:
+        """Remove what only accumulates: stale scratch and unheld locks (any age > 60 s), and logs, run records,
+        stamps of gone objects and quarantined objects older than `older_than_s` (the newest `keep_runs` run
+        records and their logs always stay). Objects themselves are not touched here. Returns one row per removal."""
+        from filelock import FileLock, Timeout
+
+        self.require_writable("gc")
+        now = time.time() if now is None else now
+        rows: list[dict] = []
+
+        def size(p: Path) -> int:
+            if p.is_dir() and not p.is_symlink():
+                return sum(f.lstat().st_size for f in p.rglob("*") if f.is_file() or f.is_symlink())
+            return p.lstat().st_size
+
+        def drop(kind: str, p: Path) -> None:
+            rows.append({"kind": kind, "path": str(p), "bytes": size(p)})
+            if not dry_run:
+                _remove(p)
+
+        def old(p: Path, limit: float) -> bool:
+            try:
+                return now - p.lstat().st_mtime > limit
+            except OSError:
+                return False
+
+        for entry in _listdir(self.root / "tmp"):
+            parts = entry.name.split(".")
+            pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
+            if not old(entry, 60) or (pid is not None and pid != os.getpid() and _alive(pid)):
+                continue
+            lock_file = self.root / "locks" / f"{parts[0]}.lock"
+            try:
+                with FileLock(str(lock_file), timeout=0):
+                    drop("tmp", entry)
+                    if not dry_run:
+                        with _quiet():
+                            lock_file.unlink()   # held by us: a waiter re-opens it (filelock checks st_nlink)
+            except (Timeout, OSError):
+                continue
+        for entry in _listdir(self.root / "locks"):
+            if not entry.name.endswith(".lock") or not old(entry, 60):
+                continue
+            try:
+                with FileLock(str(entry), timeout=0):
+                    drop("lock", entry)
+            except (Timeout, OSError):
+                continue
+        runs = sorted(_listdir(self.root / "runs"), key=lambda p: p.name)
+        keep = {p.stem for p in runs[-keep_runs:]} if keep_runs > 0 else set()
+        for entry in runs:
+            if entry.stem not in keep and old(entry, older_than_s):
+                drop("run", entry)
+        for entry in _listdir(self.root / "logs"):
+            if entry.name not in keep and old(entry, older_than_s):
+                drop("log", entry)
+        for entry in _listdir(self.root / "quarantine"):
+            if old(entry, older_than_s):
+                drop("quarantine", entry)
+        for entry in (self.root / "stamps").glob("*/*.json"):
+            if not self.object_dir(entry.stem).is_dir():
+                drop("stamp", entry)
+        return rows
 
     def publish(self, key: str, tmp: Path, provenance: dict) -> Hit:
         """Hash the files in tmp, write the manifest, and make the object visible by atomic rename.

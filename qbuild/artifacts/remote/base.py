@@ -69,7 +69,9 @@ class RemoteConfigError(RemoteError, UserError):
 
 def scrub(text: str) -> str:
     """Remove credentials from a message: URL userinfo and the values of secret environment variables."""
-    text = re.sub(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]+@", r"\1", text)
+    from qbuild.names import redact_url
+
+    text = redact_url(text)   # the one URL redaction (qbuild/names.py)
     for var in SECRET_ENV:
         value = os.environ.get(var)
         if value and len(value) >= 4:
