@@ -190,7 +190,7 @@ def _print_plan(the_plan, as_json):
 
     table = Table(title=f"plan · {the_plan.recipe.name}", title_justify="left")
     for col in ("step", "key", "status", "why"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     style = {"hit": "cyan", "hit-remote": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta",
              "unavailable": "magenta"}
     for r in data["steps"]:
@@ -273,13 +273,13 @@ def plugins(as_json):
 
     table = Table(title="plugins", title_justify="left")
     for col in ("kind", "name", "from", "installed", "reads / writes"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in rows:
         io = ", ".join(r.get("formats", [])) or ", ".join(r.get("accepts", {}))
         table.add_row(r["kind"], r["name"], r["origin"], "yes" if r["installed"] else f"no: qbuild[{r['extra']}]", io)
     ftable = Table(title="formats", title_justify="left")
     for col in ("format", "evaluated by", "loads in"):
-        ftable.add_column(col)
+        ftable.add_column(col, overflow="fold")
     for f in formats:
         ftable.add_row(f["format"], ", ".join(f["evaluated_by"]) or "-", ", ".join(f["loads_in"]))
     console = _console()
