@@ -653,8 +653,16 @@ class _transfer_progress:
 def main():
     import logging
 
+    class _Redact(logging.Filter):
+        """Every warning line goes through the one URL redaction, and stays one line."""
+
+        def filter(self, record):
+            record.msg, record.args = " ".join(redact_url(record.getMessage()).split("\n")), None
+            return True
+
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("qbuild: warning: %(message)s"))
+    handler.addFilter(_Redact())
     logger = logging.getLogger("qbuild")
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)

@@ -318,8 +318,12 @@ class Executor:
         total = 0
         for s in step.inputs.values():
             o = outcomes.get(s.key)
-            if o is not None and format_spec(s.format).model and o.record:
+            if o is None or not format_spec(s.format).model:
+                continue
+            if o.record:
                 total = max(total, o.size)
+            elif o.path is not None and o.path.is_dir():  # a source: the local model directory
+                total = max(total, sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file()))
         return total // 4
 
     def _run_worker(self, step: Step, outcomes: dict[str, StepOutcome], task, claim: dict) -> Hit:

@@ -13,7 +13,8 @@ from urllib.parse import urlsplit, urlunsplit
 from qbuild.errors import UserError
 
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
-NAME_RE = re.compile(rf"^{NAME}$")
+NAME_PATTERN = rf"^{NAME}$"           # for pydantic Field(pattern=...): recipe names, variants, tags
+NAME_RE = re.compile(NAME_PATTERN)
 
 
 def valid_name(value: object) -> bool:
@@ -64,4 +65,4 @@ def has_credentials(url: str) -> bool:
     return bool(parts.password)
 
 
-__all__ = ["NAME", "NAME_RE", "check_name", "valid_name", "redact_url", "redact_tree", "has_credentials", "urlunsplit"]
+__all__ = ["NAME", "NAME_PATTERN", "NAME_RE", "check_name", "valid_name", "redact_url", "redact_tree", "has_credentials", "urlunsplit"]

@@ -448,3 +448,16 @@ def test_ls_in_a_pipe_prints_complete_lines(tmp_path, store_dir):
     ref = f"{long_name}/a-variant-with-a-long-name-too:latest"
     assert any(line.split("\t")[0] == ref for line in res.stdout.splitlines()), res.stdout
     assert "…" not in res.stdout
+
+
+def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, store_dir, monkeypatch):
+    import qbuild.executor as executor_module
+    from qbuild.artifacts.store import StoreFull
+
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [{"name": "a", "method": "fake"}]))
+    monkeypatch.setattr(executor_module, "free_bytes", lambda path: 1)   # 1 byte free; the step reads a 64-byte model
+    with pytest.raises(StoreFull) as info:
+        run_api(recipe, store_dir)
+    msg = str(info.value)
+    assert "quantize[a]" in msg and "estimated" in msg and str(store_dir) in msg and info.value.exit_code == 1
+    assert not list((store_dir / "tmp").glob("*")) if (store_dir / "tmp").exists() else True
