@@ -41,6 +41,7 @@ log = logging.getLogger("qbuild")
 MANIFEST = "manifest.json"
 REF_RE = re.compile(rf"^(?P<recipe>{NAME})/(?P<variant>{NAME})(?::(?P<tag>{NAME}))?$")
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+SCRATCH_RE = re.compile(r"^(?P<key>[0-9a-f]{64})\.(?P<pid>\d+)\.[0-9a-f]{8}$")   # tmp/<key>.<pid>.<rand> (new_tmp)
 VERIFY_MODES = ("fast", "full")
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
@@ -236,14 +237,30 @@ class Store:
         path = self.object_dir(digest)
         if not path.is_dir():
             return None
-        problems = self.check_object(digest, full=verify == "full", expect_key=key, record=record)
+        wrong = self.check_record(key, record, digest)
+        if wrong:  # the record is wrong, not (necessarily) the object it names: drop the record, a miss
+            log.warning(f"action record of step {key[:12]} in store {self.root} is wrong ({wrong}); it will be rebuilt")
+            if self.writable:
+                with _quiet():
+                    self._action_file(key).unlink()
+            return None
+        problems = self.check_object(digest, full=verify == "full")
         if problems:
             self.quarantine(digest, problems, key=key)
             return None
         return Hit(key, digest, path, record)
 
-    def check_object(self, digest: str, full: bool = False, expect_key: str | None = None,
-                     record: dict | None = None) -> list[str]:
+    @staticmethod
+    def check_record(key: str, record: dict, digest: str) -> str | None:
+        """Why an action record cannot be trusted for `key` (None: it can): it must name this key, and its file
+        list must hash to the digest it names (so a record edited to point at another object is refused)."""
+        if record.get("key") != key:
+            return f"it names key {str(record.get('key'))[:12]}"
+        if not valid_files(record.get("files")) or tree_digest(record["files"]) != digest:
+            return "its file list does not match the object it names"
+        return None
+
+    def check_object(self, digest: str, full: bool = False) -> list[str]:
         """Problems with object `digest` (empty: sound). Never raises on any manifest or record content."""
         obj = self.object_dir(digest)
         manifest = read_json(obj / MANIFEST)
@@ -255,11 +272,6 @@ class Store:
         problems = []
         if manifest.get("digest") != digest or tree_digest(files) != digest:
             problems.append("manifest does not match the object's digest")
-        if record is not None:
-            if record.get("key") != expect_key:
-                problems.append(f"action record names key {str(record.get('key'))[:12]}, not {str(expect_key)[:12]}")
-            if not valid_files(record.get("files")) or tree_digest(record["files"]) != digest:
-                problems.append("action record and object disagree")
         stamp = read_json(self._stamp_file(digest)) or {}
         fresh, changed = {}, False
         listed = set()
@@ -358,17 +370,17 @@ class Store:
             return removed
         now = time.time()
         for entry in _listdir(self.root / "tmp"):
-            parts = entry.name.split(".")
+            m = SCRATCH_RE.match(entry.name)  # only build scratch: a remote fetch's staging is kept to resume
             try:
                 age = now - entry.lstat().st_mtime
             except OSError:
                 continue
-            if age < min_age_s:
+            if m is None or age < min_age_s:
                 continue
-            pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
-            if pid is not None and pid != os.getpid() and _alive(pid):
+            pid = int(m.group("pid"))
+            if pid != os.getpid() and _alive(pid):
                 continue
-            lock_file = self.root / "locks" / f"{parts[0]}.lock"
+            lock_file = self.root / "locks" / f"{m.group('key')}.lock"
             try:
                 with FileLock(str(lock_file), timeout=0):
                     _remove(entry)
@@ -418,11 +430,15 @@ class Store:
                 return False
 
         for entry in _listdir(self.root / "tmp"):
-            parts = entry.name.split(".")
-            pid = int(parts[1]) if len(parts) >= 3 and parts[1].isdigit() else None
-            if not old(entry, 60) or (pid is not None and pid != os.getpid() and _alive(pid)):
+            m = SCRATCH_RE.match(entry.name)
+            if m is None:  # a remote fetch's staging (kept so it can resume): only once past the retention
+                if old(entry, older_than_s):
+                    drop("tmp", entry)
                 continue
-            lock_file = self.root / "locks" / f"{parts[0]}.lock"
+            pid = int(m.group("pid"))
+            if not old(entry, 60) or (pid != os.getpid() and _alive(pid)):
+                continue
+            lock_file = self.root / "locks" / f"{m.group('key')}.lock"
             try:
                 with FileLock(str(lock_file), timeout=0):
                     drop("tmp", entry)
@@ -611,7 +627,8 @@ class Store:
             for rec in sorted((self.root / "actions").glob("*/*.json")):
                 data = read_json(rec)
                 digest = data.get("digest") if data else None
-                if data is None or not isinstance(digest, str) or digest in bad or not self.object_dir(digest).is_dir():
+                if data is None or not isinstance(digest, str) or digest in bad or not self.object_dir(digest).is_dir() \
+                        or self.check_record(rec.stem, data, digest):
                     with _quiet():
                         rec.unlink()  # a miss: the step is rebuilt by the next run
         return rows
