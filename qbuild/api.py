@@ -451,6 +451,10 @@ def push(name: str, to: str, *, store=None, progress=None) -> dict:
     st = open_store(store)
     digest = st.resolve(name)
     manifest = st.manifest(digest)
+    problems = st.check_object(digest, full=True)
+    if problems or not isinstance(manifest.get("key"), str):
+        raise QBuildError(f"{name}: object {digest[:12]} is damaged: {'; '.join(problems) or 'manifest has no key'} "
+                          "(run `qbuild verify --repair`, then rebuild); nothing pushed")
     remote = open_remote(to)
     m = REF_RE.match(name)
     refs = [(m.group("recipe"), m.group("variant"), m.group("tag") or "latest")] if m else []

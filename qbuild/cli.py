@@ -420,11 +420,16 @@ def report(name, store_path, out_path, markdown):
         record = api.find_run(name, store=store_path)
     except QBuildError as exc:
         _fail(exc)
+    try:
+        text = render_markdown(record) if markdown else render_html(record)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:   # a record from another version, edited
+        _fail(UserError(f"run record {record.get('run_id', '?')} cannot be rendered ({type(exc).__name__}: {exc}); "
+                        "it is damaged or from another qbuild version"))
     if markdown:
-        click.echo(render_markdown(record), nl=False)
+        click.echo(text, nl=False)
         return
-    path = Path(out_path or f"report-{record['recipe']}.html")
-    path.write_text(render_html(record), encoding="utf-8")
+    path = Path(out_path or f"report-{check_name(record['recipe'], 'recipe')}.html")
+    path.write_text(text, encoding="utf-8")
     click.echo(str(path))
 
 

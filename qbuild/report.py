@@ -13,10 +13,17 @@ from qbuild.errors import UserError
 from qbuild.summary import human_size
 
 
+def _well_formed(record: dict | None) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("recipe"), str)
+            and isinstance(record.get("variants", []), list) and isinstance(record.get("steps", []), list)
+            and all(isinstance(v, dict) for v in record.get("variants", []) + record.get("steps", [])))
+
+
 def find_run(store, name: str | None) -> dict:
     """A run id, a recipe name (its latest run), a recipe file, or None (the store's latest run).
 
-    NAME never becomes a path by itself: a run id or recipe name must follow the name grammar (qbuild/names.py)."""
+    NAME never becomes a path by itself: a run id or recipe name must follow the name grammar (qbuild/names.py).
+    Unreadable or damaged run records are skipped (or, named by id, refused in one line)."""
     from qbuild.artifacts.store import read_json
     from qbuild.names import valid_name
 
@@ -26,7 +33,10 @@ def find_run(store, name: str | None) -> dict:
     if name:
         if valid_name(name):
             exact = store.root / "runs" / f"{name}.json"
-            if exact in runs and (record := read_json(exact)) is not None:
+            if exact in runs:
+                record = read_json(exact)
+                if not _well_formed(record):
+                    raise UserError(f"run record {exact} is unreadable or damaged")
                 return record
         if Path(name).is_file() and Path(name).suffix in (".yaml", ".yml"):  # a recipe path: use its name
             from qbuild.recipe import load_recipe
@@ -40,7 +50,7 @@ def find_run(store, name: str | None) -> dict:
         runs = matching
     for r in reversed(runs):
         record = read_json(r)
-        if record is not None:
+        if _well_formed(record):
             return record
     raise UserError(f"no readable run record in store {store.root}")
 

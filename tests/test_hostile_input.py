@@ -279,3 +279,27 @@ def test_llama_cpp_sdist_is_pinned_for_the_constrained_version_and_checked(tmp_p
     fake.write_bytes(b"tampered")
     with pytest.raises(RuntimeError, match="does not match the pinned"):
         llamacpp_tools.check_sdist(fake, llamacpp_tools.sdist_sha256(pinned))
+
+
+@pytest.mark.parametrize("content", ["{}", "[]", "", '{"recipe": 5, "variants": "x"}',
+                                     '{"recipe": "t", "variants": [{"variant": "v", "ppl": "x", "size_bytes": "y"}]}'])
+def test_report_of_a_damaged_run_record_is_one_line(tmp_path, store_dir, content):
+    (store_dir / "runs").mkdir(parents=True)
+    (store_dir / "runs" / "20260101T000000Z-aaaaaa.json").write_text(content)
+    for args in (("report", "--markdown"), ("report", "20260101T000000Z-aaaaaa", "--out", tmp_path / "r.html")):
+        res = qbuild(*args, "--store", store_dir)
+        assert res.returncode in (0, 2) and "Traceback" not in res.stderr, (args, res.stderr)
+        assert res.returncode == 0 or len(res.stderr.strip().splitlines()) == 1
+
+
+def test_push_refuses_a_damaged_object(tmp_path, store_dir):
+    from qbuild.artifacts.store import Store
+
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [{"name": "a", "method": "fake"}]))
+    assert run_api(recipe, store_dir)[0] == 0
+    obj = Store(store_dir).object_dir(Store(store_dir).resolve("t/a"))
+    (obj / "weights.bin").chmod(0o644)
+    (obj / "weights.bin").write_bytes(b"evil")
+    res = qbuild("push", "t/a", "--to", f"file://{tmp_path / 'remote'}", "--store", store_dir)
+    assert res.returncode == 1 and "damaged" in res.stderr and "Traceback" not in res.stderr, res.stderr
+    assert not list((tmp_path / "remote").rglob("weights.bin")) if (tmp_path / "remote").exists() else True
