@@ -181,7 +181,9 @@ def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote
 
 
 def _print_plan(the_plan, as_json):
-    data = the_plan.as_dict()
+    from qbuild.names import redact_tree
+
+    data = redact_tree(the_plan.as_dict())
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
         return
@@ -357,7 +359,9 @@ def show(name, store_path):
     problems = store.check_object(digest)
     if problems:
         manifest["damaged"] = problems
-    click.echo(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    from qbuild.names import redact_tree
+
+    click.echo(json.dumps(redact_tree(manifest), indent=2, sort_keys=True, default=str))
     if problems:
         click.echo(f"qbuild: error: object {digest[:12]} is damaged: {'; '.join(problems)} "
                    "(run `qbuild verify --repair`)", err=True)

@@ -290,9 +290,11 @@ class Executor:
             return
         last = self.store.last_build(origin.recipe, step.name)
         if last is None or last.get("key") != step.key:
+            from qbuild.names import redact_tree
+
             self.store.remember_build(origin.recipe, step.name, {
-                "key": step.key, "params": step.params, "inputs": step.input_keys(), "toolchain": step.toolchain(),
-                "impl": step.impl_version, "when": now_iso()})
+                "key": step.key, "params": redact_tree(step.params), "inputs": step.input_keys(),
+                "toolchain": step.toolchain(), "impl": step.impl_version, "when": now_iso()})
 
     def _build(self, step: Step, outcomes: dict[str, StepOutcome], claim: dict) -> StepOutcome:
         task = self.progress.add_task(escape(step.name), total=None, step=escape(step.name)) if self.progress else None
@@ -397,7 +399,9 @@ class Executor:
             "recipe": {"name": origin.recipe, "path": origin.path, "sha256": origin.sha256} if origin else None,
             "run_id": self.run_id,
         }
-        return self.store.publish(step.key, out, provenance)
+        from qbuild.names import redact_tree
+
+        return self.store.publish(step.key, out, redact_tree(provenance))   # no URL password in a manifest
 
     def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: dict) -> tuple[dict, int]:
         read_fd, write_fd = os.pipe()

@@ -184,7 +184,9 @@ def explain_miss(step: Step, store: Store, recipe_name: str) -> str:
     reasons = []
     if not all(isinstance(last.get(k, {}), dict) for k in ("params", "inputs", "toolchain")):
         return "key changed"
-    changed = _diff(last.get("params", {}), step.params)
+    from qbuild.names import redact_tree
+
+    changed = _diff(last.get("params", {}), redact_tree(step.params))   # history is stored redacted
     if changed:
         reasons.append("params changed: " + ", ".join(changed))
     old_inputs, new_inputs = last.get("inputs", {}), step.input_keys()

@@ -246,12 +246,20 @@ def test_redact_url(url, shown):
 
 
 def test_no_password_reaches_output_or_run_records(tmp_path, store_dir):
-    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [{"name": "a", "method": "fake"}]))
+    data = fake_recipe(tmp_path, [{"name": "a", "method": "fake"}],
+                       calibration={"sources": [{"type": "hf", "name": "json",
+                                                 "data_files": "https://bob:hunter2@data.example/c.jsonl"}]})
+    recipe = write_recipe(tmp_path / "r.yaml", data)
     res = qbuild("run", recipe, "--store", store_dir, "--json", "--mlflow", "http://bob:hunter2@127.0.0.1:9/",
                  env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}, timeout=300)
-    assert "hunter2" not in res.stdout + res.stderr
-    for record in (store_dir / "runs").glob("*.json"):
-        assert "hunter2" not in record.read_text()
+    assert res.returncode == 0, res.stderr
+    assert "hunter2" not in res.stdout + res.stderr and "***@" in res.stdout
+    assert list((store_dir / "runs").glob("*.json"))
+    for f in store_dir.rglob("*"):
+        assert not f.is_file() or b"hunter2" not in f.read_bytes(), f
+    for args in (("plan", recipe, "--json"), ("show", "t/a"), ("report", "--markdown"), ("ls", "--json")):
+        out = qbuild(*args, "--store", store_dir)
+        assert "hunter2" not in out.stdout + out.stderr, args
 
 
 def test_unreachable_mlflow_is_bounded_warned_once_and_changes_nothing(tmp_path, store_dir):
