@@ -547,6 +547,9 @@ class Store:
     def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str) -> None:
         for what, value in (("recipe", recipe), ("variant", variant), ("tag", tag)):
             check_name(value, what)
+        current = self.get_ref(recipe, variant, tag)
+        if current and current.get("digest") == digest and current.get("key") == key:
+            return  # already there: a fully cached run rewrites (and fsyncs) nothing
         self.write_json(self.root / "refs" / recipe / variant / tag, {"digest": digest, "key": key, "updated": now_iso()})
 
     def get_ref(self, recipe: str, variant: str, tag: str) -> dict | None:
