@@ -213,7 +213,9 @@ def _print_plan(the_plan, as_json):
 @STORE_OPTION
 @JSON_OPTION
 @REMOTE_OPTION
-def plan(recipe, store_path, as_json, remote_urls):
+@click.option("--verify", "verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
+              help="How each stored hit is checked (see `qbuild run --help`); a damaged one is quarantined.")
+def plan(recipe, store_path, as_json, remote_urls, verify):
     """Show every step of RECIPE with its key: hit (stored) or miss, and why it misses.
 
     \b
@@ -224,7 +226,7 @@ def plan(recipe, store_path, as_json, remote_urls):
     from qbuild import api
 
     try:
-        _print_plan(api.plan(recipe, store=store_path, remotes=remote_urls), as_json)
+        _print_plan(api.plan(recipe, store=store_path, remotes=remote_urls, verify=verify), as_json)
     except QBuildError as exc:
         _fail(exc)
 
@@ -680,6 +682,21 @@ def main():
         cli(standalone_mode=True)
     except QBuildError as exc:  # pragma: no cover - commands catch their own
         _fail(exc)
+    except OSError as exc:  # a full disk or read-only mount on a path no command expected: still one line
+        _fail(_os_error(exc))
+
+
+def _os_error(exc: OSError) -> QBuildError:
+    import errno
+
+    where = exc.filename or "?"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return QBuildError(f"no space left writing {where}: free some space (qbuild gc) or use another --store")
+    if exc.errno == errno.EROFS:
+        err = QBuildError(f"read-only filesystem: cannot write {where}; use a writable --store")
+        err.exit_code = 2
+        return err
+    return QBuildError(f"{exc.strerror or type(exc).__name__}: {where}")
 
 
 if __name__ == "__main__":

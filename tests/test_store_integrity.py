@@ -405,6 +405,12 @@ def test_read_only_store_serves_hits_and_refuses_to_build_in_one_line(tmp_path, 
         res = qbuild("run", recipe, "--store", ro)
         assert res.returncode == 2 and "read-only" in res.stderr and "quantize[new]" in res.stderr
         assert "Traceback" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        for args in (("tag", "t/a", "t/a:prod"), ("gc",), ("verify", "--repair"), ("pull", "t/a", "-o", ro / "out"),
+                     ("plan", recipe, "--verify", "full")):
+            r = qbuild(*args, "--store", ro)
+            assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) <= 1, (args, r.stderr)
+            assert r.returncode in (0, 2), (args, r.returncode, r.stderr)
+        assert sorted(str(p) for p in store_dir.rglob("*")) == before
     finally:
         undo()
 
