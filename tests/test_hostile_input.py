@@ -311,3 +311,13 @@ def test_push_refuses_a_damaged_object(tmp_path, store_dir):
     res = qbuild("push", "t/a", "--to", f"file://{tmp_path / 'remote'}", "--store", store_dir)
     assert res.returncode == 1 and "damaged" in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not list((tmp_path / "remote").rglob("weights.bin")) if (tmp_path / "remote").exists() else True
+
+
+@pytest.mark.parametrize("tag", ["..", ".", "a\n", "x/../y"])
+def test_remote_refs_use_the_same_name_grammar(tmp_path, tag):
+    from qbuild.artifacts.remote import open_remote
+
+    remote = open_remote(f"file://{tmp_path / 'remote'}")
+    with pytest.raises(Exception, match="invalid"):
+        remote.set_ref("t", "a", tag, "0" * 64, "1" * 64)
+    assert not (tmp_path / "remote").exists() or not list((tmp_path / "remote").rglob("*0000*"))
