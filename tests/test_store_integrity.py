@@ -73,8 +73,9 @@ def _damage_rewrite(obj: Path) -> None:      # same size, new mtime: the fast ch
     _writable(f)
     data = bytearray(f.read_bytes())
     data[0] ^= 1
-    time.sleep(0.01)
+    before = f.stat().st_mtime_ns
     f.write_bytes(bytes(data))
+    os.utime(f, ns=(before, before + 2_000_000_000))   # an edit moves mtime (explicit: kernel timestamps are coarse)
 
 
 def _damage_manifest(obj: Path) -> None:
@@ -508,3 +509,60 @@ def test_kill_9_at_random_moments_never_leaves_a_damaged_or_stuck_store(tmp_path
     assert not (store_dir / "quarantine").exists()
     rc, again = run_api(recipe, store_dir)
     assert rc == 0 and {s for n, s in statuses(again).items() if n != "model"} == {"cached"}
+
+
+# --- property-based: no damage to an object's files is ever served by a full check ------------------------------------
+hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed (pip install 'qbuild[dev]')")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+DAMAGE = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 2), st.integers(0, 4095)),
+    st.tuples(st.just("truncate"), st.integers(0, 2), st.integers(0, 4095)),
+    st.tuples(st.just("append"), st.integers(0, 2), st.integers(1, 64)),
+    st.tuples(st.just("delete"), st.integers(0, 2), st.just(0)),
+    st.tuples(st.just("extra"), st.integers(0, 2), st.just(0)),
+    st.tuples(st.just("symlink"), st.integers(0, 2), st.just(0)),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(damage=DAMAGE, keep_mtime=st.booleans())
+def test_no_damage_is_ever_served_and_fast_sees_all_but_same_mtime_edits(tmp_path_factory, damage, keep_mtime):
+    store = Store(tmp_path_factory.mktemp("store"))
+    key = "c" * 64
+    tmp = store.new_tmp(key)
+    (tmp / "sub").mkdir()
+    for i, name in enumerate(("a.bin", "b.bin", "sub/c.bin")):
+        (tmp / name).write_bytes(bytes([i + 1]) * 4096)
+    hit = store.publish(key, tmp, {"kind": "quantize", "name": "s"})
+    assert store.lookup(key) is not None
+    op, which, n = damage
+    f = hit.path / ("a.bin", "b.bin", "sub/c.bin")[which]
+    st_before = f.stat()
+    f.chmod(0o644)
+    if op == "flip":
+        data = bytearray(f.read_bytes())
+        data[n] ^= 0x55
+        f.write_bytes(bytes(data))
+    elif op == "truncate":
+        with open(f, "r+b") as fh:
+            fh.truncate(n)
+    elif op == "append":
+        with open(f, "ab") as fh:
+            fh.write(b"x" * n)
+    elif op == "delete":
+        f.unlink()
+    elif op == "extra":
+        (f.parent / "intruder.bin").write_bytes(b"!")
+    elif op == "symlink":
+        f.unlink()
+        f.symlink_to(tmp_path_factory.mktemp("elsewhere"))
+    if f.exists() and not f.is_symlink():   # coarse kernel timestamps: make "an edit moves mtime" explicit
+        shift = 0 if keep_mtime else 2_000_000_000
+        os.utime(f, ns=(st_before.st_atime_ns, st_before.st_mtime_ns + shift))
+    # the fast check (stat + stamp) sees everything but an in-place edit that keeps size and mtime: full sees that too
+    mode = "full" if (op == "flip" and keep_mtime) else "fast"
+    assert store.lookup(key, verify=mode) is None                     # never served
+    assert not hit.path.exists() and len(list((store.root / "quarantine").iterdir())) == 1
+    assert not store._action_file(key).exists()                       # a miss until rebuilt
