@@ -132,7 +132,7 @@ def test_warm_hit_check_uses_the_stamp_and_costs_milliseconds(tmp_path, store_di
         assert store.lookup(key, verify="full") is not None and len(calls) == 1
     finally:
         store_module.sha256_file = real
-    assert warm < 0.02
+    assert warm < 0.05   # typically well under 1 ms; generous for a loaded CI machine
 
 
 def test_an_action_record_naming_another_object_is_not_followed(tmp_path, store_dir):
