@@ -184,6 +184,8 @@ def miss_reasons(step: Step, store: Store, recipe_name: str) -> list[dict]:
     last = store.last_build(recipe_name, step.name)
     if last is None:
         return [{"kind": "new", "detail": "new"}]
+    if any(q.get("key") == step.key for q in store.quarantined):
+        return [{"kind": "object damaged", "detail": "stored object damaged (quarantined)"}]
     if last.get("key") == step.key:
         return [{"kind": "object missing", "detail": "stored object missing (deleted or damaged)"}]
     new = {"params": step.params, "inputs": step.input_keys(), "toolchain": step.toolchain(), "impl": step.impl_version,
@@ -192,7 +194,7 @@ def miss_reasons(step: Step, store: Store, recipe_name: str) -> list[dict]:
 
 
 # why a step was rebuilt, by what changed: the recipe, the model it reads, another input, tools, or qbuild itself
-REASON_KINDS = ("new", "object missing", "recipe parameter", "source model digest", "input", "tool version",
+REASON_KINDS = ("new", "object missing", "object damaged", "recipe parameter", "source model digest", "input", "tool version",
                 "implementation", "key")
 
 
@@ -200,7 +202,11 @@ def change_reasons(old: dict, new: dict) -> list[dict]:
     """What differs between two builds of a step: each a dict with params, inputs (role → key), toolchain, impl,
     and optionally kind and input_steps (role → step name). The source model is the input made by step "model"."""
     reasons = []
-    changed = _diff(old.get("params", {}), new.get("params", {}))
+    if not all(isinstance(d.get(k, {}), dict) for d in (old, new) for k in ("params", "inputs", "toolchain", "input_steps")):
+        return [{"kind": "key", "detail": "key changed"}]   # a record from another version or edited by hand
+    from qbuild.names import redact_tree
+
+    changed = _diff(old.get("params", {}), redact_tree(new.get("params", {})))   # history is stored redacted
     if changed:
         reasons.append({"kind": "recipe parameter", "detail": "params changed: " + ", ".join(changed)})
     old_inputs, new_inputs = old.get("inputs", {}), new.get("inputs", {})
@@ -235,10 +241,10 @@ def _short(v) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
-def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = ()) -> PlannedStep:
+def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = (), verify: str = "fast") -> PlannedStep:
     if step.source_path is not None:
         return PlannedStep(step, PlanStatus.SOURCE, reason=str(step.source_path))
-    hit = store.lookup(step.key)
+    hit = store.lookup(step.key, verify=verify)
     if hit:
         return PlannedStep(step, PlanStatus.HIT, hit)
     if remotes:
@@ -255,9 +261,11 @@ def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = ()) -> 
                        reasons=tuple(reasons))
 
 
-def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = ()) -> Plan:
-    """Every step with its status: local hit, else a hit in the first remote that has it, else a miss (and why)."""
+def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (), verify: str = "fast") -> Plan:
+    """Every step with its status: local hit, else a hit in the first remote that has it, else a miss (and why).
+
+    Every local hit is checked first (verify="fast": file set, sizes, memoized hashes; "full": re-hash)."""
     ctx = build_steps(recipe, recipe_dir)
-    steps = tuple(_status(s, store, recipe.name, tuple(remotes)) for s in ctx.steps)
+    steps = tuple(_status(s, store, recipe.name, tuple(remotes), verify) for s in ctx.steps)
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
                 tuple(remotes))

@@ -11,10 +11,11 @@ from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_vali
 from qbuild.artifacts.remote.config import RegisterSpec, RemoteSpec
 from qbuild.data_sources import DataSource
 from qbuild.errors import RecipeError
+from qbuild.names import NAME_PATTERN
 from qbuild.schema_base import StrictModel
 from qbuild.yamlio import Loc, line_for, load_yaml_file
 
-NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+NAME_RE = NAME_PATTERN   # the one name grammar (qbuild/names.py)
 
 
 # --- model sources -----------------------------------------------------------------------------

@@ -13,19 +13,37 @@ from qbuild.errors import UserError
 from qbuild.summary import human_size
 
 
+def _well_formed(record: dict | None) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("recipe"), str)
+            and isinstance(record.get("variants", []), list) and isinstance(record.get("steps", []), list)
+            and all(isinstance(v, dict) for v in record.get("variants", []) + record.get("steps", [])))
+
+
 def find_run(store, name: str | None) -> dict:
-    """A run id, a recipe name (its latest run), or None (the store's latest run)."""
-    runs = store.runs()   # oldest first, by when they finished (two run ids of one second sort at random)
+    """A run id, a recipe name (its latest run), a recipe file, or None (the store's latest run).
+
+    NAME never becomes a path by itself: a run id or recipe name must follow the name grammar (qbuild/names.py).
+    Unreadable or damaged run records are skipped (or, named by id, refused in one line)."""
+    from qbuild.artifacts.store import read_json
+    from qbuild.names import valid_name
+
+    runs = [r for r in store.runs() if _well_formed(r)]   # oldest first, by when they finished
     if not runs:
         raise UserError(f"no runs in store {store.root}; run `qbuild RECIPE` first")
     if name:
-        exact = store.root / "runs" / f"{name}.json"
-        if exact.is_file():
-            return json.loads(exact.read_text())
-        if Path(name).is_file():  # a recipe path: use its name
+        if valid_name(name):
+            exact = store.root / "runs" / f"{name}.json"
+            if exact.is_file() and not exact.is_symlink():
+                record = read_json(exact)
+                if not _well_formed(record):
+                    raise UserError(f"run record {exact} is unreadable or damaged")
+                return record
+        if Path(name).is_file() and Path(name).suffix in (".yaml", ".yml"):  # a recipe path: use its name
             from qbuild.recipe import load_recipe
 
             name = load_recipe(name).name
+        elif not valid_name(name):
+            raise UserError(f"invalid run id or recipe name {name[:80]!r}: use letters, digits, '.', '_' or '-'")
         matching = [r for r in runs if r.get("recipe") == name]
         if not matching:
             raise UserError(f"no run of recipe {name!r} (or run id) in store {store.root}")

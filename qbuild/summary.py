@@ -89,9 +89,9 @@ def render_table(summary: dict, console) -> None:
                 ("tok/s", "decode_tok_s", ".1f")]
     shown = [o for o in optional if any(r.get(o[1]) is not None for r in rows)]
     for name, justify in cols:
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, overflow="fold")
     for name, _, _ in shown:
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", overflow="fold")
     style = {"built": "green", "cached": "cyan", "failed": "bold red", "skipped": "yellow"}
     for r in rows:
         method = "-" if r["method"] == "-" else f"{r['method']} {r['detail']}".strip()

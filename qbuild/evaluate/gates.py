@@ -82,7 +82,7 @@ def render_gates(rows: list[dict], console) -> None:
     failed = [r for r in rows if not r["passed"]]
     table = Table(title="quality gates: FAILED" if failed else "quality gates: passed", title_justify="left")
     for col in ("variant", "check", "value", "bound", "result"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in rows:
         value = r.get("note") or ("not measured" if r["value"] is None else f"{r['value']:.4g}")
         result = "[green]pass[/]" if r["passed"] else (
