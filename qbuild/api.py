@@ -103,12 +103,21 @@ def open_remotes(recipe: Recipe | None = None, urls: list[str] | tuple[str, ...]
     return tuple(spec.open() for spec in (recipe.store.remotes if recipe else ()))
 
 
-def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] | tuple = ()) -> Plan:
+def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] | tuple = (),
+         verify: str = "fast") -> Plan:
     """Every step of the recipe with its key: hit (stored locally or in a remote) or miss, and why it misses."""
     from qbuild.plan import make_plan
 
+    _check_verify(verify)
     r, base, _ = load(recipe, threads)
-    return make_plan(r, base, open_store(store, r), open_remotes(r, remotes))
+    return make_plan(r, base, open_store(store, r), open_remotes(r, remotes), verify)
+
+
+def _check_verify(verify: str) -> None:
+    from qbuild.artifacts.store import VERIFY_MODES
+
+    if verify not in VERIFY_MODES:
+        raise UserError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
 
 
 def recipe_files(args) -> list[Path]:
@@ -128,14 +137,18 @@ def recipe_files(args) -> list[Path]:
 
 def run(recipe, *, store=None, executor: str = "local", tag: str | None = None, threads: int | None = None,
         mlflow: str | None = None, progress=None, remotes: list[str] | tuple = (), materialize: bool = False,
-        jobs: int | None = None) -> RunResult:
+        jobs: int | None = None, address: str | None = None, verify: str = "fast") -> RunResult:
     """Build what is missing, evaluate, set refs, check gates, push to remotes, register, track.
 
     Returns the result (never exits). progress: a rich Progress (the CLI passes one) or None.
     remotes: URLs overriding the recipe's store.remotes; materialize: fetch every remote hit's files;
-    jobs: steps at most at once (default: the CPU cores; threads per step × steps never exceed them)."""
+    jobs: steps at most at once (default: the CPU cores; threads per step × steps never exceed them);
+    executor: "local" (this machine) or "ray" (a Ray cluster at `address`: auto, HOST:PORT or ray://HOST:PORT;
+    it needs a remote store every node shares);
+    verify: how each cache hit is checked before use, "fast" (file set, sizes, memoized hashes) or "full"."""
     return run_many([recipe], store=store, executor=executor, tag=tag, threads=threads, mlflow=mlflow,
-                    progress=progress, remotes=remotes, materialize=materialize, jobs=jobs).results[0]
+                    progress=progress, remotes=remotes, materialize=materialize, jobs=jobs, address=address,
+                    verify=verify).results[0]
 
 
 @dataclass(frozen=True)
@@ -154,16 +167,20 @@ class MultiRunResult:
 
 def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = None, threads: int | None = None,
              mlflow: str | None = None, progress=None, remotes: list[str] | tuple = (), materialize: bool = False,
-             jobs: int | None = None) -> MultiRunResult:
+             jobs: int | None = None, address: str | None = None, verify: str = "fast") -> MultiRunResult:
     """Several recipes as one deduplicated graph: a shared model, calibration set or evaluation is built once.
 
     Every recipe still gets its own summary, refs, gates, run record and registration."""
     from qbuild.executor import Executor, Origin
     from qbuild.hashing import sha256_text
+    from qbuild.names import check_name
     from qbuild.plan import make_plan
 
-    if executor != "local":
-        raise UserError(f"unknown executor {executor!r}; available: local")
+    if executor not in ("local", "ray"):
+        raise UserError(f"unknown executor {executor!r}; available: local, ray")
+    if tag is not None:
+        check_name(tag, "tag")
+    _check_verify(verify)
     loaded = [load(r, threads) for r in recipes]
     if not loaded:
         raise UserError("no recipe given")
@@ -171,7 +188,11 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
         raise UserError("these recipes name different store.path values; run them into one store with --store DIR")
     st = open_store(store, loaded[0][0])
     remote_tiers = open_remotes(None, remotes) if remotes else _union_remotes([r for r, _, _ in loaded])
-    plans = [make_plan(r, base, st, remote_tiers) for r, base, _ in loaded]
+    if executor == "ray" and not remote_tiers:   # before planning: nodes share objects through a remote only
+        from qbuild.executor_ray import need_remote_message
+
+        raise UserError(need_remote_message())
+    plans = [make_plan(r, base, st, remote_tiers, verify) for r, base, _ in loaded]
     origins: dict = {}
     merged: dict = {}
     for (r, _, path), the_plan in zip(loaded, plans, strict=True):
@@ -182,8 +203,15 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     run_id = st.new_run_id()
     started = time.time()
     device = loaded[0][0].runtime.device
-    done = Executor(st, run_id, origins, progress=progress, device=device, jobs=jobs, remotes=remote_tiers,
-                    materialize=materialize).run(list(merged.values()))
+    if executor == "ray":
+        from qbuild.executor_ray import RayExecutor
+
+        runner = RayExecutor(st, run_id, origins, address=address, progress=progress, device=device, jobs=jobs,
+                             remotes=remote_tiers, materialize=materialize)
+    else:
+        runner = Executor(st, run_id, origins, progress=progress, device=device, jobs=jobs, remotes=remote_tiers,
+                          materialize=materialize, verify=verify)
+    done = runner.run(list(merged.values()))
     by_key = {o.step.key: o for o in done}
     results = []
     for i, ((_, _, path), the_plan) in enumerate(zip(loaded, plans, strict=True)):
@@ -216,8 +244,10 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
     if r.evaluation.gates:
         from qbuild.evaluate.gates import check_gates
 
-        gate_rows = check_gates(r.evaluation.gates, summary)
-        summary["gates"] = {"passed": all(g["passed"] for g in gate_rows), "checks": gate_rows}
+        previous = st.last_good_run(r.name, before=run_id)   # what regression bounds compare with
+        gate_rows = check_gates(r.evaluation.gates, summary, previous)
+        summary["gates"] = {"passed": all(g["passed"] for g in gate_rows), "checks": gate_rows,
+                            "compared_with": previous.get("run_id") if previous else None}
     failed = any(o.status == "failed" for o in outcomes)
     if the_plan.remotes and not failed:
         from qbuild.publish import write_through
@@ -231,8 +261,13 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
     if mlflow or mlflow_cfg:
         summary["mlflow"] = track(mlflow or mlflow_cfg.uri, mlflow_cfg.experiment if mlflow_cfg else None,
                                   r, summary, st)
-    st.write_run(run_id, {**summary, "recipe_path": str(path.resolve()) if path else None,
-                          "resolved_recipe": r.canonical()})
+    from qbuild.names import redact_tree
+
+    summary = redact_tree(summary)   # no password in a URL reaches --json, the run record or a report
+    if st.quarantined:
+        summary["quarantined"] = list(st.quarantined)
+    st.write_run(run_id, redact_tree({**summary, "recipe_path": str(path.resolve()) if path else None,
+                                      "resolved_recipe": r.canonical(), "finished": time.time()}))
     return RunResult(run_id, the_plan, tuple(outcomes), summary, tuple(gate_rows))
 
 
@@ -249,24 +284,53 @@ def set_refs(store: Store, the_plan: Plan, outcomes: list[StepOutcome], tag: str
         o = by_key.get(step.key)
         if o and o.digest and o.status in ("built", "cached"):
             for t in tags:
+                if not store.writable:  # a read-only store serves hits; its refs stay as they are
+                    if (store.get_ref(recipe.name, label, t) or {}).get("digest") != o.digest:
+                        log.warning(f"store {store.root} is read-only: ref {recipe.name}/{label}:{t} not updated")
+                    continue
                 store.set_ref(recipe.name, label, t, o.digest, step.key)
     return tags
 
 
+TRACKING_ENV = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+                "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0"}
+_tracking_failed: set[str] = set()   # tracking URIs that failed in this process: warned once, not retried
+
+
 def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store: Store) -> dict:
-    """Log to MLflow; a tracking failure is reported as a warning, never fatal to the stored artifacts."""
+    """Log to MLflow; a tracking failure is one warning (once per server), never fatal to the stored artifacts.
+
+    The client's HTTP timeout and retries are bounded (TRACKING_ENV, unless the environment sets its own), so an
+    unreachable server costs seconds, not minutes; the run's result never depends on it."""
+    import os
+
+    from qbuild.names import redact_url
     from qbuild.report import render_html
     from qbuild.tracking import log_run
 
+    shown = redact_url(uri)
+    if uri in _tracking_failed:
+        return {"uri": shown, "error": "unreachable (see the warning above)"}
+    saved = {k: os.environ.get(k) for k in TRACKING_ENV}
+    for k, v in TRACKING_ENV.items():
+        os.environ.setdefault(k, v)
     try:
         with contextlib.redirect_stdout(sys.stderr):  # mlflow prints run links; stdout is for --json
             run_id = log_run(uri, experiment, recipe, summary, store, render_html(summary))
-        return {"uri": uri, "run_id": run_id}
+        return {"uri": shown, "run_id": run_id}
     except QBuildError:
         raise
     except Exception as exc:  # server down, bad URI: the build itself succeeded
-        log.warning(f"MLflow tracking to {uri} failed: {type(exc).__name__}: {exc}")
-        return {"uri": uri, "error": str(exc)}
+        _tracking_failed.add(uri)
+        reason = redact_url(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
+        log.warning(f"MLflow tracking to {shown} failed (the run's result is unchanged): {reason}")
+        return {"uri": shown, "error": reason}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def pull(name: str, *, store=None, out: str | Path | None = None, need: dict | None = None, remote=None,
@@ -325,8 +389,6 @@ def _pull_remote(name, remote, out, need, verify_with, progress) -> tuple[str, P
 
 
 def _pull_local(name: str, st: Store, out, need, progress) -> tuple[str, Path]:
-    import shutil
-
     from qbuild.artifacts.store import REF_RE
     from qbuild.trtllm.engine import ENGINE_KIND
     from qbuild.trtllm.select import engine_manifests, local_needs, select_engine
@@ -351,17 +413,39 @@ def _pull_local(name: str, st: Store, out, need, progress) -> tuple[str, Path]:
         digest = select_engine(family, need, name)["digest"]
     rows = st.verify([digest])
     if not rows[0]["ok"]:
-        raise QBuildError(f"{name}: object {digest[:12]} is damaged: " + "; ".join(rows[0]["problems"]))
+        raise QBuildError(f"{name}: object {digest[:12]} is damaged: " + "; ".join(rows[0]["problems"])
+                          + " (run `qbuild verify --repair`, then rebuild)")
     src = st.object_dir(digest)
     if out is None:
         return digest, src
     dest = Path(out)
     dest.mkdir(parents=True, exist_ok=True)
-    for f in sorted(p for p in src.rglob("*") if p.is_file()):
-        target = dest / f.relative_to(src)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(f, target)
+    for f in sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink()):
+        write_fresh(f, dest, f.relative_to(src))
     return digest, dest
+
+
+def write_fresh(src: Path, dest_root: Path, rel: Path) -> Path:
+    """Copy src to dest_root/rel without following any link already there: a fresh file, then an atomic replace.
+
+    A symlink at the target (or a symlinked directory on the way) is replaced, never written through."""
+    import os
+    import shutil
+    import uuid
+
+    parent = dest_root
+    for part in rel.parts[:-1]:
+        parent = parent / part
+        if parent.is_symlink():
+            parent.unlink()
+        parent.mkdir(exist_ok=True)
+    target = parent / rel.parts[-1]
+    staged = parent / f".{rel.parts[-1]}.{uuid.uuid4().hex[:8]}.part"
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
+        shutil.copyfileobj(inp, out, 1 << 20)
+    os.replace(staged, target)   # replaces a link itself, not what it points at
+    return target
 
 
 def _fetch_missing(st: Store, digest: str, progress) -> None:
@@ -383,6 +467,10 @@ def push(name: str, to: str, *, store=None, progress=None) -> dict:
     st = open_store(store)
     digest = st.resolve(name)
     manifest = st.manifest(digest)
+    problems = st.check_object(digest, full=True)
+    if problems or not isinstance(manifest.get("key"), str):
+        raise QBuildError(f"{name}: object {digest[:12]} is damaged: {'; '.join(problems) or 'manifest has no key'} "
+                          "(run `qbuild verify --repair`, then rebuild); nothing pushed")
     remote = open_remote(to)
     m = REF_RE.match(name)
     refs = [(m.group("recipe"), m.group("variant"), m.group("tag") or "latest")] if m else []
@@ -395,8 +483,37 @@ def report(name: str | None = None, *, store=None, markdown: bool = False) -> st
     """The report of a run (run id, recipe name or file, or None for the latest) as HTML or Markdown."""
     from qbuild.report import find_run, render_html, render_markdown
 
-    record = find_run(open_store(store), name)
-    return render_markdown(record) if markdown else render_html(record)
+    st = open_store(store)
+    record = find_run(st, name)
+    if markdown:
+        return render_markdown(record)
+    return render_html(record, history=history(st, record))
+
+
+def history(st: Store, record: dict) -> list[dict]:
+    """The report's history view: the run records of the recipe of `record`, oldest first, up to that run."""
+    runs = st.runs(record.get("recipe"))
+    ids = [r.get("run_id") for r in runs]
+    return runs[:ids.index(record["run_id"]) + 1] if record.get("run_id") in ids else runs
+
+
+def diff(run_a: str | None = None, run_b: str | None = None, *, last: str | None = None, store=None) -> dict:
+    """What changed between two recorded runs (ids), or the last two runs of recipe `last` (a name or file):
+    per variant Δ PPL / KLD / decode tok/s and size, and each step run B rebuilt with why."""
+    from qbuild.diff import diff_runs, find_record, last_two
+
+    st = open_store(store)
+    if last is not None:
+        if Path(last).is_file():
+            from qbuild.recipe import load_recipe
+
+            last = load_recipe(last).name
+        a, b = last_two(st, last)
+    elif run_a and run_b:
+        a, b = find_record(st, run_a), find_record(st, run_b)
+    else:
+        raise UserError("diff needs two run ids (RUN_A RUN_B) or --last RECIPE")
+    return diff_runs(st, a, b)
 
 
 def find_run(name: str | None = None, *, store=None) -> dict[str, Any]:

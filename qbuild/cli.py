@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from qbuild.errors import EXIT_STEP_FAILED, QBuildError, UserError
+from qbuild.names import check_name, redact_url
 
 STORE_OPTION = click.option(
     "--store", "store_path", envvar="QBUILD_STORE", type=click.Path(file_okay=False),
@@ -35,6 +36,7 @@ class DefaultToRun(click.Group):
 def _fail(exc: BaseException) -> None:
     code = exc.exit_code if isinstance(exc, QBuildError) else EXIT_STEP_FAILED
     msg = str(exc) if isinstance(exc, QBuildError) else f"internal error: {type(exc).__name__}: {exc}"
+    msg = " ".join(redact_url(msg).split("\n"))
     click.echo(f"qbuild: error: {msg}", err=True)
     if os.environ.get("QBUILD_DEBUG"):
         import traceback
@@ -44,11 +46,15 @@ def _fail(exc: BaseException) -> None:
 
 
 def _console(stderr: bool = False):
-    """Wide enough for tables when output is a pipe or a CI log."""
+    """Wide enough for tables when output is a pipe or a CI log (tables there also fold, never cut)."""
     from rich.console import Console
 
     console = Console(stderr=stderr)
-    return console if console.is_terminal else Console(stderr=stderr, width=160)
+    return console if console.is_terminal else Console(stderr=stderr, width=200, soft_wrap=False)
+
+
+def _is_tty() -> bool:
+    return sys.stdout.isatty()
 
 
 @click.group(cls=DefaultToRun, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -94,7 +100,16 @@ def _on_sigterm(signum, frame):
               "step that must run reads; metrics come from action records).")
 @click.option("--junit-xml", "junit_path", type=click.Path(dir_okay=False), help="Write each variant's quality "
               "gates and each failed step as JUnit test cases (Jenkins, GitLab, GitHub Actions read it).")
-def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, remote_urls, materialize, junit_path):
+@click.option("--executor", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="Where steps run: this machine, or a Ray cluster (needs a remote store every node shares).")
+@click.option("--address", metavar="auto|HOST:PORT", help="With --executor ray: the cluster [env RAY_ADDRESS; "
+              "default: auto, the cluster this machine belongs to].")
+@click.option("--verify", "verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
+              help="How every cache hit is checked before use: fast = file set, sizes and memoized hashes "
+              "(a file whose size/mtime/inode changed is re-hashed); full = re-hash every file. A damaged object "
+              "is quarantined and rebuilt.")
+def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, remote_urls, materialize, junit_path,
+        executor, address, verify):
     """Build every step of RECIPES that is not already stored, then print a summary table.
 
     RECIPES are recipe files or directories of them; several recipes are planned as one graph, so a
@@ -105,6 +120,7 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
       qbuild run recipes/demo.yaml --tag nightly --json > summary.json
       qbuild run recipes/nightly/ --jobs 4 --junit-xml gates.xml    # many recipes, one deduplicated plan
       qbuild run nightly.yaml --remote s3://team-models/qbuild       # reuse what other machines built
+      qbuild run recipes/nightly/ --executor ray --address auto        # steps as Ray tasks (docs/nightly.md)
     A failed step exits 1 (the others stay stored; rerun to resume), a failed quality gate 3.
     Ctrl-C (130) and SIGTERM (143) stop every running step and remove its scratch.
     """
@@ -114,12 +130,17 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        if tag is not None:
+            check_name(tag, "tag")
         files = api.recipe_files(recipes)
         if dry_run:
             for f in files:
-                _print_plan(api.plan(f, store=store_path, threads=threads, remotes=remote_urls), as_json)
+                _print_plan(api.plan(f, store=store_path, threads=threads, remotes=remote_urls, verify=verify), as_json)
             return
-        result = _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize)
+        if address and executor != "ray":
+            raise UserError("--address names a Ray cluster: use it with --executor ray")
+        result = _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize,
+                                    executor, address, verify)
     except QBuildError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -154,7 +175,8 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
         sys.exit(result.exit_code)
 
 
-def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize):
+def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize, executor="local",
+                       address=None, verify="fast"):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from qbuild import api
@@ -163,11 +185,14 @@ def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=_console(stderr=True), transient=True) as progress:
         return api.run_many(files, store=store_path, tag=tag, threads=threads, mlflow=mlflow_uri, progress=progress,
-                            remotes=remote_urls, materialize=materialize, jobs=jobs)
+                            remotes=remote_urls, materialize=materialize, jobs=jobs, executor=executor,
+                            address=address, verify=verify)
 
 
 def _print_plan(the_plan, as_json):
-    data = the_plan.as_dict()
+    from qbuild.names import redact_tree
+
+    data = redact_tree(the_plan.as_dict())
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
         return
@@ -176,7 +201,7 @@ def _print_plan(the_plan, as_json):
 
     table = Table(title=f"plan · {the_plan.recipe.name}", title_justify="left")
     for col in ("step", "key", "status", "why"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     style = {"hit": "cyan", "hit-remote": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta",
              "unavailable": "magenta"}
     for r in data["steps"]:
@@ -197,7 +222,9 @@ def _print_plan(the_plan, as_json):
 @STORE_OPTION
 @JSON_OPTION
 @REMOTE_OPTION
-def plan(recipe, store_path, as_json, remote_urls):
+@click.option("--verify", "verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
+              help="How each stored hit is checked (see `qbuild run --help`); a damaged one is quarantined.")
+def plan(recipe, store_path, as_json, remote_urls, verify):
     """Show every step of RECIPE with its key: hit (stored) or miss, and why it misses.
 
     \b
@@ -208,7 +235,7 @@ def plan(recipe, store_path, as_json, remote_urls):
     from qbuild import api
 
     try:
-        _print_plan(api.plan(recipe, store=store_path, remotes=remote_urls), as_json)
+        _print_plan(api.plan(recipe, store=store_path, remotes=remote_urls, verify=verify), as_json)
     except QBuildError as exc:
         _fail(exc)
 
@@ -259,13 +286,13 @@ def plugins(as_json):
 
     table = Table(title="plugins", title_justify="left")
     for col in ("kind", "name", "from", "installed", "reads / writes"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in rows:
         io = ", ".join(r.get("formats", [])) or ", ".join(r.get("accepts", {}))
         table.add_row(r["kind"], r["name"], r["origin"], "yes" if r["installed"] else f"no: qbuild[{r['extra']}]", io)
     ftable = Table(title="formats", title_justify="left")
     for col in ("format", "evaluated by", "loads in"):
-        ftable.add_column(col)
+        ftable.add_column(col, overflow="fold")
     for f in formats:
         ftable.add_row(f["format"], ", ".join(f["evaluated_by"]) or "-", ", ".join(f["loads_in"]))
     console = _console()
@@ -287,27 +314,43 @@ def ls_cmd(store_path, as_json, remote_url):
         refs = store.list_refs() if remote_url else store.refs()
     except QBuildError as exc:
         _fail(exc)
+    from qbuild.artifacts.store import valid_files
+
     rows = []
     for ref in refs:
         try:
             m = (store.get_manifest(ref["digest"]) if remote_url else store.manifest(ref["digest"])) or {}
         except (OSError, ValueError, QBuildError):
             m = {}
-        rows.append({**ref, "kind": m.get("kind"), "format": m.get("format"),
-                     "size_bytes": sum(f["size"] for f in m.get("files", [])), "created": m.get("created")})
+        if not isinstance(m, dict):
+            m = {}
+        files = m.get("files") if valid_files(m.get("files")) else []
+        rows.append({**ref, "kind": _text(m.get("kind")), "format": _text(m.get("format")),
+                     "size_bytes": sum(f["size"] for f in files), "created": _text(m.get("created")),
+                     **({} if m else {"problem": "object or manifest missing"})})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
+        return
+    if not _is_tty():  # a pipe or a CI log: complete, tab-separated lines a script can read
+        for r in rows:
+            click.echo("\t".join([r["ref"], r["digest"], r["format"] or "?", str(r["size_bytes"]),
+                                  str(r.get("updated") or "")]))
         return
     from rich.table import Table
 
     table = Table(title=f"remote {store.display}" if remote_url else f"store {store.root}", title_justify="left")
     for col in ("ref", "digest", "format", "size", "updated"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for r in rows:
-        table.add_row(r["ref"], r["digest"][:12], r["format"] or "?", human_size(r["size_bytes"]), r.get("updated") or "")
+        table.add_row(r["ref"], r["digest"][:12], r["format"] or "?", human_size(r["size_bytes"]),
+                      str(r.get("updated") or ""))
     _console().print(table)
     if not rows:
         click.echo("(no refs yet: run `qbuild RECIPE` to build some)")
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 @cli.command()
@@ -320,11 +363,20 @@ def show(name, store_path):
     store = api.open_store(store_path)
     try:
         digest = store.resolve(name)
+        manifest = store.manifest(digest)
     except QBuildError as exc:
         _fail(exc)
-    manifest = store.manifest(digest)
     manifest["path"] = str(store.object_dir(digest))
-    click.echo(json.dumps(manifest, indent=2, sort_keys=True))
+    problems = store.check_object(digest)
+    if problems:
+        manifest["damaged"] = problems
+    from qbuild.names import redact_tree
+
+    click.echo(json.dumps(redact_tree(manifest), indent=2, sort_keys=True, default=str))
+    if problems:
+        click.echo(f"qbuild: error: object {digest[:12]} is damaged: {'; '.join(problems)} "
+                   "(run `qbuild verify --repair`)", err=True)
+        sys.exit(EXIT_STEP_FAILED)
 
 
 @cli.command()
@@ -333,7 +385,9 @@ def show(name, store_path):
 @JSON_OPTION
 @click.option("--remote", "remote_url", metavar="URL", help="Check a remote's objects instead of the local store.")
 @click.option("--deep", is_flag=True, help="With --remote: also stream every file and check its sha256.")
-def verify(names, store_path, as_json, remote_url, deep):
+@click.option("--repair", is_flag=True, help="Quarantine every damaged object (moved under quarantine/, kept for "
+              "inspection) and drop the action records that name it, so the next run rebuilds it.")
+def verify(names, store_path, as_json, remote_url, deep, repair):
     """Re-hash stored objects (all, or the named refs/digests) against their manifests."""
     from qbuild import api
 
@@ -345,17 +399,21 @@ def verify(names, store_path, as_json, remote_url, deep):
             rows = remote.verify([resolve(remote, n) for n in names] if names else None, deep=deep)
         else:
             store = api.open_store(store_path)
-            rows = store.verify([store.resolve(n) for n in names] if names else None)
+            if repair:
+                store.require_writable("verify --repair")
+            rows = store.verify([store.resolve(n) for n in names] if names else None, repair=repair)
     except QBuildError as exc:
         _fail(exc)
     bad = [r for r in rows if not r["ok"]]
     if as_json:
-        click.echo(json.dumps({"checked": len(rows), "damaged": bad}, indent=2))
+        click.echo(json.dumps({"checked": len(rows), "damaged": bad, "repaired": bool(repair)}, indent=2))
     else:
         for r in bad:
-            click.echo(f"DAMAGED {r['digest'][:12]} ({r.get('kind')}): " + "; ".join(r["problems"]))
-        click.echo(f"{len(rows)} object(s) checked, {len(bad)} damaged")
-    if bad:
+            where = f"; quarantined in {r['quarantined']}" if r.get("quarantined") else ""
+            click.echo(f"DAMAGED {r['digest'][:12]} ({r.get('kind')}): " + "; ".join(r["problems"]) + where)
+        click.echo(f"{len(rows)} object(s) checked, {len(bad)} damaged"
+                   + (" (quarantined; the next run rebuilds them)" if repair and bad else ""))
+    if bad and not repair:
         sys.exit(EXIT_STEP_FAILED)
 
 
@@ -368,7 +426,8 @@ def report(name, store_path, out_path, markdown):
     """Report of a run: NAME is a run id, a recipe (name or file), or empty for the latest run.
 
     The HTML page is self-contained (inline SVG plots of quality and speed vs size, Pareto front
-    marked) and states the perplexity protocol and the hardware.
+    marked), each variant's metrics over the recipe's runs up to this one (history), and states the
+    perplexity protocol and the hardware.
     """
     from qbuild import api
     from qbuild.report import render_html, render_markdown
@@ -377,12 +436,48 @@ def report(name, store_path, out_path, markdown):
         record = api.find_run(name, store=store_path)
     except QBuildError as exc:
         _fail(exc)
+    try:
+        text = (render_markdown(record) if markdown
+                else render_html(record, history=api.history(api.open_store(store_path), record)))
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:   # a record from another version, edited
+        _fail(UserError(f"run record {record.get('run_id', '?')} cannot be rendered ({type(exc).__name__}: {exc}); "
+                        "it is damaged or from another qbuild version"))
     if markdown:
-        click.echo(render_markdown(record), nl=False)
+        click.echo(text, nl=False)
         return
-    path = Path(out_path or f"report-{record['recipe']}.html")
-    path.write_text(render_html(record), encoding="utf-8")
+    path = Path(out_path or f"report-{check_name(record['recipe'], 'recipe')}.html")
+    path.write_text(text, encoding="utf-8")
     click.echo(str(path))
+
+
+@cli.command()
+@click.argument("runs", nargs=-1)
+@click.option("--last", "last", metavar="RECIPE", help="Compare the last two runs of RECIPE (a name or a recipe file).")
+@STORE_OPTION
+@JSON_OPTION
+def diff(runs, last, store_path, as_json):
+    """What changed between two runs: per variant Δ perplexity, ΔKLD, Δ throughput and size, and which
+    steps were rebuilt and why (recipe parameter, source model digest, tool version, implementation).
+
+    \b
+    Examples:
+      qbuild diff 20261123T020000Z-1a2b3c 20261124T020000Z-4d5e6f
+      qbuild diff --last nightly --json
+    Run ids are the file names under STORE/runs/ (and `run_id` in `qbuild run --json`)."""
+    from qbuild import api
+
+    if last is not None and runs or last is None and len(runs) != 2:
+        _fail(UserError("give two run ids (qbuild diff RUN_A RUN_B) or --last RECIPE"))
+    try:
+        data = api.diff(*runs, last=last, store=store_path) if runs else api.diff(last=last, store=store_path)
+    except QBuildError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=str))
+    else:
+        from qbuild.diff import render
+
+        render(data, _console())
 
 
 @cli.command(name="pull")
@@ -462,8 +557,8 @@ def tag(source, target, store_path, remote_url):
     from qbuild.artifacts.store import REF_RE
 
     m = REF_RE.match(target)
-    if not m or not m.group("tag"):
-        _fail(UserError(f"{target!r}: expected recipe/variant:tag"))
+    if not m or not m.group("tag") or any(v in (".", "..") for v in m.groups()):
+        _fail(UserError(f"{target!r}: expected recipe/variant:tag (letters, digits, '.', '_', '-')"))
     try:
         if remote_url:
             from qbuild.artifacts.remote.cache import resolve
@@ -491,11 +586,33 @@ def tag(source, target, store_path, remote_url):
 @STORE_OPTION
 @JSON_OPTION
 def gc(remote_url, keep_last, older_than, dry_run, mlflow_uri, store_path, as_json):
-    """Remove objects no ref, tag or registry alias reaches (nor anything a kept object depends on)."""
+    """Remove objects no ref, tag or registry alias reaches (nor anything a kept object depends on).
+
+    On the local store: stale scratch (tmp/) and unheld lock files, and logs, run records and quarantined
+    objects older than --older-than (default 30d; the --keep-last newest runs, default 20, always stay).
+    Local objects are not collected yet."""
     import os
 
     from qbuild.summary import human_size
 
+    if not remote_url:
+        from qbuild import api
+        from qbuild.artifacts.remote.gc import parse_age
+
+        try:
+            store = api.open_store(store_path)
+            rows = store.gc_housekeeping(parse_age(older_than or "30d"), keep_runs=20 if keep_last is None
+                                         else keep_last, dry_run=dry_run)
+        except QBuildError as exc:
+            _fail(exc)
+        freed = sum(r["bytes"] for r in rows)
+        if as_json:
+            click.echo(json.dumps({"removed": rows, "bytes_freed": freed, "dry_run": dry_run}, indent=2))
+            return
+        for r in rows:
+            click.echo(f"{'would remove' if dry_run else 'removed'} {r['kind']} {r['path']} {human_size(r['bytes'])}")
+        click.echo(f"{len(rows)} item(s), {human_size(freed)} {'would be ' if dry_run else ''}freed")
+        return
     try:
         roots: set[str] = set()
         uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -503,8 +620,6 @@ def gc(remote_url, keep_last, older_than, dry_run, mlflow_uri, store_path, as_js
             from qbuild.artifacts.mlflow_registry import alias_digests
 
             roots = alias_digests(uri)
-        if not remote_url:
-            raise UserError("local gc is not wired yet; use --remote URL")
         from qbuild.artifacts.remote.gc import gc_remote
 
         rows = gc_remote(_open_remote(remote_url), roots, keep_last, older_than, dry_run)
@@ -590,8 +705,16 @@ class _transfer_progress:
 def main():
     import logging
 
+    class _Redact(logging.Filter):
+        """Every warning line goes through the one URL redaction, and stays one line."""
+
+        def filter(self, record):
+            record.msg, record.args = " ".join(redact_url(record.getMessage()).split("\n")), None
+            return True
+
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("qbuild: warning: %(message)s"))
+    handler.addFilter(_Redact())
     logger = logging.getLogger("qbuild")
     logger.addHandler(handler)
     logger.setLevel(logging.WARNING)
@@ -600,6 +723,21 @@ def main():
         cli(standalone_mode=True)
     except QBuildError as exc:  # pragma: no cover - commands catch their own
         _fail(exc)
+    except OSError as exc:  # a full disk or read-only mount on a path no command expected: still one line
+        _fail(_os_error(exc))
+
+
+def _os_error(exc: OSError) -> QBuildError:
+    import errno
+
+    where = exc.filename or "?"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return QBuildError(f"no space left writing {where}: free some space (qbuild gc) or use another --store")
+    if exc.errno == errno.EROFS:
+        err = QBuildError(f"read-only filesystem: cannot write {where}; use a writable --store")
+        err.exit_code = 2
+        return err
+    return QBuildError(f"{exc.strerror or type(exc).__name__}: {where}")
 
 
 if __name__ == "__main__":

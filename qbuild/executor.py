@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qbuild.artifacts.store import Hit, Store, now_iso
+from qbuild.artifacts.store import NO_SPACE, Hit, Store, free_bytes, now_iso, store_full
 from qbuild.errors import StepFailed, UserError
 from qbuild.formats import spec as format_spec
 from qbuild.plan import PlannedStep
@@ -59,6 +59,7 @@ class StepOutcome:
     remote: RemoteHit | None = None   # a remote hit not (yet) fetched: path is None until materialized
     started: float | None = None      # wall-clock start/end of a build (time.time()), for `--json` and tests
     ended: float | None = None
+    worker: str | None = None         # where it was built (the Ray executor: the node), None for this machine
 
     @property
     def metrics(self) -> dict:
@@ -147,8 +148,9 @@ class Budget:
 
 class Executor:
     def __init__(self, store: Store, run_id: str, origins: dict[str, Origin], *, progress=None, device: str = "auto",
-                 jobs: int | None = None, remotes: tuple = (), materialize: bool = False):
+                 jobs: int | None = None, remotes: tuple = (), materialize: bool = False, verify: str = "fast"):
         self.store = store
+        self.verify = verify          # how a hit found under the lock is checked (see Store.lookup)
         self.run_id = run_id
         self.origins = origins        # step key → the (first) recipe it is built for
         self.progress = progress
@@ -167,6 +169,11 @@ class Executor:
         if blocked:  # fail before any work (exit 2), naming each step and why
             raise UserError("cannot run on this machine: " + "; ".join(f"step {ps.step.name}: {ps.reason}" for ps in blocked)
                             + " (set on_missing_gpu: skip on the target to build the rest)")
+        to_build = [ps.step.name for ps in planned if ps.status == PlanStatus.MISS]
+        if to_build:  # a read-only store serves hits; building needs a writable one (say so before any work)
+            self.store.require_writable(f"building {len(to_build)} step(s) ({', '.join(to_build[:3])}"
+                                        f"{', ...' if len(to_build) > 3 else ''})")
+            self.store.clean_stale()
         budget = Budget(cpus=cpu_count(), jobs=self.jobs, memory_mb=available_memory_mb() * 0.9,
                         gpus=gpu_devices() if any(ps.step.requires_gpu and ps.status == PlanStatus.MISS
                                                   for ps in planned) else [])
@@ -284,16 +291,18 @@ class Executor:
             return
         last = self.store.last_build(origin.recipe, step.name)
         if last is None or last.get("key") != step.key:
+            from qbuild.names import redact_tree
+
             self.store.remember_build(origin.recipe, step.name, {
-                "key": step.key, "params": step.params, "inputs": step.input_keys(), "toolchain": step.toolchain(),
-                "impl": step.impl_version, "when": now_iso()})
+                "key": step.key, "params": redact_tree(step.params), "inputs": step.input_keys(),
+                "toolchain": step.toolchain(), "impl": step.impl_version, "when": now_iso()})
 
     def _build(self, step: Step, outcomes: dict[str, StepOutcome], claim: dict) -> StepOutcome:
         task = self.progress.add_task(escape(step.name), total=None, step=escape(step.name)) if self.progress else None
         t0, started = time.perf_counter(), time.time()
         try:
             with self.store.lock(step.key):
-                hit = self.store.lookup(step.key)  # another run may have built it while we waited
+                hit = self.store.lookup(step.key, self.verify)  # another run may have built it while we waited
                 if hit:
                     return StepOutcome(step, Outcome.CACHED, hit.path, hit.digest, record=hit.record)
                 hit = self._run_worker(step, outcomes, task, claim)
@@ -307,12 +316,44 @@ class Executor:
             if self.progress and task is not None:
                 self.progress.update(task, visible=False)
 
+    def _output_estimate(self, step: Step, outcomes: dict[str, StepOutcome]) -> int:
+        """Rough bytes a step writes: a quantized model is at least a quarter of the model it reads (0: unknown)."""
+        total = 0
+        for s in step.inputs.values():
+            o = outcomes.get(s.key)
+            if o is None or not format_spec(s.format).model:
+                continue
+            if o.record:
+                total = max(total, o.size)
+            elif o.path is not None and o.path.is_dir():  # a source: the local model directory
+                total = max(total, sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file()))
+        return total // 4
+
     def _run_worker(self, step: Step, outcomes: dict[str, StepOutcome], task, claim: dict) -> Hit:
-        tmp = self.store.new_tmp(step.key)
+        needed = self._output_estimate(step, outcomes)
+        free = free_bytes(self.store.root)
+        if needed and free is not None and free < needed:
+            raise store_full(self.store.root, f"the output of step {step.name} (estimated)", needed)
+        try:
+            tmp = self.store.new_tmp(step.key)
+        except OSError as exc:
+            if exc.errno in NO_SPACE:
+                raise store_full(self.store.root, f"the scratch of step {step.name}", needed) from None
+            raise
         with self._lock:
             self._scratch[step.key] = tmp
         try:
             return self._run_in(tmp, step, outcomes, task, claim)
+        except OSError as exc:
+            if exc.errno in NO_SPACE:
+                raise store_full(self.store.root, f"the scratch of step {step.name}", needed) from None
+            raise
+        except StepFailed as exc:
+            if "No space left on device" in exc.reason or "[Errno 28]" in exc.reason or "[Errno 122]" in exc.reason:
+                written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file() and not f.is_symlink())
+                raise store_full(self.store.root, f"the output of step {step.name} ({written} bytes written when "
+                                 "the disk filled)", max(needed, written)) from None
+            raise
         finally:  # published (out/ renamed into objects/), failed or cancelled: the scratch goes
             shutil.rmtree(tmp, ignore_errors=True)
             with self._lock:
@@ -341,7 +382,9 @@ class Executor:
         try:
             result = json.loads((tmp / "result.json").read_text())
         except (OSError, ValueError):
-            result = {"error": f"worker exited with code {rc} (killed? out of memory?)"}
+            free = free_bytes(tmp)
+            result = {"error": "[Errno 28] No space left on device" if rc != 0 and free is not None and free < 1 << 20
+                      else f"worker exited with code {rc} (killed? out of memory?)"}
         if rc != 0 or "error" in result:
             raise StepFailed(step.name, result.get("error", f"exit code {rc}"), str(log_path))
         origin = self.origins.get(step.key)
@@ -349,7 +392,7 @@ class Executor:
         provenance = {
             "kind": step.kind, "name": step.name, "variant": step.variant, "format": result.get("format", step.format),
             "scheme": step.scheme or None,
-            "params": step.params, "toolchain": step.toolchain(), "runner": step.runner,
+            "params": step.params, "toolchain": step.toolchain(), "runner": step.runner, "impl": step.impl_version,
             "inputs": {r: {"key": s.key, "digest": inputs[r].digest, "step": s.name} for r, s in step.inputs.items()},
             "metrics": result.get("metrics", {}), "info": result.get("info", {}),
             "timings": {"seconds": round(rusage["wall"], 3), "cpu_seconds": round(rusage["cpu"], 3),
@@ -357,7 +400,9 @@ class Executor:
             "recipe": {"name": origin.recipe, "path": origin.path, "sha256": origin.sha256} if origin else None,
             "run_id": self.run_id,
         }
-        return self.store.publish(step.key, out, provenance)
+        from qbuild.names import redact_tree
+
+        return self.store.publish(step.key, out, redact_tree(provenance))   # no URL password in a manifest
 
     def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: dict) -> tuple[dict, int]:
         read_fd, write_fd = os.pipe()

@@ -44,7 +44,7 @@ def junit_xml(summaries: list[dict]):
 
 
 def _line(check: dict) -> str:
-    value = "not measured" if check["value"] is None else f"{check['value']:.6g}"
+    value = check.get("note") or ("not measured" if check["value"] is None else f"{check['value']:.6g}")
     verdict = "pass" if check["passed"] else "FAIL" + (f" (off by {check['by']:.4g})" if check.get("by") else "")
     return f"{check['check']}: {value} vs bound {check['bound']:.6g}: {verdict}"
 

@@ -44,6 +44,7 @@ class PlannedStep:
     hit: Hit | None = None
     reason: str = ""
     remote_hit: RemoteHit | None = None   # status REMOTE_HIT: where the object is (its files are not fetched)
+    reasons: tuple[dict, ...] = ()        # status MISS: why, as data ({"kind", "detail"}): run records keep it
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Plan:
 
     def as_dict(self) -> dict:
         rows = [{"step": p.step.name, "kind": p.step.kind, "status": p.status, "key": p.step.key, "reason": p.reason,
+                 "reasons": list(p.reasons),
                  "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None)}
                 for p in self.steps]
         return {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
@@ -174,26 +176,53 @@ def _build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
 
 def explain_miss(step: Step, store: Store, recipe_name: str) -> str:
     """Why a step must run: compare with the last build of the same named step for this recipe."""
+    return "; ".join(r["detail"] for r in miss_reasons(step, store, recipe_name)) or "key changed"
+
+
+def miss_reasons(step: Step, store: Store, recipe_name: str) -> list[dict]:
+    """explain_miss as data: [{"kind", "detail"}], kind one of REASON_KINDS."""
     last = store.last_build(recipe_name, step.name)
     if last is None:
-        return "new"
+        return [{"kind": "new", "detail": "new"}]
+    if any(q.get("key") == step.key for q in store.quarantined):
+        return [{"kind": "object damaged", "detail": "stored object damaged (quarantined)"}]
     if last.get("key") == step.key:
-        return "stored object missing (deleted or damaged)"
+        return [{"kind": "object missing", "detail": "stored object missing (deleted or damaged)"}]
+    new = {"params": step.params, "inputs": step.input_keys(), "toolchain": step.toolchain(), "impl": step.impl_version,
+           "kind": step.kind, "input_steps": {r: s.name for r, s in step.inputs.items()}}
+    return change_reasons(last, new) or [{"kind": "key", "detail": "key changed"}]
+
+
+# why a step was rebuilt, by what changed: the recipe, the model it reads, another input, tools, or qbuild itself
+REASON_KINDS = ("new", "object missing", "object damaged", "recipe parameter", "source model digest", "input", "tool version",
+                "implementation", "key")
+
+
+def change_reasons(old: dict, new: dict) -> list[dict]:
+    """What differs between two builds of a step: each a dict with params, inputs (role → key), toolchain, impl,
+    and optionally kind and input_steps (role → step name). The source model is the input made by step "model"."""
     reasons = []
-    changed = _diff(last.get("params", {}), step.params)
+    if not all(isinstance(d.get(k, {}), dict) for d in (old, new) for k in ("params", "inputs", "toolchain", "input_steps")):
+        return [{"kind": "key", "detail": "key changed"}]   # a record from another version or edited by hand
+    from qbuild.names import redact_tree
+
+    changed = _diff(old.get("params", {}), redact_tree(new.get("params", {})))   # history is stored redacted
     if changed:
-        reasons.append("params changed: " + ", ".join(changed))
-    old_inputs, new_inputs = last.get("inputs", {}), step.input_keys()
+        reasons.append({"kind": "recipe parameter", "detail": "params changed: " + ", ".join(changed)})
+    old_inputs, new_inputs = old.get("inputs", {}), new.get("inputs", {})
+    names = {**old.get("input_steps", {}), **new.get("input_steps", {})}
     moved = sorted(r for r in set(old_inputs) | set(new_inputs) if old_inputs.get(r) != new_inputs.get(r))
     if moved:
-        reasons.append("input changed: " + ", ".join(f"{r} ({step.inputs[r].name})" if r in step.inputs else r
-                                                     for r in moved))
-    tc = _diff(last.get("toolchain", {}), step.toolchain())
+        reasons.append({"kind": "source model digest" if any(names.get(r) == "model" for r in moved) else "input",
+                        "detail": "input changed: " + ", ".join(f"{r} ({names[r]})" if r in names else r
+                                                                 for r in moved)})
+    tc = _diff(old.get("toolchain", {}), new.get("toolchain", {}))
     if tc:
-        reasons.append("toolchain changed: " + ", ".join(tc))
-    if last.get("impl", 1) != step.impl_version:
-        reasons.append(f"qbuild's {step.kind} implementation changed (v{last.get('impl', 1)} → v{step.impl_version})")
-    return "; ".join(reasons) or "key changed"
+        reasons.append({"kind": "tool version", "detail": "toolchain changed: " + ", ".join(tc)})
+    if old.get("impl", 1) != new.get("impl", 1):
+        reasons.append({"kind": "implementation", "detail": f"qbuild's {new.get('kind', 'step')} implementation "
+                                                            f"changed (v{old.get('impl', 1)} → v{new.get('impl', 1)})"})
+    return reasons
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -212,10 +241,10 @@ def _short(v) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
-def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = ()) -> PlannedStep:
+def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = (), verify: str = "fast") -> PlannedStep:
     if step.source_path is not None:
         return PlannedStep(step, PlanStatus.SOURCE, reason=str(step.source_path))
-    hit = store.lookup(step.key)
+    hit = store.lookup(step.key, verify=verify)
     if hit:
         return PlannedStep(step, PlanStatus.HIT, hit)
     if remotes:
@@ -227,12 +256,16 @@ def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = ()) -> 
     if step.unavailable:
         return PlannedStep(step, PlanStatus.NEEDS_GPU if step.requires_gpu else PlanStatus.UNAVAILABLE,
                            reason=step.unavailable)
-    return PlannedStep(step, PlanStatus.MISS, reason=explain_miss(step, store, recipe_name))
+    reasons = miss_reasons(step, store, recipe_name)
+    return PlannedStep(step, PlanStatus.MISS, reason="; ".join(r["detail"] for r in reasons) or "key changed",
+                       reasons=tuple(reasons))
 
 
-def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = ()) -> Plan:
-    """Every step with its status: local hit, else a hit in the first remote that has it, else a miss (and why)."""
+def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (), verify: str = "fast") -> Plan:
+    """Every step with its status: local hit, else a hit in the first remote that has it, else a miss (and why).
+
+    Every local hit is checked first (verify="fast": file set, sizes, memoized hashes; "full": re-hash)."""
     ctx = build_steps(recipe, recipe_dir)
-    steps = tuple(_status(s, store, recipe.name, tuple(remotes)) for s in ctx.steps)
+    steps = tuple(_status(s, store, recipe.name, tuple(remotes), verify) for s in ctx.steps)
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
                 tuple(remotes))

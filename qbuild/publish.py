@@ -40,9 +40,14 @@ def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary
             continue
         uploaded = refs = 0
         for o in outcomes:
+            label = named.get(o.step.key)
+            if o.path is None and o.status == "built" and label and o.remote and o.remote.remote.url == remote.url:
+                for t in tags:   # built on a Ray node, pushed there already: the run's refs point at it
+                    remote.set_ref(plan.recipe.name, label, t, o.digest, o.step.key)
+                    refs += 1
+                continue
             if o.digest is None or o.path is None or o.status not in ("built", "cached"):
                 continue  # sources, failures, and remote hits not fetched here (the remote has them)
-            label = named.get(o.step.key)
             sidecars = None
             if label is not None:
                 def sidecars(o=o, label=label):

@@ -11,10 +11,11 @@ from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_vali
 from qbuild.artifacts.remote.config import RegisterSpec, RemoteSpec
 from qbuild.data_sources import DataSource
 from qbuild.errors import RecipeError
+from qbuild.names import NAME_PATTERN
 from qbuild.schema_base import StrictModel
 from qbuild.yamlio import Loc, line_for, load_yaml_file
 
-NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+NAME_RE = NAME_PATTERN   # the one name grammar (qbuild/names.py)
 
 
 # --- model sources -----------------------------------------------------------------------------
@@ -102,6 +103,12 @@ class Gate(StrictModel):
     min_top1: float | None = Field(None, ge=0, le=1)
     min_throughput_ratio: float | None = Field(None, description="Decode tok/s of the variant ÷ the baseline's.")
     max_size_mb: float | None = None
+    # compared with the previous successful run of the same recipe (the store's run records): a nightly job
+    # fails when a variant got worse since the last good night, even where it still meets the absolute bounds
+    max_regression_ppl_pct: float | None = Field(
+        None, ge=0, description="Largest allowed PPL increase since the previous successful run, in %.")
+    max_regression_decode_pct: float | None = Field(
+        None, ge=0, description="Largest allowed decode tok/s drop since the previous successful run, in %.")
 
 
 class Evaluation(StrictModel):
@@ -128,6 +135,10 @@ class Evaluation(StrictModel):
                 raise ValueError("a KLD/top-1 gate needs evaluation.kld: true")
             if g.min_throughput_ratio is not None and (self.throughput is None or not self.baseline):
                 raise ValueError("a throughput gate needs evaluation.throughput and baseline: true")
+            if g.max_regression_ppl_pct is not None and self.perplexity is None:
+                raise ValueError("max_regression_ppl_pct needs evaluation.perplexity (the PPL it compares)")
+            if g.max_regression_decode_pct is not None and self.throughput is None:
+                raise ValueError("max_regression_decode_pct needs evaluation.throughput (the decode speed it compares)")
         return self
 
 

@@ -13,24 +13,42 @@ from qbuild.errors import UserError
 from qbuild.summary import human_size
 
 
+def _well_formed(record: dict | None) -> bool:
+    return (isinstance(record, dict) and isinstance(record.get("recipe"), str)
+            and isinstance(record.get("variants", []), list) and isinstance(record.get("steps", []), list)
+            and all(isinstance(v, dict) for v in record.get("variants", []) + record.get("steps", [])))
+
+
 def find_run(store, name: str | None) -> dict:
-    """A run id, a recipe name (its latest run), or None (the store's latest run)."""
-    runs = sorted((store.root / "runs").glob("*.json"))
+    """A run id, a recipe name (its latest run), a recipe file, or None (the store's latest run).
+
+    NAME never becomes a path by itself: a run id or recipe name must follow the name grammar (qbuild/names.py).
+    Unreadable or damaged run records are skipped (or, named by id, refused in one line)."""
+    from qbuild.artifacts.store import read_json
+    from qbuild.names import valid_name
+
+    runs = [r for r in store.runs() if _well_formed(r)]   # oldest first, by when they finished
     if not runs:
         raise UserError(f"no runs in store {store.root}; run `qbuild RECIPE` first")
     if name:
-        exact = store.root / "runs" / f"{name}.json"
-        if exact.is_file():
-            return json.loads(exact.read_text())
-        if Path(name).is_file():  # a recipe path: use its name
+        if valid_name(name):
+            exact = store.root / "runs" / f"{name}.json"
+            if exact.is_file() and not exact.is_symlink():
+                record = read_json(exact)
+                if not _well_formed(record):
+                    raise UserError(f"run record {exact} is unreadable or damaged")
+                return record
+        if Path(name).is_file() and Path(name).suffix in (".yaml", ".yml"):  # a recipe path: use its name
             from qbuild.recipe import load_recipe
 
             name = load_recipe(name).name
-        matching = [r for r in runs if json.loads(r.read_text()).get("recipe") == name]
+        elif not valid_name(name):
+            raise UserError(f"invalid run id or recipe name {name[:80]!r}: use letters, digits, '.', '_' or '-'")
+        matching = [r for r in runs if r.get("recipe") == name]
         if not matching:
             raise UserError(f"no run of recipe {name!r} (or run id) in store {store.root}")
         runs = matching
-    return json.loads(runs[-1].read_text())
+    return runs[-1]
 
 
 def pareto(points: list[tuple[float, float, str]], lower_y_better: bool) -> set[str]:
@@ -83,6 +101,78 @@ def svg_scatter(points: list[tuple[float, float, str]], xlabel: str, ylabel: str
     return "".join(parts)
 
 
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+HISTORY_METRICS = [("ppl", "perplexity", "{:.4g}"), ("kld", "KLD", "{:.4g}"), ("decode_tok_s", "decode tokens/s", "{:.4g}"),
+                   ("size_bytes", "size (MiB)", "{:.4g}")]
+
+
+def history_series(runs: list[dict], field: str) -> dict[str, list[tuple[int, float, str]]]:
+    """variant → [(index of the run, value, run id)] over `runs` (oldest first), where the variant was measured."""
+    series: dict[str, list[tuple[int, float, str]]] = {}
+    for i, run in enumerate(runs):
+        for r in run.get("variants", []):
+            v = r.get(field)
+            if v is None:
+                continue
+            series.setdefault(r["variant"], []).append((i, v / 2**20 if field == "size_bytes" else v, run.get("run_id", "?")))
+    return series
+
+
+def svg_lines(series: dict[str, list[tuple[int, float, str]]], n_runs: int, ylabel: str, field: str) -> str:
+    """One polyline per variant over the runs (x: run, oldest left), each point titled with its run and value."""
+    if not series:
+        return "<p><em>not measured</em></p>"
+    w, h, m = 520, 300, 56
+    ys = [y for pts in series.values() for _, y, _ in pts]
+    y0, y1 = min(ys), max(ys)
+    pad = 0.1 * (y1 - y0) if y1 > y0 else (abs(y0) * 0.05 or 1)
+    y0, y1 = y0 - pad, y1 + pad
+
+    def sx(i):
+        return m + (i / (n_runs - 1) if n_runs > 1 else 0.5) * (w - 2 * m - 90)
+
+    def sy(y):
+        return h - m - (y - y0) / (y1 - y0) * (h - 2 * m)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" data-metric="{field}">',
+             f'<rect width="{w}" height="{h}" fill="white" stroke="#ccc"/>',
+             f'<line x1="{m}" y1="{h - m}" x2="{w - m - 90}" y2="{h - m}" stroke="#333"/>',
+             f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="#333"/>',
+             f'<text x="{(w - 90) / 2}" y="{h - 14}" text-anchor="middle" font-size="13">run (oldest left)</text>',
+             f'<text x="16" y="{h / 2}" text-anchor="middle" font-size="13" transform="rotate(-90 16 {h / 2})">'
+             f'{html.escape(ylabel)}</text>']
+    for v in (y0, (y0 + y1) / 2, y1):
+        parts.append(f'<text x="{m - 6}" y="{sy(v) + 4}" text-anchor="end" font-size="11">{v:.4g}</text>')
+    for k, (variant, pts) in enumerate(sorted(series.items())):
+        color = PALETTE[k % len(PALETTE)]
+        name = html.escape(variant)
+        parts.append(f'<g class="series" data-variant="{name}" stroke="{color}" fill="{color}">')
+        if len(pts) > 1:
+            path = " ".join(f"{sx(i):.1f},{sy(y):.1f}" for i, y, _ in pts)
+            parts.append(f'<polyline points="{path}" fill="none"/>')
+        for i, y, run_id in pts:
+            parts.append(f'<circle cx="{sx(i):.1f}" cy="{sy(y):.1f}" r="4" data-run="{html.escape(run_id)}" '
+                         f'data-value="{y!r}"><title>{name} · {html.escape(run_id)}: {y:.6g}</title></circle>')
+        parts.append(f'<text x="{w - m - 80}" y="{m + 14 * k}" font-size="11" stroke="none">{name}</text></g>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _history_html(history: list[dict] | None) -> str:
+    """The history view: each variant's metrics over the recipe's runs (one plot per metric, one line per variant)."""
+    if not history or len(history) < 2:
+        return ""
+    figures = []
+    for field, label, _ in HISTORY_METRICS:
+        series = history_series(history, field)
+        if series:
+            figures.append(f"<figure><figcaption>{html.escape(label)} over runs</figcaption>"
+                           f"{svg_lines(series, len(history), label, field)}</figure>")
+    runs = ", ".join(f"<code>{html.escape(r.get('run_id', '?'))}</code>" for r in history)
+    return (f'<section id="history"><h2>History: {len(history)} runs</h2><p>{runs}</p>'
+            f'<div class="plots">{"".join(figures)}</div></section>')
+
+
 COLUMNS = [("variant", "variant", "{}"), ("method", "method", "{}"), ("detail", "detail", "{}"),
            ("size", "size_bytes", None), ("PPL", "ppl", "{:.3f}"), ("ΔPPL", "delta_ppl", "{:+.3f}"),
            ("KLD", "kld", "{:.4f}"), ("top-1", "top1", "{:.1%}"), ("decode tok/s", "decode_tok_s", "{:.1f}"),
@@ -107,7 +197,7 @@ def _gates_html(gates: dict | None) -> str:
         return ""
     rows = []
     for g in gates["checks"]:
-        value = "not measured" if g["value"] is None else f"{g['value']:.4g}"
+        value = g.get("note") or ("not measured" if g["value"] is None else f"{g['value']:.4g}")
         rows.append(f"<tr class={'ok' if g['passed'] else 'bad'}><td>{html.escape(g['variant'])}</td>"
                     f"<td>{g['check']}</td><td>{value}</td><td>{g['bound']}</td>"
                     f"<td>{'pass' if g['passed'] else 'FAIL'}</td></tr>")
@@ -115,7 +205,8 @@ def _gates_html(gates: dict | None) -> str:
             f"<th>check</th><th>value</th><th>bound</th><th>result</th></tr>{''.join(rows)}</table>")
 
 
-def render_html(run: dict) -> str:
+def render_html(run: dict, history: list[dict] | None = None) -> str:
+    """history: the recipe's run records up to this one, oldest first (`qbuild report` passes the store's)."""
     rows = run["variants"]
     head = "".join(f"<th>{html.escape(c)}</th>" for c, _, _ in COLUMNS)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _cells(r)) + "</tr>" for r in rows)
@@ -140,6 +231,7 @@ tr.bad td{{background:#fde2e2}} pre{{background:#f7f7f7;padding:1em}}
 <figure><figcaption>Decode speed vs size (upper-left is better; red: Pareto front)</figcaption>
 {svg_scatter(_points(rows, 'decode_tok_s'), 'size (MiB)', 'decode tokens/s', False)}</figure>
 </div>
+{_history_html(history)}
 <h2>Perplexity protocol</h2><p>Numbers are comparable only under this protocol.</p><pre>{html.escape(protocol)}</pre>
 </body></html>
 """

@@ -31,6 +31,11 @@ def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated
     ppl = evals.get((key, "perplexity")) or evals.get((key, "reference"))
     speed = evals.get((key, "throughput"))
     kld = ppl if ppl and "kld" in ppl.metrics else None
+    own = artifact.metrics if artifact else {}   # a step may measure itself (a target that benchmarks its engine)
+
+    def metric(evaluation: StepOutcome | None, name: str):
+        return evaluation.metrics.get(name) if evaluation else own.get(name)
+
     return {
         "variant": art.label, "method": art.method, "detail": art.detail, "target": art.target,
         "format": art.step.format, "scheme": art.step.scheme or None,
@@ -39,11 +44,9 @@ def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated
         "digest": artifact.digest if artifact else None,
         "error": artifact.error if artifact else None, "log": artifact.log if artifact else None,
         "not_evaluated": not_evaluated,
-        "ppl": ppl.metrics.get("ppl") if ppl else None,
-        "kld": kld.metrics.get("kld") if kld else None, "top1": kld.metrics.get("top1") if kld else None,
-        "decode_tok_s": speed.metrics.get("decode_tok_s") if speed else None,
-        "prefill_tok_s": speed.metrics.get("prefill_tok_s") if speed else None,
-        "ttft_ms": speed.metrics.get("ttft_ms") if speed else None,
+        "ppl": metric(ppl, "ppl"), "kld": metric(kld, "kld"), "top1": metric(kld, "top1"),
+        "decode_tok_s": metric(speed, "decode_tok_s"), "prefill_tok_s": metric(speed, "prefill_tok_s"),
+        "ttft_ms": metric(speed, "ttft_ms"),
     }
 
 
@@ -61,8 +64,12 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
                 r["delta_ppl_pct"] = 100 * r["delta_ppl"] / base["ppl"]
             if r["decode_tok_s"] and base["decode_tok_s"]:
                 r["throughput_ratio"] = r["decode_tok_s"] / base["decode_tok_s"]
+    planned = {ps.step.key: ps for ps in plan.steps}
+    # why each built step missed (the planner's reasons, as `qbuild plan` shows them): `qbuild diff` reads them
     steps = [{"name": o.step.name, "kind": o.step.kind, "status": o.status, "key": o.step.key, "digest": o.digest,
-              "seconds": round(o.seconds, 2), "error": o.error, "log": o.log, "started": o.started, "ended": o.ended}
+              "seconds": round(o.seconds, 2), "error": o.error, "log": o.log, "started": o.started, "ended": o.ended,
+              "why": list(planned[o.step.key].reasons) if o.step.key in planned and o.status == Outcome.BUILT else [],
+              "worker": o.worker}
              for o in outcomes]
     counts = {s: sum(1 for o in outcomes if o.status == s)
               for s in (Outcome.BUILT, Outcome.CACHED, Outcome.FAILED, Outcome.SKIPPED)}
@@ -86,9 +93,9 @@ def render_table(summary: dict, console) -> None:
                 ("tok/s", "decode_tok_s", ".1f")]
     shown = [o for o in optional if any(r.get(o[1]) is not None for r in rows)]
     for name, justify in cols:
-        table.add_column(name, justify=justify)
+        table.add_column(name, justify=justify, overflow="fold")
     for name, _, _ in shown:
-        table.add_column(name, justify="right")
+        table.add_column(name, justify="right", overflow="fold")
     style = {"built": "green", "cached": "cyan", "failed": "bold red", "skipped": "yellow"}
     for r in rows:
         method = "-" if r["method"] == "-" else f"{r['method']} {r['detail']}".strip()

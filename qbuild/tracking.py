@@ -33,9 +33,12 @@ def log_run(uri: str, experiment: str | None, recipe, summary: dict, store, repo
         import mlflow
     except ImportError:
         raise MissingBackendError("MLflow tracking needs mlflow, which", "mlflow") from None
+    from qbuild.names import redact_tree
+
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(experiment or f"qbuild/{recipe.name}")
-    resolved = recipe.canonical()
+    resolved = redact_tree(recipe.canonical())   # a dataset URL's password never becomes an MLflow param
+    summary = redact_tree(summary)
     with mlflow.start_run(run_name=f"{recipe.name} {summary['run_id']}") as parent:
         mlflow.log_params(flatten({k: v for k, v in resolved.items() if k not in ("variants", "store")}))
         mlflow.set_tags({"qbuild.run_id": summary["run_id"], "qbuild.recipe": recipe.name,
@@ -53,5 +56,5 @@ def log_run(uri: str, experiment: str | None, recipe, summary: dict, store, repo
                 mlflow.set_tags({"qbuild.variant": row["variant"], "qbuild.key": row.get("key") or "",
                                  "qbuild.digest": row.get("digest") or "", "qbuild.status": row.get("status") or ""})
                 if row.get("digest"):
-                    mlflow.log_dict(store.manifest(row["digest"]), "manifest.json")
+                    mlflow.log_dict(redact_tree(store.manifest(row["digest"])), "manifest.json")
         return parent.info.run_id

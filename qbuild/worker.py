@@ -49,14 +49,13 @@ def main(spec_path: str) -> int:
         progress_fd=int(fd) if fd else None,
     )
     try:
-        if spec["threads"]:
-            try:
-                import torch
-
-                torch.set_num_threads(spec["threads"])
-            except ImportError:
-                pass
-        result = resolve_runner(spec["runner"])(ctx) or {}
+        runner = resolve_runner(spec["runner"])
+        # torch takes its thread count from OMP_NUM_THREADS (the executor sets it), so a step that never imports
+        # torch does not pay its import (~1.7 s per step: most of an empty step's cost); a runner module that
+        # imported torch already gets the count set explicitly too
+        if spec["threads"] and "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(spec["threads"])
+        result = runner(ctx) or {}
     except BaseException as exc:  # report every failure, incl. KeyboardInterrupt, as one line + log
         traceback.print_exc()
         Path(spec["result"]).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))

@@ -24,6 +24,9 @@ class FakeVariant(VariantBase):
     sleep: float = 0.0
     fail: bool = False
     timing: bool = False   # declare the step hardware-dependent, like a throughput measurement
+    ppl: float | None = None           # measurements the step reports of itself (the summary shows them as a
+    decode_tok_s: float | None = None  # variant's PPL / decode speed): regression gates and diffs test with them
+    work: int = 0          # fixed CPU work for benchmarks: this many thousand sha256 rounds (not a sleep)
 
     def needs_calibration(self) -> bool:
         return self.calibrated
@@ -48,6 +51,7 @@ class FakeMethod(Method):
 
 def run(ctx: StepContext) -> dict:
     p = ctx.params
+    ctx.log(f"fake step, level {p['level']}")   # the step's log (executors bring it back to the driver's store)
     h = hashlib.sha256(repr(sorted(p.items())).encode())
     for role in sorted(ctx.inputs):
         h.update(str(ctx.input_manifests.get(role, {}).get("digest", role)).encode())
@@ -60,6 +64,15 @@ def run(ctx: StepContext) -> dict:
             ctx.progress(int(time.time() * 10) % 10, 10, "writing")
             time.sleep(0.05)
         f.write(b"end")
+    if p.get("work"):
+        _burn(p["work"])
     if p["fail"]:
         raise RuntimeError("fake failure requested by the recipe")
-    return {"format": "fake", "metrics": {"level": p["level"]}}
+    metrics = {"level": p["level"], **{k: p[k] for k in ("ppl", "decode_tok_s") if p.get(k) is not None}}
+    return {"format": "fake", "metrics": metrics}
+
+
+def _burn(thousands: int) -> None:
+    x = b"x"
+    for _ in range(thousands * 1000):
+        x = hashlib.sha256(x).digest()

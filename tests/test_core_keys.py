@@ -140,7 +140,7 @@ def test_planning_never_imports_torch(tmp_path, setup):
         "import sys; from qbuild.cli import cli; "
         f"sys.argv=['qbuild','plan','{recipe}','--store','{tmp_path / 's'}','--json'];\n"
         "try:\n    cli()\nexcept SystemExit:\n    pass\n"
-        "heavy = [m for m in ('torch', 'transformers', 'llama_cpp', 'datasets') if m in sys.modules]\n"
+        "heavy = [m for m in ('torch', 'transformers', 'llama_cpp', 'datasets', 'ray') if m in sys.modules]\n"
         "print('HEAVY', heavy, file=sys.stderr)"
     )
     import subprocess

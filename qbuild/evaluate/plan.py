@@ -50,9 +50,10 @@ def evaluation_steps(ctx) -> None:
     ev = ctx.recipe.evaluation
     if not (ev.perplexity or ev.throughput):
         return
-    data = ctx.eval_data(ev.perplexity) if ev.perplexity else None
+    data = None  # the tokenized evaluation text, planned on first use: no step builds data that nothing reads
     reference = None
     if ev.kld and ev.kld_base:
+        data = ctx.eval_data(ev.perplexity)
         reference = _kld_base_reference(ctx, ev, data)
     elif ev.kld:
         baseline_rt, why = pick_runtime(ctx.model().format)
@@ -61,6 +62,7 @@ def evaluation_steps(ctx) -> None:
         else:
             params = {**ev.perplexity.canonical(), "runtime": baseline_rt.name}
             params.pop("dataset")  # identified by the eval-data input
+            data = ctx.eval_data(ev.perplexity)
             reference = _step("reference", "reference[baseline]", params, baseline_rt, "baseline", ctx.model(),
                               {"model": ctx.model(), "data": data}, (), ctx, format="logprobs")
     for art in ctx.artifacts:
@@ -79,6 +81,7 @@ def evaluation_steps(ctx) -> None:
             else:
                 params = {**ev.perplexity.canonical(), "runtime": rt.name}
                 params.pop("dataset")  # identified by the eval-data input
+                data = data or ctx.eval_data(ev.perplexity)
                 inputs = {"model": art.step, "data": data}
                 if reference is not None and not art.baseline and "kld" not in skipped:
                     inputs["reference"] = reference  # KLD + top-1 from the same pass

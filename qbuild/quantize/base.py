@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from qbuild.names import NAME_PATTERN  # the one name grammar (qbuild/names.py)
 from qbuild.schema_base import StrictModel
-
-NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class VariantBase(StrictModel):

@@ -4,6 +4,10 @@ llama-cpp-python builds llama.cpp but does not install `convert_hf_to_gguf.py`; 
 it together with the gguf-py it needs (PyPI's `gguf` may lag behind the converter). qbuild extracts
 exactly that converter from the sdist of the installed llama-cpp-python version, once, into its
 cache, so converter and runtime always come from the same llama.cpp.
+
+The sdist is checked against a pinned sha256 (SDIST_SHA256, the hash PyPI publishes): pip verifies it
+(--require-hashes) and so does qbuild before extracting. A version not pinned here is refused unless
+QBUILD_LLAMA_CPP_SDIST_SHA256 gives its hash (or QBUILD_LLAMA_CPP_DIR points at a converter).
 """
 
 from __future__ import annotations
@@ -18,6 +22,18 @@ from pathlib import Path
 from qbuild.fingerprint import cache_dir, package_version
 
 MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+SDIST_SHA256 = {  # llama_cpp_python-<version>.tar.gz on PyPI; add a line when scripts/constraints.txt moves
+    "0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+}
+
+
+def sdist_sha256(version: str) -> str:
+    pinned = os.environ.get("QBUILD_LLAMA_CPP_SDIST_SHA256") or SDIST_SHA256.get(version)
+    if not pinned:
+        raise RuntimeError(f"no pinned sha256 for the llama-cpp-python {version} sdist; set "
+                           "QBUILD_LLAMA_CPP_SDIST_SHA256 to the hash PyPI lists for it, install a pinned version "
+                           f"({', '.join(sorted(SDIST_SHA256))}), or set QBUILD_LLAMA_CPP_DIR")
+    return pinned.lower().removeprefix("sha256:")
 
 
 def cache_root() -> Path:
@@ -38,15 +54,19 @@ def converter_dir(log=print) -> Path:
     target = cache_root() / version
     if (target / "convert_hf_to_gguf.py").is_file():
         return target
+    pinned = sdist_sha256(version)
     log(f"extracting llama.cpp's converter from the llama-cpp-python {version} sdist (once)")
     cache_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:  # same filesystem: the rename is atomic
+        req = Path(tmp) / "requirements.txt"
+        req.write_text(f"llama-cpp-python=={version} --hash=sha256:{pinned}\n")
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={version}", "-d", tmp],
+             "--require-hashes", "-r", str(req), "-d", tmp],
             check=True,
         )
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        check_sdist(sdist, pinned)
         staged = Path(tmp) / "staged"
         with tarfile.open(sdist) as tar:
             prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
@@ -62,6 +82,15 @@ def converter_dir(log=print) -> Path:
             if not (target / "convert_hf_to_gguf.py").is_file():
                 raise
     return target
+
+
+def check_sdist(sdist: Path, pinned: str) -> None:
+    """Refuse a downloaded sdist whose sha256 is not the pinned one (never extract unverified code)."""
+    from qbuild.hashing import sha256_file
+
+    got = sha256_file(sdist)
+    if got != pinned:
+        raise RuntimeError(f"{sdist.name}: sha256 {got} does not match the pinned {pinned}; refusing to use it")
 
 
 def run_converter(model_dir: Path, outfile: Path, outtype: str, log=print) -> None:

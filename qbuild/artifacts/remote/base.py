@@ -32,13 +32,14 @@ from urllib.parse import urlsplit, urlunsplit
 
 from qbuild.errors import QBuildError, UserError
 from qbuild.hashing import sha256_file, tree_digest
+from qbuild.names import NAME_RE as NAMES_RE
 from qbuild.plugins import Plugin
 
 MANIFEST = "manifest.json"
 CHUNK = 8 << 20
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
-NAME_RE = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # recipe / variant names (as in store.REF_RE)
-TAG_RE = re.compile(r"^[\w.-]+$")
+NAME_RE = NAMES_RE   # recipe / variant names and tags: the one name grammar (qbuild/names.py)
+TAG_RE = NAMES_RE
 SIDECAR_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,99}$")
 PUSH_POLICIES = ("always", "on-success", "never")
 
@@ -69,7 +70,9 @@ class RemoteConfigError(RemoteError, UserError):
 
 def scrub(text: str) -> str:
     """Remove credentials from a message: URL userinfo and the values of secret environment variables."""
-    text = re.sub(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s]+@", r"\1", text)
+    from qbuild.names import redact_url
+
+    text = redact_url(text)   # the one URL redaction (qbuild/names.py)
     for var in SECRET_ENV:
         value = os.environ.get(var)
         if value and len(value) >= 4:
@@ -127,7 +130,7 @@ def check_manifest(manifest: dict, digest: str) -> list[dict]:
 
 
 def check_name(kind: str, value: str, rx: re.Pattern = NAME_RE) -> str:
-    if not isinstance(value, str) or not rx.match(value):
+    if not isinstance(value, str) or not rx.fullmatch(value):
         raise UserError(f"invalid {kind} {value!r}")
     return value
 
