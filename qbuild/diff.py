@@ -16,16 +16,22 @@ METRICS = ("ppl", "kld", "top1", "decode_tok_s", "size_bytes")
 
 
 def find_record(store, name: str) -> dict:
-    """A run id (or a unique prefix of one)."""
+    """A run id (or a unique prefix of one). NAME follows the name grammar: it never becomes a path by itself."""
+    from qbuild.artifacts.store import read_json
+    from qbuild.names import valid_name
+
+    if not valid_name(name):
+        raise UserError(f"invalid run id {name[:80]!r}: use letters, digits, '.', '_' or '-'")
     exact = store.root / "runs" / f"{name}.json"
-    if exact.is_file():
-        return json.loads(exact.read_text())
-    found = sorted((store.root / "runs").glob(f"{name}*.json"))
-    if len(found) == 1:
-        return json.loads(found[0].read_text())
-    if found:
+    found = [exact] if exact.is_file() else sorted((store.root / "runs").glob(f"{name}*.json"))
+    if len(found) > 1:
         raise UserError(f"run id prefix {name!r} is ambiguous ({len(found)} runs)")
-    raise UserError(f"no run {name!r} in store {store.root} (`qbuild diff --last RECIPE` compares its last two runs)")
+    if not found:
+        raise UserError(f"no run {name!r} in store {store.root} (`qbuild diff --last RECIPE` compares its last two runs)")
+    record = None if found[0].is_symlink() else read_json(found[0])
+    if record is None:
+        raise UserError(f"run record {found[0]} is unreadable or damaged")
+    return record
 
 
 def last_two(store, recipe: str) -> tuple[dict, dict]:
@@ -68,10 +74,12 @@ def _build_record(store, key: str | None) -> dict | None:
     """The action record of a step key (params, inputs, toolchain, impl), if the store still has it."""
     if not key:
         return None
-    try:
-        record = json.loads(store._action_file(key).read_text())
-    except (OSError, ValueError):
-        return None
+    from qbuild.artifacts.store import read_json
+
+    record = read_json(store._action_file(key))
+    inputs = record.get("inputs") if record else None
+    if not isinstance(inputs, dict) or not all(isinstance(i, dict) for i in inputs.values()):
+        return None   # missing, damaged or from another version: the diff says "why" is unknown
     return {"params": record.get("params", {}), "toolchain": record.get("toolchain", {}),
             "impl": record.get("impl", 1), "kind": record.get("kind"),
             "inputs": {role: i.get("key") for role, i in (record.get("inputs") or {}).items()},

@@ -455,7 +455,12 @@ class Store:
                     drop("lock", entry)
             except (Timeout, OSError):
                 continue
-        runs = sorted(_listdir(self.root / "runs"), key=lambda p: p.name)
+        def finished(p: Path):   # the order of store.runs(): run ids of one second sort at random by name
+            record = None if p.is_symlink() else read_json(p)
+            when = record.get("finished") if record else None
+            return (when if isinstance(when, int | float) else 0, p.name)
+
+        runs = sorted(_listdir(self.root / "runs"), key=finished)
         keep = {p.stem for p in runs[-keep_runs:]} if keep_runs > 0 else set()
         for entry in runs:
             if entry.stem not in keep and old(entry, older_than_s):
