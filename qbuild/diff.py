@@ -7,8 +7,6 @@ input, tool version, qbuild's implementation), else the reasons the planner reco
 
 from __future__ import annotations
 
-import json
-
 from qbuild.errors import UserError
 from qbuild.plan import change_reasons
 
