@@ -24,16 +24,9 @@ import sys
 import time
 from pathlib import Path
 
+from bench_llamacpp_protocol import REPO, stored  # bench/ is on sys.path when a bench runs as a script
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-REPO = Path(__file__).resolve().parents[1]
-
-
-def stored(ref: str, store: Path) -> Path:
-    res = subprocess.run([sys.executable, "-m", "qbuild", "show", ref, "--store", str(store)], capture_output=True,
-                         text=True)
-    if res.returncode != 0:
-        sys.exit(f"{ref} is not in {store}: run `qbuild recipes/demo.yaml --store {store}` first")
-    return Path(json.loads(res.stdout)["path"])
 
 
 def eval_tokens(store: Path, gguf_manifest_path: Path):

@@ -29,7 +29,7 @@ def stored(ref: str, store: Path) -> Path:
     res = subprocess.run([sys.executable, "-m", "qbuild", "show", ref, "--store", str(store)], capture_output=True,
                          text=True)
     if res.returncode != 0:
-        sys.exit(f"{ref} is not in {store}: run `qbuild recipes/demo.yaml` first")
+        sys.exit(f"{ref} is not in {store}: run `qbuild recipes/demo.yaml --store {store}` first")
     return Path(json.loads(res.stdout)["path"])
 
 

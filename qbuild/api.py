@@ -302,8 +302,7 @@ def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store
 
     The client's HTTP timeout and retries are bounded (TRACKING_ENV, unless the environment sets its own), so an
     unreachable server costs seconds, not minutes; the run's result never depends on it."""
-    import os
-
+    from qbuild.artifacts.mlflow_registry import mlflow_http_limits
     from qbuild.names import redact_url
     from qbuild.report import render_html
     from qbuild.tracking import log_run
@@ -311,11 +310,9 @@ def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store
     shown = redact_url(uri)
     if uri in _tracking_failed:
         return {"uri": shown, "error": "unreachable (see the warning above)"}
-    saved = {k: os.environ.get(k) for k in TRACKING_ENV}
-    for k, v in TRACKING_ENV.items():
-        os.environ.setdefault(k, v)
     try:
-        with contextlib.redirect_stdout(sys.stderr):  # mlflow prints run links; stdout is for --json
+        # mlflow prints run links; stdout is for --json
+        with mlflow_http_limits(TRACKING_ENV), contextlib.redirect_stdout(sys.stderr):
             run_id = log_run(uri, experiment, recipe, summary, store, render_html(summary))
         return {"uri": shown, "run_id": run_id}
     except QBuildError:
@@ -325,12 +322,6 @@ def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store
         reason = redact_url(" ".join(f"{type(exc).__name__}: {exc}".split())[:300])
         log.warning(f"MLflow tracking to {shown} failed (the run's result is unchanged): {reason}")
         return {"uri": shown, "error": reason}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def pull(name: str, *, store=None, out: str | Path | None = None, need: dict | None = None, remote=None,

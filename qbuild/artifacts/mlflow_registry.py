@@ -38,6 +38,23 @@ def _display(uri: str) -> str:
 
 
 @contextmanager
+def mlflow_http_limits(defaults: dict[str, str]) -> Iterator[None]:
+    """Bound MLflow's HTTP timeout/retries with `defaults` (MLFLOW_HTTP_REQUEST_* variables the user has not
+    set), restoring the environment afterwards: an unreachable server costs seconds, not minutes."""
+    saved = {k: os.environ.get(k) for k in defaults}
+    for k, v in defaults.items():
+        os.environ.setdefault(k, v)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
 def _client(tracking_uri: str) -> Iterator:
     """An MlflowClient with bounded HTTP timeouts/retries (unless the user set their own)."""
     try:
@@ -45,24 +62,16 @@ def _client(tracking_uri: str) -> Iterator:
     except ImportError:
         raise MissingBackendError("the MLflow model registry needs mlflow, which", "mlflow") from None
     display = _display(tracking_uri)
-    saved = {k: os.environ.get(k) for k in TIMEOUT_ENV}
-    for k, v in TIMEOUT_ENV.items():
-        os.environ.setdefault(k, v)
-    try:
-        yield MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    except QBuildError:
-        raise
-    except Exception as exc:
-        text = " ".join(str(exc).split())
-        from qbuild.artifacts.remote.base import scrub
+    with mlflow_http_limits(TIMEOUT_ENV):
+        try:
+            yield MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        except QBuildError:
+            raise
+        except Exception as exc:
+            text = " ".join(str(exc).split())
+            from qbuild.artifacts.remote.base import scrub
 
-        raise RegistryError(f"MLflow registry {display}: {scrub(text)[:300]}") from None
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+            raise RegistryError(f"MLflow registry {display}: {scrub(text)[:300]}") from None
 
 
 def artifact_source(store_url: str, digest: str) -> str:
