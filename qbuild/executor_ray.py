@@ -29,7 +29,7 @@ from pathlib import Path
 from qbuild.artifacts.remote.cache import RemoteHit, push_hit
 from qbuild.artifacts.store import Store
 from qbuild.errors import UserError
-from qbuild.executor import UNBUILDABLE, Executor, Origin, StepOutcome
+from qbuild.executor import UNBUILDABLE, Executor, Origin, StepOutcome, escape
 from qbuild.plan import PlannedStep
 from qbuild.step import Outcome, Step
 
@@ -219,7 +219,7 @@ class RayExecutor(Executor):
                     ref = task.options(max_retries=MAX_RETRIES, retry_exceptions=False, name=ps.step.name,
                                        **opts).remote(ps.step, self.origins.get(ps.step.key), self.run_id, self.device,
                                                       specs, inputs, queue)
-                    bar = self.progress.add_task(_esc(ps.step.name), total=None, step=_esc(ps.step.name)) \
+                    bar = self.progress.add_task(escape(ps.step.name), total=None, step=escape(ps.step.name)) \
                         if self.progress else None
                     running[ref] = (ps, bar, time.time())
                 if not running:
@@ -270,7 +270,7 @@ class RayExecutor(Executor):
             if key in bars and bars[key] is not None:
                 name = self.progress.tasks[bars[key]].fields.get("step", "")
                 self.progress.update(bars[key], completed=done, total=total or None,
-                                     description=f"{name}{': ' if desc else ''}{_esc(desc)}")
+                                     description=f"{name}{': ' if desc else ''}{escape(desc)}")
 
     def _outcome(self, ray, ref, step: Step, t0: float) -> StepOutcome:
         log_path = self.store.log_path(self.run_id, step.name)
@@ -294,9 +294,3 @@ class RayExecutor(Executor):
         if self.materialize_all:
             self.materialize(outcome)
         return outcome
-
-
-def _esc(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)
