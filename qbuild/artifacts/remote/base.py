@@ -32,14 +32,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 from qbuild.errors import QBuildError, UserError
 from qbuild.hashing import sha256_file, tree_digest
-from qbuild.names import NAME_RE as NAMES_RE
+from qbuild.names import check_name as check_ref_name
 from qbuild.plugins import Plugin
 
 MANIFEST = "manifest.json"
 CHUNK = 8 << 20
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
-NAME_RE = NAMES_RE   # recipe / variant names and tags: the one name grammar (qbuild/names.py)
-TAG_RE = NAMES_RE
 SIDECAR_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,99}$")
 PUSH_POLICIES = ("always", "on-success", "never")
 
@@ -129,10 +127,15 @@ def check_manifest(manifest: dict, digest: str) -> list[dict]:
     return files
 
 
-def check_name(kind: str, value: str, rx: re.Pattern = NAME_RE) -> str:
-    if not isinstance(value, str) or not rx.fullmatch(value):
-        raise UserError(f"invalid {kind} {value!r}")
-    return value
+def check_name(kind: str, value: str) -> str:
+    """A recipe, variant or tag in a remote ref: the one name grammar (qbuild/names.py)."""
+    return check_ref_name(value, kind)
+
+
+def check_sidecar(name: str) -> str:
+    if not isinstance(name, str) or not SIDECAR_RE.fullmatch(name):
+        raise UserError(f"invalid sidecar {name!r}")
+    return name
 
 
 def check_digest(digest: str) -> str:

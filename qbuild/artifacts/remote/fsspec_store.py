@@ -24,14 +24,13 @@ from qbuild.artifacts.remote import remotes
 from qbuild.artifacts.remote.base import (
     CHUNK,
     MANIFEST,
-    SIDECAR_RE,
-    TAG_RE,
     Progress,
     RemoteConfigError,
     RemoteError,
     RemoteStore,
     check_digest,
     check_name,
+    check_sidecar,
 )
 from qbuild.artifacts.store import now_iso
 
@@ -228,13 +227,13 @@ class FsspecRemote(RemoteStore):
                     yield name[:-5], rec["digest"]
 
     def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None) -> None:
-        check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag, TAG_RE)
+        check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)
         check_digest(digest)
         self._write_bytes(self._p("refs", recipe, variant, tag),
                           json.dumps({"digest": digest, "key": key, "updated": now_iso()}, sort_keys=True).encode())
 
     def get_ref(self, recipe: str, variant: str, tag: str = "latest") -> dict | None:
-        check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag, TAG_RE)
+        check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)
         data = self._read_json(self._p("refs", recipe, variant, tag))
         return None if data is None else {"ref": f"{recipe}/{variant}:{tag}", **data}
 
@@ -267,11 +266,11 @@ class FsspecRemote(RemoteStore):
                 self._call("delete", self.fs.rm, base, recursive=True)
 
     def put_sidecar(self, digest: str, name: str, data: bytes) -> None:
-        check_digest(digest), check_name("sidecar", name, SIDECAR_RE)
+        check_digest(digest), check_sidecar(name)
         self._write_bytes(self._sidecar(digest, name), data)
 
     def get_sidecar(self, digest: str, name: str) -> bytes | None:
-        check_digest(digest), check_name("sidecar", name, SIDECAR_RE)
+        check_digest(digest), check_sidecar(name)
         return self._read_bytes(self._sidecar(digest, name))
 
 

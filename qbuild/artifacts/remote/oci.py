@@ -33,14 +33,13 @@ from qbuild.artifacts.remote import remotes
 from qbuild.artifacts.remote.base import (
     CHUNK,
     MANIFEST,
-    SIDECAR_RE,
-    TAG_RE,
     Progress,
     RemoteConfigError,
     RemoteError,
     RemoteStore,
     check_digest,
     check_name,
+    check_sidecar,
 )
 from qbuild.artifacts.store import now_iso
 
@@ -374,7 +373,7 @@ class OciRemote(RemoteStore):
         elif not sidecars:
             return
         for name, data in (sidecars or {}).items():
-            check_name("sidecar", name, SIDECAR_RE)
+            check_sidecar(name)
             side[name] = self._push_bytes(data, DOC, {TITLE: sidecar_title(name, files), ROLE: "sidecar",
                                                       "org.qbuild.sidecar": name})
         self._put_oci_manifest(OBJ_TAG + digest, self._object_oci(digest, manifest, files, side))
@@ -435,7 +434,7 @@ class OciRemote(RemoteStore):
                     yield tag[len(KEY_TAG):], d
 
     def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None) -> None:
-        check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag, TAG_RE)
+        check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)
         check_digest(digest)
         oci, _ = self._get_oci_manifest(OBJ_TAG + digest)
         if oci is None:
@@ -453,7 +452,7 @@ class OciRemote(RemoteStore):
                 "updated": ann.get("org.qbuild.ref.updated")}
 
     def get_ref(self, recipe: str, variant: str, tag: str = "latest") -> dict | None:
-        check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag, TAG_RE)
+        check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)
         oci, _ = self._get_oci_manifest(oci_tag(recipe, variant, tag))
         return self._ref_from(oci, f"{recipe}/{variant}:{tag}")
 
@@ -495,7 +494,7 @@ class OciRemote(RemoteStore):
         self.put_object(digest, Path("."), manifest, sidecars={name: data})
 
     def get_sidecar(self, digest: str, name: str) -> bytes | None:
-        check_digest(digest), check_name("sidecar", name, SIDECAR_RE)
+        check_digest(digest), check_sidecar(name)
         oci, _ = self._get_oci_manifest(OBJ_TAG + digest)
         layer = next((la for la in (oci or {}).get("layers", [])
                       if (la.get("annotations") or {}).get("org.qbuild.sidecar") == name), None)
