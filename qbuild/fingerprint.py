@@ -12,7 +12,7 @@ from functools import cache, lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from qbuild.hashing import canonical_json, sha256_file, sha256_text, tree_digest
+from qbuild.hashing import canonical_json, memo_sha256, sha256_text, tree_digest
 
 
 @cache
@@ -72,14 +72,9 @@ def dir_fingerprint(path: Path) -> str:
         if rel.startswith(".cache/") or rel.startswith(".git/"):
             continue
         st = f.stat()
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
-        old = memo.get(rel)
-        if old and old[:3] == stamp:
-            digest = old[3]
-        else:
-            digest, changed = sha256_file(f), True
-        fresh[rel] = stamp + [digest]
-        rows.append({"path": rel, "size": st.st_size, "sha256": digest})
+        fresh[rel], hashed = memo_sha256(f, st, memo.get(rel))
+        changed = changed or hashed
+        rows.append({"path": rel, "size": st.st_size, "sha256": fresh[rel][3]})
     if changed or set(fresh) != set(memo):
         memo_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo_file.with_suffix(f".{os.getpid()}.tmp")

@@ -27,6 +27,15 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def memo_sha256(path: Path, st, memo) -> tuple[list, bool]:
+    """[size, mtime_ns, inode, sha256] of `path` (stat result `st`), re-hashing only when the stat triple differs
+    from `memo` (a previous such list, or None to force). Returns (entry, hashed)."""
+    mark = [st.st_size, st.st_mtime_ns, st.st_ino]
+    if isinstance(memo, list) and len(memo) == 4 and memo[:3] == mark:
+        return memo, False
+    return mark + [sha256_file(path)], True
+
+
 def step_key(kind: str, params: dict, inputs: dict[str, str], toolchain: dict[str, str]) -> str:
     """Key of a step = hash of exactly (kind, canonical params, input identities, toolchain)."""
     return sha256_text(canonical_json({"kind": kind, "params": params, "inputs": inputs, "toolchain": toolchain}))

@@ -118,11 +118,11 @@ def test_warm_hit_check_uses_the_stamp_and_costs_milliseconds(tmp_path, store_di
     store = Store(store_dir)
     key = next(s["key"] for s in first["steps"] if s["name"] == "quantize[a]")
     assert store.lookup(key) is not None
-    import qbuild.artifacts.store as store_module
+    import qbuild.hashing as hashing_module  # where a file is hashed (store and fingerprint memos share it)
 
     calls = []
-    real = store_module.sha256_file
-    store_module.sha256_file = lambda p: calls.append(p) or real(p)
+    real = hashing_module.sha256_file
+    hashing_module.sha256_file = lambda p: calls.append(p) or real(p)
     try:
         t0 = time.perf_counter()
         for _ in range(20):
@@ -131,7 +131,7 @@ def test_warm_hit_check_uses_the_stamp_and_costs_milliseconds(tmp_path, store_di
         assert calls == []                               # warm: stat only, no re-hash
         assert store.lookup(key, verify="full") is not None and len(calls) == 1
     finally:
-        store_module.sha256_file = real
+        hashing_module.sha256_file = real
     assert warm < 0.05   # typically well under 1 ms; generous for a loaded CI machine
 
 

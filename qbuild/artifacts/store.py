@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qbuild.errors import EXIT_USER_ERROR, QBuildError, UserError
-from qbuild.hashing import canonical_json, sha256_file, tree_digest
+from qbuild.hashing import canonical_json, memo_sha256, sha256_file, tree_digest
 from qbuild.names import NAME, check_name
 
 log = logging.getLogger("qbuild")
@@ -289,18 +289,13 @@ class Store:
             if st.st_size != f["size"]:
                 problems.append(f"size changed: {f['path']} ({st.st_size} bytes, manifest says {f['size']})")
                 continue
-            mark = [st.st_size, st.st_mtime_ns, st.st_ino]
-            old = stamp.get(f["path"])
-            if not full and isinstance(old, list) and old[:3] == mark and len(old) == 4:
-                sha = old[3]
-            else:
-                try:
-                    sha = sha256_file(p)
-                except OSError as exc:
-                    problems.append(f"unreadable file {f['path']}: {exc.strerror}")
-                    continue
-                changed = True
-            fresh[f["path"]] = mark + [sha]
+            try:
+                fresh[f["path"]], hashed = memo_sha256(p, st, None if full else stamp.get(f["path"]))
+            except OSError as exc:
+                problems.append(f"unreadable file {f['path']}: {exc.strerror}")
+                continue
+            changed = changed or hashed
+            sha = fresh[f["path"]][3]
             if sha != f["sha256"]:
                 problems.append(f"content changed: {f['path']}")
         for p in _walk(obj):
