@@ -20,6 +20,10 @@ class Format(StrEnum):
     TRTLLM_CHECKPOINT = "trtllm-checkpoint"     # config.json + rank<N>.safetensors, input of trtllm-build
     TRTLLM_ENGINE = "trtllm-engine"             # a TensorRT engine dir (TensorRT-LLM 1.2.x)
     TRTLLM_PYTORCH = "trtllm-pytorch"           # checkpoint + extra_llm_api_options.yaml (PyTorch backend)
+    BITSANDBYTES = "bitsandbytes"               # HF dir, quant_method bitsandbytes (NF4/FP4 or LLM.int8)
+    AUTO_ROUND = "auto-round"                   # HF dir, quant_method auto-round (AutoRound's own export)
+    GPTQ = "gptq"                               # HF dir, quant_method gptq (AutoGPTQ/GPTQModel layout)
+    AWQ = "awq"                                 # HF dir, quant_method awq (AutoAWQ GEMM layout)
     # data, not models: never evaluated or summarised as a variant
     CALIBRATION = "calibration"
     TOKENS = "tokens"
@@ -66,6 +70,14 @@ for _spec in (
     FormatSpec(Format.TRTLLM_ENGINE, "TensorRT-LLM engine (TensorRT backend, 1.2.x)", loads_in=("tensorrt-llm",)),
     FormatSpec(Format.TRTLLM_PYTORCH, "checkpoint packaged for TensorRT-LLM's PyTorch backend",
                loads_in=("trtllm-serve", "tensorrt-llm")),
+    FormatSpec(Format.BITSANDBYTES, "HF checkpoint with serialized bitsandbytes weights (NF4/FP4 or LLM.int8)",
+               loads_in=("transformers", "vllm"), load_tools=("bitsandbytes",)),
+    FormatSpec(Format.AUTO_ROUND, "HF checkpoint in AutoRound's format (quant_method auto-round)",
+               loads_in=("transformers", "vllm", "sglang"), load_tools=("auto-round",)),
+    FormatSpec(Format.GPTQ, "HF checkpoint in the GPTQ layout (quant_method gptq)",
+               loads_in=("vllm", "sglang", "tgi", "transformers")),
+    FormatSpec(Format.AWQ, "HF checkpoint in the AWQ GEMM layout (quant_method awq)",
+               loads_in=("vllm", "sglang", "tgi", "transformers")),
     FormatSpec(Format.CALIBRATION, "tokenized calibration set", model=False),
     FormatSpec(Format.TOKENS, "tokenized evaluation text", model=False),
     FormatSpec(Format.METRICS, "evaluation results", model=False),

@@ -1,4 +1,4 @@
-"""Runtime `transformers`: HF checkpoints (plain, compressed-tensors) on CPU or CUDA."""
+"""Runtime `transformers`: HF checkpoints (plain, compressed-tensors, bitsandbytes, auto-round) on CPU or CUDA."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ class TransformersSession(RuntimeSession):
 @runtimes.register
 class TransformersRuntime(Runtime):
     name = "transformers"
-    formats = (Format.HF, Format.COMPRESSED_TENSORS)
+    formats = (Format.HF, Format.COMPRESSED_TENSORS, Format.BITSANDBYTES, Format.AUTO_ROUND)
     tools = ("torch", "transformers")
     extra = "hf"
     requires = ("torch", "transformers")
