@@ -1,4 +1,4 @@
-"""NVIDIA ModelOpt: FP8, INT8-SmoothQuant, INT4-AWQ and W4A8-AWQ, exported for TensorRT-LLM.
+"""NVIDIA ModelOpt: FP8, INT8-SmoothQuant, INT4-AWQ, W4A8-AWQ, NVFP4 and W4A8-MXFP4, exported for TensorRT-LLM.
 
 One step, `quantize[<variant>]`: load the HF model, calibrate ModelOpt's quantizers on the shared
 calibration set, export either a TensorRT-LLM checkpoint (config.json + rank<N>.safetensors, the
@@ -6,6 +6,14 @@ input of `trtllm-build`) or a Hugging Face checkpoint with hf_quant_config.json 
 PyTorch backend loads), then validate the export against the source model and record every fix
 (see qbuild/trtllm/checkpoint.py: ModelOpt 0.47 writes no rotary_base, for one).
 Runs on CPU; ModelOpt is imported only inside the step's worker process.
+
+NVFP4 and W4A8-MXFP4 (MXFP4 weights, FP8 activations) are exported as HF checkpoints for TensorRT-LLM's
+PyTorch backend, whose Linear layers run exactly these two FP4 layouts (QuantAlgo NVFP4 and
+W4A8_MXFP4_FP8; plain W4A4 MXFP4 has no dense-layer kernel there, so ModelOpt's MXFP4_DEFAULT_CFG is not
+offered). ModelOpt 0.47 fake-quantizes FP4 only on CUDA (its dynamic block quantizer asserts CUDA
+tensors, the MX kernels are a CUDA extension), so these steps need a GPU: without one `qbuild plan`
+shows them as needs-gpu, and `on_missing_gpu: skip` builds the rest of the recipe. Any CUDA GPU can
+quantize; serving the result needs Blackwell (SM 10.x) kernels.
 """
 
 from __future__ import annotations
@@ -21,12 +29,17 @@ from qbuild.errors import RecipeError
 from qbuild.formats import Format
 from qbuild.plugins import Method, methods
 from qbuild.quantize.base import VariantBase
-from qbuild.step import Step, StepContext
+from qbuild.step import OnUnavailable, Step, StepContext
+from qbuild.trtllm import env as trtllm_env
 from qbuild.trtllm.checkpoint import QUANT_ALGO, linear_in_features
 
 TOOLS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
 
-SCHEMES = ("fp8", "int8-sq", "int4-awq", "w4a8-awq", "none")
+SCHEMES = ("fp8", "int8-sq", "int4-awq", "w4a8-awq", "nvfp4", "w4a8-mxfp4-fp8", "none")
+FP4_SCHEMES = ("nvfp4", "w4a8-mxfp4-fp8")   # CUDA-only in ModelOpt 0.47; HF export only
+# quant_algo that ModelOpt writes into hf_quant_config.json for the FP4 schemes (TensorRT-LLM's QuantAlgo names)
+FP4_QUANT_ALGO = {"nvfp4": "NVFP4", "w4a8-mxfp4-fp8": "W4A8_MXFP4_FP8"}
+FP4_GROUP_SIZE = {"nvfp4": 16, "w4a8-mxfp4-fp8": 32}   # elements per FP4 scale block along the input dim
 AWQ_SCHEMES = ("int4-awq", "w4a8-awq")
 AWQ_BLOCK_SIZES = (64, 128)  # group sizes TensorRT-LLM's weight-only/W4A8 AWQ kernels take
 # HF model_type -> ModelOpt's TensorRT-LLM decoder_type (only types ModelOpt's export maps)
@@ -41,20 +54,30 @@ class ModelOptVariant(VariantBase):
     """A model quantized by NVIDIA ModelOpt, exported for TensorRT-LLM."""
 
     method: Literal["modelopt"]
-    scheme: Literal["fp8", "int8-sq", "int4-awq", "w4a8-awq", "none"] = Field(
+    scheme: Literal["fp8", "int8-sq", "int4-awq", "w4a8-awq", "nvfp4", "w4a8-mxfp4-fp8", "none"] = Field(
         description="fp8 (W8A8 FP8 per-tensor), int8-sq (INT8 SmoothQuant), int4-awq (W4A16 AWQ), "
-        "w4a8-awq (INT4 weights, FP8 activations), none (unquantized export).")
+        "w4a8-awq (INT4 weights, FP8 activations), nvfp4 (W4A4 NVFP4, 16-element blocks; needs a GPU), "
+        "w4a8-mxfp4-fp8 (MXFP4 weights, FP8 activations; needs a GPU), none (unquantized export).")
     block_size: int | None = Field(
         None, description="AWQ group size along the input dimension (64 or 128; default 128). AWQ schemes only.")
     dtype: Literal["float16", "bfloat16"] = Field("float16", description="Dtype of the layers left unquantized.")
-    export: Literal["trtllm-checkpoint", "hf"] = Field(
-        "trtllm-checkpoint", description="trtllm-checkpoint: input of trtllm-build (tensorrt-llm target); "
-        "hf: HF checkpoint + hf_quant_config.json (trtllm-pytorch target).")
+    export: Literal["trtllm-checkpoint", "hf"] | None = Field(
+        None, description="trtllm-checkpoint: input of trtllm-build (tensorrt-llm target); "
+        "hf: HF checkpoint + hf_quant_config.json (trtllm-pytorch target). Default: hf for nvfp4 and "
+        "w4a8-mxfp4-fp8 (the only export offered for them), trtllm-checkpoint otherwise.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks of the TensorRT-LLM checkpoint.")
     pp_size: int = Field(1, ge=1, description="Pipeline-parallel ranks of the TensorRT-LLM checkpoint.")
+    on_missing_gpu: Literal["fail", "skip"] = Field(
+        "fail", description="nvfp4 / w4a8-mxfp4-fp8 without a GPU here: fail (exit 2 before any work) or skip this "
+        "variant (and what needs it) and build the rest.")
 
     @model_validator(mode="after")
     def _block_size(self):
+        if self.export is None:   # resolved here, so the key holds the export actually made
+            object.__setattr__(self, "export", "hf" if self.scheme in FP4_SCHEMES else "trtllm-checkpoint")
+        elif self.scheme in FP4_SCHEMES and self.export != "hf":
+            raise ValueError(f"scheme {self.scheme} is exported as an HF checkpoint for TensorRT-LLM's PyTorch "
+                             "backend only: use export: hf (or leave export unset)")
         if self.scheme in AWQ_SCHEMES:
             if self.block_size is None:
                 object.__setattr__(self, "block_size", 128)
@@ -69,9 +92,14 @@ class ModelOptVariant(VariantBase):
     def needs_calibration(self) -> bool:
         return self.scheme != "none"
 
+    def quant_params(self) -> dict:
+        data = super().quant_params()
+        data.pop("on_missing_gpu")   # what to do on this machine, not what the checkpoint is
+        return data
+
     def describe(self) -> str:
         label = {"fp8": "FP8", "int8-sq": "INT8-SQ", "int4-awq": "INT4-AWQ", "w4a8-awq": "W4A8-AWQ",
-                 "none": self.dtype}[self.scheme]
+                 "nvfp4": "NVFP4", "w4a8-mxfp4-fp8": "W4A8-MXFP4", "none": self.dtype}[self.scheme]
         return f"{label} g{self.block_size}" if self.block_size else label
 
 
@@ -110,9 +138,20 @@ class ModelOpt(Method):
         inputs = {"model": model}
         if variant.needs_calibration():
             inputs["calibration"] = ctx.calibration()
+        gpu = {}
+        if variant.scheme in FP4_SCHEMES:
+            why = "" if trtllm_env.gpu() else (f"needs a CUDA GPU: ModelOpt {_modelopt_version()} fake-quantizes "
+                                               f"{variant.scheme} only on CUDA; none found here (nvidia-smi)")
+            gpu = {"requires_gpu": True, "unavailable": why, "on_unavailable": OnUnavailable(variant.on_missing_gpu)}
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.trtllm.modelopt:run", inputs=inputs, tools=TOOLS, threads=ctx.threads,
-                            variant=variant.name, format=FORMATS[variant.export], scheme=variant.scheme))
+                            variant=variant.name, format=FORMATS[variant.export], scheme=variant.scheme, **gpu))
+
+
+def _modelopt_version() -> str:
+    from qbuild.fingerprint import package_version
+
+    return package_version("nvidia-modelopt")
 
 
 # --- worker side ------------------------------------------------------------------------------------
@@ -123,7 +162,8 @@ def quant_config(params: dict) -> dict:
     import modelopt.torch.quantization as mtq
 
     preset = {"fp8": mtq.FP8_DEFAULT_CFG, "int8-sq": mtq.INT8_SMOOTHQUANT_CFG, "int4-awq": mtq.INT4_AWQ_CFG,
-              "w4a8-awq": mtq.W4A8_AWQ_BETA_CFG}[params["scheme"]]
+              "w4a8-awq": mtq.W4A8_AWQ_BETA_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+              "w4a8-mxfp4-fp8": mtq.W4A8_MXFP4_FP8_CFG}[params["scheme"]]
     cfg = copy.deepcopy(preset)
     if params.get("block_size"):
         entries = cfg["quant_cfg"]
@@ -145,7 +185,11 @@ def run(ctx: StepContext) -> dict:
     src = Path(ctx.inputs["model"])
     src_cfg = json.loads((src / "config.json").read_text())
     ctx.progress(0, 3, "loading model")
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    if p["scheme"] in FP4_SCHEMES:   # CUDA-only in ModelOpt; calibrate in the export dtype (memory)
+        device, load_dtype = "cuda", getattr(torch, p["dtype"])
+    else:
+        device, load_dtype = "cpu", torch.float32
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=load_dtype).to(device).eval()
     if p["scheme"] != "none":
         import modelopt.torch.quantization as mtq
 
@@ -156,8 +200,8 @@ def run(ctx: StepContext) -> dict:
 
         def forward_loop(m):
             for i in range(n):
-                m(input_ids=torch.from_numpy(ids[i: i + 1]).long(),
-                  attention_mask=torch.from_numpy(mask[i: i + 1]).long())
+                m(input_ids=torch.from_numpy(ids[i: i + 1]).long().to(device),
+                  attention_mask=torch.from_numpy(mask[i: i + 1]).long().to(device))
                 ctx.progress(i + 1, n, f"calibrating {p['scheme']}")
 
         with torch.no_grad():
@@ -184,12 +228,28 @@ def run(ctx: StepContext) -> dict:
                                            group_size=p.get("block_size"), tp_size=p["tp_size"], pp_size=p["pp_size"])
     else:
         fixes = validate_hf_export(ctx.out, src_cfg)
+        if p["scheme"] in FP4_SCHEMES:
+            check_fp4_export(ctx.out, p["scheme"])
     for f in fixes:
         ctx.log(f"fixed {f['field']}: {f['was']!r} -> {f['now']!r} ({f['why']})")
     ctx.progress(3, 3, "done")
     from importlib.metadata import version
 
     size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
+    algo = FP4_QUANT_ALGO.get(p["scheme"]) or QUANT_ALGO[p["scheme"]]
     return {"format": FORMATS[p["export"]], "metrics": {"size_bytes": size},
-            "info": {"quant_algo": QUANT_ALGO[p["scheme"]], "checkpoint_fixes": fixes,
+            "info": {"quant_algo": algo, "device": device, "checkpoint_fixes": fixes,
                      "validated_against_source": True, "modelopt": version("nvidia-modelopt")}}
+
+
+def check_fp4_export(ckpt: Path, scheme: str) -> dict:
+    """The export declares what TensorRT-LLM's PyTorch backend will run: quant_algo and block size (raises if not)."""
+    hfq = ckpt / "hf_quant_config.json"
+    if not hfq.is_file():
+        raise ValueError(f"{scheme} export has no hf_quant_config.json: TensorRT-LLM could not tell it is quantized")
+    quant = json.loads(hfq.read_text()).get("quantization") or {}
+    want_algo, want_group = FP4_QUANT_ALGO[scheme], FP4_GROUP_SIZE[scheme]
+    if quant.get("quant_algo") != want_algo or quant.get("group_size") != want_group:
+        raise ValueError(f"{scheme} export declares quant_algo {quant.get('quant_algo')!r}, group_size "
+                         f"{quant.get('group_size')!r}; TensorRT-LLM expects {want_algo!r}, {want_group}")
+    return quant

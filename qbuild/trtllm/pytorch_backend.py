@@ -27,7 +27,7 @@ from qbuild.step import Step, StepContext
 KIND = "trtllm-pytorch-package"
 OPTIONS_FILE = "extra_llm_api_options.yaml"
 INFO_FILE = "qbuild-trtllm.json"
-MODELOPT_OK = ("fp8", "int4-awq", "w4a8-awq", "none")               # ModelOpt HF exports the backend loads
+MODELOPT_OK = ("fp8", "int4-awq", "w4a8-awq", "nvfp4", "w4a8-mxfp4-fp8", "none")   # ModelOpt HF exports it loads
 CT_OK = ("fp8-dynamic", "fp8-block", "nvfp4", "mxfp4")               # compressed-tensors schemes it loads
 
 
