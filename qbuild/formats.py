@@ -16,6 +16,7 @@ class Format(StrEnum):
     HF = "hf"                                   # a plain Hugging Face checkpoint (the baseline)
     COMPRESSED_TENSORS = "compressed-tensors"   # llm-compressor's output: HF dir + compressed-tensors config
     HF_MODELOPT = "hf-modelopt"                 # ModelOpt's HF export (hf_quant_config.json)
+    GPTQ = "gptq"                               # GPTQ format (quantize_config.json, v1 packing): gptqmodel's output
     GGUF = "gguf"                               # one llama.cpp .gguf file
     TRTLLM_CHECKPOINT = "trtllm-checkpoint"     # config.json + rank<N>.safetensors, input of trtllm-build
     TRTLLM_ENGINE = "trtllm-engine"             # a TensorRT engine dir (TensorRT-LLM 1.2.x)
@@ -35,6 +36,7 @@ class FormatSpec:
     model: bool = True                 # a model artifact: evaluated and given a summary row
     loads_in: tuple[str, ...] = ()     # serving engines / libraries that load it
     load_tools: tuple[str, ...] = ()   # distributions a runtime needs to read it: they enter evaluation keys
+    eval_env: str | None = None        # backend environment (qbuild.envs) its evaluation runs in; None: qbuild's
 
 
 FORMATS: dict[str, FormatSpec] = {}
@@ -58,6 +60,9 @@ for _spec in (
                loads_in=("transformers", "vllm", "sglang", "tgi", "lmdeploy", "trtllm-pytorch")),
     FormatSpec(Format.COMPRESSED_TENSORS, "HF checkpoint with compressed-tensors quantization (llm-compressor)",
                loads_in=("vllm", "sglang", "transformers"), load_tools=("compressed-tensors",)),
+    FormatSpec(Format.GPTQ, "GPTQ-format HF checkpoint (quantize_config.json, v1 packing; gptqmodel)",
+               loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers", "exllamav2"),
+               load_tools=("gptqmodel", "optimum"), eval_env="gptqmodel"),
     FormatSpec(Format.HF_MODELOPT, "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)",
                loads_in=("trtllm-pytorch", "vllm", "sglang")),
     FormatSpec(Format.GGUF, "llama.cpp GGUF file", loads_in=("llama.cpp", "ollama", "lm-studio")),

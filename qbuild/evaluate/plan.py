@@ -39,10 +39,13 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
           ctx, **kw) -> Step:
     fields = runtime.plan_fields(label, artifact, ctx, kind)
     extra_inputs = fields.pop("extra_inputs", {})
-    tools = tuple(sorted(set(tools) | set(runtime.tools) | set(spec(artifact.format).load_tools)))
+    fmt = spec(artifact.format)
+    tools = tuple(sorted(set(tools) | set(runtime.tools) | set(fmt.load_tools)))
     kw.setdefault("format", "metrics")
+    # a format only another environment reads (GPTQ: gptqmodel) is evaluated there; so is a model built in one
+    env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
     return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **extra_inputs}, tools=tools,
-                        threads=ctx.threads, **fields, **kw))
+                        threads=ctx.threads, backend_env=env, **fields, **kw))
 
 
 def evaluation_steps(ctx) -> None:
