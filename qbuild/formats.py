@@ -15,6 +15,7 @@ from enum import StrEnum
 class Format(StrEnum):
     HF = "hf"                                   # a plain Hugging Face checkpoint (the baseline)
     COMPRESSED_TENSORS = "compressed-tensors"   # llm-compressor's output: HF dir + compressed-tensors config
+    AWQ = "awq"                                 # AutoAWQ GEMM layout: HF dir with qweight/qzeros/scales, quant_method awq
     HF_MODELOPT = "hf-modelopt"                 # ModelOpt's HF export (hf_quant_config.json)
     GGUF = "gguf"                               # one llama.cpp .gguf file
     TRTLLM_CHECKPOINT = "trtllm-checkpoint"     # config.json + rank<N>.safetensors, input of trtllm-build
@@ -58,6 +59,8 @@ for _spec in (
                loads_in=("transformers", "vllm", "sglang", "tgi", "lmdeploy", "trtllm-pytorch")),
     FormatSpec(Format.COMPRESSED_TENSORS, "HF checkpoint with compressed-tensors quantization (llm-compressor)",
                loads_in=("vllm", "sglang", "transformers"), load_tools=("compressed-tensors",)),
+    FormatSpec(Format.AWQ, "HF checkpoint in AutoAWQ's GEMM layout (4-bit, grouped, zero points; quant_method awq)",
+               loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers")),
     FormatSpec(Format.HF_MODELOPT, "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)",
                loads_in=("trtllm-pytorch", "vllm", "sglang")),
     FormatSpec(Format.GGUF, "llama.cpp GGUF file", loads_in=("llama.cpp", "ollama", "lm-studio")),
