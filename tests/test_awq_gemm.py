@@ -73,7 +73,7 @@ def ct_quantization_config(sym: bool, group_size: int, bits: int = 4) -> dict:
 
 
 def synthetic_ct_checkpoint(root: Path, *, sym: bool, group_size: int = 32, shards: int = 1, seed: int = 0,
-                            scale_dtype=None) -> dict:
+                            scale_dtype=None, unquantized: tuple[str, ...] = ()) -> dict:
     """A 1-layer llama in compressed-tensors pack-quantized W4A16 form with random integers, float16-valued
     scales (stored as float32, as llm-compressor stores them for a float32 model) and real unquantized tensors.
     Returns {module: (signed weight int8 [out, in], signed zero int8 [out, groups], scale)}."""
@@ -91,6 +91,9 @@ def synthetic_ct_checkpoint(root: Path, *, sym: bool, group_size: int = 32, shar
     truth = {}
     for leaf, (out, inp) in LINEARS.items():
         name = f"model.layers.0.{leaf}"
+        if leaf in unquantized:   # kept in full precision, as an `ignore` rule does
+            tensors[f"{name}.weight"] = torch.randn(out, inp, generator=gen)
+            continue
         groups = inp // group_size
         q = torch.randint(-8, 8, (out, inp), generator=gen, dtype=torch.int8)
         z = torch.zeros(out, groups, dtype=torch.int8) if sym else torch.randint(-8, 8, (out, groups), generator=gen,
@@ -195,6 +198,23 @@ def test_synthetic_checkpoint_converts_bit_exactly(tmp_path, sym, shards):
     for name, tensor in src_tensors.items():
         if ".weight_" not in name:   # embeddings, norms, lm_head: unchanged, dtype included
             assert out[name].dtype == tensor.dtype and torch.equal(out[name], tensor), name
+
+
+@needs_ct
+def test_linears_left_in_full_precision_are_named_and_copied(tmp_path):
+    import torch
+
+    from qbuild.quantize.awq_gemm import convert_checkpoint
+
+    truth = synthetic_ct_checkpoint(tmp_path / "ct", sym=False, unquantized=("mlp.down_proj", "self_attn.k_proj"))
+    facts = convert_checkpoint(tmp_path / "ct", tmp_path / "awq", log=lambda _: None)
+    kept = ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.0.self_attn.k_proj"]
+    assert facts["modules_to_not_convert"] == kept and facts["linears_converted"] == len(truth) == 5
+    config = json.loads((tmp_path / "awq" / "config.json").read_text())
+    assert config["quantization_config"]["modules_to_not_convert"] == kept
+    src, out = read_checkpoint(tmp_path / "ct"), read_checkpoint(tmp_path / "awq")
+    for name in kept[1:]:
+        assert torch.equal(out[f"{name}.weight"], src[f"{name}.weight"]) and f"{name}.qweight" not in out
 
 
 @needs_ct
