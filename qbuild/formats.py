@@ -15,6 +15,7 @@ from enum import StrEnum
 class Format(StrEnum):
     HF = "hf"                                   # a plain Hugging Face checkpoint (the baseline)
     COMPRESSED_TENSORS = "compressed-tensors"   # llm-compressor's output: HF dir + compressed-tensors config
+    AWQ = "awq"                                 # AutoAWQ GEMM layout: HF dir with qweight/qzeros/scales, quant_method awq
     HF_MODELOPT = "hf-modelopt"                 # ModelOpt's HF export (hf_quant_config.json)
     GPTQ = "gptq"                               # GPTQ format (quantize_config.json, v1 packing): gptqmodel's output
     GGUF = "gguf"                               # one llama.cpp .gguf file
@@ -63,6 +64,9 @@ for _spec in (
     FormatSpec(Format.GPTQ, "GPTQ-format HF checkpoint (quantize_config.json, v1 packing; gptqmodel)",
                loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers", "exllamav2"),
                load_tools=("gptqmodel", "optimum"), eval_env="gptqmodel"),
+    FormatSpec(Format.AWQ, "HF checkpoint in AutoAWQ's GEMM layout (4-bit, grouped, zero points; quant_method awq)",
+               loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers"),
+               load_tools=("gptqmodel",), eval_env="gptqmodel"),   # transformers 5 reads AWQ through gptqmodel
     FormatSpec(Format.HF_MODELOPT, "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)",
                loads_in=("trtllm-pytorch", "vllm", "sglang")),
     FormatSpec(Format.GGUF, "llama.cpp GGUF file", loads_in=("llama.cpp", "ollama", "lm-studio")),

@@ -102,7 +102,7 @@ class TransformersSession(RuntimeSession):
 @runtimes.register
 class TransformersRuntime(Runtime):
     name = "transformers"
-    formats = (Format.HF, Format.COMPRESSED_TENSORS, Format.GPTQ)   # GPTQ: in the gptqmodel environment
+    formats = (Format.HF, Format.COMPRESSED_TENSORS, Format.GPTQ, Format.AWQ)   # GPTQ, AWQ: in the gptqmodel env
     tools = ("torch", "transformers")
     extra = "hf"
     requires = ("torch", "transformers")
