@@ -176,3 +176,17 @@ def test_env_cli_list_create_rm(tmp_path, monkeypatch):
     proc = qbuild("env", "rm", "gptqmodel")
     assert proc.returncode == 0 and not half.exists()
     assert json.loads(qbuild("env", "list", "--json").stdout)["environments"] == []
+
+
+def test_awq_gemm_checkpoint_is_evaluated_by_transformers_through_gptqmodel(tmp_path, tiny_model_dir, envs_dir):
+    from qbuild.artifacts.store import Store
+
+    r = recipe(tmp_path, tiny_model_dir, [{"name": "awq-gemm", "method": "awq", "bits": 4, "group_size": 32,
+                                           "checkpoint_format": "autoawq"}])
+    code, summary = run_api(r, store=tmp_path / "store")
+    assert code == 0, summary
+    row = {v["variant"]: v for v in summary["variants"]}
+    assert row["awq-gemm"]["format"] == "awq" and 0.8 < row["awq-gemm"]["ppl"] / row["baseline"]["ppl"] < 1.5
+    step = next(s for s in summary["steps"] if s["name"] == "perplexity[awq-gemm]")
+    runtime = json.loads((Store(tmp_path / "store").object_dir(step["digest"]) / "perplexity.json").read_text())["runtime"]
+    assert runtime["quant_method"] == "awq" and "Awq" in runtime["linear_class"]
