@@ -53,6 +53,13 @@ def evaluation_steps(ctx) -> None:
     ev = ctx.recipe.evaluation
     if not (ev.perplexity or ev.throughput):
         return
+    if ev.kld_base and "add_bos" not in ev.perplexity.model_fields_set:
+        # a llama-perplexity base file was scored with the model's own BOS rule: follow it unless the recipe says
+        from qbuild.models.resolve import model_adds_bos
+
+        adds = model_adds_bos(ctx.model())
+        if adds is not None and adds != ev.perplexity.add_bos:
+            ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": adds})})
     data = None  # the tokenized evaluation text, planned on first use: no step builds data that nothing reads
     reference = None
     if ev.kld and ev.kld_base:
