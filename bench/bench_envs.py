@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--group-size", type=int, default=32)
     args = ap.parse_args()
+    args.model = args.model.resolve()
     if not (args.model / "config.json").is_file():
         sys.exit(f"{args.model} is not a model directory (run the test suite once, or pass --model)")
 

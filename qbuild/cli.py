@@ -200,14 +200,16 @@ def _print_plan(the_plan, as_json):
     from rich.table import Table
 
     table = Table(title=f"plan · {the_plan.recipe.name}", title_justify="left")
-    for col in ("step", "key", "status", "why"):
+    with_env = any(r["env"] for r in data["steps"])   # the column appears when a step runs in a backend environment
+    for col in ("step", "key", "status", "why") + (("env",) if with_env else ()):
         table.add_column(col, overflow="fold")
     style = {"hit": "cyan", "hit-remote": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta",
              "unavailable": "magenta"}
     for r in data["steps"]:
         status = f"hit ({r['reason']})" if r["status"] == "hit-remote" else r["status"]
         table.add_row(escape(r["step"]), r["key"][:12], f"[{style[r['status']]}]{escape(status)}[/]",
-                      "" if r["status"] in ("hit", "hit-remote") else escape(r["reason"]))
+                      "" if r["status"] in ("hit", "hit-remote") else escape(r["reason"]),
+                      *((escape(r["env"] or "-"),) if with_env else ()))
     console = _console()
     console.print(table)
     for row in data["not_evaluated"]:

@@ -70,7 +70,8 @@ class Plan:
     def as_dict(self) -> dict:
         rows = [{"step": p.step.name, "kind": p.step.kind, "status": p.status, "key": p.step.key, "reason": p.reason,
                  "reasons": list(p.reasons),
-                 "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None)}
+                 "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None),
+                 "env": p.step.backend_env.label if p.step.backend_env else None}
                 for p in self.steps]
         return {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
                 "not_evaluated": [{"artifact": label, "reason": why} for label, why in self.not_evaluated.items()],
