@@ -15,15 +15,15 @@ from enum import StrEnum
 class Format(StrEnum):
     HF = "hf"                                   # a plain Hugging Face checkpoint (the baseline)
     COMPRESSED_TENSORS = "compressed-tensors"   # llm-compressor's output: HF dir + compressed-tensors config
+    AWQ = "awq"                                 # AutoAWQ GEMM layout: HF dir with qweight/qzeros/scales, quant_method awq
     HF_MODELOPT = "hf-modelopt"                 # ModelOpt's HF export (hf_quant_config.json)
+    GPTQ = "gptq"                               # GPTQ format (quantize_config.json, v1 packing): gptqmodel's output
     GGUF = "gguf"                               # one llama.cpp .gguf file
     TRTLLM_CHECKPOINT = "trtllm-checkpoint"     # config.json + rank<N>.safetensors, input of trtllm-build
     TRTLLM_ENGINE = "trtllm-engine"             # a TensorRT engine dir (TensorRT-LLM 1.2.x)
     TRTLLM_PYTORCH = "trtllm-pytorch"           # checkpoint + extra_llm_api_options.yaml (PyTorch backend)
     BITSANDBYTES = "bitsandbytes"               # HF dir, quant_method bitsandbytes (NF4/FP4 or LLM.int8)
     AUTO_ROUND = "auto-round"                   # HF dir, quant_method auto-round (AutoRound's own export)
-    GPTQ = "gptq"                               # HF dir, quant_method gptq (AutoGPTQ/GPTQModel layout)
-    AWQ = "awq"                                 # HF dir, quant_method awq (AutoAWQ GEMM layout)
     # data, not models: never evaluated or summarised as a variant
     CALIBRATION = "calibration"
     TOKENS = "tokens"
@@ -39,6 +39,7 @@ class FormatSpec:
     model: bool = True                 # a model artifact: evaluated and given a summary row
     loads_in: tuple[str, ...] = ()     # serving engines / libraries that load it
     load_tools: tuple[str, ...] = ()   # distributions a runtime needs to read it: they enter evaluation keys
+    eval_env: str | None = None        # backend environment (qbuild.envs) its evaluation runs in; None: qbuild's
 
 
 FORMATS: dict[str, FormatSpec] = {}
@@ -62,6 +63,12 @@ for _spec in (
                loads_in=("transformers", "vllm", "sglang", "tgi", "lmdeploy", "trtllm-pytorch")),
     FormatSpec(Format.COMPRESSED_TENSORS, "HF checkpoint with compressed-tensors quantization (llm-compressor)",
                loads_in=("vllm", "sglang", "transformers"), load_tools=("compressed-tensors",)),
+    FormatSpec(Format.GPTQ, "GPTQ-format HF checkpoint (quantize_config.json, v1 packing; gptqmodel)",
+               loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers", "exllamav2"),
+               load_tools=("gptqmodel", "optimum"), eval_env="gptqmodel"),
+    FormatSpec(Format.AWQ, "HF checkpoint in AutoAWQ's GEMM layout (4-bit, grouped, zero points; quant_method awq)",
+               loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers"),
+               load_tools=("gptqmodel",), eval_env="gptqmodel"),   # transformers 5 reads AWQ through gptqmodel
     FormatSpec(Format.HF_MODELOPT, "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)",
                loads_in=("trtllm-pytorch", "vllm", "sglang")),
     FormatSpec(Format.GGUF, "llama.cpp GGUF file", loads_in=("llama.cpp", "ollama", "lm-studio")),
@@ -74,10 +81,6 @@ for _spec in (
                loads_in=("transformers", "vllm"), load_tools=("bitsandbytes",)),
     FormatSpec(Format.AUTO_ROUND, "HF checkpoint in AutoRound's format (quant_method auto-round)",
                loads_in=("transformers", "vllm", "sglang"), load_tools=("auto-round",)),
-    FormatSpec(Format.GPTQ, "HF checkpoint in the GPTQ layout (quant_method gptq)",
-               loads_in=("vllm", "sglang", "tgi", "transformers")),
-    FormatSpec(Format.AWQ, "HF checkpoint in the AWQ GEMM layout (quant_method awq)",
-               loads_in=("vllm", "sglang", "tgi", "transformers")),
     FormatSpec(Format.CALIBRATION, "tokenized calibration set", model=False),
     FormatSpec(Format.TOKENS, "tokenized evaluation text", model=False),
     FormatSpec(Format.METRICS, "evaluation results", model=False),

@@ -96,12 +96,11 @@ def render_table(summary: dict, console) -> None:
         table.add_column(name, justify=justify, overflow="fold")
     for name, _, _ in shown:
         table.add_column(name, justify="right", overflow="fold")
-    # every status needs a style: "[]source[/]" (a local baseline) is not markup and rich refuses it
-    style = {"built": "green", "cached": "cyan", "failed": "bold red", "skipped": "yellow", "source": "dim"}
+    style = {"built": "green", "cached": "cyan", "failed": "bold red", "skipped": "yellow"}
     for r in rows:
         method = "-" if r["method"] == "-" else f"{r['method']} {r['detail']}".strip()
         table.add_row(escape(r["variant"]), escape(method), human_size(r["size_bytes"]), (r["key"] or "")[:12],
-                      f"[{style.get(r['status'], 'default')}]{escape(str(r['status']))}[/]",
+                      f"[{style[r['status']]}]{r['status']}[/]" if r["status"] in style else escape(str(r["status"])),
                       *(_fmt(r.get(field), spec) for _, field, spec in shown))
     console.print(table)
     c = summary["counts"]

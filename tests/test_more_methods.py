@@ -163,6 +163,7 @@ def plan_of(tmp_path, variants, **extra):
     ({"method": "bitsandbytes", "scheme": "int8", "double_quant": True}, "variants[0]", "double_quant applies to nf4/fp4"),
     ({"method": "bitsandbytes", "scheme": "nf4", "threshold": 4.0}, "variants[0]", "threshold applies to int8"),
     ({"method": "autoround", "bits": 8, "group_size": 64, "format": "auto_awq"}, "variants[0]", "auto_awq packs 4-bit"),
+    ({"method": "autoround", "bits": 4, "group_size": 64, "format": "auto_awq"}, "variants[0]", "set sym: false"),
     ({"method": "smoothquant", "smoothing_strength": 1.5}, "variants[0].smoothing_strength", "less than or equal to 1"),
     ({"method": "modelopt", "scheme": "nvfp4", "export": "trtllm-checkpoint"}, "variants[0]", "use export: hf"),
 ])
@@ -182,21 +183,27 @@ def test_bnb_options_of_the_scheme_enter_the_key_others_do_not(tmp_path):
     assert "threshold" not in nf4
 
 
-@pytest.mark.parametrize("fmt, produced, evaluated", [
-    ("auto_round", "auto-round", True), ("llm_compressor", "compressed-tensors", True),
-    ("auto_gptq", "gptq", False), ("auto_awq", "awq", False),
-])
-def test_autoround_export_formats(tmp_path, fmt, produced, evaluated):
+@pytest.mark.parametrize("fmt, produced", [("auto_round", "auto-round"), ("llm_compressor", "compressed-tensors"),
+                                            ("auto_gptq", "gptq"), ("auto_awq", "awq")])
+def test_autoround_export_formats(tmp_path, fmt, produced):
+    if not needs["auto_round"]:
+        pytest.skip("needs auto-round")
+    v = {"name": "v", "method": "autoround", "bits": 4, "group_size": 64, "format": fmt, "sym": fmt != "auto_awq"}
+    p = plan_of(tmp_path, [v])
+    art = next(a for a in p.artifacts if a.label == "v")
+    assert art.step.format == produced and art.step.scheme == "w4a16"
+    assert "calibration" in art.step.inputs and art.step.params["format"] == fmt
+
+
+@pytest.mark.parametrize("fmt", ["auto_round", "llm_compressor"])
+def test_autoround_exports_evaluated_by_transformers_here(tmp_path, fmt):
     if not needs["auto_round"]:
         pytest.skip("needs auto-round")
     p = plan_of(tmp_path, [{"name": "v", "method": "autoround", "bits": 4, "group_size": 64, "format": fmt}],
                 evaluation={"baseline": False, "perplexity": {"context_length": 64, "max_windows": 1}})
-    art = next(a for a in p.artifacts if a.label == "v")
-    assert art.step.format == produced and art.step.scheme == "w4a16"
-    assert "calibration" in art.step.inputs
-    assert ("v" not in p.not_evaluated) == evaluated, p.not_evaluated
-    if not evaluated:
-        assert p.not_evaluated["v"] == f"no runtime for {produced}"
+    assert "v" not in p.not_evaluated
+    ppl = next(s for s in p.steps if s.step.name == "perplexity[v]").step
+    assert ppl.params["runtime"] == "transformers" and ppl.backend_env is None   # qbuild's own environment
 
 
 def test_autoround_group_size_checked_at_plan_time(tmp_path, tiny_model_dir):
@@ -308,3 +315,16 @@ def test_fp4_export_on_gpu(tiny_model_dir, tmp_path, scheme, algo, group):
     info = json.loads((package / "qbuild-trtllm.json").read_text())
     assert info["quantization"] == f"modelopt:{algo}"
     assert yaml.safe_load((package / "extra_llm_api_options.yaml").read_text())["tensor_parallel_size"] == 1
+
+
+def test_autoround_can_run_in_a_backend_environment_bitsandbytes_cannot(tmp_path):
+    """auto-round pins its own torch in newer releases, so its step honours `env:`; bitsandbytes runs in qbuild's."""
+    import sys
+
+    if not needs["auto_round"]:
+        pytest.skip("needs auto-round")
+    p = plan_of(tmp_path, [{"name": "v", "method": "autoround", "group_size": 64, "env": {"python": sys.executable}}])
+    step = next(a for a in p.artifacts if a.label == "v").step
+    assert step.backend_env is not None and step.backend_env.python == sys.executable
+    with pytest.raises(RecipeError, match=r"variants\[0\]\.env.*own environment only"):
+        plan_of(tmp_path, [{"name": "b", "method": "bitsandbytes", "env": {"python": sys.executable}}])

@@ -8,9 +8,10 @@ set, then exports in one of the formats auto-round writes:
                            vLLM and SGLang load it; evaluated here by the transformers runtime (on CPU
                            through auto-round's torch kernels, which run in float16)
   format: llm_compressor   compressed-tensors (pack-quantized): vLLM, SGLang, transformers
-  format: auto_gptq        the GPTQ layout (quant_method gptq): vLLM, SGLang, TGI; transformers needs GPTQModel,
-                           so no runtime here evaluates it
-  format: auto_awq         the AWQ GEMM layout (quant_method awq): vLLM, SGLang, TGI; not evaluated here
+  format: auto_gptq        the GPTQ layout (quant_method gptq): vLLM, SGLang, TGI; transformers reads it through
+                           gptqmodel, so it is evaluated in the `gptqmodel` backend environment
+  format: auto_awq         the AutoAWQ GEMM layout (quant_method awq; 4-bit, sym: false): vLLM, SGLang, TGI;
+                           evaluated in the `gptqmodel` environment too
 
 Tuning runs on CPU (slowly: keep iters and samples small there).
 """
@@ -49,8 +50,12 @@ class AutoRoundVariant(lc.IntWeightVariant):
 
     @model_validator(mode="after")
     def _format_fits_scheme(self):
-        if self.format == "auto_awq" and self.bits != 4:
-            raise ValueError(f"format auto_awq packs 4-bit weights only (AWQ GEMM kernels), not {self.bits}")
+        if self.format == "auto_awq":   # the AutoAWQ GEMM layout: 4-bit, grouped, with zero points
+            if self.bits != 4:
+                raise ValueError(f"format auto_awq packs 4-bit weights only (AWQ GEMM kernels), not {self.bits}")
+            if self.sym or self.group_size is None:
+                raise ValueError("format auto_awq stores grouped weights with zero points: set sym: false and a "
+                                 "group_size")
         return self
 
     def needs_calibration(self) -> bool:
@@ -66,6 +71,7 @@ class AutoRound(Method):
     options = AutoRoundVariant
     extra = "autoround"
     requires = ("auto_round", "torch", "transformers")
+    runs_in_env = True   # `env: auto-round` (or your own auto-round version) runs the tuning outside qbuild's environment
 
     def check(self, variant: AutoRoundVariant, ctx, field: str) -> None:
         lc.check_int_weights(variant, ctx, field)
@@ -78,7 +84,7 @@ class AutoRound(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, "qbuild.quantize.autoround:run",
                             inputs={"model": ctx.model(), "calibration": ctx.calibration()}, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=FORMATS[variant.format],
-                            scheme=f"w{variant.bits}a16"))
+                            scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self)))
 
 
 # --- worker side ------------------------------------------------------------------------------------

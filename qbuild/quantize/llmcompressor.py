@@ -80,6 +80,7 @@ class LLMCompressorMethod(Method):
 
     extra = "llmcompressor"
     requires = ("llmcompressor", "compressed_tensors")
+    runs_in_env = True     # `env: llm-compressor` (or your own) runs oneshot outside qbuild's environment
 
     def check(self, variant, ctx, field: str) -> None:
         if isinstance(variant, IntWeightVariant):
@@ -101,7 +102,7 @@ class LLMCompressorMethod(Method):
         runner = f"{type(self).__module__}:{type(self).__name__}.run"
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.COMPRESSED_TENSORS,
-                            scheme=self.scheme(variant)))
+                            scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self)))
 
     @abstractmethod
     def modifiers(self, params: dict) -> list:
