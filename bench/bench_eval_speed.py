@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--flash-attn", choices=("on", "off"), default="off",
+                    help="flash attention in both qbuild's session and llama-perplexity (-fa); its default is on")
     ap.add_argument("--llama-perplexity", default=os.environ.get("LLAMA_PERPLEXITY") or shutil.which("llama-perplexity"))
     args = ap.parse_args()
 
@@ -61,7 +63,7 @@ def main() -> None:
     gguf = next(path.glob("*.gguf"))
     ids, info = eval_tokens(args.store, path)
     wins = windows(ids, args.protocol, args.ctx, True, info["bos_token_id"], args.windows)
-    rt = LlamaCppSession(gguf, args.ctx, 1)
+    rt = LlamaCppSession(gguf, args.ctx, 1, flash_attn=args.flash_attn == "on")
 
     def old():
         return summarize([window_nll(rt.logits(w.tokens), w) for w in wins])
@@ -95,24 +97,28 @@ def main() -> None:
     from qbuild.calibration.corpus import pydocs_documents
 
     text = "\n\n".join(pydocs_documents("test")).encode("ascii", "ignore").decode()
-    tok = AutoTokenizer.from_pretrained(str(stored("demo/base", args.store)))
+    tok = AutoTokenizer.from_pretrained(str(stored(args.variant.split("/")[0] + "/base", args.store)))
     ascii_ids = tok(text, add_special_tokens=False)["input_ids"]
     wins = windows(ascii_ids, "llama.cpp", args.ctx, True, info["bos_token_id"], args.windows)
-    t0 = time.perf_counter()
-    new()
-    t_new = time.perf_counter() - t0
     import tempfile
 
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(text)
-    t0 = time.perf_counter()
-    res = subprocess.run([args.llama_perplexity, "-m", str(gguf), "-f", f.name, "-c", str(args.ctx), "-b",
-                          str(args.ctx), "--chunks", str(args.windows), "-t", "1"], capture_output=True, text=True)
-    t_l = time.perf_counter() - t0
+    cmd = [args.llama_perplexity, "-m", str(gguf), "-f", f.name, "-c", str(args.ctx), "-b", str(args.ctx),
+           "--chunks", str(args.windows), "-t", "1", "-fa", args.flash_attn]
+    t_news, t_ls = [], []
+    for _ in range(args.repeats):          # alternate, best of each
+        t0 = time.perf_counter()
+        new()
+        t_news.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        t_ls.append(time.perf_counter() - t0)
+    t_new, t_l = min(t_news), min(t_ls)
     os.unlink(f.name)
     m = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
-    print(f"llama-perplexity PPL {m.group(1) if m else '?'}   {t_l:7.2f} s (incl. load)   qbuild new / llama-perplexity "
-          f"= {t_new / t_l:.3f}×")
+    print(f"llama-perplexity PPL {m.group(1) if m else '?'}   {t_l:7.2f} s (incl. load, -fa {args.flash_attn})   "
+          f"qbuild new {t_new:.2f} s / llama-perplexity = {t_new / t_l:.3f}×")
 
 
 if __name__ == "__main__":
