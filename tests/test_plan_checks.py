@@ -133,6 +133,9 @@ def test_tensor_type_pattern_that_matches_no_tensor_fails(tiny_model_dir, tmp_pa
     err = plan_error(tiny_model_dir, [{"name": "v", "method": "gguf", "type": "Q8_0",
                                        "tensor_types": [{"pattern": r"blk\.2\.", "type": "Q8_0"}]}], tmp_path)
     assert err.field == "variants[0].tensor_types[0]"   # the model has blocks 0 and 1
+    err = plan_error(tiny_model_dir, [{"name": "v", "method": "gguf", "type": "Q8_0",
+                                       "tensor_types": [{"pattern": "Attn_Q", "type": "Q8_0"}]}], tmp_path)
+    assert err.field == "variants[0].tensor_types[0]"   # GGUF names are lowercase: no class-name exemption here
     plan(tiny_model_dir, [{"name": "v", "method": "gguf", "type": "Q8_0",
                            "tensor_types": [{"pattern": r"blk\.1\.ffn_down", "type": "Q8_0"}]}], tmp_path)
 

@@ -132,6 +132,9 @@ def config_linear_names(info: dict) -> list[str] | None:
     return names or None
 
 
+_HEADER_MEMO: dict[tuple, tuple[tuple[str, int], ...]] = {}   # one planning process reads a header once
+
+
 def _header_weights(path: str, stamp: tuple) -> tuple[tuple[str, int], ...]:
     """(tensor name, rank) of every tensor in one safetensors file, from its JSON header (no tensor is read)."""
     key = (path, stamp)
@@ -139,11 +142,9 @@ def _header_weights(path: str, stamp: tuple) -> tuple[tuple[str, int], ...]:
         from safetensors import safe_open
 
         with safe_open(path, framework="numpy") as f:
-            _HEADER_MEMO[key] = tuple((k, len(f.get_slice(k).get_shape())) for k in f.keys())  # noqa: SIM118 (safe_open is not iterable)
+            names = f.keys()   # safe_open is not iterable
+            _HEADER_MEMO[key] = tuple((k, len(f.get_slice(k).get_shape())) for k in names)
     return _HEADER_MEMO[key]
-
-
-_HEADER_MEMO: dict[tuple, tuple[tuple[str, int], ...]] = {}   # one planning process reads a header once
 
 
 def checkpoint_weight_names(model_dir: Path) -> list[str] | None:
@@ -197,10 +198,12 @@ def closest_names(query: str, names: list[str], n: int = 3) -> list[str]:
     return ranked[:n]
 
 
-def check_patterns(patterns: list[str], names: list[str], field: str, what: str, match) -> None:
-    """RecipeError `field[i]` for the first pattern that matches none of `names`, with the closest names."""
+def check_patterns(patterns: list[str], names: list[str], field: str, what: str, match,
+                   class_names: bool = False) -> None:
+    """RecipeError `field[i]` for the first pattern that matches none of `names`, with the closest names.
+    class_names: the patterns may also be class names (compressed-tensors), which are not checked."""
     for i, pattern in enumerate(patterns):
-        if not pattern.startswith("re:") and looks_like_class(pattern):
+        if class_names and not pattern.startswith("re:") and looks_like_class(pattern):
             continue
         try:
             hit = any(match(pattern, n) for n in names)
@@ -215,4 +218,4 @@ def check_module_patterns(patterns: list[str], model_dir: Path | None, info: dic
     """compressed-tensors patterns (exact names or `re:` regexes) must each match a module of the model."""
     names = weight_modules(model_dir, info)
     if names:
-        check_patterns(patterns, names, field, "module of the model", matches_module)
+        check_patterns(patterns, names, field, "module of the model", matches_module, class_names=True)
