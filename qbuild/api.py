@@ -93,6 +93,14 @@ def validate(recipe) -> Plan:
                 dict(ctx.not_evaluated), tuple(ctx.warnings))
 
 
+def backend_envs(recipe) -> list:
+    """The backend environments (qbuild.envs.BackendEnv) RECIPE's steps run in, resolved but not created."""
+    from qbuild.plan import build_steps
+
+    r, base, _ = load(recipe)
+    return list(dict.fromkeys(s.backend_env for s in build_steps(r, base).steps if s.backend_env is not None))
+
+
 def open_remotes(recipe: Recipe | None = None, urls: list[str] | tuple[str, ...] = ()) -> tuple:
     """The remote tiers: --remote URLs (or QBUILD_REMOTE) beat the recipe's store.remotes."""
     from qbuild.artifacts.remote import open_remote, remotes_from_env

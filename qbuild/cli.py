@@ -200,14 +200,16 @@ def _print_plan(the_plan, as_json):
     from rich.table import Table
 
     table = Table(title=f"plan · {the_plan.recipe.name}", title_justify="left")
-    for col in ("step", "key", "status", "why"):
+    with_env = any(r["env"] for r in data["steps"])   # the column appears when a step runs in a backend environment
+    for col in ("step", "key", "status", "why") + (("env",) if with_env else ()):
         table.add_column(col, overflow="fold")
     style = {"hit": "cyan", "hit-remote": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta",
              "unavailable": "magenta"}
     for r in data["steps"]:
         status = f"hit ({r['reason']})" if r["status"] == "hit-remote" else r["status"]
         table.add_row(escape(r["step"]), r["key"][:12], f"[{style[r['status']]}]{escape(status)}[/]",
-                      "" if r["status"] in ("hit", "hit-remote") else escape(r["reason"]))
+                      "" if r["status"] in ("hit", "hit-remote") else escape(r["reason"]),
+                      *((escape(r["env"] or "-"),) if with_env else ()))
     console = _console()
     console.print(table)
     for row in data["not_evaluated"]:
@@ -706,6 +708,110 @@ class _transfer_progress:
 
     def __exit__(self, *exc):
         return self.bar.__exit__(*exc)
+
+
+
+@cli.group()
+def env():
+    """Backend environments: where a backend that cannot share qbuild's Python runs (uv-created).
+
+    \b
+    A variant names one with `env:` (a built-in backend, {packages: [...]} or {python: PATH}); some
+    methods have their own by default (gptqmodel). Each environment is keyed by its resolved lock, so
+    a new backend version is a new environment and rebuilds exactly the steps that used it.
+      qbuild env list                      built-in backends and the environments created here
+      qbuild env create gptqmodel          create one now (else the first step that needs it does)
+      qbuild env create -r recipe.yaml     create every environment a recipe needs
+      qbuild env rm gptqmodel | --all      remove them
+    Offline: --offline --find-links DIR (or UV_OFFLINE=1, UV_FIND_LINKS) installs from a local wheelhouse.
+    Location: $QBUILD_ENVS_DIR, else ~/.cache/qbuild/envs.
+    """
+
+
+@env.command(name="list")
+@JSON_OPTION
+def env_list(as_json):
+    """Built-in backends and the environments created on this machine."""
+    from qbuild import envs
+    from qbuild.summary import human_size
+
+    rows = envs.installed()
+    if as_json:
+        click.echo(json.dumps({"root": str(envs.envs_root()), "builtin": {k: list(v) for k, v in envs.BACKENDS.items()},
+                               "environments": rows}, indent=2))
+        return
+    console = _console()
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"environments · {escape(str(envs.envs_root()))}", title_justify="left")
+    for col in ("name", "lock", "state", "size", "created", "packages"):
+        table.add_column(col, overflow="fold")
+    made = {r["name"] for r in rows}
+    for r in rows:
+        table.add_row(escape(r["name"]), r["lock_hash"][:12], "ready" if r["complete"] else "incomplete",
+                      human_size(r["size_bytes"]), r["created"] or "-", escape(", ".join(r["packages"])))
+    for name, packages in envs.BACKENDS.items():
+        if name not in made:
+            table.add_row(escape(name), "-", "not created", "-", "-", escape(", ".join(packages)))
+    console.print(table)
+
+
+@env.command(name="create")
+@click.argument("names", nargs=-1)
+@click.option("-r", "--recipe", type=click.Path(), help="Create every environment this recipe's steps run in.")
+@click.option("--find-links", metavar="DIR", help="Also install from this local wheelhouse.")
+@click.option("--offline", is_flag=True, help="Use no package index: only --find-links and uv's cache.")
+@JSON_OPTION
+def env_create(names, recipe, find_links, offline, as_json):
+    """Resolve and create environments NAMES (built-in backends) and/or those RECIPE needs."""
+    import time
+
+    from qbuild import envs
+
+    if find_links:
+        os.environ["UV_FIND_LINKS"] = find_links
+    if offline:
+        os.environ["UV_OFFLINE"] = "1"
+    if not names and not recipe:
+        _fail(UserError(f"name an environment ({', '.join(envs.BACKENDS)}) or give --recipe"))
+    try:
+        wanted = [envs.backend(n) for n in names]
+        if recipe:
+            from qbuild import api
+
+            wanted += api.backend_envs(recipe)
+        done = []
+        for e in dict.fromkeys(wanted):
+            t0 = time.perf_counter()
+            existed = e.exists()
+            python = envs.ensure(e, log=lambda m: None if as_json else click.echo(m, err=True))
+            done.append({"name": e.name, "lock_hash": e.lock_hash, "python": python, "created": not existed,
+                         "seconds": round(time.perf_counter() - t0, 2)})
+    except QBuildError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(done, indent=2))
+    else:
+        for d in done:
+            click.echo(f"{d['name']}@{d['lock_hash'][:12]}: {'created' if d['created'] else 'ready'} "
+                       f"({d['seconds']} s) {d['python']}")
+
+
+@env.command(name="rm")
+@click.argument("name", required=False)
+@click.option("--all", "everything", is_flag=True, help="Remove every environment.")
+def env_rm(name, everything):
+    """Remove the environment NAME (every version of it), or all with --all."""
+    from qbuild import envs
+
+    if not name and not everything:
+        _fail(UserError("name an environment to remove, or --all"))
+    removed = envs.remove(None if everything else name)
+    for d in removed:
+        click.echo(f"removed {d}")
+    if not removed:
+        click.echo(f"no environment {'at all' if everything else repr(name)} to remove")
 
 
 def main():

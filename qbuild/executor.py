@@ -14,6 +14,7 @@ Workers run in their own session (a terminal's Ctrl-C reaches qbuild only) and d
 from __future__ import annotations
 
 import json
+import logging
 import os
 import select
 import shutil
@@ -33,6 +34,8 @@ from qbuild.formats import manifest_loads_in
 from qbuild.formats import spec as format_spec
 from qbuild.plan import PlannedStep
 from qbuild.step import OnUnavailable, Outcome, PlanStatus, Step
+
+log = logging.getLogger("qbuild")
 
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.cache import RemoteHit
@@ -377,7 +380,8 @@ class Executor:
             "result": str(tmp / "result.json"),
         }
         (tmp / "spec.json").write_text(json.dumps(spec, default=str))
-        rusage, rc = self._spawn(tmp / "spec.json", log_path, step, task, claim)
+        python = self._interpreter(step, task)
+        rusage, rc = self._spawn(tmp / "spec.json", log_path, step, task, claim, python)
         if self._cancelled.is_set():
             raise StepFailed(step.name, "cancelled", str(log_path))
         try:
@@ -387,7 +391,10 @@ class Executor:
             result = {"error": "[Errno 28] No space left on device" if rc != 0 and free is not None and free < 1 << 20
                       else f"worker exited with code {rc} (killed? out of memory?)"}
         if rc != 0 or "error" in result:
-            raise StepFailed(step.name, result.get("error", f"exit code {rc}"), str(log_path))
+            reason = result.get("error", f"exit code {rc}")
+            if step.backend_env is not None:   # an import error there is the environment's, not qbuild's
+                reason += f" (in environment {step.backend_env.label}, {step.backend_env.python})"
+            raise StepFailed(step.name, reason, str(log_path))
         origin = self.origins.get(step.key)
         # only `out` becomes the object: spec/result/log stay private
         provenance = {
@@ -408,9 +415,30 @@ class Executor:
 
         return self.store.publish(step.key, out, redact_tree(provenance))   # no URL password in a manifest
 
-    def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: dict) -> tuple[dict, int]:
+    def _interpreter(self, step: Step, task) -> str:
+        """The Python that runs `step`'s worker: qbuild's own, or its backend environment (created on first use)."""
+        if step.backend_env is None:
+            return sys.executable
+        from qbuild.envs import EnvError, ensure
+
+        def note(message: str) -> None:
+            log.info(message)
+            if self.progress and task is not None:
+                self.progress.update(task, description=f"{escape(step.name)}: {escape(message)}")
+
+        try:
+            return ensure(step.backend_env, log=note)
+        except EnvError as exc:
+            raise StepFailed(step.name, f"{exc} (variant {step.variant or '-'})") from None
+
+    def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: dict,
+               python: str = sys.executable) -> tuple[dict, int]:
         read_fd, write_fd = os.pipe()
         env = dict(os.environ)
+        if step.backend_env is not None:
+            from qbuild.envs import worker_environ
+
+            env = worker_environ(step.backend_env, env)
         threads = str(step.threads)
         env.update({"QBUILD_PROGRESS_FD": str(write_fd), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
@@ -425,9 +453,11 @@ class Executor:
                 return {"wall": 0.0, "cpu": 0.0, "peak_rss_mb": 0.0}, -signal.SIGKILL
             with open(log_path, "ab") as log:
                 # its own session: a terminal's Ctrl-C reaches qbuild, which cancels workers (and their children)
-                proc = subprocess.Popen([sys.executable, "-m", "qbuild.worker", str(spec)], stdout=log,
+                # cwd: the step's scratch, so what a library writes to its working directory (gptqmodel's logs/)
+                # stays out of the user's directory and goes with the scratch
+                proc = subprocess.Popen([python, "-m", "qbuild.worker", str(spec)], stdout=log,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
-                                        env=env, start_new_session=True)
+                                        env=env, start_new_session=True, cwd=spec.parent)
             self._procs[step.key] = proc
         os.close(write_fd)
         buf = b""

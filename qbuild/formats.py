@@ -21,7 +21,9 @@ from enum import StrEnum
 class Format(StrEnum):
     HF = "hf"                                   # a plain Hugging Face checkpoint (the baseline)
     COMPRESSED_TENSORS = "compressed-tensors"   # llm-compressor's output: HF dir + compressed-tensors config
+    AWQ = "awq"                                 # AutoAWQ GEMM layout: HF dir with qweight/qzeros/scales, quant_method awq
     HF_MODELOPT = "hf-modelopt"                 # ModelOpt's HF export (hf_quant_config.json)
+    GPTQ = "gptq"                               # GPTQ format (quantize_config.json, v1 packing): gptqmodel's output
     GGUF = "gguf"                               # one llama.cpp .gguf file
     TRTLLM_CHECKPOINT = "trtllm-checkpoint"     # config.json + rank<N>.safetensors, input of trtllm-build
     TRTLLM_ENGINE = "trtllm-engine"             # a TensorRT engine dir (TensorRT-LLM 1.2.x)
@@ -41,6 +43,7 @@ class FormatSpec:
     model: bool = True                 # a model artifact: evaluated and given a summary row
     loads_in: tuple[str, ...] = ()     # a plugin format's engines, for any scheme (becomes its LOADS_IN row)
     load_tools: tuple[str, ...] = ()   # distributions a runtime needs to read it: they enter evaluation keys
+    eval_env: str | None = None        # backend environment (qbuild.envs) its evaluation runs in; None: qbuild's
 
 
 FORMATS: dict[str, FormatSpec] = {}
@@ -66,7 +69,7 @@ def spec(name: str) -> FormatSpec:
 # after 1.2.x); tensorrt-llm: its TensorRT engine runtime (1.2.x); trtllm-build: not an engine, the builder that
 # reads a TensorRT-LLM checkpoint.
 ENGINES = ("vllm", "sglang", "tgi", "lmdeploy", "transformers", "llama.cpp", "trtllm-pytorch", "tensorrt-llm",
-           "trtllm-build")
+           "exllamav2", "trtllm-build")
 ANY = "*"   # the row for every scheme of a format that has no row of its own
 
 _HF = ("vllm", "sglang", "tgi", "lmdeploy", "transformers", "trtllm-pytorch")
@@ -94,6 +97,9 @@ LOADS_IN: dict[tuple[str, str], tuple[str, ...]] = {
     (Format.COMPRESSED_TENSORS, "fp8-dynamic"): ("vllm", "sglang", "tgi", "transformers", "trtllm-pytorch"),
     (Format.COMPRESSED_TENSORS, "fp8-static"): ("vllm", "sglang", "tgi", "transformers"),  # PyTorch backend: no
     (Format.COMPRESSED_TENSORS, ANY): ("transformers",),         # transformers decompresses any scheme
+    # GPTQ format (gptqmodel) and AutoAWQ GEMM layout: as their methods declared them, for every scheme
+    (Format.GPTQ, ANY): ("vllm", "sglang", "tgi", "lmdeploy", "transformers", "exllamav2"),
+    (Format.AWQ, ANY): ("vllm", "sglang", "tgi", "lmdeploy", "transformers"),
     (Format.HF_MODELOPT, "fp8"): ("trtllm-pytorch", "vllm", "sglang"),
     (Format.HF_MODELOPT, "int4-awq"): ("trtllm-pytorch",),
     (Format.HF_MODELOPT, "w4a8-awq"): ("trtllm-pytorch",),
@@ -111,6 +117,10 @@ for _spec in (
     FormatSpec(Format.HF, "Hugging Face checkpoint (safetensors + config.json)"),
     FormatSpec(Format.COMPRESSED_TENSORS, "HF checkpoint with compressed-tensors quantization (llm-compressor)",
                load_tools=("compressed-tensors",)),
+    FormatSpec(Format.GPTQ, "GPTQ-format HF checkpoint (quantize_config.json, v1 packing; gptqmodel)",
+               load_tools=("gptqmodel", "optimum"), eval_env="gptqmodel"),
+    FormatSpec(Format.AWQ, "HF checkpoint in AutoAWQ's GEMM layout (4-bit, grouped, zero points; quant_method awq)",
+               load_tools=("gptqmodel",), eval_env="gptqmodel"),   # transformers 5 reads AWQ through gptqmodel
     FormatSpec(Format.HF_MODELOPT, "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)"),
     FormatSpec(Format.GGUF, "llama.cpp GGUF file"),
     FormatSpec(Format.TRTLLM_CHECKPOINT, "TensorRT-LLM checkpoint (input of trtllm-build)"),

@@ -18,6 +18,7 @@ from qbuild.step import PlanStatus, Step
 
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.cache import RemoteHit
+    from qbuild.envs import BackendEnv
 
 log = logging.getLogger("qbuild")
 
@@ -69,7 +70,8 @@ class Plan:
     def as_dict(self) -> dict:
         rows = [{"step": p.step.name, "kind": p.step.kind, "status": p.status, "key": p.step.key, "reason": p.reason,
                  "reasons": list(p.reasons),
-                 "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None)}
+                 "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None),
+                 "env": p.step.backend_env.label if p.step.backend_env else None}
                 for p in self.steps]
         return {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
                 "not_evaluated": [{"artifact": label, "reason": why} for label, why in self.not_evaluated.items()],
@@ -90,6 +92,7 @@ class PlanContext:
     _model: Step | None = None
     _calibration: Step | None = None
     _model_info: dict | None = None
+    _envs: dict[str, BackendEnv] = field(default_factory=dict)
 
     @property
     def threads(self) -> int:
@@ -118,6 +121,33 @@ class PlanContext:
 
     def note_not_evaluated(self, label: str, reason: str) -> None:
         self.not_evaluated[label] = reason
+
+    def backend_env(self, variant, method) -> BackendEnv | None:
+        """Where `variant`'s quantization runs: its `env:`, else the method's default environment, else None
+        (qbuild's own). Resolving a uv environment reads or makes its lock (no environment is created here)."""
+        option = getattr(variant, "env", None) or method.default_env
+        index = next((i for i, v in enumerate(self.recipe.variants) if v.name == variant.name), 0)
+        return self.named_env(option, f"variants[{index}].env", explicit=getattr(variant, "env", None) is not None)
+
+    def named_env(self, option, field: str, explicit: bool = True) -> BackendEnv | None:
+        """A BackendEnv for a built-in name, an EnvOption, or None; errors name `field`."""
+        if option is None:
+            return None
+        from qbuild import envs
+
+        cache_key = option if isinstance(option, str) else option.model_dump_json()
+        if cache_key not in self._envs:
+            try:
+                if isinstance(option, str):
+                    found = envs.backend(option)
+                elif option.python:
+                    found = envs.existing(option.python)
+                else:
+                    found = envs.resolve("custom", tuple(option.packages))
+            except envs.EnvError as exc:
+                raise RecipeError(field if explicit else field.rsplit(".", 1)[0] + ".method", str(exc)) from None
+            self._envs[cache_key] = found
+        return self._envs[cache_key]
 
     def model(self) -> Step:
         if self._model is None:
@@ -155,7 +185,11 @@ def _build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
     variant_steps: dict[str, Step] = {}
     for i, v in enumerate(recipe.variants):
         method = methods.get(v.method)
-        method.require(f"variants[{i}].method", f"method {v.method!r}")
+        env_option = getattr(v, "env", None)
+        if env_option is not None and not method.runs_in_env:
+            raise RecipeError(f"variants[{i}].env", f"method {v.method!r} runs in qbuild's own environment only")
+        if not (env_option or method.default_env):   # in another environment the library need not be importable here
+            method.require(f"variants[{i}].method", f"method {v.method!r}")
         method.check(v, ctx, field=f"variants[{i}]")
         variant_steps[v.name] = step = method.plan(v, ctx)
         ctx.artifacts.append(Artifact(v.name, step, v.method, v.describe()))

@@ -68,6 +68,10 @@ class Method(Plugin, ABC):
     """A quantization method: recipe `variants[i].method: NAME`."""
 
     options: ClassVar[type[StrictModel]]   # subclass of qbuild.quantize.base.VariantBase
+    # backend environments (qbuild/envs.py): whether the variant's `env:` is honoured, and the default one
+    # (None: qbuild's own environment). A method that honours it passes ctx.backend_env(variant, self) to its Step.
+    runs_in_env: ClassVar[bool] = False
+    default_env: ClassVar[str | None] = None
 
     def check(self, variant, ctx, field: str) -> None:
         """Plan-time validation beyond the schema (shapes, unsupported combinations): raise RecipeError."""

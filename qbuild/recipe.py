@@ -74,7 +74,16 @@ class Perplexity(StrictModel):
     context_length: int = Field(512, ge=8)
     stride: int | None = Field(None, ge=1, description="sliding-window only; default: half the window.")
     max_windows: int | None = Field(16, ge=1, description="Score at most this many windows (None: all).")
-    add_bos: bool = Field(True, description="Start each window with BOS; BOS itself is never scored.")
+    add_bos: bool = Field(True, description="Start each window with BOS; BOS itself is never scored. With kld_base "
+                          "and not set here: the model's own (its tokenizer's add_bos_token), as llama-perplexity does.")
+    flash_attn: bool = Field(False, description="llama.cpp runtime: flash attention on. llama-perplexity's default is on, "
+                             "qbuild's off; a kld_base file and qbuild must agree (numbers differ in the 3rd digit).")
+
+    def canonical(self) -> dict:
+        data = super().canonical()
+        if not data.get("flash_attn"):
+            data.pop("flash_attn", None)   # the default is left out: keys made before the switch existed still hit
+        return data
 
     @model_validator(mode="after")
     def _stride_only_for_sliding(self):

@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qbuild.fingerprint import hardware, toolchain
 from qbuild.hashing import step_key
+
+if TYPE_CHECKING:
+    from qbuild.envs import BackendEnv
 
 
 class PlanStatus(StrEnum):
@@ -66,6 +70,7 @@ class Step:
     unavailable: str = ""                     # why this machine cannot run the step; "" = it can
     on_unavailable: OnUnavailable = OnUnavailable.FAIL
     impl_version: int = 1                     # bump when the runner's output changes for the same inputs
+    backend_env: BackendEnv | None = None     # runs in this interpreter (qbuild.envs); its versions enter the key
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -81,7 +86,8 @@ class Step:
 
     @cached_property
     def _toolchain(self) -> dict[str, str]:
-        tc = toolchain(self.tools)
+        # in a backend environment the tools' versions are that environment's, and its whole lock counts too
+        tc = self.backend_env.toolchain(self.tools) if self.backend_env else toolchain(self.tools)
         if self.per_hardware:
             tc.update({f"hw.{k}": v for k, v in hardware(self.threads).items()})
         tc.update(self.env_toolchain)

@@ -100,7 +100,7 @@ def render_table(summary: dict, console) -> None:
     for r in rows:
         method = "-" if r["method"] == "-" else f"{r['method']} {r['detail']}".strip()
         table.add_row(escape(r["variant"]), escape(method), human_size(r["size_bytes"]), (r["key"] or "")[:12],
-                      f"[{style.get(r['status'], '')}]{r['status']}[/]",
+                      f"[{style[r['status']]}]{r['status']}[/]" if r["status"] in style else escape(str(r["status"])),
                       *(_fmt(r.get(field), spec) for _, field, spec in shown))
     console.print(table)
     c = summary["counts"]

@@ -34,7 +34,12 @@ def die_with_parent() -> None:
 def main(spec_path: str) -> int:
     die_with_parent()
     spec = json.loads(Path(spec_path).read_text())
-    from qbuild.step import StepContext
+    try:   # in a backend environment qbuild's own imports can fail too (a missing core dependency): say which
+        from qbuild.step import StepContext
+    except ImportError as exc:
+        traceback.print_exc()
+        Path(spec["result"]).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+        return 1
 
     fd = os.environ.get("QBUILD_PROGRESS_FD")
     ctx = StepContext(

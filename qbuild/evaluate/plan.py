@@ -39,10 +39,13 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
           ctx, **kw) -> Step:
     fields = runtime.plan_fields(label, artifact, ctx, kind)
     extra_inputs = fields.pop("extra_inputs", {})
-    tools = tuple(sorted(set(tools) | set(runtime.tools) | set(spec(artifact.format).load_tools)))
+    fmt = spec(artifact.format)
+    tools = tuple(sorted(set(tools) | set(runtime.tools) | set(fmt.load_tools)))
     kw.setdefault("format", "metrics")
+    # a format only another environment reads (GPTQ: gptqmodel) is evaluated there; so is a model built in one
+    env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
     return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **extra_inputs}, tools=tools,
-                        threads=ctx.threads, **fields, **kw))
+                        threads=ctx.threads, backend_env=env, **fields, **kw))
 
 
 def evaluation_steps(ctx) -> None:
@@ -50,6 +53,13 @@ def evaluation_steps(ctx) -> None:
     ev = ctx.recipe.evaluation
     if not (ev.perplexity or ev.throughput):
         return
+    if ev.kld_base and "add_bos" not in ev.perplexity.model_fields_set:
+        # a llama-perplexity base file was scored with the model's own BOS rule: follow it unless the recipe says
+        from qbuild.models.resolve import model_adds_bos
+
+        adds = model_adds_bos(ctx.model())
+        if adds is not None and adds != ev.perplexity.add_bos:
+            ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": adds})})
     data = None  # the tokenized evaluation text, planned on first use: no step builds data that nothing reads
     reference = None
     if ev.kld and ev.kld_base:

@@ -47,8 +47,11 @@ def _windows(ctx: StepContext):
 def protocol_record(p: dict, info: dict) -> dict:
     """Everything that makes a number comparable: recorded with every result."""
     keys = ("protocol", "context_length", "stride", "max_windows", "add_bos")
-    return {k: p.get(k) for k in keys} | {"join": info["join"], "sources": info["sources"],
-                                           "bos_token_id": info["bos_token_id"]}
+    record = {k: p.get(k) for k in keys} | {"join": info["join"], "sources": info["sources"],
+                                             "bos_token_id": info["bos_token_id"]}
+    if p.get("flash_attn"):
+        record["flash_attn"] = True
+    return record
 
 
 def scored_rows(rt, wins):

@@ -34,6 +34,9 @@ def gguf_config(path: Path) -> dict:
         v = value(f"{arch}.{suffix}")
         if v is not None:
             config[hf_name] = v
+    add_bos = value("tokenizer.ggml.add_bos_token")
+    if add_bos is not None:
+        config["add_bos_token"] = bool(add_bos)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
         config["vocab_size"] = len(tokens.data)

@@ -95,3 +95,20 @@ def model_info(step: Step) -> dict:
     info = gguf_config(Path(step.runtime_args["gguf_path"]))
     atomic_write_json(memo, info)
     return info
+
+
+def model_adds_bos(step: Step) -> bool | None:
+    """Whether the model's tokenizer starts a sequence with BOS (HF tokenizer_config.json `add_bos_token`, GGUF
+    `tokenizer.ggml.add_bos_token`); None when the model does not say."""
+    if step.source_path is not None:
+        try:
+            value = json.loads((step.source_path / "tokenizer_config.json").read_text()).get("add_bos_token")
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, bool) else None
+    info = model_info(step)
+    if "add_bos_token" not in info:   # memoized before the key was read: read it now
+        from qbuild.models.gguf_import import gguf_config
+
+        info = gguf_config(Path(step.runtime_args["gguf_path"]))
+    return info.get("add_bos_token")

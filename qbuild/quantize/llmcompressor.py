@@ -84,6 +84,7 @@ class LLMCompressorMethod(Method):
 
     extra = "llmcompressor"
     requires = ("llmcompressor", "compressed_tensors")
+    runs_in_env = True     # `env: llm-compressor` (or your own) runs oneshot outside qbuild's environment
 
     def check(self, variant, ctx, field: str) -> None:
         # module patterns first: a typo in `ignore` would otherwise surface as a group-size complaint about the
@@ -114,7 +115,7 @@ class LLMCompressorMethod(Method):
         runner = f"{type(self).__module__}:{type(self).__name__}.run"
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.COMPRESSED_TENSORS,
-                            scheme=self.scheme(variant)))
+                            scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self)))
 
     @abstractmethod
     def modifiers(self, params: dict) -> list:

@@ -113,7 +113,7 @@ def check_group_size(group_size: int | None, info: dict, ignore: list[str], fiel
     raise RecipeError(
         f"{field}.group_size",
         f"group_size {group_size} does not divide {what}; {method} cannot quantize those layers in groups of "
-        f"{group_size} (compressed-tensors refuses a group that does not divide the row), so planning stops here: "
+        f"{group_size} (their rows are not a whole number of groups), so planning stops here: "
         f"{hint}, add those layers to `ignore` (e.g. 're:.*{example}$'), or set on_indivisible: ignore to keep "
         "them unquantized",
     )

@@ -11,7 +11,7 @@ from qbuild.step import StepContext
 
 
 class LlamaCppSession(RuntimeSession):
-    def __init__(self, path: Path, n_ctx: int, threads: int):
+    def __init__(self, path: Path, n_ctx: int, threads: int, flash_attn: bool = False):
         from llama_cpp import Llama
 
         files = sorted(Path(path).glob("*.gguf")) if Path(path).is_dir() else [Path(path)]
@@ -20,7 +20,8 @@ class LlamaCppSession(RuntimeSession):
         self.threads = threads
         self._batch, self._batch_size = None, 0
         self.llm = Llama(model_path=str(files[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                         n_threads=threads, n_threads_batch=threads, verbose=False)
+                         n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
+        self.flash_attn = flash_attn
 
     def logits(self, tokens: list[int]):
         import numpy as np
@@ -74,7 +75,8 @@ class LlamaCppSession(RuntimeSession):
     def info(self) -> dict:
         import llama_cpp
 
-        return {"name": LlamaCppRuntime.name, "llama_cpp_python": llama_cpp.__version__, "threads": self.threads}
+        return {"name": LlamaCppRuntime.name, "llama_cpp_python": llama_cpp.__version__, "threads": self.threads,
+                "flash_attn": self.flash_attn}
 
 
 @runtimes.register
@@ -87,4 +89,5 @@ class LlamaCppRuntime(Runtime):
     max_batch_size = 1
 
     def open(self, model: Path, ctx: StepContext, n_ctx: int) -> LlamaCppSession:
-        return LlamaCppSession(Path(model), n_ctx, ctx.threads)
+        # flash attention changes the logits in the 3rd digit: off unless the protocol asks (evaluation.perplexity)
+        return LlamaCppSession(Path(model), n_ctx, ctx.threads, bool(ctx.params.get("flash_attn")))

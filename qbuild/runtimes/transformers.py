@@ -86,6 +86,13 @@ class TransformersSession(RuntimeSession):
 
         info = {"name": TransformersRuntime.name, "transformers": transformers.__version__,
                 "torch": self.torch.__version__, "device": self.device}
+        qc = getattr(self.model.config, "quantization_config", None)
+        if qc is not None:   # a quantized checkpoint: which loader and Linear kernel read it (e.g. gptqmodel's)
+            method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "")
+            info["quant_method"] = str(getattr(method, "value", method))   # transformers' QuantizationMethod enum
+            linear = next((m for n, m in self.model.named_modules() if n.endswith("q_proj")), None)
+            if linear is not None:
+                info["linear_class"] = f"{type(linear).__module__}.{type(linear).__qualname__}"
         if self.device == "cuda":
             info["gpu"] = self.torch.cuda.get_device_name()
             info["sm"] = ".".join(map(str, self.torch.cuda.get_device_capability()))
@@ -95,7 +102,7 @@ class TransformersSession(RuntimeSession):
 @runtimes.register
 class TransformersRuntime(Runtime):
     name = "transformers"
-    formats = (Format.HF, Format.COMPRESSED_TENSORS)
+    formats = (Format.HF, Format.COMPRESSED_TENSORS, Format.GPTQ, Format.AWQ)   # GPTQ, AWQ: in the gptqmodel env
     tools = ("torch", "transformers")
     extra = "hf"
     requires = ("torch", "transformers")

@@ -1,0 +1,110 @@
+"""GPTQ through gptqmodel, writing the GPTQ format: the checkpoint TGI, LMDeploy, ExLlamaV2, transformers and
+vLLM (gptq_marlin) load — `quantize_config.json` / `quantization_config: {quant_method: gptq}`, v1 packing.
+
+llm-compressor's GPTQ (gptq.py) writes compressed-tensors, which TGI and LMDeploy do not read. gptqmodel
+cannot share qbuild's environment (7.6.0 pins numpy 2.2.6; 7.7 needs torch ≥ 2.14.1), so this method runs
+in its own backend environment, `gptqmodel` (qbuild/envs.py), created with uv on first use; so does the
+evaluation of its output (Format.GPTQ's eval_env). Calibration is the shared calibration artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from qbuild.formats import Format
+from qbuild.plugins import Method, methods
+from qbuild.quantize.base import VariantBase
+from qbuild.quantize.shapes import check_group_size
+from qbuild.step import Step, StepContext
+
+# distributions whose versions (in the gptqmodel environment) enter the key
+TOOLS = ("gptqmodel", "torch", "transformers", "safetensors", "numpy")
+
+
+class GPTQModelVariant(VariantBase):
+    """GPTQ (Frantar et al.) by gptqmodel, saved in the GPTQ checkpoint format."""
+
+    method: Literal["gptqmodel"]
+    bits: Literal[2, 3, 4, 8] = Field(4, description="Weight bits.")
+    group_size: int | None = Field(128, description="Columns per scale/zero group; null or -1 = per output channel.")
+    sym: bool = Field(True, description="Symmetric weights (vLLM's gptq_marlin and ExLlamaV2 want sym).")
+    desc_act: bool = Field(False, description="Activation order (act-order): better accuracy, slower kernels.")
+    damp_percent: float = Field(0.05, gt=0, lt=1, description="Hessian dampening, fraction of its mean diagonal.")
+    true_sequential: bool = Field(True, description="Quantize a block's sublayers in order, each seeing the last.")
+
+    @field_validator("group_size")
+    @classmethod
+    def _group(cls, v):
+        if v is None or v == -1:
+            return None
+        if v < 8 or v & (v - 1):
+            raise ValueError(f"group_size must be a power of two ≥ 8, or -1 for per-channel (got {v})")
+        return v
+
+    def needs_calibration(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        g = f"g{self.group_size}" if self.group_size else "per-channel"
+        return f"GPTQ-format W{self.bits}A16 {g} {'sym' if self.sym else 'asym'}{' act-order' if self.desc_act else ''}"
+
+
+@methods.register
+class GPTQModel(Method):
+    name = "gptqmodel"
+    options = GPTQModelVariant
+    extra = "gptqmodel environment"
+    requires = ("gptqmodel",)   # checked only when the variant runs in qbuild's environment (it does not by default)
+    runs_in_env = True
+    default_env = "gptqmodel"
+
+    def check(self, variant: GPTQModelVariant, ctx, field: str) -> None:
+        # gptqmodel groups columns like compressed-tensors: a group size must divide each layer's input dim
+        check_group_size(variant.group_size, ctx.model_info(), ["lm_head"], field)
+
+    def plan(self, variant: GPTQModelVariant, ctx) -> Step:
+        return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
+                            f"{__name__}:GPTQModel.run", inputs={"model": ctx.model(), "calibration": ctx.calibration()},
+                            tools=TOOLS, threads=ctx.threads, variant=variant.name, format=Format.GPTQ,
+                            scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self)))
+
+    def run(self, ctx: StepContext) -> dict:
+        from qbuild.calibration.build import load_calibration
+
+        # gptqmodel sizes its CPU worker pool from the machine, not from the step's budget; its model loader takes
+        # 2 workers from that pool, so 2 is the least it accepts (torch's own threads follow OMP_NUM_THREADS)
+        os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, ctx.threads)))
+        from gptqmodel import GPTQModel as Library
+        from gptqmodel import QuantizeConfig
+
+        p = ctx.params
+        config = QuantizeConfig(bits=p["bits"], group_size=p["group_size"] or -1, sym=p["sym"], desc_act=p["desc_act"],
+                                damp_percent=p["damp_percent"], true_sequential=p["true_sequential"],
+                                offload_to_disk=False)   # no temporary path recorded in the saved config
+        ids, mask = load_calibration(ctx.inputs["calibration"])
+        calibration = [{"input_ids": row.astype("int64").tolist(), "attention_mask": m.astype("int64").tolist()}
+                       for row, m in zip(ids, mask, strict=True)]
+        ctx.progress(0, 3, "loading model")
+        device = "cuda" if ctx.device != "cpu" and _cuda() else "cpu"
+        model = Library.load(str(ctx.inputs["model"]), config, device=device)
+        ctx.progress(1, 3, f"GPTQ on {len(calibration)} calibration sequences")
+        model.quantize(calibration, batch_size=1)
+        ctx.progress(2, 3, "saving GPTQ format")
+        model.save(str(ctx.out))
+        (ctx.out / "quant_log.csv").unlink(missing_ok=True)   # per-layer timings: not part of the artifact
+        qc = json.loads((ctx.out / "quantize_config.json").read_text())
+        size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
+        return {"format": Format.GPTQ, "metrics": {"size_bytes": size},
+                "info": {"checkpoint_format": qc.get("checkpoint_format", qc.get("format")),
+                         "quant_method": qc.get("quant_method"), "quantizer": (qc.get("meta") or {}).get("quantizer"),
+                         "calibration_samples": len(calibration)}}
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
