@@ -272,14 +272,14 @@ def schema():
 @JSON_OPTION
 def plugins(as_json):
     """List the installed methods, targets and runtimes (built-in and from entry points), and formats."""
-    from qbuild.formats import FORMATS
+    from qbuild.formats import FORMATS, engines_for_format
     from qbuild.plugins import plugin_table, runtimes_for
 
     try:
         rows = plugin_table()
     except QBuildError as exc:
         _fail(exc)
-    formats = [{"format": f.name, "description": f.description, "loads_in": list(f.loads_in),
+    formats = [{"format": f.name, "description": f.description, "loads_in": list(engines_for_format(f.name)),
                 "evaluated_by": [r.name for r in runtimes_for(f.name)]} for f in FORMATS.values() if f.model]
     if as_json:
         click.echo(json.dumps({"plugins": rows, "formats": formats}, indent=2))
@@ -369,6 +369,12 @@ def show(name, store_path):
     except QBuildError as exc:
         _fail(exc)
     manifest["path"] = str(store.object_dir(digest))
+    if "loads_in" not in manifest:   # built before manifests recorded it: the same table answers now
+        from qbuild.formats import manifest_loads_in
+
+        engines = manifest_loads_in(str(manifest.get("format") or ""), manifest.get("scheme"), manifest.get("info"))
+        if engines is not None:
+            manifest["loads_in"] = engines
     problems = store.check_object(digest)
     if problems:
         manifest["damaged"] = problems

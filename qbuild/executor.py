@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import NO_SPACE, Hit, Store, free_bytes, now_iso, store_full
 from qbuild.errors import StepFailed, UserError
+from qbuild.formats import manifest_loads_in
 from qbuild.formats import spec as format_spec
 from qbuild.plan import PlannedStep
 from qbuild.step import OnUnavailable, Outcome, PlanStatus, Step
@@ -407,6 +408,9 @@ class Executor:
             "recipe": {"name": origin.recipe, "path": origin.path, "sha256": origin.sha256} if origin else None,
             "run_id": self.run_id,
         }
+        engines = manifest_loads_in(provenance["format"], step.scheme, provenance["info"])
+        if engines is not None:   # which engines load it: one table (qbuild.formats.LOADS_IN), not a guess per run
+            provenance["loads_in"] = engines
         from qbuild.names import redact_tree
 
         return self.store.publish(step.key, out, redact_tree(provenance))   # no URL password in a manifest

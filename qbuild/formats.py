@@ -4,10 +4,16 @@ Which runtime can *evaluate* a format is declared by the runtimes themselves (`R
 qbuild/plugins.py); `runtimes_for()` asks them. Evaluation planning, the summary and `qbuild plan`
 use this module only, so a new format (from a plugin: `register_format`) is evaluated, summarised
 and reported like the built-in ones, or shown as "not evaluated: no runtime for FORMAT".
+
+Which engines load an artifact depends on its quantization, not only its format (vLLM reads 4- and
+8-bit compressed-tensors, not 3-bit; TensorRT-LLM's PyTorch backend reads dynamic FP8, not static):
+`LOADS_IN`, one row per (format, scheme), is the one table that says so. Every model artifact's
+manifest records `loads_in` from it when the artifact is built, and `qbuild show` prints it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -37,7 +43,7 @@ class FormatSpec:
     name: str
     description: str
     model: bool = True                 # a model artifact: evaluated and given a summary row
-    loads_in: tuple[str, ...] = ()     # serving engines / libraries that load it
+    loads_in: tuple[str, ...] = ()     # a plugin format's engines, for any scheme (becomes its LOADS_IN row)
     load_tools: tuple[str, ...] = ()   # distributions a runtime needs to read it: they enter evaluation keys
     eval_env: str | None = None        # backend environment (qbuild.envs) its evaluation runs in; None: qbuild's
 
@@ -50,6 +56,8 @@ def register_format(spec: FormatSpec) -> FormatSpec:
     if known is not None and known != spec:
         raise ValueError(f"format {spec.name!r} is already declared differently")
     FORMATS[spec.name] = spec
+    if spec.loads_in:
+        LOADS_IN.setdefault((spec.name, ANY), spec.loads_in)
     return spec
 
 
@@ -58,29 +66,75 @@ def spec(name: str) -> FormatSpec:
     return FORMATS.get(name) or FormatSpec(name, "undeclared format")
 
 
+# --- which engines load an artifact ----------------------------------------------------------------------------
+# Engine names as manifests record them. trtllm-pytorch: TensorRT-LLM's PyTorch backend (trtllm-serve, the path
+# after 1.2.x); tensorrt-llm: its TensorRT engine runtime (1.2.x); trtllm-build: not an engine, the builder that
+# reads a TensorRT-LLM checkpoint.
+ENGINES = ("vllm", "sglang", "tgi", "lmdeploy", "transformers", "llama.cpp", "trtllm-pytorch", "tensorrt-llm",
+           "exllamav2", "trtllm-build")
+ANY = "*"   # the row for every scheme of a format that has no row of its own
+
+_HF = ("vllm", "sglang", "tgi", "lmdeploy", "transformers", "trtllm-pytorch")
+# vLLM and SGLang (CompressedTensorsWNA16) and TGI (WNA16Loader) take 4- and 8-bit integer weights, with or without
+# zero points; LMDeploy's TurboMind reads llm-compressor W4A16 only at group sizes 32 and 128, so it is left out
+_CT_INT = ("vllm", "sglang", "tgi", "transformers")
+# GGUF: llama.cpp reads every type it writes. vLLM's and SGLang's GGUF kernels and gguf-py's dequantizers (what
+# transformers loads GGUF through) cover F32/F16/BF16, Q4_0..Q8_0, the K-quants and the I-quants, not the ternary,
+# 1-/2-bit Q1_0/Q2_0 or FP4 types.
+_GGUF_WIDE = ("llama.cpp", "vllm", "sglang", "transformers")
+_GGUF_WIDE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                    "Q2_K", "Q2_K_S", "Q3_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K", "Q4_K_S", "Q4_K_M",
+                    "Q5_K", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M",
+                    "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ4_NL", "IQ4_XS")
+
+# One row per (format, scheme): the engines that load *every* artifact the row covers. An engine that loads only
+# some of them (a group size, a GPU generation) is left out, never guessed. GGUF rows name both llama-quantize's
+# file types (Q4_K_M) and the tensor types inside a file (Q4_K): a GGUF loads where all of its tensor types load.
+LOADS_IN: dict[tuple[str, str], tuple[str, ...]] = {
+    (Format.HF, ANY): _HF,
+    (Format.COMPRESSED_TENSORS, "w4a16"): _CT_INT,
+    (Format.COMPRESSED_TENSORS, "w8a16"): _CT_INT,
+    (Format.COMPRESSED_TENSORS, "w3a16"): ("transformers",),   # the serving kernels take 4 and 8 bits only
+    (Format.COMPRESSED_TENSORS, "w2a16"): ("transformers",),
+    (Format.COMPRESSED_TENSORS, "fp8-dynamic"): ("vllm", "sglang", "tgi", "transformers", "trtllm-pytorch"),
+    (Format.COMPRESSED_TENSORS, "fp8-static"): ("vllm", "sglang", "tgi", "transformers"),  # PyTorch backend: no
+    (Format.COMPRESSED_TENSORS, ANY): ("transformers",),         # transformers decompresses any scheme
+    # GPTQ format (gptqmodel) and AutoAWQ GEMM layout: as their methods declared them, for every scheme
+    (Format.GPTQ, ANY): ("vllm", "sglang", "tgi", "lmdeploy", "transformers", "exllamav2"),
+    (Format.AWQ, ANY): ("vllm", "sglang", "tgi", "lmdeploy", "transformers"),
+    (Format.HF_MODELOPT, "fp8"): ("trtllm-pytorch", "vllm", "sglang"),
+    (Format.HF_MODELOPT, "int4-awq"): ("trtllm-pytorch",),
+    (Format.HF_MODELOPT, "w4a8-awq"): ("trtllm-pytorch",),
+    (Format.HF_MODELOPT, "none"): ("trtllm-pytorch",),
+    (Format.HF_MODELOPT, ANY): (),                               # int8-sq HF exports: no engine known to read them
+    **{(Format.GGUF, t): _GGUF_WIDE for t in _GGUF_WIDE_TYPES},
+    (Format.GGUF, ANY): ("llama.cpp",),                          # TQ1_0/TQ2_0, Q1_0, Q2_0, MXFP4, NVFP4
+    (Format.TRTLLM_CHECKPOINT, ANY): ("trtllm-build",),
+    (Format.TRTLLM_ENGINE, ANY): ("tensorrt-llm",),              # on the SM and TensorRT-LLM version it was built for
+    (Format.TRTLLM_PYTORCH, ANY): ("trtllm-pytorch",),
+    # serialized bitsandbytes (NF4/FP4, LLM.int8) and AutoRound's own format: as their methods declared them
+    (Format.BITSANDBYTES, ANY): ("transformers", "vllm"),
+    (Format.AUTO_ROUND, ANY): ("transformers", "vllm", "sglang"),
+}
+
+
 for _spec in (
-    FormatSpec(Format.HF, "Hugging Face checkpoint (safetensors + config.json)",
-               loads_in=("transformers", "vllm", "sglang", "tgi", "lmdeploy", "trtllm-pytorch")),
+    FormatSpec(Format.HF, "Hugging Face checkpoint (safetensors + config.json)"),
     FormatSpec(Format.COMPRESSED_TENSORS, "HF checkpoint with compressed-tensors quantization (llm-compressor)",
-               loads_in=("vllm", "sglang", "transformers"), load_tools=("compressed-tensors",)),
+               load_tools=("compressed-tensors",)),
     FormatSpec(Format.GPTQ, "GPTQ-format HF checkpoint (quantize_config.json, v1 packing; gptqmodel)",
-               loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers", "exllamav2"),
                load_tools=("gptqmodel", "optimum"), eval_env="gptqmodel"),
     FormatSpec(Format.AWQ, "HF checkpoint in AutoAWQ's GEMM layout (4-bit, grouped, zero points; quant_method awq)",
-               loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers"),
                load_tools=("gptqmodel",), eval_env="gptqmodel"),   # transformers 5 reads AWQ through gptqmodel
-    FormatSpec(Format.HF_MODELOPT, "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)",
-               loads_in=("trtllm-pytorch", "vllm", "sglang")),
-    FormatSpec(Format.GGUF, "llama.cpp GGUF file", loads_in=("llama.cpp", "ollama", "lm-studio")),
-    FormatSpec(Format.TRTLLM_CHECKPOINT, "TensorRT-LLM checkpoint (input of trtllm-build)",
-               loads_in=("trtllm-build",)),
-    FormatSpec(Format.TRTLLM_ENGINE, "TensorRT-LLM engine (TensorRT backend, 1.2.x)", loads_in=("tensorrt-llm",)),
-    FormatSpec(Format.TRTLLM_PYTORCH, "checkpoint packaged for TensorRT-LLM's PyTorch backend",
-               loads_in=("trtllm-serve", "tensorrt-llm")),
+    FormatSpec(Format.HF_MODELOPT, "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)"),
+    FormatSpec(Format.GGUF, "llama.cpp GGUF file"),
+    FormatSpec(Format.TRTLLM_CHECKPOINT, "TensorRT-LLM checkpoint (input of trtllm-build)"),
+    FormatSpec(Format.TRTLLM_ENGINE, "TensorRT-LLM engine (TensorRT backend, 1.2.x)"),
+    FormatSpec(Format.TRTLLM_PYTORCH, "checkpoint packaged for TensorRT-LLM's PyTorch backend"),
     FormatSpec(Format.BITSANDBYTES, "HF checkpoint with serialized bitsandbytes weights (NF4/FP4 or LLM.int8)",
-               loads_in=("transformers", "vllm"), load_tools=("bitsandbytes",)),
+               load_tools=("bitsandbytes",)),
     FormatSpec(Format.AUTO_ROUND, "HF checkpoint in AutoRound's format (quant_method auto-round)",
-               loads_in=("transformers", "vllm", "sglang"), load_tools=("auto-round",)),
+               load_tools=("auto-round",)),
     FormatSpec(Format.CALIBRATION, "tokenized calibration set", model=False),
     FormatSpec(Format.TOKENS, "tokenized evaluation text", model=False),
     FormatSpec(Format.METRICS, "evaluation results", model=False),
@@ -88,3 +142,33 @@ for _spec in (
     FormatSpec(Format.IMATRIX, "llama.cpp importance matrix", model=False),
 ):
     register_format(_spec)
+
+
+
+def _row(fmt: str, scheme: str | None) -> tuple[str, ...]:
+    return LOADS_IN.get((fmt, scheme or ANY), LOADS_IN.get((fmt, ANY), ()))
+
+
+def loads_in(fmt: str, scheme: str | None = None, parts: Iterable[str] = ()) -> tuple[str, ...]:
+    """The engines that load an artifact of `fmt` quantized as `scheme`. `parts`: the types its tensors really
+    have (a GGUF's tensor types, mixes and fallbacks included); each narrows the answer to the engines that read
+    it too."""
+    engines = _row(fmt, scheme)
+    for part in parts:
+        engines = tuple(e for e in engines if e in _row(fmt, part))
+    return engines
+
+
+def engines_for_format(fmt: str) -> tuple[str, ...]:
+    """Every engine that loads some artifact of `fmt` (for `qbuild plugins`), in ENGINES order."""
+    found = {e for (f, _), engines in LOADS_IN.items() if f == fmt for e in engines}
+    return tuple([e for e in ENGINES if e in found] + sorted(found - set(ENGINES)))
+
+
+def manifest_loads_in(fmt: str, scheme: str | None, info: dict | None) -> list[str] | None:
+    """`loads_in` for an artifact's manifest: None for data (calibration sets, metrics ...), which no engine loads.
+    `info["part_types"]`, where a runner records it, lists the types some tensors have besides the scheme's (a
+    GGUF's per-tensor overrides)."""
+    if not spec(fmt).model:
+        return None
+    return list(loads_in(fmt, scheme, (info or {}).get("part_types") or ()))

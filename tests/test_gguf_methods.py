@@ -79,6 +79,37 @@ def test_iq2_type_is_really_used(built):
     assert types["blk.0.ffn_down.weight"] == "IQ2_XS"
 
 
+def test_predicted_fallback_is_what_llama_cpp_wrote(built):
+    """The plan warning's fallback (qbuild's mirror of llama.cpp's rule) against the files llama.cpp wrote."""
+    from qbuild.quantize.gguf import fallback_type
+
+    for variant, default in (("iq2_xs", "IQ2_XS"), ("q4_0", "Q4_0")):
+        types = {t.name: t.tensor_type.name for t in gguf_file(built, variant).tensors}
+        for name in ("blk.0.ffn_up.weight", "blk.1.ffn_gate.weight"):   # 576 columns; the mixes leave these alone
+            assert types[name] == fallback_type(default, 576), (variant, name, types[name])
+    assert fallback_type("IQ2_XS", 576) == "IQ4_NL" and fallback_type("Q4_0", 576) == "Q4_0"
+
+
+def test_imatrix_is_a_named_artifact_listed_shown_and_pulled(built, tmp_path):
+    """Built once for the two variants that use it, and reachable by its ref like any variant."""
+    from helpers import qbuild
+
+    store = built["store"]
+    im = built["steps"]["imatrix[f16]"]
+    assert im["status"] == "built"
+    ls = {r["ref"]: r for r in json.loads(qbuild("ls", "--store", store, "--json").stdout)}
+    assert ls["ggufx/imatrix:latest"]["digest"] == im["digest"] and ls["ggufx/imatrix:latest"]["format"] == "imatrix"
+    shown = json.loads(qbuild("show", "ggufx/imatrix", "--store", store).stdout)
+    assert shown["kind"] == "imatrix" and shown["info"]["entries"] == 14
+    assert shown["inputs"]["calibration"]["step"] == "calibrate"
+    res = qbuild("pull", "ggufx/imatrix", "--store", store, "-o", tmp_path / "im")
+    assert res.returncode == 0, res.stderr
+    from safetensors.numpy import load_file
+
+    assert set(load_file(str(tmp_path / "im" / "imatrix.safetensors"))) == set(
+        load_file(str(obj(store, im["digest"]) / "imatrix.safetensors")))
+
+
 def test_imatrix_lowers_activation_weighted_error(built):
     """The point of an imatrix: smaller weight error where the calibration activations are large."""
     import gguf

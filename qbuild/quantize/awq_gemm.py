@@ -28,7 +28,7 @@ import json
 import shutil
 from pathlib import Path
 
-from qbuild.formats import Format, spec
+from qbuild.formats import Format, loads_in
 from qbuild.step import StepContext
 
 # distributions whose versions enter the key of a convert step
@@ -256,4 +256,4 @@ def run_convert(ctx: StepContext) -> dict:
     ctx.progress(1, 1, "converted")
     return {"format": Format.AWQ, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"checkpoint_format": "autoawq-gemm", "converted_from": "compressed-tensors pack-quantized",
-                     "loads_in": list(spec(Format.AWQ).loads_in), **facts}}
+                     "loads_in": list(loads_in(Format.AWQ)), **facts}}

@@ -22,6 +22,7 @@ from qbuild.errors import RecipeError
 from qbuild.formats import Format
 from qbuild.plugins import Method, methods
 from qbuild.quantize.base import VariantBase
+from qbuild.quantize.shapes import check_patterns, checkpoint_weight_names, config_linear_names
 from qbuild.schema_base import StrictModel
 from qbuild.step import Step, StepContext
 
@@ -29,22 +30,49 @@ TOOLS = ("llama-cpp-python",)
 CONVERT_TOOLS = ("llama-cpp-python", "torch", "transformers", "safetensors")
 IMATRIX_TOOLS = ("torch", "transformers", "safetensors", "gguf")
 IMATRIX_FILE = "imatrix.safetensors"
+IMATRIX_REF = "imatrix"   # the imatrix's ref: RECIPE/imatrix[-<convert_type>]:TAG (qbuild ls / show / pull)
 
-# llama-quantize's types (llama_ftype names without LLAMA_FTYPE_MOSTLY_); checked against llama_cpp at run time
+# Every type llama-quantize offers in the pinned llama.cpp (tools/quantize/quantize.cpp QUANT_OPTIONS: the
+# llama_ftype names without LLAMA_FTYPE_MOSTLY_; tests/test_plan_checks.py checks this against the installed
+# llama_cpp). Left out: COPY (copies tensors unchanged; the converter already wrote them) and NVFP4, which
+# llama_model_quantize cannot produce (llama_ftype_get_default_type has no case for it; it is only converted).
 TYPES = (
-    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q1_0", "Q2_0", "MXFP4_MOE",
     "Q2_K", "Q2_K_S", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K",
     "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M",
     "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0",
 )
+TYPE_ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}   # llama-quantize's own aliases
 OUTPUT_FILE = "model.gguf"
 # llama-quantize refuses these without an importance matrix (quality collapses)
 NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "Q2_K_S")
-# ggml tensor types usable for per-tensor overrides and output/embedding types
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS",
-                "TQ1_0", "TQ2_0")
+# ggml tensor types llama.cpp can quantize a tensor to (ggml_quantize_chunk), for per-tensor overrides and
+# output/embedding types; checked against the installed llama_cpp's GGML_TYPE_* by the tests
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q1_0", "Q2_0", "Q2_K", "Q3_K", "Q4_K",
+                "Q5_K", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL",
+                "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
 TENSOR_NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S")
+# The fields of the pinned llama.cpp's llama_model_quantize_params: none targets a file size or bits per weight
+# (dry_run only reports the size a type would give), so qbuild refuses such targets instead of guessing.
+QUANTIZE_PARAMS = ("nthread", "ftype", "output_tensor_type", "token_embedding_type", "allow_requantize",
+                   "quantize_output_tensor", "only_copy", "pure", "keep_split", "dry_run", "imatrix", "kv_overrides",
+                   "tt_overrides", "prune_layers", "max_buf_size")
+NO_SIZE_TARGET = ("the pinned llama.cpp (llama-cpp-python 0.3.36) has no size or bits-per-weight target: "
+                  "llama_model_quantize_params has " + ", ".join(QUANTIZE_PARAMS) + "; choose a type, and use "
+                  "tensor_types / output_type / embedding_type to move the size")
+
+# The type each llama_ftype quantizes to by default (llama.cpp src/llama-quant.cpp, llama_ftype_get_default_type)
+# and what a tensor whose row does not fit that type's blocks gets instead (tensor_type_fallback): llama.cpp
+# exposes neither through its C API, so these mirror the pinned source; a type absent from FALLBACK with blocks
+# wider than 32 columns has no fallback and the quantization aborts.
+DEFAULT_TENSOR_TYPE = {
+    "Q2_K_S": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K", "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K",
+    "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K", "IQ2_S": "IQ2_XS", "IQ2_M": "IQ2_S", "IQ3_XS": "IQ3_S", "IQ3_M": "IQ3_S",
+    "MXFP4_MOE": "MXFP4",
+}
+FALLBACK = {**dict.fromkeys(("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_XS"), "IQ4_NL"),
+            **dict.fromkeys(("Q2_0", "Q2_K", "Q3_K", "TQ1_0", "TQ2_0"), "Q4_0"),
+            "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def _tensor_type(v: str | None) -> str | None:
@@ -94,6 +122,8 @@ class GGUFVariant(VariantBase):
     embedding_type: str | None = Field(None, description="ggml type of token_embd.weight (--token-embedding-type).")
     tensor_types: list[TensorType] = Field(
         default_factory=list, description="Per-tensor type overrides, first match wins (--tensor-type).")
+    target_bpw: float | None = Field(None, description="Not available: " + NO_SIZE_TARGET + ".")
+    target_size_mb: float | None = Field(None, description="Not available: " + NO_SIZE_TARGET + ".")
 
     def uses_imatrix(self) -> bool:
         if self.imatrix is not None:
@@ -116,7 +146,8 @@ class GGUFVariant(VariantBase):
         data = super().quant_params()
         data["imatrix"] = self.uses_imatrix()  # resolved: the implied default is part of the key, not None
         # options at their defaults are left out, so variants that use none of them keep their earlier keys
-        for key, default in (("imatrix", False), ("output_type", None), ("embedding_type", None), ("tensor_types", [])):
+        for key, default in (("imatrix", False), ("output_type", None), ("embedding_type", None), ("tensor_types", []),
+                             ("target_bpw", None), ("target_size_mb", None)):
             if data.get(key) == default:
                 data.pop(key, None)
         return data
@@ -125,9 +156,17 @@ class GGUFVariant(VariantBase):
     @classmethod
     def _known_type(cls, v: str) -> str:
         up = v.upper()
+        up = TYPE_ALIASES.get(up, up)   # Q4_K is Q4_K_M: the same file, so the same key
         if up not in TYPES:
             raise ValueError(f"{v!r} is not a llama.cpp quantization type; allowed: {', '.join(TYPES)}")
         return up
+
+    @field_validator("target_bpw", "target_size_mb")
+    @classmethod
+    def _no_size_target(cls, v):
+        if v is not None:
+            raise ValueError(NO_SIZE_TARGET)
+        return v
 
     @field_validator("output_type", "embedding_type")
     @classmethod
@@ -145,13 +184,30 @@ class GGUFVariant(VariantBase):
         return self
 
 
+# Columns per quantization block of each ggml type (a row's length must be a multiple). Written out so that
+# planning imports nothing; tests check every entry against gguf-py's GGML_QUANT_SIZES.
+BLOCK_SIZE = {**dict.fromkeys(("F32", "F16", "BF16"), 1),
+              **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"), 32),
+              "Q2_0": 64, "NVFP4": 64, "Q1_0": 128}
+
+
 def block_size(ggml_type: str) -> int:
     """Columns per quantization block of a ggml type (row length must be a multiple)."""
-    if ggml_type in ("F32", "F16", "BF16"):
-        return 1
-    if ggml_type in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"):
-        return 32
-    return 256  # K-quants, IQ1/2/3, IQ4_XS, TQ
+    return BLOCK_SIZE.get(ggml_type, 256)  # K-quants, IQ1/2/3, IQ4_XS, TQ
+
+
+def fallback_type(ggml_type: str, columns: int) -> str | None:
+    """The type llama.cpp stores a tensor of `columns` columns in when `ggml_type` was chosen for it; None where it
+    has no fallback and aborts the quantization."""
+    if columns % block_size(ggml_type) == 0:
+        return ggml_type
+    if ggml_type in FALLBACK:
+        new = FALLBACK[ggml_type]
+    elif block_size(ggml_type) <= 32:
+        new = ggml_type
+    else:
+        return None
+    return new if columns % block_size(new) == 0 else "F16"
 
 
 def gguf_tensor_columns(info: dict) -> dict[str, int]:
@@ -172,6 +228,37 @@ def gguf_tensor_columns(info: dict) -> dict[str, int]:
     return cols
 
 
+def imatrix_ref(convert_type: str) -> str:
+    """The imatrix's ref name: `imatrix` for the default f16 conversion, `imatrix-<type>` for the others."""
+    return IMATRIX_REF if convert_type == "f16" else f"{IMATRIX_REF}-{convert_type}"
+
+
+def _shown(names: list[str], cols: dict[str, int]) -> str:
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return ", ".join(f"{n} ({cols[n]} columns)" for n in names[:3]) + more
+
+
+def gguf_weight_names(model_dir: Path | None, info: dict) -> list[str] | None:
+    """GGUF names of the model's 2-D weights, the tensors llama.cpp quantizes: the checkpoint's weight names (or,
+    before the checkpoint exists, the llama-style names from its config) mapped through gguf-py's TensorNameMap
+    for the architecture. None where the architecture or the names are unknown: the pattern check is skipped."""
+    import gguf
+
+    cfg = info.get("text_config") or info
+    arch = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}.get(cfg.get("model_type") or info.get("model_type"))
+    hf = checkpoint_weight_names(model_dir) if model_dir is not None else None
+    if hf is None:
+        linear = config_linear_names(info)
+        tied = cfg.get("tie_word_embeddings", info.get("tie_word_embeddings"))
+        hf = None if linear is None else \
+            [f"{n}.weight" for n in linear if not (tied and n == "lm_head")] + ["model.embed_tokens.weight"]
+    if arch is None or not hf:
+        return None
+    name_map = gguf.get_tensor_name_map(arch, int(cfg.get("num_hidden_layers") or 0))
+    names = {name_map.get_name(n, try_suffixes=(".weight",)) for n in hf}
+    return sorted(n for n in names if n) or None
+
+
 @methods.register
 class GGUF(Method):
     """GGUF through llama.cpp: convert once per model, optional importance matrix, quantize per variant."""
@@ -182,29 +269,63 @@ class GGUF(Method):
     requires = ("llama_cpp", "gguf")
 
     def check(self, variant: GGUFVariant, ctx, field: str) -> None:
-        """The main type falls back per tensor in llama.cpp when a row does not fit its block; explicitly
-        requested tensor types do not (llama.cpp 0.3.36 aborts), so those are checked here, at plan time."""
+        """Plan-time checks against the model's tensors: every tensor_types pattern must name a tensor; explicitly
+        requested types must fit the rows they are asked for (llama.cpp 0.3.36 aborts on an output/embedding type
+        that does not, and silently falls back on a tensor_types one: both are a recipe error here); and the main
+        type's own fallback (tensors whose rows do not fit its blocks) is reported, or refused where llama.cpp has
+        none."""
         import re
 
+        info = ctx.model_info()
+        if variant.tensor_types:
+            names = gguf_weight_names(ctx.model().source_path, info)
+            if names:
+                check_patterns([t.pattern for t in variant.tensor_types], names, f"{field}.tensor_types",
+                               "weight tensor of the model's GGUF", lambda pattern, name: re.search(pattern, name))
+        if variant.uses_imatrix():
+            ref = imatrix_ref(variant.convert_type)
+            for i, other in enumerate(ctx.recipe.variants):
+                if other.name == ref:
+                    raise RecipeError(f"variants[{i}].name", f"{ref!r} is the ref of the importance matrix this recipe "
+                                      "builds (RECIPE/imatrix:TAG); rename this variant")
+        cols = gguf_tensor_columns(info)
+        if not cols:
+            return
+        self._check_main_type(variant, cols, ctx, field)
         requests = [("output_type", variant.output_type, r"^output\.weight$"),
                     ("embedding_type", variant.embedding_type, r"^token_embd\.weight$")]
         requests += [(f"tensor_types[{i}].type", t.type, t.pattern) for i, t in enumerate(variant.tensor_types)]
-        if not any(ggml_type for _, ggml_type, _ in requests):
-            return  # nothing explicit: llama.cpp's own per-tensor fallback applies, no model facts needed
-        cols = gguf_tensor_columns(ctx.model_info())
-        if not cols:
-            return
         for where, ggml_type, pattern in requests:
             if not ggml_type:
                 continue
             bs = block_size(ggml_type)
             bad = sorted({n for n, c in cols.items() if re.search(pattern, n) and c % bs})
             if bad:
-                shown = ", ".join(f"{n} ({cols[n]} columns)" for n in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
                 fits = [t for t in TENSOR_TYPES if all(cols[n] % block_size(t) == 0 for n in bad)]
                 raise RecipeError(f"{field}.{where}",
-                                  f"{ggml_type} packs rows in blocks of {bs} columns, which does not divide {shown}; "
-                                  f"types that fit: {', '.join(fits)}")
+                                  f"{ggml_type} packs rows in blocks of {bs} columns, which does not divide "
+                                  f"{_shown(bad, cols)}; types that fit: {', '.join(fits)}")
+
+    @staticmethod
+    def _check_main_type(variant: GGUFVariant, cols: dict[str, int], ctx, field: str) -> None:
+        """The quantization type's blocks against every weight row: llama.cpp stores a tensor whose row does not fit
+        in a type with 32-column blocks instead (said in a plan warning: the file is not the pure type it is named
+        after), and aborts where the type has no fallback (a recipe error)."""
+        ggml_type = DEFAULT_TENSOR_TYPE.get(variant.type, variant.type)
+        bs = block_size(ggml_type)
+        bad = sorted(n for n, c in cols.items() if c % bs)
+        if not bad:
+            return
+        instead = {fallback_type(ggml_type, cols[n]) for n in bad}
+        if None in instead:
+            fits = [t for t in TYPES if all(cols[n] % block_size(DEFAULT_TENSOR_TYPE.get(t, t)) == 0 for n in bad)]
+            raise RecipeError(f"{field}.type", f"{variant.type} packs rows in blocks of {bs} columns, which does not "
+                              f"divide {_shown(bad, cols)}, and llama.cpp has no fallback type for {ggml_type} (it "
+                              f"aborts the quantization); types that fit: {', '.join(fits)}")
+        ctx.warn(f"{field}.type: {variant.type} packs rows in blocks of {bs} columns, which does not divide "
+                 f"{_shown(bad, cols)}; llama.cpp stores those {len(bad)} of {len(cols)} weight tensors in a type "
+                 f"whose blocks fit instead (its per-tensor fallback: {ggml_type} → {', '.join(sorted(instead))}), so "
+                 f"the file is larger than a pure {variant.type}")
 
     def plan(self, variant: GGUFVariant, ctx) -> Step:
         model = ctx.model()
@@ -213,10 +334,13 @@ class GGUF(Method):
                                threads=ctx.threads, format=Format.GGUF))
         inputs = {"gguf": convert}
         if variant.uses_imatrix():
+            # one per model × calibration set (× convert type), shared by every GGUF variant; a named artifact of its
+            # own (`variant` gives it a ref), so it can be listed, shown and pulled like a variant
             inputs["imatrix"] = ctx.add(Step("imatrix", f"imatrix[{variant.convert_type}]", {"statistic": "mean-sq-input"},
                                              "qbuild.quantize.gguf:run_imatrix",
                                              inputs={"model": model, "calibration": ctx.calibration(), "gguf": convert},
-                                             tools=IMATRIX_TOOLS, threads=ctx.threads, format=Format.IMATRIX))
+                                             tools=IMATRIX_TOOLS, threads=ctx.threads, format=Format.IMATRIX,
+                                             variant=imatrix_ref(variant.convert_type)))
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.gguf:run_quantize", inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.GGUF,
@@ -297,11 +421,18 @@ def run_imatrix(ctx: StepContext) -> dict:
     return {"format": "imatrix", "metrics": {"entries": len(data), "tokens": info["tokens"]}, "info": info}
 
 
-def _ggml_type(llama_cpp, name: str) -> int:
+def ggml_type_id(llama_cpp, name: str) -> int:
+    """ggml's enum value of a tensor type. llama-cpp-python exports only some (not BF16, TQ1_0, TQ2_0); gguf-py
+    mirrors ggml's whole enum but may lag the newest types (Q2_0 in gguf 0.19): ask both."""
     value = getattr(llama_cpp, f"GGML_TYPE_{name}", None)
     if value is None:
-        raise ValueError(f"this llama.cpp build ({llama_cpp.__version__}) has no tensor type {name}")
-    return value
+        import gguf
+
+        member = gguf.GGMLQuantizationType.__members__.get(name)
+        if member is None:
+            raise ValueError(f"this llama.cpp build ({llama_cpp.__version__}) has no tensor type {name}")
+        value = member.value
+    return int(value)
 
 
 def run_quantize(ctx: StepContext) -> dict:
@@ -321,19 +452,22 @@ def run_quantize(ctx: StepContext) -> dict:
     params.ftype = ftype
     params.nthread = ctx.threads
     if p.get("output_type"):
-        params.output_tensor_type = _ggml_type(llama_cpp, p["output_type"])
+        params.output_tensor_type = ggml_type_id(llama_cpp, p["output_type"])
     if p.get("embedding_type"):
-        params.token_embedding_type = _ggml_type(llama_cpp, p["embedding_type"])
+        params.token_embedding_type = ggml_type_id(llama_cpp, p["embedding_type"])
     keep = []  # ctypes buffers must outlive the call
     overrides = p.get("tensor_types") or []
     if overrides:
         arr = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()  # zeroed terminator
         for i, o in enumerate(overrides):
             arr[i].pattern = o["pattern"].encode()
-            arr[i].type = _ggml_type(llama_cpp, o["type"])
+            arr[i].type = ggml_type_id(llama_cpp, o["type"])
         params.tt_overrides = ctypes.cast(arr, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
         keep.append(arr)
     info: dict = {"gguf_type": name, "llama_cpp_python": llama_cpp.__version__}
+    requested = sorted({o["type"] for o in overrides} | {p.get("output_type"), p.get("embedding_type")} - {None})
+    if requested:   # tensors stored in other types than the file type: they decide where it loads too (loads_in)
+        info["part_types"] = requested
     if "imatrix" in ctx.inputs:
         from safetensors.numpy import load_file
 

@@ -20,11 +20,13 @@ from pydantic import Field, field_validator
 from qbuild.formats import Format
 from qbuild.plugins import Method
 from qbuild.quantize.base import VariantBase
-from qbuild.quantize.shapes import check_group_size
+from qbuild.quantize.shapes import check_group_size, check_module_patterns
 from qbuild.step import Step, StepContext
 
 # distributions whose versions enter the key of a quantize step
 TOOLS = ("llmcompressor", "compressed-tensors", "torch", "transformers", "safetensors")
+# variant fields holding compressed-tensors module patterns (exact names or 're:' regexes): each must match a module
+PATTERN_FIELDS = ("ignore", "targets")
 
 
 class IntWeightVariant(VariantBase):
@@ -56,9 +58,11 @@ class IntWeightVariant(VariantBase):
         return f"W{self.bits}A16 {g} {'sym' if self.sym else 'asym'}"
 
 
-def check_int_weights(variant: IntWeightVariant, ctx, field: str) -> list[str]:
-    """Plan-time shape check from config.json; returns extra ignore rules to apply (on_indivisible: ignore)."""
-    return check_group_size(variant.group_size, ctx.model_info(), variant.ignore, field, variant.on_indivisible)
+def check_int_weights(variant: IntWeightVariant, ctx, field: str) -> tuple[list[str], str]:
+    """Plan-time shape check from config.json: (extra ignore rules to apply, the sentence saying so), both empty
+    unless on_indivisible: ignore had to act."""
+    return check_group_size(variant.group_size, ctx.model_info(), variant.ignore, field, variant.on_indivisible,
+                            method=variant.method.upper())
 
 
 def weight_args(p: dict, **extra) -> dict:
@@ -83,8 +87,17 @@ class LLMCompressorMethod(Method):
     runs_in_env = True     # `env: llm-compressor` (or your own) runs oneshot outside qbuild's environment
 
     def check(self, variant, ctx, field: str) -> None:
+        # module patterns first: a typo in `ignore` would otherwise surface as a group-size complaint about the
+        # very layers the user meant to ignore
+        for name in PATTERN_FIELDS:
+            patterns = getattr(variant, name, None)
+            if patterns:
+                model = ctx.model()
+                check_module_patterns(list(patterns), model.source_path, ctx.model_info(), f"{field}.{name}")
         if isinstance(variant, IntWeightVariant):
-            check_int_weights(variant, ctx, field)
+            _, note = check_int_weights(variant, ctx, field)
+            if note:
+                ctx.warn(note)
 
     def scheme(self, variant) -> str:
         """The quantization scheme targets select on (integer weight-only: w<bits>a16)."""
@@ -93,7 +106,7 @@ class LLMCompressorMethod(Method):
     def plan(self, variant: VariantBase, ctx) -> Step:
         params = variant.quant_params()
         if isinstance(variant, IntWeightVariant):
-            auto_ignore = check_int_weights(variant, ctx, "variants")
+            auto_ignore, _ = check_int_weights(variant, ctx, "variants")   # check() has reported it
             if auto_ignore:
                 params["auto_ignore"] = list(auto_ignore)
         inputs = {"model": ctx.model()}

@@ -1,13 +1,23 @@
-"""Plan-time shape checks from the model's config.json (never imports torch).
+"""Plan-time model checks from the model's config.json and safetensors headers (never imports torch).
 
 Group quantization needs every quantized Linear's input dimension (weight columns) to be a
 multiple of the group size; compressed-tensors refuses to save or run otherwise. We find out at
 plan time, from the HF config alone, instead of after an hour of calibration.
+
+A module pattern (`ignore:`, `targets:`) that matches nothing is silently ineffective in
+llm-compressor, so it is an error here too: the module names come from the checkpoint's
+safetensors headers (JSON, read without torch or the safetensors package) and, for llama-style
+models, from config.json.
 """
 
 from __future__ import annotations
 
+import difflib
+import json
+import os
 import re
+import struct
+from pathlib import Path
 
 from qbuild.errors import RecipeError
 
@@ -61,13 +71,8 @@ def working_group_sizes(dims: list[int], candidates=(32, 64, 128, 256)) -> list[
     return [g for g in candidates if all(d % g == 0 or d < g for d in dims)]
 
 
-def check_group_size(group_size: int | None, info: dict, ignore: list[str], field: str,
-                     on_indivisible: str = "error") -> list[str]:
-    """Raise RecipeError naming the layers whose input dim the group size does not divide.
-
-    With on_indivisible="ignore", return `re:` ignore rules that keep those layers unquantized
-    instead (the caller records them in the step params, so they are part of the key and manifest).
-    """
+def indivisible_layers(group_size: int | None, info: dict, ignore: list[str]) -> list[tuple[str, int, list[str]]]:
+    """[(config dim name, size, modules)] of the quantized layers whose input dim the group size does not divide."""
     if not group_size or group_size <= 0:
         return []
     bad: list[tuple[str, int, list[str]]] = []
@@ -77,21 +82,148 @@ def check_group_size(group_size: int | None, info: dict, ignore: list[str], fiel
         hit = [m for m in modules if not is_ignored(m, ignore)]
         if hit:
             bad.append((dim_name, size, hit))
+    return bad
+
+
+def _describe(group_size: int, bad: list[tuple[str, int, list[str]]]) -> str:
+    return "; ".join(f"{dim}={size} (not a multiple of {group_size}) feeds {len(mods)} layer(s): "
+                     + ", ".join(sorted({m.rsplit('.', 1)[-1] for m in mods})) for dim, size, mods in bad)
+
+
+def check_group_size(group_size: int | None, info: dict, ignore: list[str], field: str,
+                     on_indivisible: str = "error", method: str = "the method") -> tuple[list[str], str]:
+    """Raise RecipeError naming the layers whose input dim the group size does not divide.
+
+    With on_indivisible="ignore", return `re:` ignore rules that keep those layers unquantized instead
+    (the caller records them in the step params, so they are part of the key and manifest) and the
+    sentence that tells the user so; ([], "") when every layer divides.
+    """
+    bad = indivisible_layers(group_size, info, ignore)
     if not bad:
-        return []
+        return [], ""
+    what = _describe(group_size, bad)
     if on_indivisible == "ignore":
         leaves = sorted({m.rsplit(".", 1)[-1] for _, _, mods in bad for m in mods})
-        return [f"re:.*{re.escape(leaf)}$" for leaf in leaves]
+        rules = [f"re:.*{re.escape(leaf)}$" for leaf in leaves]
+        count = sum(len(mods) for _, _, mods in bad)
+        return rules, (f"{field}.group_size: {group_size} does not divide {what}; on_indivisible: ignore keeps "
+                       f"these {count} layers unquantized (ignore rules {', '.join(rules)})")
     all_dims = [size for _, size, _ in linear_inputs(info)]
     ok = working_group_sizes(all_dims)
-    what = "; ".join(
-        f"{dim}={size} (not a multiple of {group_size}) feeds {len(mods)} layer(s): "
-        + ", ".join(sorted({m.rsplit('.', 1)[-1] for m in mods}))
-        for dim, size, mods in bad)
-    hint = f"group sizes that divide every layer: {', '.join(map(str, ok))}" if ok else "no common group size ≤ 256 fits"
+    hint = f"use a group size that divides every layer ({', '.join(map(str, ok))})" if ok else \
+        "no common group size ≤ 256 fits"
     example = sorted(m.rsplit(".", 1)[-1] for m in bad[0][2])[0]
     raise RecipeError(
         f"{field}.group_size",
-        f"group_size {group_size} does not divide {what}; {hint}; or add those layers to `ignore` "
-        f"(e.g. 're:.*{example}$'), or set on_indivisible: ignore to keep them unquantized",
+        f"group_size {group_size} does not divide {what}; {method} cannot quantize those layers in groups of "
+        f"{group_size} (their rows are not a whole number of groups), so planning stops here: "
+        f"{hint}, add those layers to `ignore` (e.g. 're:.*{example}$'), or set on_indivisible: ignore to keep "
+        "them unquantized",
     )
+
+
+# --- module names and the patterns that must match them ----------------------------------------------
+_MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def config_linear_names(info: dict) -> list[str] | None:
+    """Llama-style Linear module names from config.json; None where the config cannot tell (MoE experts)."""
+    cfg = _text_config(info)
+    if any(cfg.get(k) for k in _MOE_KEYS):
+        return None  # expert modules are named per architecture; the config does not say how
+    names = [m for _, _, mods in linear_inputs(info) for m in mods]
+    return names or None
+
+
+_HEADER_MEMO: dict[tuple, tuple[tuple[str, int], ...]] = {}   # one planning process reads a header once
+
+
+_MAX_HEADER = 100 << 20   # the safetensors format's own limit on the header
+
+
+def _header_weights(path: str, stamp: tuple) -> tuple[tuple[str, int], ...]:
+    """(tensor name, rank) of every tensor in one safetensors file, from its header: 8 bytes of little-endian
+    length, then that much JSON (the documented format). Read directly so that planning imports nothing."""
+    key = (path, stamp)
+    if key not in _HEADER_MEMO:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > _MAX_HEADER:
+                raise ValueError(f"{path}: a {size}-byte safetensors header")
+            header = json.loads(f.read(size))
+        _HEADER_MEMO[key] = tuple((k, len(v["shape"])) for k, v in header.items() if k != "__metadata__")
+    return _HEADER_MEMO[key]
+
+
+def checkpoint_weight_names(model_dir: Path) -> list[str] | None:
+    """Names of the 2-D weights (`<module>.weight`: Linear layers and embeddings) in a checkpoint's safetensors;
+    None when there is no readable safetensors file."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        return None
+    names: list[str] = []
+    try:
+        for f in files:
+            st = os.stat(f)
+            names += [n for n, rank in _header_weights(str(f), (st.st_size, st.st_mtime_ns)) if rank == 2]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):   # not a safetensors file
+        return None
+    return sorted(n for n in names if n.endswith(".weight"))
+
+
+def weight_modules(model_dir: Path | None, info: dict) -> list[str] | None:
+    """Names of the modules a weight scheme can target: the checkpoint's 2-D weights (plus a tied `lm_head`,
+    which owns no tensor of its own) and the llama-style Linear names from the config. None when neither is
+    known (a MoE model whose checkpoint is made by an earlier step): the caller then skips its check."""
+    found = set(config_linear_names(info) or ())
+    weights = checkpoint_weight_names(model_dir) if model_dir is not None else None
+    if weights is not None:
+        found |= {n.removesuffix(".weight") for n in weights}
+        archs = _text_config(info).get("architectures") or info.get("architectures") or []
+        if "lm_head" not in found and any(a.endswith("ForCausalLM") for a in archs):
+            found.add("lm_head")
+    return sorted(found) or None
+
+
+def matches_module(pattern: str, name: str) -> bool:
+    """compressed-tensors' rule for one pattern: an exact module name, or `re:<regex>` matched at the start."""
+    return is_ignored(name, [pattern])
+
+
+def looks_like_class(pattern: str) -> bool:
+    """compressed-tensors also matches module class names (`Linear`, `LlamaDecoderLayer`), which need torch to
+    list: a CamelCase identifier is taken for one and not checked."""
+    return pattern.isidentifier() and pattern[:1].isupper()
+
+
+def closest_names(query: str, names: list[str], n: int = 3) -> list[str]:
+    """The n names most like `query` (difflib), one per module kind: layer numbers vary, the module does not."""
+    text = re.sub(r"^re:|[\^$\\()|?+*]|\.\*", "", query)
+    kinds: dict[str, str] = {}
+    for name in names:
+        kinds.setdefault(re.sub(r"\d+", "N", name), name)
+    ranked = sorted(kinds.values(), key=lambda s: -difflib.SequenceMatcher(None, text, s).ratio())
+    return ranked[:n]
+
+
+def check_patterns(patterns: list[str], names: list[str], field: str, what: str, match,
+                   class_names: bool = False) -> None:
+    """RecipeError `field[i]` for the first pattern that matches none of `names`, with the closest names.
+    class_names: the patterns may also be class names (compressed-tensors), which are not checked."""
+    for i, pattern in enumerate(patterns):
+        if class_names and not pattern.startswith("re:") and looks_like_class(pattern):
+            continue
+        try:
+            hit = any(match(pattern, n) for n in names)
+        except re.error as exc:
+            raise RecipeError(f"{field}[{i}]", f"{pattern!r} is not a valid regex: {exc}") from None
+        if not hit:
+            raise RecipeError(f"{field}[{i}]", f"{pattern!r} matches no {what}, so it would have no effect; "
+                              f"closest names: {', '.join(closest_names(pattern, names))}")
+
+
+def check_module_patterns(patterns: list[str], model_dir: Path | None, info: dict, field: str) -> None:
+    """compressed-tensors patterns (exact names or `re:` regexes) must each match a module of the model."""
+    names = weight_modules(model_dir, info)
+    if names:
+        check_patterns(patterns, names, field, "module of the model", matches_module, class_names=True)
