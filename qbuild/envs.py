@@ -117,12 +117,39 @@ def uv_binary() -> str:
     return found
 
 
+def pip_config() -> dict[str, str]:
+    """pip's find-links and index-url from its config files (global, user, $PIP_CONFIG_FILE; later ones win),
+    so a machine whose pip installs torch from a local wheelhouse gives uv the same wheelhouse."""
+    import configparser
+
+    files = ["/etc/pip.conf", "/etc/xdg/pip/pip.conf", str(Path.home() / ".pip" / "pip.conf"),
+             str(Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config") / "pip" / "pip.conf")]
+    if os.environ.get("PIP_CONFIG_FILE"):
+        files.append(os.environ["PIP_CONFIG_FILE"])
+    found: dict[str, str] = {}
+    for path in files:
+        parser = configparser.ConfigParser(strict=False, interpolation=None)
+        try:
+            parser.read(path)
+        except (configparser.Error, OSError, UnicodeDecodeError):
+            continue
+        for section in ("global", "install"):
+            for key in ("find-links", "index-url"):
+                if parser.has_option(section, key):
+                    found[key] = " ".join(parser.get(section, key).split())
+    return found
+
+
 def uv_env() -> dict[str, str]:
-    """uv's environment: pip's index settings passed on where uv's own are unset (same index as the install)."""
+    """uv's environment: pip's index settings (variables, else its config files) passed on where uv's own are
+    unset, so an environment comes from the same index and wheelhouse as qbuild's own install."""
     env = dict(os.environ)
-    for pip_var, uv_var in (("PIP_FIND_LINKS", "UV_FIND_LINKS"), ("PIP_INDEX_URL", "UV_INDEX_URL")):
-        if env.get(pip_var) and not env.get(uv_var):
-            env[uv_var] = env[pip_var]
+    config = pip_config()
+    for pip_var, uv_var, key in (("PIP_FIND_LINKS", "UV_FIND_LINKS", "find-links"),
+                                 ("PIP_INDEX_URL", "UV_INDEX_URL", "index-url")):
+        value = env.get(pip_var) or config.get(key)
+        if value and not env.get(uv_var):
+            env[uv_var] = value
     env.pop("VIRTUAL_ENV", None)   # uv would otherwise target qbuild's own environment
     return env
 
