@@ -155,8 +155,15 @@ def test_model_card_front_matter_and_tables():
     ("hf", {}, {"vLLM", "SGLang", "TGI", "LMDeploy", "transformers", "TensorRT-LLM", "llama.cpp"}, set()),
     ("hf-modelopt", {}, {"vLLM", "SGLang", "TensorRT-LLM"}, {"TGI", "llama.cpp"}),
     ("trtllm-engine", {}, {"TensorRT-LLM"}, {"vLLM", "llama.cpp", "transformers"}),
+    ("compressed-tensors", {}, {"vLLM", "SGLang", "TGI", "transformers"}, {"LMDeploy", "llama.cpp"}),
+    ("gptq", {}, {"vLLM", "TGI", "LMDeploy", "transformers", "ExLlamaV2"}, {"llama.cpp", "TensorRT-LLM"}),
+    ("awq", {}, {"vLLM", "TGI", "LMDeploy", "transformers"}, {"llama.cpp", "ExLlamaV2"}),
 ])
 def test_load_table_follows_the_format(fmt, info, yes, no):
-    rows = {e: ok for e, ok, _ in modelcard.load_table({"format": fmt, "info": info, "files": [],
+    # the scheme each of these formats' manifests records (it selects the row of qbuild.formats.LOADS_IN)
+    scheme = {"hf-modelopt": "fp8", "compressed-tensors": "w4a16", "gptq": "w4a16", "awq": "w4a16"}.get(fmt)
+    if info.get("checkpoint_format") == "compressed-tensors":
+        scheme = "w4a16"
+    rows = {e: ok for e, ok, _ in modelcard.load_table({"format": fmt, "info": info, "files": [], "scheme": scheme,
                                                         "toolchain": {"gpu.sm": "9.0", "tensorrt_llm": "1.2.1"}})}
     assert {e for e, ok in rows.items() if ok} >= yes and not ({e for e, ok in rows.items() if ok} & no)

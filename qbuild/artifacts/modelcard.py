@@ -9,7 +9,11 @@ import yaml
 METRIC_COLUMNS = (("ppl", "PPL", "{:.3f}"), ("delta_ppl", "ΔPPL", "{:+.3f}"), ("delta_ppl_pct", "ΔPPL %", "{:+.2f}"),
                   ("kld", "KLD", "{:.4f}"), ("top1", "top-1", "{:.1%}"), ("decode_tok_s", "decode tok/s", "{:.1f}"),
                   ("prefill_tok_s", "prefill tok/s", "{:.1f}"), ("ttft_ms", "TTFT ms", "{:.1f}"))
-ENGINES = ("vLLM", "SGLang", "TGI", "LMDeploy", "transformers", "llama.cpp", "TensorRT-LLM")
+ENGINES = ("vLLM", "SGLang", "TGI", "LMDeploy", "transformers", "llama.cpp", "TensorRT-LLM", "ExLlamaV2")
+# qbuild.formats' engine names (manifest `loads_in`) → the card's
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "lmdeploy": "LMDeploy", "transformers": "transformers",
+                "llama.cpp": "llama.cpp", "trtllm-pytorch": "TensorRT-LLM", "tensorrt-llm": "TensorRT-LLM",
+                "trtllm-build": "TensorRT-LLM", "exllamav2": "ExLlamaV2"}
 LIBRARY = {"gguf": "gguf", "hf": "transformers", "hf-modelopt": "transformers", "trtllm-engine": "tensorrt-llm",
            "trtllm-checkpoint": "tensorrt-llm", "trtllm-pytorch": "tensorrt-llm"}
 
@@ -44,45 +48,65 @@ def _gguf_file(manifest: dict) -> str:
 
 
 def load_table(manifest: dict, name: str = "MODEL_DIR") -> list[tuple[str, bool, str]]:
-    """(engine, loads it, how) for every engine, derived from the format and quantization config."""
+    """(engine, loads it, how) for every engine. Which engines load it is the manifest's `loads_in` (the one
+    table in qbuild/formats.py, worked out for manifests older than it); this adds the command for each."""
+    from qbuild.formats import manifest_loads_in
+
     fmt = manifest.get("format") or ""
     info = manifest.get("info") or {}
-    ct = info.get("checkpoint_format") == "compressed-tensors"
-    gguf = _gguf_file(manifest)
-    no = "—"
-    rows: dict[str, tuple[bool, str]] = {e: (False, no) for e in ENGINES}
-    if fmt == "gguf":
-        rows["llama.cpp"] = (True, f"`llama-server -m {name}/{gguf}`")
-        rows["vLLM"] = (True, f"`vllm serve {name}/{gguf} --tokenizer BASE_MODEL` (experimental GGUF loader)")
-        rows["transformers"] = (True, f"`AutoModelForCausalLM.from_pretrained('{name}', gguf_file='{gguf}')` "
-                                      "(dequantizes to full precision)")
-    elif fmt == "hf":
-        rows["vLLM"] = (True, f"`vllm serve {name}`")
-        rows["SGLang"] = (True, f"`python -m sglang.launch_server --model-path {name}`")
-        rows["TGI"] = (True, f"`text-generation-launcher --model-id {name}`")
-        rows["transformers"] = (True, f"`AutoModelForCausalLM.from_pretrained('{name}')`"
-                                      + (" (needs the compressed-tensors package)" if ct else ""))
-        if not ct:
-            rows["LMDeploy"] = (True, f"`lmdeploy serve api_server {name}`")
-            rows["llama.cpp"] = (True, f"convert first: `python convert_hf_to_gguf.py {name}`")
-            rows["TensorRT-LLM"] = (True, f"`trtllm-serve {name}` (PyTorch backend)")
-        else:
-            rows["LMDeploy"] = (False, "compressed-tensors checkpoints are not supported")
-            rows["llama.cpp"] = (False, "quantized with llm-compressor: build a GGUF variant instead")
-    elif fmt == "hf-modelopt":
-        rows["vLLM"] = (True, f"`vllm serve {name} --quantization modelopt`")
-        rows["SGLang"] = (True, f"`python -m sglang.launch_server --model-path {name} --quantization modelopt`")
-        rows["TensorRT-LLM"] = (True, f"`trtllm-serve {name}` (PyTorch backend)")
-    elif fmt == "trtllm-pytorch":
-        rows["TensorRT-LLM"] = (True, f"`trtllm-serve {name} --extra_llm_api_options {name}/extra_llm_api_options.yaml`")
-    elif fmt == "trtllm-engine":
-        sm = (manifest.get("toolchain") or {}).get("gpu.sm")
-        rows["TensorRT-LLM"] = (True, f"`trtllm-serve {name} --tokenizer BASE_MODEL`"
-                                      + (f" (only on SM {sm} GPUs, TensorRT-LLM "
-                                         f"{manifest['toolchain'].get('tensorrt_llm')})" if sm else ""))
-    elif fmt == "trtllm-checkpoint":
-        rows["TensorRT-LLM"] = (True, f"build an engine first: `trtllm-build --checkpoint_dir {name}`")
+    if fmt == "hf" and info.get("checkpoint_format") == "compressed-tensors":   # manifests from before the format
+        fmt = "compressed-tensors"
+    engines = manifest.get("loads_in")
+    if engines is None:
+        engines = manifest_loads_in(fmt, manifest.get("scheme"), info) or []
+    loads = {ENGINE_NAMES[e] for e in engines if e in ENGINE_NAMES}
+    rows = {e: (True, _how(e, fmt, manifest, name)) if e in loads else (False, _why_not(e, fmt)) for e in ENGINES}
+    if fmt == "hf":
+        rows["llama.cpp"] = (True, f"convert first: `python convert_hf_to_gguf.py {name}`")
     return [(e, ok, how) for e, (ok, how) in rows.items()]
+
+
+def _how(engine: str, fmt: str, manifest: dict, name: str) -> str:
+    gguf = _gguf_file(manifest)
+    needs = {"compressed-tensors": "compressed-tensors", "gptq": "gptqmodel", "awq": "gptqmodel",
+             "bitsandbytes": "bitsandbytes", "auto-round": "auto-round"}.get(fmt)
+    if engine == "llama.cpp":
+        return f"`llama-server -m {name}/{gguf}`"
+    if engine == "vLLM":
+        if fmt == "gguf":
+            return f"`vllm serve {name}/{gguf} --tokenizer BASE_MODEL` (experimental GGUF loader)"
+        return f"`vllm serve {name}`" + (" --quantization modelopt" if fmt == "hf-modelopt" else "")
+    if engine == "SGLang":
+        return (f"`python -m sglang.launch_server --model-path {name}"
+                + (" --quantization modelopt`" if fmt == "hf-modelopt" else "`"))
+    if engine == "TGI":
+        return f"`text-generation-launcher --model-id {name}`"
+    if engine == "LMDeploy":
+        return f"`lmdeploy serve api_server {name}`" + (f" --model-format {fmt}" if fmt in ("awq", "gptq") else "")
+    if engine == "transformers":
+        if fmt == "gguf":
+            return f"`AutoModelForCausalLM.from_pretrained('{name}', gguf_file='{gguf}')` (dequantizes to full precision)"
+        return f"`AutoModelForCausalLM.from_pretrained('{name}')`" + (f" (needs the {needs} package)" if needs else "")
+    if engine == "ExLlamaV2":
+        return f"load `{name}` with ExLlamaV2's model loader (GPTQ format)"
+    if fmt == "trtllm-pytorch":
+        return f"`trtllm-serve {name} --extra_llm_api_options {name}/extra_llm_api_options.yaml`"
+    if fmt == "trtllm-engine":
+        tc = manifest.get("toolchain") or {}
+        sm = tc.get("gpu.sm")
+        return (f"`trtllm-serve {name} --tokenizer BASE_MODEL`"
+                + (f" (only on SM {sm} GPUs, TensorRT-LLM {tc.get('tensorrt_llm')})" if sm else ""))
+    if fmt == "trtllm-checkpoint":
+        return f"build an engine first: `trtllm-build --checkpoint_dir {name}`"
+    return f"`trtllm-serve {name}` (PyTorch backend)"
+
+
+def _why_not(engine: str, fmt: str) -> str:
+    if fmt == "compressed-tensors" and engine == "LMDeploy":
+        return "compressed-tensors checkpoints are not supported"
+    if fmt == "compressed-tensors" and engine == "llama.cpp":
+        return "quantized with llm-compressor: build a GGUF variant instead"
+    return "—"
 
 
 def render_model_card(manifest: dict, summary_row: dict | None = None, protocol: dict | None = None,
