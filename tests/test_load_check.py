@@ -7,9 +7,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+from test_backend_envs import envs_dir  # noqa: F401  (fixture: the session's backend environments directory)
 
 from qbuild.artifacts.store import Store
 from qbuild.errors import RecipeError
@@ -299,8 +301,6 @@ def test_a_format_no_runtime_reads_is_reported_not_dropped(tmp_path):
 def test_engine_check_through_the_fake_tensorrt_llm_interpreter(tmp_path, tiny_model_dir, monkeypatch):
     """No GPU here: a stub tensorrt_llm (tests/fake_trtllm) whose logits are a fixed function of the tokens. The
     engine's check must be the greedy decode of exactly those logits, compared with the baseline's."""
-    import sys
-
     import test_trtllm_eval as trt
 
     from qbuild.trtllm import env as trtllm_env
@@ -329,3 +329,36 @@ def test_engine_check_through_the_fake_tensorrt_llm_interpreter(tmp_path, tiny_m
     assert engine_check["runtime"]["name"] == "tensorrt-llm"
     rows = {r["variant"]: r for r in summary["variants"]}
     assert rows["fp8.trtllm"]["load"] == f"{engine_check['matches_baseline_tokens']}/4"
+
+
+# --- a format read in another backend environment is checked there ---------------------------------------------
+needs_uv = pytest.mark.skipif(shutil.which("uv") is None and not (Path(sys.executable).parent / "uv").exists(),
+                              reason="uv is not installed")
+GPTQ_RECIPE = {"calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 4, "seq_len": 64},
+               "variants": [{"name": "gptq-fmt", "method": "gptqmodel", "bits": 4, "group_size": 32}]}
+
+
+@needs_uv
+@pytest.mark.usefixtures("envs_dir")
+def test_a_gptq_check_is_planned_in_the_gptqmodel_environment(tmp_path, tiny_model_dir):
+    data = {**recipe_for(tiny_model_dir, tmp_path / "store"), **GPTQ_RECIPE}
+    by_name = {s.name: s for s in build_steps(parse_recipe(data), tmp_path).steps}
+    check = by_name["load-check[gptq-fmt]"]
+    assert check.backend_env is not None and check.backend_env.label.startswith("gptqmodel@")
+    assert check.toolchain()["gptqmodel"] == check.backend_env.versions["gptqmodel"]
+    assert by_name["load-check[baseline]"].backend_env is None
+
+
+@needs_uv
+@pytest.mark.slow   # a GPTQ quantization and a backend environment (created on first use): about a minute
+@pytest.mark.usefixtures("envs_dir")
+def test_a_gptq_checkpoint_loads_through_gptqmodel_in_its_environment(tmp_path, tiny_model_dir):
+    data = {**recipe_for(tiny_model_dir, tmp_path / "store"), **GPTQ_RECIPE}
+    rc, summary = run_api(write_recipe(tmp_path / "r.yaml", data))
+    assert rc == 0, summary["steps"]
+    step = {s["name"]: s for s in summary["steps"]}["load-check[gptq-fmt]"]
+    result = check_result(tmp_path / "store", step)
+    assert result["runtime"]["quant_method"] == "gptq" and result["runtime"]["linear_class"].startswith("gptqmodel.")
+    assert Store(tmp_path / "store").manifest(step["digest"])["toolchain"]["env"].startswith("gptqmodel@")
+    [check] = {r["variant"]: r for r in summary["variants"]}["gptq-fmt"]["load_check"]
+    assert 0 <= check["matches_baseline_tokens"] <= 16 and len(check["generated_token_ids"]) == 16
