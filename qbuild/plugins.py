@@ -135,7 +135,7 @@ class Target(Plugin, ABC):
 
 # --- evaluation runtimes ------------------------------------------------------------------------------------
 class RuntimeSession:
-    """An opened model: logits for token windows, timed generation. Made by Runtime.open in a worker.
+    """An opened model: logits for token windows, greedy and timed generation. Made by Runtime.open in a worker.
 
     A session may also define `throughput(ctx, params) -> step result` to measure speed its own way
     (the TensorRT-LLM runtime runs trtllm-bench); otherwise qbuild times `generate_timed`."""
@@ -151,6 +151,19 @@ class RuntimeSession:
     def generate_timed(self, prompts: list[list[int]], n_out: int) -> dict:
         """Greedy decode of a batch: {"prefill_s": float, "decode_s": [seconds per token]}."""
         raise NotImplementedError
+
+    def generate(self, prompt_tokens: list[int], n: int) -> list[int]:
+        """Greedy continuation: the `n` most likely next tokens (never stopping at an end token, so always `n`).
+
+        Default: the growing sequence re-run through `window_logits` for each token, which needs nothing but
+        logits and is fine for the few tokens a load check asks for; runtimes with a decoder override it."""
+        from qbuild.evaluate.protocol import Window
+
+        sequence = [int(t) for t in prompt_tokens]
+        for _ in range(n):
+            [logits] = list(self.window_logits([Window(sequence, 1)]))   # exhausted: a runtime may clean up after
+            sequence.append(int(logits[-1].argmax()))
+        return sequence[len(prompt_tokens):]
 
     def info(self) -> dict:
         return {}

@@ -102,6 +102,21 @@ class Throughput(StrictModel):
     repetitions: int = Field(3, ge=1)
 
 
+# the fixed prompt of a load check: plain English any tokenizer handles, whose continuation a working model keeps on topic
+LOAD_CHECK_PROMPT = "The three most important things to know about the Python programming language are"
+
+
+class LoadCheck(StrictModel):
+    """Load each artifact with the runtimes that read it and greedily continue a fixed prompt."""
+
+    prompt: str = Field(LOAD_CHECK_PROMPT, min_length=1, description="The prompt, tokenized once with the baseline's "
+                        "tokenizer (its special tokens, no chat template), so every artifact is fed the same ids.")
+    tokens: int = Field(16, ge=1, le=256, description="How many tokens to generate greedily.")
+    runtimes: list[str] | None = Field(
+        None, min_length=1, description="Runtimes to load each artifact with (those of them that read its format); "
+        "default: every installed runtime that reads it.")
+
+
 class Gate(StrictModel):
     """A quality gate: a nightly job fails (exit 3) when a variant misses one of these bounds."""
 
@@ -129,7 +144,21 @@ class Evaluation(StrictModel):
         "its stored log-probs, computed llama.cpp's way, on its tokens (needs kld: true, protocol llama.cpp and "
         "its context length); comparable with llama.cpp's published tables.")
     throughput: Throughput | None = None
+    load_check: LoadCheck | None = Field(
+        None, description="true or {prompt, tokens, runtimes}: load every artifact with each runtime that reads it and "
+        "generate `tokens` tokens greedily, compared with the baseline's (the `load` column).",
+        json_schema_extra=lambda schema: schema["anyOf"].insert(0, {"type": "boolean"}))   # `true` in editors too
     gates: list[Gate] = Field(default_factory=list)
+
+    @field_validator("load_check", mode="before")
+    @classmethod
+    def _load_check_switch(cls, value):
+        # `load_check: true` is the default check; false is the same as leaving it out
+        if isinstance(value, bool):
+            return LoadCheck() if value else None
+        if not isinstance(value, (dict, LoadCheck, type(None))):
+            raise ValueError(f"expected true, false or {{prompt, tokens, runtimes}}, got {value!r}")
+        return value
 
     @model_validator(mode="after")
     def _needs(self):

@@ -26,7 +26,41 @@ def _evaluations(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutco
     return {(o.step.inputs["model"].key, o.step.kind): o for o in outcomes if o.step.kind in EVAL_KINDS}
 
 
-def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None) -> dict:
+def _load_checks(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
+    """artifact key → its load checks, one per runtime: what each generated and how much of it the baseline's is."""
+    checks: dict[str, list[dict]] = {}
+    for o in outcomes:
+        if o.step.kind != "load-check":
+            continue
+        info = o.record.get("info", {}) if o.record else {}
+        m = o.metrics
+        checks.setdefault(o.step.inputs["model"].key, []).append({
+            "step": o.step.name, "runtime": o.step.params["runtime"], "status": o.status,
+            "tokens": m.get("tokens"), "matches_baseline_tokens": m.get("matches_baseline_tokens"),
+            "matches_baseline": m.get("matches_baseline"), "text": info.get("text"),
+            "generated_token_ids": info.get("generated_token_ids"), "error": o.error})
+    return checks
+
+
+def load_label(checks: list[dict]) -> str | None:
+    """The `load` column: "16/16" (leading tokens equal to the baseline's / generated), "ref" for the check the
+    others are compared with, or the step's status; one entry per runtime when there are several."""
+    def one(c: dict) -> str:
+        if c["status"] not in (Outcome.BUILT, Outcome.CACHED):
+            return str(c["status"])
+        if c["matches_baseline_tokens"] is None:
+            return "ref"
+        return f"{c['matches_baseline_tokens']}/{c['tokens']}"
+
+    if not checks:
+        return None
+    if len(checks) == 1:
+        return one(checks[0])
+    return ", ".join(f"{one(c)} {c['runtime']}" for c in checks)
+
+
+def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None,
+         load_checks: list[dict] | None = None) -> dict:
     key = art.step.key
     ppl = evals.get((key, "perplexity")) or evals.get((key, "reference"))
     speed = evals.get((key, "throughput"))
@@ -47,6 +81,7 @@ def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated
         "ppl": metric(ppl, "ppl"), "kld": metric(kld, "kld"), "top1": metric(kld, "top1"),
         "decode_tok_s": metric(speed, "decode_tok_s"), "prefill_tok_s": metric(speed, "prefill_tok_s"),
         "ttft_ms": metric(speed, "ttft_ms"),
+        "load": load_label(load_checks or []), "load_check": load_checks or None,
     }
 
 
@@ -55,7 +90,9 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
     recipe = plan.recipe
     by_key = {o.step.key: o for o in outcomes}
     evals = _evaluations(outcomes)
-    rows = [_row(a, by_key.get(a.step.key), evals, plan.not_evaluated.get(a.label)) for a in plan.artifacts]
+    checks = _load_checks(outcomes)
+    rows = [_row(a, by_key.get(a.step.key), evals, plan.not_evaluated.get(a.label), checks.get(a.step.key))
+            for a in plan.artifacts]
     base = rows[0] if rows and rows[0]["variant"] == "baseline" else None
     for r in rows:
         if base and r is not base:
@@ -90,7 +127,7 @@ def render_table(summary: dict, console) -> None:
     table = Table(title=f"qbuild · {summary['recipe']}", title_justify="left")
     cols = [("variant", "left"), ("method", "left"), ("size", "right"), ("key", "left"), ("status", "left")]
     optional = [("PPL", "ppl", ".3f"), ("ΔPPL", "delta_ppl", "+.3f"), ("KLD", "kld", ".4f"), ("top-1", "top1", ".1%"),
-                ("tok/s", "decode_tok_s", ".1f")]
+                ("tok/s", "decode_tok_s", ".1f"), ("load", "load", "")]
     shown = [o for o in optional if any(r.get(o[1]) is not None for r in rows)]
     for name, justify in cols:
         table.add_column(name, justify=justify, overflow="fold")

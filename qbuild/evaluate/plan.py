@@ -8,12 +8,16 @@ variant's `perplexity[...]` step reads that object and gives PPL, KLD and top-1 
 The runtime is chosen by the artifact's format (qbuild.plugins.runtimes_for). An artifact no
 installed runtime can evaluate is recorded in ctx.not_evaluated, which `qbuild plan` and the run
 summary show: nothing is dropped silently.
+
+With `load_check`, each model artifact also gets a `load-check[...]` step per installed runtime that reads it
+(qbuild/evaluate/loadcheck.py): greedy generation from one fixed prompt, compared with the baseline's.
 """
 
 from __future__ import annotations
 
 import logging
 
+from qbuild.calibration.plan import TOKENIZE_TOOLS
 from qbuild.formats import spec
 from qbuild.plugins import Runtime, runtimes_for
 from qbuild.step import Step
@@ -21,7 +25,7 @@ from qbuild.step import Step
 log = logging.getLogger("qbuild")
 
 RUNNERS = {"perplexity": "qbuild.evaluate.quality:perplexity", "reference": "qbuild.evaluate.quality:reference",
-           "throughput": "qbuild.evaluate.throughput:run"}
+           "throughput": "qbuild.evaluate.throughput:run", "load-check": "qbuild.evaluate.loadcheck:run"}
 
 
 def pick_runtime(fmt: str) -> tuple[Runtime | None, str]:
@@ -39,18 +43,21 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
           ctx, **kw) -> Step:
     fields = runtime.plan_fields(label, artifact, ctx, kind)
     extra_inputs = fields.pop("extra_inputs", {})
+    runtime_args = {**fields.pop("runtime_args", {}), **kw.pop("runtime_args", {})}
     fmt = spec(artifact.format)
     tools = tuple(sorted(set(tools) | set(runtime.tools) | set(fmt.load_tools)))
     kw.setdefault("format", "metrics")
     # a format only another environment reads (GPTQ: gptqmodel) is evaluated there; so is a model built in one
     env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
     return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **extra_inputs}, tools=tools,
-                        threads=ctx.threads, backend_env=env, **fields, **kw))
+                        threads=ctx.threads, backend_env=env, runtime_args=runtime_args, **fields, **kw))
 
 
 def evaluation_steps(ctx) -> None:
     """Add the evaluation steps of every model artifact in ctx.artifacts (baseline, variants, target outputs)."""
     ev = ctx.recipe.evaluation
+    if ev.load_check:
+        load_check_steps(ctx, ev.load_check)
     if not (ev.perplexity or ev.throughput):
         return
     if ev.kld_base and "add_bos" not in ev.perplexity.model_fields_set:
@@ -103,6 +110,59 @@ def evaluation_steps(ctx) -> None:
             # timings belong to a machine: the hardware is part of the key, so another machine never hits
             _step("throughput", f"throughput[{art.label}]", params, rt, art.label, art.step, {"model": art.step}, (),
                   ctx, per_hardware=True)
+
+
+def load_check_runtimes(ctx, check, fmt: str) -> list[Runtime]:
+    """The installed runtimes a load check of a `fmt` artifact uses: those named in `runtimes` (in that order) that
+    read it, else every installed one that reads it."""
+    from qbuild.errors import RecipeError
+    from qbuild.plugins import runtimes
+
+    if check.runtimes is None:
+        return [rt for rt in runtimes_for(fmt) if not rt.missing()]
+    chosen = []
+    for i, name in enumerate(check.runtimes):
+        if name not in runtimes:
+            raise RecipeError(f"evaluation.load_check.runtimes[{i}]",
+                              f"{name!r} is not a runtime; known runtimes: {', '.join(runtimes.names())}")
+        rt = runtimes.get(name)
+        if fmt in rt.formats:
+            if rt.missing():
+                ctx.warn(f"load check: runtime {name} is not installed (pip install 'qbuild[{rt.extra}]'); "
+                         f"{fmt} artifacts are not loaded with it")
+            else:
+                chosen.append(rt)
+    return chosen
+
+
+def load_check_steps(ctx, check) -> None:
+    """A `load-check[<artifact>]` step per model artifact and runtime (`[<artifact>@<runtime>]` when several):
+    greedy generation from one tokenized prompt; every check but the baseline's first reads the baseline's check
+    (`reference`, the same runtime's where there is one) and counts the leading tokens that agree."""
+    prompt = ctx.add(Step("load-check-prompt", "load-check-prompt", {"prompt": check.prompt, "add_special_tokens": True},
+                          "qbuild.evaluate.loadcheck:prompt", inputs={"tokenizer": ctx.model()},
+                          tools=TOKENIZE_TOOLS, threads=1, format="tokens"))
+    baseline_checks: dict[str, Step] = {}
+    for art in ctx.artifacts:
+        if not spec(art.step.format).model:
+            continue
+        found = load_check_runtimes(ctx, check, art.step.format)
+        if not found:
+            ctx.warn(f"load check: no installed runtime{' of evaluation.load_check.runtimes' if check.runtimes else ''}"
+                     f" reads {art.step.format}; {art.label} is not loaded")
+            continue
+        for rt in found:
+            if "load-check" in rt.cannot_measure(art.label, art.step, ctx.recipe.evaluation):
+                continue
+            name = f"load-check[{art.label}@{rt.name}]" if len(found) > 1 else f"load-check[{art.label}]"
+            inputs = {"model": art.step, "prompt": prompt}
+            reference = baseline_checks.get(rt.name) or next(iter(baseline_checks.values()), None)
+            if reference is not None:
+                inputs["reference"] = reference
+            step = _step("load-check", name, {"tokens": check.tokens, "runtime": rt.name}, rt, art.label, art.step,
+                         inputs, TOKENIZE_TOOLS, ctx, runtime_args={"label": art.label})
+            if art.baseline:
+                baseline_checks.setdefault(rt.name, step)
 
 
 def _kld_base_reference(ctx, ev, data: Step) -> Step:

@@ -72,6 +72,20 @@ class LlamaCppSession(RuntimeSession):
             steps.append(time.perf_counter() - t1)
         return {"prefill_s": prefill, "decode_s": steps}
 
+    def generate(self, prompt_tokens: list[int], n: int) -> list[int]:
+        """Greedy decode through llama.cpp's KV cache: the argmax of the last position's logits, fed back."""
+        import numpy as np
+
+        llm = self.llm
+        llm.reset()
+        llm.eval(list(prompt_tokens))
+        generated = []
+        for i in range(n):
+            generated.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+            if i < n - 1:
+                llm.eval([generated[-1]])
+        return generated
+
     def info(self) -> dict:
         import llama_cpp
 

@@ -81,6 +81,19 @@ class TransformersSession(RuntimeSession):
                 steps.append(time.perf_counter() - t1)
         return {"prefill_s": prefill, "decode_s": steps}
 
+    def generate(self, prompt_tokens: list[int], n: int) -> list[int]:
+        """Greedy decode with the KV cache (model.generate, do_sample=False). No end token stops it
+        (eos_token_id=None), so it gives exactly what re-running the growing sequence would."""
+        torch = self.torch
+        ids = torch.tensor([prompt_tokens], device=self.device)
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                                      eos_token_id=None)
+        generated = out[0, len(prompt_tokens):].tolist()
+        if len(generated) < n:   # a transformers version that still stopped early: finish the plain way
+            generated += super().generate(list(prompt_tokens) + generated, n - len(generated))
+        return generated
+
     def info(self) -> dict:
         import transformers
 
