@@ -190,3 +190,11 @@ def test_awq_gemm_checkpoint_is_evaluated_by_transformers_through_gptqmodel(tmp_
     step = next(s for s in summary["steps"] if s["name"] == "perplexity[awq-gemm]")
     runtime = json.loads((Store(tmp_path / "store").object_dir(step["digest"]) / "perplexity.json").read_text())["runtime"]
     assert runtime["quant_method"] == "awq" and "Awq" in runtime["linear_class"]
+
+
+def test_gptqmodel_group_size_refusal_offers_only_what_the_method_has(tmp_path, tiny_model_dir):
+    r = recipe(tmp_path, tiny_model_dir, [{"name": "g", "method": "gptqmodel", "bits": 4, "group_size": 128}],
+               perplexity=False)
+    proc = qbuild("plan", r, "--store", tmp_path / "store")
+    assert proc.returncode == 2 and "variants[0].group_size" in proc.stderr and "(32, 64)" in proc.stderr
+    assert "on_indivisible" not in proc.stderr and "ignore" not in proc.stderr   # gptqmodel has neither field
