@@ -74,11 +74,13 @@ class AutoRound(Method):
     runs_in_env = True   # `env: auto-round` (or your own auto-round version) runs the tuning outside qbuild's environment
 
     def check(self, variant: AutoRoundVariant, ctx, field: str) -> None:
-        lc.check_int_weights(variant, ctx, field)
+        _, note = lc.check_int_weights(variant, ctx, field)
+        if note:
+            ctx.warn(note)
 
     def plan(self, variant: AutoRoundVariant, ctx) -> Step:
         params = variant.quant_params()
-        auto_ignore = lc.check_int_weights(variant, ctx, "variants")
+        auto_ignore, _ = lc.check_int_weights(variant, ctx, "variants")   # check() has reported it
         if auto_ignore:
             params["auto_ignore"] = list(auto_ignore)
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, "qbuild.quantize.autoround:run",
