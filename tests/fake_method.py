@@ -39,6 +39,7 @@ class FakeMethod(Method):
     name = "fake"
     options = FakeVariant
     extra = "dev"
+    runs_in_env = True   # torch-free: the backend-environment tests run it in a bare uv environment
 
     def plan(self, variant: FakeVariant, ctx) -> Step:
         inputs = {"model": ctx.model()}
@@ -46,7 +47,8 @@ class FakeMethod(Method):
             inputs["calibration"] = ctx.calibration()
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(), "fake_method:run",
                             inputs=inputs, tools=TOOLS, variant=variant.name, format="fake", scheme=f"l{variant.level}",
-                            per_hardware=variant.timing, threads=ctx.threads))
+                            per_hardware=variant.timing, threads=ctx.threads,
+                            backend_env=ctx.backend_env(variant, self)))
 
 
 def run(ctx: StepContext) -> dict:

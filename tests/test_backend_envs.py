@@ -198,3 +198,33 @@ def test_gptqmodel_group_size_refusal_offers_only_what_the_method_has(tmp_path, 
     proc = qbuild("plan", r, "--store", tmp_path / "store")
     assert proc.returncode == 2 and "variants[0].group_size" in proc.stderr and "(32, 64)" in proc.stderr
     assert "on_indivisible" not in proc.stderr and "ignore" not in proc.stderr   # gptqmodel has neither field
+
+
+def test_offline_creation_from_a_local_wheelhouse(tmp_path, monkeypatch):
+    """No index and an empty uv cache: the environment is resolved and created from the wheelhouse alone, and a
+    step (the torch-free test method) runs in it."""
+    from helpers import fake_model
+
+    wheels = tmp_path / "wheels"
+    download = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "-d",
+                               str(wheels), "click", "pydantic", "pyyaml", "rich", "filelock", "six"],
+                              capture_output=True, text=True)
+    if download.returncode != 0:
+        pytest.skip(f"no package index to fill the wheelhouse from: {download.stderr.strip()[-200:]}")
+    for var, value in (("UV_OFFLINE", "1"), ("UV_FIND_LINKS", str(wheels)), ("UV_CACHE_DIR", str(tmp_path / "uv")),
+                       ("QBUILD_ENVS_DIR", str(tmp_path / "envs"))):
+        monkeypatch.setenv(var, value)
+    r = write_recipe(tmp_path / "r.yaml", {
+        "name": "offline", "model": {"source": "local", "path": str(fake_model(tmp_path))},
+        "variants": [{"name": "v", "method": "fake", "env": {"packages": ["six"]}}],
+        "evaluation": {"perplexity": None, "baseline": False}})
+    proc = qbuild(r, "--store", tmp_path / "store", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    step = next(s for s in json.loads(proc.stdout)["steps"] if s["name"] == "quantize[v]")
+    assert step["status"] == "built"
+    listed = json.loads(qbuild("env", "list", "--json").stdout)["environments"]
+    assert [(e["name"], e["complete"]) for e in listed] == [("custom", True)]
+    python = Path(listed[0]["dir"]) / "bin" / "python"
+    six = subprocess.run([str(python), "-c", "import six, sys; print(six.__file__)"], capture_output=True, text=True)
+    assert six.returncode == 0 and listed[0]["dir"] in six.stdout
+    assert any(w.name.startswith("six-") for w in wheels.iterdir())
