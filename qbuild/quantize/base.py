@@ -41,3 +41,12 @@ class VariantBase(StrictModel):
         data.pop("name", None)
         data.pop("env", None)   # where it runs enters the key as the environment's resolved versions (Step.backend_env)
         return data
+
+
+def group_size_value(v: int | None) -> int | None:
+    """A recipe's group_size: a power of two ≥ 8, or null / -1 for one scale per output channel (→ None)."""
+    if v is None or v == -1:
+        return None
+    if v < 8 or v & (v - 1):
+        raise ValueError(f"group_size must be a power of two ≥ 8, or -1 for per-channel (got {v})")
+    return v

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator
 
 from qbuild.formats import Format
 from qbuild.plugins import Method
-from qbuild.quantize.base import VariantBase
+from qbuild.quantize.base import VariantBase, group_size_value
 from qbuild.quantize.shapes import check_group_size, check_module_patterns
 from qbuild.step import Step, StepContext
 
@@ -47,11 +47,7 @@ class IntWeightVariant(VariantBase):
     @field_validator("group_size")
     @classmethod
     def _group(cls, v):
-        if v is None or v == -1:
-            return None
-        if v < 8 or v & (v - 1):
-            raise ValueError(f"group_size must be a power of two ≥ 8, or -1 for per-channel (got {v})")
-        return v
+        return group_size_value(v)
 
     def describe(self) -> str:
         g = f"g{self.group_size}" if self.group_size else "per-channel"
