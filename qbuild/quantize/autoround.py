@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 from qbuild.formats import Format
 from qbuild.plugins import Method, methods
 from qbuild.quantize import llmcompressor as lc
+from qbuild.quantize.base import dir_size
 from qbuild.quantize.shapes import is_ignored
 from qbuild.step import Step, StepContext
 
@@ -155,9 +156,8 @@ def run(ctx: StepContext) -> dict:
     from importlib.metadata import version
 
     qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
-    size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
     ctx.progress(3, 3, "done")
-    return {"format": FORMATS[p["format"]], "metrics": {"size_bytes": size},
+    return {"format": FORMATS[p["format"]], "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"export": p["format"], "quant_method": qc.get("quant_method"),
                      "packing_format": qc.get("packing_format") or qc.get("format"),
                      "unquantized": sorted(layer_config), "calibration_samples": len(samples), "seq_len": seqlen,

@@ -29,6 +29,7 @@ import shutil
 from pathlib import Path
 
 from qbuild.formats import Format, loads_in
+from qbuild.quantize.base import dir_size
 from qbuild.step import StepContext
 
 # distributions whose versions enter the key of a convert step
@@ -242,10 +243,6 @@ def convert_checkpoint(src: Path, dst: Path, log=print) -> dict:
             shutil.copy2(path, dst / path.name)
     return {"group_size": group_size, "linears_converted": len(quantized), "modules_to_not_convert": not_converted,
             "symmetric": not any("weight_zero_point" in leaves for leaves in modules.values())}
-
-
-def dir_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def run_convert(ctx: StepContext) -> dict:

@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 
 from qbuild.formats import Format
 from qbuild.plugins import Method, methods
-from qbuild.quantize.base import VariantBase
+from qbuild.quantize.base import VariantBase, dir_size
 from qbuild.step import Step, StepContext
 
 TOOLS = ("bitsandbytes", "torch", "transformers", "accelerate", "safetensors")
@@ -122,7 +122,6 @@ def run(ctx: StepContext) -> dict:
     ctx.progress(2, 2, "done")
     from importlib.metadata import version
 
-    size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
-    return {"format": Format.BITSANDBYTES, "metrics": {"size_bytes": size},
+    return {"format": Format.BITSANDBYTES, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"quantized_linear_layers": quantized, "device": device, "bitsandbytes": version("bitsandbytes"),
                      "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}}

@@ -17,7 +17,7 @@ from pydantic import Field, field_validator
 
 from qbuild.formats import Format
 from qbuild.plugins import Method, methods
-from qbuild.quantize.base import VariantBase, group_size_value
+from qbuild.quantize.base import VariantBase, dir_size, group_size_value
 from qbuild.quantize.shapes import check_group_size
 from qbuild.step import Step, StepContext
 
@@ -93,8 +93,7 @@ class GPTQModel(Method):
         model.save(str(ctx.out))
         (ctx.out / "quant_log.csv").unlink(missing_ok=True)   # per-layer timings: not part of the artifact
         qc = json.loads((ctx.out / "quantize_config.json").read_text())
-        size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
-        return {"format": Format.GPTQ, "metrics": {"size_bytes": size},
+        return {"format": Format.GPTQ, "metrics": {"size_bytes": dir_size(ctx.out)},
                 "info": {"checkpoint_format": qc.get("checkpoint_format", qc.get("format")),
                          "quant_method": qc.get("quant_method"), "quantizer": (qc.get("meta") or {}).get("quantizer"),
                          "calibration_samples": len(calibration)}}

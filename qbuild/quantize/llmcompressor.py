@@ -19,7 +19,7 @@ from pydantic import Field, field_validator
 
 from qbuild.formats import Format
 from qbuild.plugins import Method
-from qbuild.quantize.base import VariantBase, group_size_value
+from qbuild.quantize.base import VariantBase, dir_size, group_size_value
 from qbuild.quantize.shapes import check_group_size, check_module_patterns
 from qbuild.step import Step, StepContext
 
@@ -155,10 +155,6 @@ def layer_progress(ctx: StepContext, total: int):
         yield
     finally:
         LifecycleCallbacks.sequential_epoch_end = original
-
-
-def dir_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.AbstractContextManager | None = None) -> dict:
