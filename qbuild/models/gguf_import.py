@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from qbuild.step import StepContext
@@ -43,23 +47,50 @@ def gguf_config(path: Path) -> dict:
     return config
 
 
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """Within the block, gguf-py parses each GGUF file once and builds each tensor name map once.
+
+    transformers parses a GGUF's metadata four times for one import (config and vocabulary for the
+    tokenizer, config and tensors for the model) and rebuilds gguf-py's TensorNameMap once per module
+    (~400 times). On SmolLM2-135M that is 16 s and 6 s of a 26 s import. The reader and the map are
+    read-only to transformers, so sharing them gives the same checkpoint."""
+    import gguf
+
+    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], object] = {}
+
+    def reader(path, mode="r"):
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = make_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
+
+
 def run(ctx: StepContext) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = Path(ctx.runtime_args["gguf_path"])
     ctx.progress(0, 3, "loading GGUF")
-    tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-    ctx.progress(1, 3, "dequantized")
-    # The weights are now plain tensors: drop the GGUF quantizer so the checkpoint saves as a normal one.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model = model.to(getattr(torch, ctx.params["dtype"]))
-    model.save_pretrained(str(ctx.out))
-    tokenizer.save_pretrained(str(ctx.out))
-    fixed = restore_byte_level_bpe(src, ctx.out)
+    with gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        ctx.progress(1, 3, "dequantized")
+        # The weights are now plain tensors: drop the GGUF quantizer so the checkpoint saves as a normal one.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model = model.to(getattr(torch, ctx.params["dtype"]))
+        model.save_pretrained(str(ctx.out))
+        tokenizer.save_pretrained(str(ctx.out))
+        fixed = restore_byte_level_bpe(src, ctx.out)
     ctx.progress(3, 3, "saved")
     params = sum(p.numel() for p in model.parameters())
     return {"format": "hf", "metrics": {"parameters": params},
