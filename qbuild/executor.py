@@ -6,6 +6,15 @@ run at once, a step that needs a GPU gets a free device of its own (CUDA_VISIBLE
 estimated from its inputs' sizes fits in what is available. Timing steps (throughput: their key holds the
 hardware) run alone, so no other step disturbs what they measure.
 
+Elastic threads. Cores that no step can use (nothing else is ready) go to the running steps whose numbers do
+not depend on the thread count (Step.elastic_threads: perplexity and reference passes, with `threads: auto`).
+The executor rewrites such a step's allowance file (`threads` in its scratch) and the step follows it between
+forward passes; before another step starts, every elastic step is given back its own share.
+
+Standby workers. While steps that declare heavy imports (Step.preload: torch and transformers take 4-6 s)
+wait, one worker process is started ahead (`qbuild.worker --standby`) and imports them; the first of those
+steps to start is handed to it instead of a fresh process. Still one process per step, with its own variables.
+
 Cancellation. Ctrl-C / SIGTERM (the CLI turns SIGTERM into the same path) kills every running worker's
 process group, removes their scratch, and re-raises; what finished stays stored, so the next run resumes.
 Workers run in their own session (a terminal's Ctrl-C reaches qbuild only) and die with their parent.
@@ -112,6 +121,17 @@ def gpu_devices() -> list[str]:
 
 
 @dataclass
+class Standby:
+    """A worker started ahead of its step: it imports `preload` and waits on stdin for a step."""
+
+    proc: subprocess.Popen
+    read_fd: int     # its progress pipe (the worker writes to the other end)
+    env: dict        # the variables it was started with; a step sends only those it needs changed
+    preload: tuple[str, ...]
+    for_keys: set[str]   # the waiting steps it was started for (a step started at once never needed it)
+
+
+@dataclass
 class Budget:
     """What the machine can give running steps; a step takes a claim and gives it back when it ends."""
 
@@ -134,12 +154,30 @@ class Budget:
         if step.requires_gpu and not self.gpus and self.running:
             return None
         claim = {"cpus": threads, "memory_mb": memory_mb, "gpu": self.gpus.pop(0) if step.requires_gpu and self.gpus
-                 else None, "alone": alone}
+                 else None, "alone": alone, "key": step.key, "base": threads, "elastic": step.elastic_threads}
         self.cpus -= threads
         self.memory_mb -= memory_mb
         self.running += 1
         self.exclusive = alone
         return claim
+
+    def take_back_idle_share(self, claims) -> None:
+        """Every elastic step returns to its own threads, so a step about to start finds its cores free."""
+        for c in claims:
+            extra = c["cpus"] - c.get("base", c["cpus"])
+            if extra > 0:
+                self.cpus += extra
+                c["cpus"] -= extra
+
+    def share_idle(self, claims) -> None:
+        """Hand cores no step could take to the running elastic steps, one at a time to the one with fewest."""
+        elastic = [c for c in claims if c.get("elastic")]
+        while self.cpus > 0 and elastic and not self.exclusive:
+            c = min(elastic, key=lambda c: c["cpus"])
+            if c["cpus"] >= self.cores:
+                break
+            c["cpus"] += 1
+            self.cpus -= 1
 
     def release(self, claim: dict) -> None:
         self.cpus += claim["cpus"]
@@ -163,6 +201,7 @@ class Executor:
         self.remotes = tuple(remotes)
         self.materialize_all = materialize  # fetch every remote hit, not only what a step that runs reads
         self._procs: dict[str, subprocess.Popen] = {}   # step key → running worker
+        self._standby: Standby | None = None
         self._scratch: dict[str, Path] = {}             # step key → its private build dir
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
@@ -187,6 +226,8 @@ class Executor:
         pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="qbuild-step")
         try:
             while pending or running:
+                before = {id(c): c["cpus"] for _, c in running.values()}
+                budget.take_back_idle_share([c for _, c in running.values()])
                 for ps in list(pending):
                     inputs = [outcomes.get(s.key) for s in ps.step.inputs.values()]
                     if any(o is None for o in inputs):
@@ -200,7 +241,15 @@ class Executor:
                     if claim is None:
                         continue
                     pending.remove(ps)
+                    claim["standby"] = self._take_standby(ps.step, claim)   # here, before _prestart looks again
                     running[pool.submit(self._build, ps.step, outcomes, claim)] = (ps, claim)
+                # the waiting steps, nearest to ready first (fewest inputs still to build)
+                self._prestart(sorted((ps.step for ps in pending if ps.status == PlanStatus.MISS),
+                                      key=lambda s: sum(outcomes.get(i.key) is None for i in s.inputs.values())))
+                budget.share_idle([c for _, c in running.values()])
+                for _, c in running.values():
+                    if c.get("elastic") and before.get(id(c), c["cpus"]) != c["cpus"]:
+                        self._tell_threads(c)
                 if not running:
                     if pending:  # nothing runs and nothing can start: inputs missing from the plan (a bug)
                         raise RuntimeError(f"cannot schedule {[ps.step.name for ps in pending]}")
@@ -216,6 +265,7 @@ class Executor:
             raise
         finally:
             pool.shutdown(wait=True)
+            self._retire_standby()
         for ps in planned:
             if outcomes[ps.step.key].status in (Outcome.BUILT, Outcome.CACHED):
                 self._remember(ps.step)
@@ -254,16 +304,86 @@ class Executor:
                 total += sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file())
         return MEMORY_FACTOR * total / 2**20
 
+    def _tell_threads(self, claim: dict) -> None:
+        """Write an elastic step's current thread allowance where its worker reads it (replaced atomically)."""
+        with self._lock:
+            tmp = self._scratch.get(claim["key"])
+            if tmp is None:   # not started yet: _run_in writes it
+                return
+            part = tmp / "threads.part"
+            part.write_text(str(claim["cpus"]))
+            os.replace(part, tmp / "threads")
+
+    # --- standby workers ----------------------------------------------------------------------------
+    def _may_use_standby(self, step: Step) -> bool:
+        return self.jobs > 1 and bool(step.preload) and step.backend_env is None and not step.requires_gpu
+
+    def _prestart(self, waiting: list[Step]) -> None:
+        """Keep one standby worker for the steps that wait: it imports what the first of them preloads."""
+        wanting = [s for s in waiting if self._may_use_standby(s)]
+        keys = {s.key for s in wanting}
+        if self._standby is not None:
+            if self._standby.for_keys & keys:
+                return
+            self._retire_standby()   # every step it was for has started (or been skipped) without it
+        if not wanting:
+            return
+        preload = wanting[0].preload
+        read_fd, write_fd = os.pipe()
+        env = self._worker_env(None, write_fd, 1, None)
+        with self._lock:
+            if self._cancelled.is_set():
+                os.close(read_fd), os.close(write_fd)
+                return
+            proc = subprocess.Popen([sys.executable, "-m", "qbuild.worker", "--standby", *preload],
+                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    pass_fds=(write_fd,), env=env, start_new_session=True)
+            self._standby = Standby(proc, read_fd, env, preload,
+                                    {s.key for s in wanting if set(s.preload) <= set(preload)})
+        os.close(write_fd)
+
+    def _take_standby(self, step: Step, claim: dict) -> Standby | None:
+        with self._lock:
+            sb = self._standby
+            if sb is None or step.key not in sb.for_keys or claim["gpu"] is not None:
+                return None
+            self._standby = None
+        if sb.proc.poll() is not None:   # it died (killed from outside): the step starts a fresh worker
+            os.close(sb.read_fd)
+            return None
+        return sb
+
+    def _retire_standby(self) -> None:
+        """An unused standby (end of the run, or no waiting step needs it) gets end of input and exits."""
+        with self._lock:
+            sb, self._standby = self._standby, None
+        if sb is not None:
+            self._discard(sb)
+
+    def _discard(self, sb: Standby) -> None:
+        """It has only imported modules: stop it at once."""
+        self._kill_group(sb.proc)
+        sb.proc.wait()
+        sb.proc.stdin.close()
+        os.close(sb.read_fd)
+
+    @staticmethod
+    def _kill_group(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def cancel(self) -> None:
         """Kill every running worker (its whole process group) and remove its scratch."""
         self._cancelled.set()
         with self._lock:
             procs, scratch = dict(self._procs), dict(self._scratch)
+            sb = self._standby
+        if sb is not None:
+            self._kill_group(sb.proc)
         for proc in procs.values():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            self._kill_group(proc)
         for tmp in scratch.values():
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -317,6 +437,8 @@ class Executor:
             return StepOutcome(step, Outcome.FAILED, seconds=time.perf_counter() - t0, error=exc.reason, log=exc.log,
                                started=started, ended=time.time())
         finally:
+            if claim.get("standby") is not None:   # the step did not start a worker (a hit, an error): stop it
+                self._discard(claim.pop("standby"))
             if self.progress and task is not None:
                 self.progress.update(task, visible=False)
 
@@ -379,6 +501,9 @@ class Executor:
             "threads": step.threads, "device": self.device, "runtime_args": step.runtime_args,
             "result": str(tmp / "result.json"),
         }
+        if claim.get("elastic"):
+            spec["threads_file"] = str(tmp / "threads")
+            self._tell_threads(claim)
         (tmp / "spec.json").write_text(json.dumps(spec, default=str))
         python = self._interpreter(step, task)
         rusage, rc = self._spawn(tmp / "spec.json", log_path, step, task, claim, python)
@@ -431,35 +556,62 @@ class Executor:
         except EnvError as exc:
             raise StepFailed(step.name, f"{exc} (variant {step.variant or '-'})") from None
 
-    def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: dict,
-               python: str = sys.executable) -> tuple[dict, int]:
-        read_fd, write_fd = os.pipe()
+    def _worker_env(self, backend_env, progress_fd: int, threads: int, gpu: str | None) -> dict:
         env = dict(os.environ)
-        if step.backend_env is not None:
+        if backend_env is not None:
             from qbuild.envs import worker_environ
 
-            env = worker_environ(step.backend_env, env)
-        threads = str(step.threads)
-        env.update({"QBUILD_PROGRESS_FD": str(write_fd), "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
-                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
+            env = worker_environ(backend_env, env)
+        env.update({"QBUILD_PROGRESS_FD": str(progress_fd), "OMP_NUM_THREADS": str(threads),
+                    "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+                    "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
                     "HF_DATASETS_OFFLINE": env.get("HF_DATASETS_OFFLINE", "1"), "PYTHONUNBUFFERED": "1",
                     "QBUILD_PARENT_PID": str(os.getpid())})
-        if claim["gpu"] is not None:
-            env["CUDA_VISIBLE_DEVICES"] = claim["gpu"]
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        return env
+
+    def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: dict,
+               python: str = sys.executable) -> tuple[dict, int]:
+        sb = claim.pop("standby", None)
+        if sb is not None and python != sys.executable:   # not for this interpreter after all: let it go
+            self._discard(sb)
+            sb = None
+        if sb is None:
+            read_fd, write_fd = os.pipe()
+            env = self._worker_env(step.backend_env, write_fd, step.threads, claim["gpu"])
+        else:
+            read_fd, write_fd = sb.read_fd, None
+            env = self._worker_env(None, int(sb.env["QBUILD_PROGRESS_FD"]), step.threads, claim["gpu"])
         t0 = time.perf_counter()
         with self._lock:
             if self._cancelled.is_set():
-                os.close(read_fd), os.close(write_fd)
+                os.close(read_fd)
+                if write_fd is not None:
+                    os.close(write_fd)
+                if sb is not None:
+                    self._kill_group(sb.proc)
                 return {"wall": 0.0, "cpu": 0.0, "peak_rss_mb": 0.0}, -signal.SIGKILL
-            with open(log_path, "ab") as log:
-                # its own session: a terminal's Ctrl-C reaches qbuild, which cancels workers (and their children)
-                # cwd: the step's scratch, so what a library writes to its working directory (gptqmodel's logs/)
-                # stays out of the user's directory and goes with the scratch
-                proc = subprocess.Popen([python, "-m", "qbuild.worker", str(spec)], stdout=log,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
-                                        env=env, start_new_session=True, cwd=spec.parent)
+            if sb is not None:
+                proc = sb.proc
+                job = {"spec": str(spec), "log": str(log_path), "cwd": str(spec.parent),
+                       "env": {k: v for k, v in env.items() if sb.env.get(k) != v}}
+                try:
+                    proc.stdin.write((json.dumps(job) + "\n").encode())
+                    proc.stdin.close()
+                except OSError:   # it died since: the step sees a crashed worker, as with a fresh one
+                    pass
+            else:
+                with open(log_path, "ab") as log:
+                    # its own session: a terminal's Ctrl-C reaches qbuild, which cancels workers (and their
+                    # children). cwd: the step's scratch, so what a library writes to its working directory
+                    # (gptqmodel's logs/) stays out of the user's directory and goes with the scratch
+                    proc = subprocess.Popen([python, "-m", "qbuild.worker", str(spec)], stdout=log,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
+                                            env=env, start_new_session=True, cwd=spec.parent)
             self._procs[step.key] = proc
-        os.close(write_fd)
+        if write_fd is not None:
+            os.close(write_fd)
         buf = b""
         try:
             with os.fdopen(read_fd, "rb", buffering=0) as pipe:

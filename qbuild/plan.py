@@ -99,6 +99,10 @@ class PlanContext:
         return self.recipe.runtime.resolved_threads()
 
     @property
+    def elastic_threads(self) -> bool:
+        return self.recipe.runtime.elastic_threads
+
+    @property
     def device(self) -> str:
         return self.recipe.runtime.device
 

@@ -148,6 +148,9 @@ class RuntimeSession:
         for w in windows:
             yield self.logits(w.tokens)
 
+    def set_threads(self, n: int) -> None:
+        """Use `n` CPU threads from the next forward pass on (an elastic step's allowance changed). Default: keep."""
+
     def generate_timed(self, prompts: list[list[int]], n_out: int) -> dict:
         """Greedy decode of a batch: {"prefill_s": float, "decode_s": [seconds per token]}."""
         raise NotImplementedError
@@ -175,6 +178,7 @@ class Runtime(Plugin, ABC):
     formats: ClassVar[tuple[str, ...]] = ()
     tools: ClassVar[tuple[str, ...]] = ()        # distributions whose versions enter evaluation keys
     max_batch_size: ClassVar[int | None] = None  # largest throughput batch it measures (None: any)
+    preload: ClassVar[tuple[str, ...]] = ()      # modules a session imports: a standby worker imports them ahead
 
     def plan_fields(self, label: str, artifact: Step, ctx, measure: str) -> dict:
         """Extra Step fields of an evaluation step of `artifact` (inputs, env_toolchain, availability ...)."""

@@ -182,7 +182,10 @@ class Evaluation(StrictModel):
 
 # --- runtime and store -------------------------------------------------------------------------------
 class Runtime(StrictModel):
-    threads: int | Literal["auto"] = Field("auto", description="CPU threads per step; auto = half the cores (min 1).")
+    threads: int | Literal["auto"] = Field(
+        "auto", description="CPU threads per step; auto = half the cores (min 1), and an evaluation step also takes "
+        "cores that would otherwise sit idle while it runs (its numbers do not depend on the thread count). "
+        "A number is a fixed cap.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
     def resolved_threads(self) -> int:
@@ -191,6 +194,11 @@ class Runtime(StrictModel):
         if self.threads == "auto":
             return max(1, (os.cpu_count() or 2) // 2)
         return max(1, int(self.threads))
+
+    @property
+    def elastic_threads(self) -> bool:
+        """Whether steps whose result does not depend on the thread count may use idle cores (threads: auto)."""
+        return self.threads == "auto"
 
 
 class MLflowTracking(StrictModel):

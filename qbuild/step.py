@@ -49,6 +49,10 @@ class OnUnavailable(StrEnum):
     SKIP = "skip"   # the step (and what needs it) is skipped, the rest is built
 
 
+# what a worker that loads transformers imports (tokenization_auto pulls in torch and modeling_auto anyway)
+HF_PRELOAD = ("torch", "transformers.models.auto.modeling_auto", "transformers.models.auto.tokenization_auto")
+
+
 @dataclass(frozen=True, eq=False)
 class Step:
     kind: str                                 # e.g. calibrate, quantize, perplexity
@@ -58,6 +62,8 @@ class Step:
     inputs: Mapping[str, Step] = field(default_factory=dict)
     tools: tuple[str, ...] = ()               # distributions whose versions enter the key
     threads: int = 1
+    elastic_threads: bool = False             # may take idle cores while it runs (its result is thread-count free)
+    preload: tuple[str, ...] = ()             # modules its worker imports: a standby worker imports them ahead
     per_hardware: bool = False                # timings: the machine is part of the key
     variant: str | None = None                # set on steps whose output is a named artifact (ref)
     format: str = ""                          # output format (qbuild.formats): gguf, compressed-tensors, metrics ...
@@ -114,6 +120,16 @@ class StepContext:
     step_name: str
     runtime_args: dict = field(default_factory=dict)
     progress_fd: int | None = None
+    threads_file: Path | None = None   # an elastic step's current thread allowance, rewritten by the executor
+
+    def threads_now(self) -> int:
+        """The threads this step may use now: `threads`, or more while the executor has idle cores for it."""
+        if self.threads_file is None:
+            return self.threads
+        try:
+            return max(1, int(self.threads_file.read_text()))
+        except (OSError, ValueError):   # not written yet, or being replaced
+            return self.threads
 
     def progress(self, done: int, total: int, desc: str = "") -> None:
         if self.progress_fd is None:

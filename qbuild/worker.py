@@ -2,6 +2,10 @@
 
 Heavy steps run here so memory is returned to the OS and a crash or OOM fails one step only.
 stdout/stderr go to the step's log; progress goes to a dedicated pipe (QBUILD_PROGRESS_FD).
+
+`python -m qbuild.worker --standby MODULE...` is a worker started before its step is ready: it imports
+the modules (torch and transformers take 4-6 s) while its step's inputs are still being built, then reads
+its step from stdin and runs it like the first form. One process still runs one step.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -52,6 +57,7 @@ def main(spec_path: str) -> int:
         step_name=spec["name"],
         runtime_args=spec["runtime_args"],
         progress_fd=int(fd) if fd else None,
+        threads_file=Path(spec["threads_file"]) if spec.get("threads_file") else None,
     )
     try:
         runner = resolve_runner(spec["runner"])
@@ -69,6 +75,32 @@ def main(spec_path: str) -> int:
     return 0
 
 
+def standby(modules: list[str]) -> int:
+    """Import `modules`, then wait for one line on stdin: {"spec", "log", "cwd", "env"} (the step's own
+    variables: threads, progress pipe, ...), and run that step. End of input: no step came, exit 0."""
+    die_with_parent()
+    t0 = time.perf_counter()
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:   # the step's own import of it reports the error, in its log
+            pass
+    imported = time.perf_counter() - t0
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0
+    job = json.loads(line)
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.dup2(log, 1), os.dup2(log, 2)
+    os.close(log)
+    print(f"qbuild worker started ahead of its step; imported {', '.join(modules)} "
+          f"in {imported:.1f} s before it was needed", flush=True)
+    return main(job["spec"])
+
+
 def resolve_runner(runner: str):
     """'module:function', or 'module:Class.method' for a plugin class (instantiated without arguments)."""
     module, _, attr = runner.partition(":")
@@ -82,4 +114,4 @@ def resolve_runner(runner: str):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(standby(sys.argv[2:]) if sys.argv[1] == "--standby" else main(sys.argv[1]))

@@ -7,7 +7,10 @@ interruption) or fails (to test error handling).
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 import time
+from pathlib import Path
 from typing import Literal
 
 from qbuild.plugins import Method
@@ -27,6 +30,8 @@ class FakeVariant(VariantBase):
     ppl: float | None = None           # measurements the step reports of itself (the summary shows them as a
     decode_tok_s: float | None = None  # variant's PPL / decode speed): regression gates and diffs test with them
     work: int = 0          # fixed CPU work for benchmarks: this many thousand sha256 rounds (not a sleep)
+    elastic: bool = False  # its step may take idle cores (Step.elastic_threads): it records the allowances it saw
+    preload: list[str] = []  # modules its worker imports (Step.preload): it records which were imported before it ran
 
     def needs_calibration(self) -> bool:
         return self.calibrated
@@ -48,11 +53,14 @@ class FakeMethod(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(), "fake_method:run",
                             inputs=inputs, tools=TOOLS, variant=variant.name, format="fake", scheme=f"l{variant.level}",
                             per_hardware=variant.timing, threads=ctx.threads,
+                            elastic_threads=variant.elastic and ctx.elastic_threads, preload=tuple(variant.preload),
                             backend_env=ctx.backend_env(variant, self)))
 
 
 def run(ctx: StepContext) -> dict:
     p = ctx.params
+    preloaded = [m for m in p.get("preload", []) if m in sys.modules]   # before this step imported anything
+    seen = {ctx.threads_now()}
     ctx.log(f"fake step, level {p['level']}")   # the step's log (executors bring it back to the driver's store)
     h = hashlib.sha256(repr(sorted(p.items())).encode())
     for role in sorted(ctx.inputs):
@@ -64,6 +72,7 @@ def run(ctx: StepContext) -> dict:
         deadline = time.time() + p["sleep"]
         while time.time() < deadline:  # a slow, partially written output
             ctx.progress(int(time.time() * 10) % 10, 10, "writing")
+            seen.add(ctx.threads_now())
             time.sleep(0.05)
         f.write(b"end")
     if p.get("work"):
@@ -71,7 +80,9 @@ def run(ctx: StepContext) -> dict:
     if p["fail"]:
         raise RuntimeError("fake failure requested by the recipe")
     metrics = {"level": p["level"], **{k: p[k] for k in ("ppl", "decode_tok_s") if p.get(k) is not None}}
-    return {"format": "fake", "metrics": metrics}
+    info = {"threads_seen": sorted(seen), "preloaded": preloaded, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+            "cwd_is_scratch": Path.cwd() == ctx.out.parent, "pid": os.getpid()}
+    return {"format": "fake", "metrics": metrics, "info": info}
 
 
 def _burn(thousands: int) -> None:

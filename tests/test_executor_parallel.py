@@ -70,6 +70,8 @@ def test_jobs_1_is_sequential_and_timing_steps_run_alone(tmp_path, store_dir):
 
 def _start_slow_run(tmp_path, store_dir, sleep=20.0):
     variants = [{"name": f"s{i}", "method": "fake", "level": i, "sleep": sleep} for i in range(2)]
+    # a third step waits for a core: a standby worker is started for it, and must go when qbuild goes
+    variants.append({"name": "w", "method": "fake", "level": 9, "preload": ["fake_heavy"]})
     recipe = write_recipe(tmp_path / "slow.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
     proc = subprocess.Popen([sys.executable, "-m", "qbuild", str(recipe), "--store", str(store_dir), "--jobs", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -95,7 +97,7 @@ def test_interrupt_stops_workers_removes_scratch_and_the_rerun_resumes(tmp_path,
     assert proc.returncode == code, err
     assert word in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not list((store_dir / "tmp").glob("*")), "scratch left behind"
-    assert not _workers_of(store_dir)
+    assert not _workers_of(store_dir) and not _standbys()
     assert not list((store_dir / "objects").glob("*/*")) if (store_dir / "objects").exists() else True
     data = json.loads(json.dumps(fake_recipe(tmp_path, [{"name": f"s{i}", "method": "fake", "level": i, "sleep": 0.2}
                                                         for i in range(2)], runtime={"threads": 1})))
@@ -106,12 +108,69 @@ def test_interrupt_stops_workers_removes_scratch_and_the_rerun_resumes(tmp_path,
 def test_workers_die_with_a_killed_qbuild(tmp_path, store_dir):
     _, proc = _start_slow_run(tmp_path, store_dir)
     assert _workers_of(store_dir)
+    if cpu_count() == 2:   # two steps hold the cores, the third waits with a standby worker
+        assert _standbys()
     proc.kill()                                 # kill -9: no cleanup code runs in qbuild
     proc.wait(timeout=30)
     deadline = time.time() + 15
-    while time.time() < deadline and _workers_of(store_dir):
+    while time.time() < deadline and (_workers_of(store_dir) or _standbys()):
         time.sleep(0.2)
     assert not _workers_of(store_dir), "workers outlived their parent"
+    assert not _standbys(), "a standby worker outlived its parent"
+
+
+# --- elastic threads and standby workers ----------------------------------------------------------------------
+def _infos(store_dir: Path) -> dict[str, dict]:
+    found = {}
+    for m in (store_dir / "objects").glob("*/*/manifest.json"):
+        d = json.loads(m.read_text())
+        found[d["name"]] = d.get("info", {})
+    return found
+
+
+def _standbys() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "qbuild.worker --standby"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+@pytest.mark.skipif(cpu_count() < 2, reason="needs 2 cores")
+def test_an_elastic_step_takes_the_cores_another_step_gives_back(tmp_path, store_dir):
+    # threads: auto = half the cores each: both start together; when the short one ends, the elastic one's
+    # allowance grows to every core, and the step sees it while it runs
+    variants = [{"name": "e", "method": "fake", "elastic": True, "sleep": 3.0},
+                {"name": "s", "method": "fake", "level": 2, "sleep": 0.8}]
+    rc, summary = run_api(write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants)), store_dir, jobs=2)
+    assert rc == 0 and _overlaps(_built(summary)) == 2
+    base = max(1, cpu_count() // 2)
+    seen = _infos(store_dir)["quantize[e]"]["threads_seen"]
+    assert seen[0] == base and seen[-1] == cpu_count(), seen
+    assert _infos(store_dir)["quantize[s]"]["threads_seen"] == [base]   # not elastic: keeps its share
+
+
+def test_a_fixed_thread_count_is_a_cap(tmp_path, store_dir):
+    variants = [{"name": "e", "method": "fake", "elastic": True, "sleep": 1.0}]
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
+    rc, _ = run_api(recipe, store_dir, jobs=2)
+    assert rc == 0 and _infos(store_dir)["quantize[e]"]["threads_seen"] == [1]
+
+
+def test_a_waiting_step_runs_in_a_worker_started_ahead(tmp_path, store_dir):
+    # each step wants every core, so "b" waits while "a" runs: a standby worker imports b's preload meanwhile
+    variants = [{"name": "a", "method": "fake", "sleep": 1.5, "preload": ["fake_heavy"]},
+                {"name": "b", "method": "fake", "level": 2, "sleep": 0.3, "preload": ["fake_heavy"]}]
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": cpu_count()}))
+    rc, summary = run_api(recipe, store_dir, jobs=2)
+    assert rc == 0 and _overlaps(_built(summary)) == 1
+    infos = _infos(store_dir)
+    first, second = sorted(("quantize[a]", "quantize[b]"), key=lambda n: next(
+        s["started"] for s in summary["steps"] if s["name"] == n))
+    assert infos[first]["preloaded"] == []                 # it started at once, in a fresh worker
+    assert infos[second]["preloaded"] == ["fake_heavy"]    # imported before it ran
+    # the step's own variables and directory, as a fresh worker has them
+    assert infos[second]["omp_threads"] == str(cpu_count()) and infos[second]["cwd_is_scratch"]
+    log = next(p for p in (store_dir / "logs").rglob("*.log") if p.name == f"{second}.log").read_text()
+    assert "started ahead of its step; imported fake_heavy" in log and "fake step, level" in log
+    assert not _standbys(), "a standby worker outlived the run"
 
 
 # --- several recipes, one graph, one JUnit report -------------------------------------------------------------

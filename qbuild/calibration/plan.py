@@ -9,7 +9,7 @@ from qbuild.errors import RecipeError
 from qbuild.fingerprint import dir_fingerprint
 from qbuild.formats import Format
 from qbuild.models.resolve import resolve_path
-from qbuild.step import Step
+from qbuild.step import HF_PRELOAD, Step
 
 TOKENIZE_TOOLS = ("transformers", "tokenizers")
 
@@ -52,7 +52,8 @@ def calibration_step(calibration, model: Step, ctx) -> Step:
     params = calibration.canonical()
     params["sources"] = identities
     return Step("calibrate", "calibrate", params, "qbuild.calibration.build:run", inputs={"tokenizer": model},
-                tools=tools, threads=ctx.threads, format=Format.CALIBRATION, runtime_args={"sources": runtimes})
+                tools=tools, threads=ctx.threads, preload=HF_PRELOAD, format=Format.CALIBRATION,
+                runtime_args={"sources": runtimes})
 
 
 def eval_data_step(perplexity, model: Step, ctx) -> Step:
@@ -65,7 +66,7 @@ def eval_data_step(perplexity, model: Step, ctx) -> Step:
         "join": "\\n\\n",
     }
     return Step("eval-data", "eval-data", params, "qbuild.evaluate.data:run", inputs={"tokenizer": model},
-                tools=tools, threads=ctx.threads, format=Format.TOKENS, runtime_args={"sources": runtimes})
+                tools=tools, threads=ctx.threads, preload=HF_PRELOAD, format=Format.TOKENS, runtime_args={"sources": runtimes})
 
 
 def overlapping_sources(calibration, perplexity, base: Path) -> list[str]:

@@ -20,7 +20,7 @@ import logging
 from qbuild.calibration.plan import TOKENIZE_TOOLS
 from qbuild.formats import spec
 from qbuild.plugins import Runtime, runtimes_for
-from qbuild.step import Step
+from qbuild.step import HF_PRELOAD, Step
 
 log = logging.getLogger("qbuild")
 
@@ -39,6 +39,11 @@ def pick_runtime(fmt: str) -> tuple[Runtime | None, str]:
     return found[0], ""
 
 
+# their numbers are the same bit for bit at any thread count (torch and llama.cpp on CPU, checked), so they may
+# take cores left idle while they run; a timing or generation step keeps the threads it was given
+ELASTIC_KINDS = ("reference", "perplexity")
+
+
 def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, artifact: Step, inputs: dict, tools,
           ctx, **kw) -> Step:
     fields = runtime.plan_fields(label, artifact, ctx, kind)
@@ -50,7 +55,9 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
     # a format only another environment reads (GPTQ: gptqmodel) is evaluated there; so is a model built in one
     env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
     return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **extra_inputs}, tools=tools,
-                        threads=ctx.threads, backend_env=env, runtime_args=runtime_args, **fields, **kw))
+                        threads=ctx.threads, elastic_threads=ctx.elastic_threads and kind in ELASTIC_KINDS,
+                        preload=runtime.preload if env is None else (),
+                        backend_env=env, runtime_args=runtime_args, **fields, **kw))
 
 
 def evaluation_steps(ctx) -> None:
@@ -141,7 +148,7 @@ def load_check_steps(ctx, check) -> None:
     (`reference`, the same runtime's where there is one) and counts the leading tokens that agree."""
     prompt = ctx.add(Step("load-check-prompt", "load-check-prompt", {"prompt": check.prompt, "add_special_tokens": True},
                           "qbuild.evaluate.loadcheck:prompt", inputs={"tokenizer": ctx.model()},
-                          tools=TOKENIZE_TOOLS, threads=1, format="tokens"))
+                          tools=TOKENIZE_TOOLS, threads=1, format="tokens", preload=HF_PRELOAD))
     baseline_checks: dict[str, Step] = {}
     for art in ctx.artifacts:
         if not spec(art.step.format).model:

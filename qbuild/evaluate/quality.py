@@ -54,16 +54,29 @@ def protocol_record(p: dict, info: dict) -> dict:
     return record
 
 
-def scored_rows(rt, wins):
+def scored_rows(rt, wins, ctx: StepContext):
     """Each window's logit rows that predict its scored tokens. A session with `scored_logits(tokens,
-    first_scored)` computes only those rows (llama.cpp); otherwise they are cut from `window_logits`."""
+    first_scored)` computes only those rows (llama.cpp); otherwise they are cut from `window_logits`.
+    Before each window the session takes the step's current thread allowance (elastic steps)."""
+    threads = ctx.threads
+
+    def follow_allowance():
+        nonlocal threads
+        now = ctx.threads_now()
+        if now != threads:
+            rt.set_threads(now)
+            threads = now
+
     fast = getattr(rt, "scored_logits", None)
     if fast is not None:
         for w in wins:
+            follow_allowance()
             yield fast(w.tokens, w.first_scored)
     else:
+        follow_allowance()
         for w, logits in zip(wins, rt.window_logits(wins), strict=True):
             yield logits[w.first_scored - 1: len(w.tokens) - 1]
+            follow_allowance()   # window_logits is lazy: this takes effect from its next forward pass
 
 
 def _write_perplexity(ctx: StepContext, nlls: list, record: dict) -> dict:
@@ -81,7 +94,7 @@ def reference(ctx: StepContext) -> dict:
     n_rows = sum(len(w.tokens) - w.first_scored for w in wins)
     offsets, nlls, row = [], [], 0
     with open(ctx.out / LOGPROBS, "wb") as f:
-        for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins), strict=True)):
+        for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins, ctx), strict=True)):
             scored = score_rows(rows, w, logprobs=True)
             nlls.append((scored["nll"], scored["count"]))
             lp = np.ascontiguousarray(scored["logprobs"], dtype="<f4")
@@ -151,7 +164,7 @@ def perplexity(ctx: StepContext) -> dict:
     t0 = time.perf_counter()
     rt = open_session(p["runtime"], ctx.inputs["model"], ctx, p["context_length"])
     nlls, klds, top1 = [], [], []
-    for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins), strict=True)):
+    for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins, ctx), strict=True)):
         d = score_rows(rows, w, ref.window(i) if ref is not None else None)
         nlls.append((d["nll"], d["count"]))
         if file_base is not None:

@@ -13,7 +13,7 @@ from qbuild.fingerprint import dir_fingerprint
 from qbuild.formats import Format
 from qbuild.hashing import sha256_text
 from qbuild.recipe import GGUFModel, HubModel, LocalModel
-from qbuild.step import Step
+from qbuild.step import HF_PRELOAD, Step
 
 HF_TOOLS = ("torch", "transformers", "safetensors")
 
@@ -76,6 +76,7 @@ def model_step(spec, recipe_dir: Path) -> Step:
         return Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
                     tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format=Format.HF,
                     runtime_args={"gguf_path": str(path)},
+                    preload=HF_PRELOAD,
                     impl_version=2)  # 2: byte-level BPE tokenizers restored
     raise AssertionError(spec)
 

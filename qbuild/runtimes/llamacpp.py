@@ -54,6 +54,11 @@ class LlamaCppSession(RuntimeSession):
         n_out = hi - lo + 1
         return np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm._ctx.ctx), shape=(n_out, llm.n_vocab()))
 
+    def set_threads(self, n: int) -> None:
+        import llama_cpp
+
+        llama_cpp.llama_set_n_threads(self.llm._ctx.ctx, n, n)
+
     def generate_timed(self, prompts: list[list[int]], n_out: int) -> dict:
         import numpy as np
 
@@ -100,6 +105,7 @@ class LlamaCppRuntime(Runtime):
     tools = ("llama-cpp-python",)
     extra = "gguf"
     requires = ("llama_cpp",)
+    preload = ("llama_cpp",)
     max_batch_size = 1
 
     def open(self, model: Path, ctx: StepContext, n_ctx: int) -> LlamaCppSession:

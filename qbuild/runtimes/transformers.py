@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qbuild.formats import Format
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
-from qbuild.step import StepContext
+from qbuild.step import HF_PRELOAD, StepContext
 
 
 class TransformersSession(RuntimeSession):
@@ -26,6 +26,10 @@ class TransformersSession(RuntimeSession):
         with self.torch.inference_mode():
             out = self.model(self.torch.tensor([tokens], device=self.device)).logits[0]
         return out.float().cpu().numpy()
+
+    def set_threads(self, n: int) -> None:
+        if self.device == "cpu":
+            self.torch.set_num_threads(n)
 
     def batch_size(self, n_tokens: int) -> int:
         """Windows per forward pass: $QBUILD_EVAL_BATCH_SIZE, else 1 on CPU (one thread gains nothing from
@@ -120,6 +124,7 @@ class TransformersRuntime(Runtime):
     tools = ("torch", "transformers")
     extra = "hf"
     requires = ("torch", "transformers")
+    preload = HF_PRELOAD
 
     def open(self, model: Path, ctx: StepContext, n_ctx: int) -> TransformersSession:
         return TransformersSession(Path(model), ctx.threads, ctx.device)
