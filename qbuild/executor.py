@@ -330,7 +330,8 @@ class Executor:
             return
         preload = wanting[0].preload
         read_fd, write_fd = os.pipe()
-        env = self._worker_env(None, write_fd, 1, None)
+        # its threads: those of the step it most likely runs (OpenBLAS reads them once, when numpy loads)
+        env = self._worker_env(None, write_fd, wanting[0].threads, None)
         with self._lock:
             if self._cancelled.is_set():
                 os.close(read_fd), os.close(write_fd)

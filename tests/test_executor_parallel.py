@@ -143,7 +143,8 @@ def test_an_elastic_step_takes_the_cores_another_step_gives_back(tmp_path, store
     assert rc == 0 and _overlaps(_built(summary)) == 2
     base = max(1, cpu_count() // 2)
     seen = _infos(store_dir)["quantize[e]"]["threads_seen"]
-    assert seen[0] == base and seen[-1] == cpu_count(), seen
+    # while both run it has its share (plus any odd core left over); alone, every core
+    assert seen[0] <= cpu_count() - base and seen[-1] == cpu_count(), seen
     assert _infos(store_dir)["quantize[s]"]["threads_seen"] == [base]   # not elastic: keeps its share
 
 
