@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import yaml
 
+from qbuild.summary import human_size
+
 METRIC_COLUMNS = (("ppl", "PPL", "{:.3f}"), ("delta_ppl", "ΔPPL", "{:+.3f}"), ("delta_ppl_pct", "ΔPPL %", "{:+.2f}"),
                   ("kld", "KLD", "{:.4f}"), ("top1", "top-1", "{:.1%}"), ("decode_tok_s", "decode tok/s", "{:.1f}"),
                   ("prefill_tok_s", "prefill tok/s", "{:.1f}"), ("ttft_ms", "TTFT ms", "{:.1f}"))
@@ -16,14 +18,6 @@ ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "lmdeploy": "L
                 "trtllm-build": "TensorRT-LLM", "exllamav2": "ExLlamaV2"}
 LIBRARY = {"gguf": "gguf", "hf": "transformers", "hf-modelopt": "transformers", "trtllm-engine": "tensorrt-llm",
            "trtllm-checkpoint": "tensorrt-llm", "trtllm-pytorch": "tensorrt-llm"}
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
 
 
 def quantization_of(manifest: dict) -> dict:
@@ -128,7 +122,7 @@ def render_model_card(manifest: dict, summary_row: dict | None = None, protocol:
            f"# {recipe} / {variant}", "",
            f"{'Quantized with **' + quant['method'] + '**' if quant.get('method') else 'Built'} by "
            f"[qbuild](https://github.com/qbuild/qbuild) from `{base_model or 'the recipe model'}`. "
-           f"Format: `{manifest.get('format')}`. Size: **{_human(size)}** ({size:,} bytes, "
+           f"Format: `{manifest.get('format')}`. Size: **{human_size(size)}** ({size:,} bytes, "
            f"{len(manifest.get('files', []))} files).", ""]
     metrics = {**(manifest.get("metrics") or {}), **{k: v for k, v in row.items() if v is not None}}
     cols = [(k, label, fmt) for k, label, fmt in METRIC_COLUMNS if isinstance(metrics.get(k), (int, float))]

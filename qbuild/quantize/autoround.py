@@ -18,7 +18,6 @@ Tuning runs on CPU (slowly: keep iters and samples small there).
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 from typing import Literal
@@ -162,4 +161,4 @@ def run(ctx: StepContext) -> dict:
                      "packing_format": qc.get("packing_format") or qc.get("format"),
                      "unquantized": sorted(layer_config), "calibration_samples": len(samples), "seq_len": seqlen,
                      "device": device, "auto-round": version("auto-round"),
-                     "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}}
+                     "threads": ctx.threads}}

@@ -13,7 +13,6 @@ dequantize). LLM.int8 casts activations to fp16 for its int8 matmul, on CPU too.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -124,4 +123,4 @@ def run(ctx: StepContext) -> dict:
 
     return {"format": Format.BITSANDBYTES, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"quantized_linear_layers": quantized, "device": device, "bitsandbytes": version("bitsandbytes"),
-                     "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}}
+                     "threads": ctx.threads}}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 from abc import abstractmethod
 from pathlib import Path
 from typing import Literal
@@ -189,4 +188,4 @@ def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.Abstract
             "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
                      "ignore": qc.get("ignore"), "calibration_samples": kwargs.get("num_calibration_samples", 0),
                      "device": "cuda" if torch.cuda.is_available() else "cpu",
-                     "threads": int(os.environ.get("OMP_NUM_THREADS", "0") or 0)}}
+                     "threads": ctx.threads}}
