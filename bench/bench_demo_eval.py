@@ -1,10 +1,14 @@
 """The demo's cold run before and after issue 11, from two stores' run records and manifests.
 
-    # before: old main in its own worktree and store; after: this tree, another store (same machine, back to back)
-    git worktree add --detach /tmp/wt-old <old commit>
-    (cd /tmp/wt-old && PYTHONPATH=$PWD /path/to/.venv/bin/python -m qbuild recipes/demo.yaml --store /tmp/old --threads 1)
-    PYTHONPATH=$PWD .venv/bin/python -m qbuild recipes/demo.yaml --store /tmp/new --threads 1
+    # before: old main (5ac1af8, before issue 11) in its own worktree and store; after: this tree, another
+    # store; the README's demo command on both (threads: auto = 1 per step on 2 cores), back to back
+    git worktree add --detach /tmp/wt-old 5ac1af8
+    (cd /tmp/wt-old && PYTHONPATH=$PWD /path/to/.venv/bin/python -m qbuild recipes/demo.yaml --store /tmp/old)
+    PYTHONPATH=$PWD .venv/bin/python -m qbuild recipes/demo.yaml --store /tmp/new
     PYTHONPATH=$PWD .venv/bin/python bench/bench_demo_eval.py /tmp/old /tmp/new
+
+Earlier pairs (README) ran both sides with `--threads 1`, which on 2 cores was what `auto` meant. A number is
+now a fixed cap that turns elastic threads off, so pairs are timed as users run the demo: without `--threads`.
 
 Prints wall time, step time by kind (seconds and CPU seconds: CPU seconds suffer less from a busy
 machine), the peak RSS of the largest KLD-bearing step, and whether PPL/KLD/top-1 agree to 1e-4.

@@ -91,7 +91,8 @@ def _on_sigterm(signum, frame):
 @JSON_OPTION
 @click.option("--tag", help="Also point RECIPE/VARIANT:TAG at each built variant (besides :latest).")
 @click.option("--dry-run", is_flag=True, help="Only plan: show what would run, build nothing.")
-@click.option("--threads", type=int, help="CPU threads per step (overrides runtime.threads).")
+@click.option("--threads", type=int, help="CPU threads per step, a fixed cap (overrides runtime.threads; default "
+              "auto: half the cores, and perplexity steps also use cores left idle).")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), help="Steps at most at once [default: the CPU cores; "
               "threads per step × running steps never exceed them; timing steps always run alone].")
 @click.option("--mlflow", "mlflow_uri", metavar="URI", help="Log the run to MLflow (overrides tracking.mlflow.uri).")
