@@ -242,10 +242,13 @@ class Executor:
                         continue
                     pending.remove(ps)
                     claim["standby"] = self._take_standby(ps.step, claim)   # here, before _prestart looks again
+                    if claim["alone"] and claim["standby"] is None:
+                        self._retire_standby()   # nothing may run beside a timing step, a standby's imports neither
                     running[pool.submit(self._build, ps.step, outcomes, claim)] = (ps, claim)
                 # the waiting steps, nearest to ready first (fewest inputs still to build)
-                self._prestart(sorted((ps.step for ps in pending if ps.status == PlanStatus.MISS),
-                                      key=lambda s: sum(outcomes.get(i.key) is None for i in s.inputs.values())))
+                if not budget.exclusive:
+                    self._prestart(sorted((ps.step for ps in pending if ps.status == PlanStatus.MISS),
+                                          key=lambda s: sum(outcomes.get(i.key) is None for i in s.inputs.values())))
                 budget.share_idle([c for _, c in running.values()])
                 for _, c in running.values():
                     if c.get("elastic") and before.get(id(c), c["cpus"]) != c["cpus"]:

@@ -61,6 +61,7 @@ def run(ctx: StepContext) -> dict:
     p = ctx.params
     preloaded = [m for m in p.get("preload", []) if m in sys.modules]   # before this step imported anything
     seen = {ctx.threads_now()}
+    standbys = _sibling_standbys() if p["timing"] else 0
     ctx.log(f"fake step, level {p['level']}")   # the step's log (executors bring it back to the driver's store)
     h = hashlib.sha256(repr(sorted(p.items())).encode())
     for role in sorted(ctx.inputs):
@@ -73,6 +74,8 @@ def run(ctx: StepContext) -> dict:
         while time.time() < deadline:  # a slow, partially written output
             ctx.progress(int(time.time() * 10) % 10, 10, "writing")
             seen.add(ctx.threads_now())
+            if p["timing"]:
+                standbys = max(standbys, _sibling_standbys())
             time.sleep(0.05)
         f.write(b"end")
     if p.get("work"):
@@ -81,8 +84,21 @@ def run(ctx: StepContext) -> dict:
         raise RuntimeError("fake failure requested by the recipe")
     metrics = {"level": p["level"], **{k: p[k] for k in ("ppl", "decode_tok_s") if p.get(k) is not None}}
     info = {"threads_seen": sorted(seen), "preloaded": preloaded, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-            "cwd_is_scratch": Path.cwd() == ctx.out.parent, "pid": os.getpid()}
+            "cwd_is_scratch": Path.cwd() == ctx.out.parent, "pid": os.getpid(), "standbys_beside": standbys}
     return {"format": "fake", "metrics": metrics, "info": info}
+
+
+def _sibling_standbys() -> int:
+    """Standby workers of the same qbuild (what must not run beside a timing step)."""
+    found = 0
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        found += ppid == os.getppid() and b"--standby" in cmd
+    return found
 
 
 def _burn(thousands: int) -> None:

@@ -174,6 +174,18 @@ def test_a_waiting_step_runs_in_a_worker_started_ahead(tmp_path, store_dir):
     assert not _standbys(), "a standby worker outlived the run"
 
 
+def test_no_standby_runs_beside_a_timing_step(tmp_path, store_dir):
+    # "b" waits behind "a" with a standby; the timing step "t" goes first and must run with nothing beside it
+    variants = [{"name": "a", "method": "fake", "sleep": 1.0, "preload": ["fake_heavy"]},
+                {"name": "t", "method": "fake", "level": 2, "sleep": 1.0, "timing": True},
+                {"name": "b", "method": "fake", "level": 3, "sleep": 0.2, "preload": ["fake_heavy"]}]
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": cpu_count()}))
+    rc, _ = run_api(recipe, store_dir, jobs=2)
+    assert rc == 0
+    assert _infos(store_dir)["quantize[t]"]["standbys_beside"] == 0
+    assert not _standbys()
+
+
 # --- several recipes, one graph, one JUnit report -------------------------------------------------------------
 @pytest.fixture(scope="session")
 def junit_xsd(tmp_path_factory) -> Path:
