@@ -2,7 +2,8 @@
 
 write_through  every object of the run that a remote lacks is uploaded (files, sidecars, manifest, then
                the action record: the commit point); the named artifacts get their model card (and, with a
-               signing key, SLSA provenance + signature) and their refs. Called when no step failed, for
+               signing key, SLSA provenance + signature) and their refs; a named object that is no model
+               (RECIPE/imatrix) gets its refs only. Called when no step failed, for
                remotes whose policy is `always` or `on-success`; `always` remotes already got each object
                right after it was built (qbuild/executor.py), this adds what only the end of a run knows.
 register       one MLflow model version per variant artifact, pointing at the store that holds it; the
@@ -15,6 +16,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.remote.cache import SIDECARS, build_sidecars, push_hit, should_push
+from qbuild.formats import spec as format_spec
 
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.base import RemoteStore
@@ -34,6 +36,9 @@ def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary
     """Upload what the remotes lack; returns {remote name: {"objects": n uploaded, "refs": n set}}."""
     rows = {r["variant"]: r for r in summary.get("variants", [])}
     named = {a.step.key: a.label for a in plan.artifacts if not a.baseline}
+    # named objects that are not models (the importance matrix, RECIPE/imatrix): a ref, no model card
+    named_data = {o.step.key: o.step.variant for o in outcomes
+                  if o.step.variant and not format_spec(o.step.format).model and o.step.key not in named}
     report: dict = {}
     for remote in plan.remotes:
         if not should_push(remote, "success"):
@@ -41,9 +46,10 @@ def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary
         uploaded = refs = 0
         for o in outcomes:
             label = named.get(o.step.key)
-            if o.path is None and o.status == "built" and label and o.remote and o.remote.remote.url == remote.url:
+            ref_label = label or named_data.get(o.step.key)
+            if o.path is None and o.status == "built" and ref_label and o.remote and o.remote.remote.url == remote.url:
                 for t in tags:   # built on a Ray node, pushed there already: the run's refs point at it
-                    remote.set_ref(plan.recipe.name, label, t, o.digest, o.step.key)
+                    remote.set_ref(plan.recipe.name, ref_label, t, o.digest, o.step.key)
                     refs += 1
                 continue
             if o.digest is None or o.path is None or o.status not in ("built", "cached"):
@@ -53,7 +59,7 @@ def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary
                 def sidecars(o=o, label=label):
                     return build_sidecars(store, o.digest, rows.get(label), summary.get("protocol"),
                                           summary.get("gates"), _base_model(plan), hardware=summary.get("hardware"))
-            ref_list = [(plan.recipe.name, label, t) for t in tags] if label else []
+            ref_list = [(plan.recipe.name, ref_label, t) for t in tags] if ref_label else []
             if push_hit(remote, store, o.step.key, o.digest, o.record, sidecars=sidecars, refs=()):
                 uploaded += 1
             elif label is not None:

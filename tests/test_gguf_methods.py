@@ -184,3 +184,18 @@ def test_calibration_seed_invalidates_only_imatrix_variants(tmp_path):
     data["calibration"]["seed"] = 7
     after = build_steps(parse_recipe(data), tmp_path).artifact_steps()
     assert before["a"].key == after["a"].key and before["b"].key != after["b"].key
+
+
+def test_a_run_writes_the_imatrix_ref_through_to_its_remote(built, tmp_path):
+    """RECIPE/imatrix reaches a remote with the run that has it, not only through `qbuild push`."""
+    from helpers import qbuild
+
+    remote = f"file://{tmp_path / 'remote'}"
+    res = qbuild(built["recipe"], "--remote", remote, "--json")   # everything is a hit; write-through on success
+    assert res.returncode == 0, res.stderr
+    refs = {r["ref"]: r for r in json.loads(qbuild("ls", "--remote", remote, "--json").stdout)}
+    assert refs["ggufx/imatrix:latest"]["digest"] == built["steps"]["imatrix[f16]"]["digest"]
+    assert refs["ggufx/q4_0-im:latest"]["digest"] == built["variants"]["q4_0-im"]["digest"]
+    pulled = qbuild("pull", "ggufx/imatrix", "--from", remote, "--store", tmp_path / "other", "-o", tmp_path / "im")
+    assert pulled.returncode == 0, pulled.stderr
+    assert (tmp_path / "im" / "imatrix.safetensors").is_file()
