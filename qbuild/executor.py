@@ -164,14 +164,14 @@ class Budget:
     def take_back_idle_share(self, claims) -> None:
         """Every elastic step returns to its own threads, so a step about to start finds its cores free."""
         for c in claims:
-            extra = c["cpus"] - c.get("base", c["cpus"])
+            extra = c["cpus"] - c["base"]
             if extra > 0:
                 self.cpus += extra
                 c["cpus"] -= extra
 
     def share_idle(self, claims) -> None:
         """Hand cores no step could take to the running elastic steps, one at a time to the one with fewest."""
-        elastic = [c for c in claims if c.get("elastic")]
+        elastic = [c for c in claims if c["elastic"]]
         while self.cpus > 0 and elastic and not self.exclusive:
             c = min(elastic, key=lambda c: c["cpus"])
             if c["cpus"] >= self.cores:
@@ -251,7 +251,7 @@ class Executor:
                                           key=lambda s: sum(outcomes.get(i.key) is None for i in s.inputs.values())))
                 budget.share_idle([c for _, c in running.values()])
                 for _, c in running.values():
-                    if c.get("elastic") and before.get(id(c), c["cpus"]) != c["cpus"]:
+                    if c["elastic"] and before.get(id(c), c["cpus"]) != c["cpus"]:
                         self._tell_threads(c)
                 if not running:
                     if pending:  # nothing runs and nothing can start: inputs missing from the plan (a bug)

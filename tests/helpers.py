@@ -34,6 +34,17 @@ def run_api(recipe, store=None, **kwargs) -> tuple[int, dict]:
     return result.exit_code, json.loads(json.dumps(result.summary, default=str))
 
 
+def build_module_recipe(root: Path, data: dict) -> dict:
+    """Run `data` once for a test module (its `store.path` is the store): the recipe path, the summary, and
+    its variants by name and steps by name."""
+    recipe = write_recipe(root / "recipe.yaml", data)
+    rc, summary = run_api(recipe)
+    assert rc == 0, summary["steps"]
+    return {"root": root, "store": Path(data["store"]["path"]), "recipe": recipe, "summary": summary,
+            "variants": {v["variant"]: v for v in summary["variants"]},
+            "steps": {s["name"]: s for s in summary["steps"]}}
+
+
 def qbuild(*args, cwd=None, env=None, timeout=900) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     return subprocess.run([sys.executable, "-m", "qbuild", *map(str, args)], capture_output=True, text=True,

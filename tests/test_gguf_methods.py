@@ -15,7 +15,7 @@ from qbuild.errors import RecipeError
 from qbuild.plan import build_steps
 from qbuild.recipe import parse_recipe
 
-from helpers import fake_model, run_api, write_recipe
+from helpers import build_module_recipe, fake_model, run_api
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs qbuild[gguf]")
 
@@ -44,12 +44,7 @@ def obj(store: Path, digest: str) -> Path:
 @pytest.fixture(scope="module")
 def built(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("ggufx")
-    store = root / "store"
-    recipe = write_recipe(root / "recipe.yaml", recipe_for(tiny_model_dir, store))
-    rc, s = run_api(recipe)
-    assert rc == 0, s["steps"]
-    return {"root": root, "store": store, "recipe": recipe, "variants": {v["variant"]: v for v in s["variants"]},
-            "steps": {x["name"]: x for x in s["steps"]}, "summary": s}
+    return build_module_recipe(root, recipe_for(tiny_model_dir, root / "store"))
 
 
 def gguf_file(built, variant: str):

@@ -20,7 +20,7 @@ from qbuild.plan import build_steps
 from qbuild.recipe import LOAD_CHECK_PROMPT, parse_recipe
 from qbuild.step import StepContext
 
-from helpers import fake_model, run_api, write_recipe
+from helpers import build_module_recipe, fake_model, run_api, write_recipe
 
 needs_backends = pytest.mark.skipif(
     importlib.util.find_spec("llmcompressor") is None or importlib.util.find_spec("llama_cpp") is None,
@@ -51,13 +51,7 @@ def greedy(logits_of, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def built(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("loadck")
-    store = root / "store"
-    recipe = write_recipe(root / "recipe.yaml", recipe_for(tiny_model_dir, store))
-    rc, summary = run_api(recipe)
-    assert rc == 0, summary["steps"]
-    return {"store": store, "recipe": recipe, "summary": summary,
-            "rows": {r["variant"]: r for r in summary["variants"]},
-            "steps": {s["name"]: s for s in summary["steps"]}}
+    return build_module_recipe(root, recipe_for(tiny_model_dir, root / "store"))
 
 
 @needs_backends
@@ -93,7 +87,7 @@ def test_generated_tokens_are_the_true_greedy_continuation(built, tiny_model_dir
             return greedy(lambda seq: model(torch.tensor([seq])).logits[0], prompt, 16)
 
     base_ids = decode(tiny_model_dir)
-    w8_ids = decode(Store(store).object_dir(built["rows"]["w8"]["digest"]))
+    w8_ids = decode(Store(store).object_dir(built["variants"]["w8"]["digest"]))
     assert base["generated_token_ids"] == base_ids
     assert w8["generated_token_ids"] == w8_ids
     assert w8["matches_baseline_tokens"] == leading_matches(w8_ids, base_ids)
@@ -104,7 +98,7 @@ def test_generated_tokens_are_the_true_greedy_continuation(built, tiny_model_dir
 @needs_backends
 def test_quantized_variants_agree_with_the_baseline_where_it_is_sure(built):
     """The first token has a logit margin over 2 in the baseline: 8-bit weights (KLD ~1e-4 here) cannot flip it."""
-    rows = built["rows"]
+    rows = built["variants"]
     for name in ("w8", "q8"):
         check = rows[name]["load_check"][0]
         assert 1 <= check["matches_baseline_tokens"] <= 16
@@ -113,7 +107,7 @@ def test_quantized_variants_agree_with_the_baseline_where_it_is_sure(built):
 
 @needs_backends
 def test_summary_and_json_carry_the_check(built):
-    rows = built["rows"]
+    rows = built["variants"]
     assert rows["baseline"]["load"] == "ref" and rows["baseline"]["load_check"][0]["matches_baseline_tokens"] is None
     for name in ("w8", "q8"):
         [check] = rows[name]["load_check"]
@@ -126,7 +120,7 @@ def test_summary_and_json_carry_the_check(built):
 def test_second_run_is_cached_and_identical(built):
     rc, again = run_api(built["recipe"])
     assert rc == 0 and again["counts"]["built"] == 0
-    before, after = built["rows"], {r["variant"]: r for r in again["variants"]}
+    before, after = built["variants"], {r["variant"]: r for r in again["variants"]}
     for name in ("baseline", "w8", "q8"):
         assert after[name]["load_check"][0]["status"] == "cached"
         assert after[name]["load"] == before[name]["load"]
@@ -156,7 +150,7 @@ def test_runtime_generate_overrides_equal_the_default(built, tiny_model_dir, tmp
 
     ctx = StepContext(params={}, inputs={}, input_manifests={}, out=tmp_path, threads=1, device="cpu", step_name="t")
     prompt = check_result(built["store"], built["steps"]["load-check[baseline]"])["prompt_token_ids"]
-    gguf_dir = Store(built["store"]).object_dir(built["rows"]["q8"]["digest"])
+    gguf_dir = Store(built["store"]).object_dir(built["variants"]["q8"]["digest"])
     for runtime, model in (("transformers", tiny_model_dir), ("llama.cpp", gguf_dir)):
         session = runtimes.get(runtime).open(model, ctx, len(prompt) + 17)
         assert type(session).generate is not RuntimeSession.generate   # the fast path is what is tested

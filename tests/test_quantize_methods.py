@@ -22,7 +22,7 @@ from qbuild.errors import MissingBackendError, RecipeError
 from qbuild.plan import build_steps
 from qbuild.recipe import parse_recipe
 
-from helpers import fake_model, qbuild, run_api, write_recipe
+from helpers import build_module_recipe, fake_model, qbuild, run_api, write_recipe
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llmcompressor") is None,
                                 reason="needs qbuild[llmcompressor]")
@@ -58,13 +58,7 @@ def obj_path(store: Path, digest: str) -> Path:
 def built(tiny_model_dir, tmp_path_factory):
     """Build all five variants and their evaluations once (about a minute and a half on one core)."""
     root = tmp_path_factory.mktemp("methods")
-    store = root / "store"
-    recipe = write_recipe(root / "recipe.yaml", recipe_for(tiny_model_dir, store))
-    rc, summary = run_api(recipe)
-    assert rc == 0, summary["steps"]
-    return {"root": root, "store": store, "recipe": recipe, "summary": summary, "model": tiny_model_dir,
-            "variants": {v["variant"]: v for v in summary["variants"]},
-            "steps": {s["name"]: s for s in summary["steps"]}}
+    return build_module_recipe(root, recipe_for(tiny_model_dir, root / "store")) | {"model": tiny_model_dir}
 
 
 def manifest(built, digest: str) -> dict:

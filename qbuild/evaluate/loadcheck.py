@@ -84,7 +84,8 @@ def run(ctx: StepContext) -> dict:
     from qbuild.calibration.build import load_tokenizer
 
     text = load_tokenizer(ctx.inputs["prompt"] / TOKENIZER).decode(generated)
-    result = {"runtime": session.info(), "prompt": request["prompt"], "prompt_token_ids": ids, "tokens": n,
+    runtime_info = session.info()
+    result = {"runtime": runtime_info, "prompt": request["prompt"], "prompt_token_ids": ids, "tokens": n,
               "generated_token_ids": generated, "text": text,
               "seconds": {"load": round(t1 - t0, 3), "generate": round(t2 - t1, 3)}}
     metrics = {"tokens": n, "seconds": round(t2 - t0, 3)}
@@ -101,4 +102,4 @@ def run(ctx: StepContext) -> dict:
     ctx.log(f"{runtime}: {text!r}" + (f" ({metrics['matches_baseline_tokens']}/{n} as the baseline)"
                                       if "reference" in ctx.inputs else ""))
     return {"format": "metrics", "metrics": metrics,
-            "info": {"runtime": session.info(), "text": text, "generated_token_ids": generated}}
+            "info": {"runtime": runtime_info, "text": text, "generated_token_ids": generated}}

@@ -60,7 +60,7 @@ class GPTQModel(Method):
 
     def check(self, variant: GPTQModelVariant, ctx, field: str) -> None:
         # gptqmodel groups columns like compressed-tensors: a group size must divide each layer's input dim
-        check_group_size(variant.group_size, ctx.model_info(), ["lm_head"], field, method="gptqmodel", escapes="")
+        check_group_size(variant.group_size, ctx.model_info(), ["lm_head"], field, method="gptqmodel", escapes=())
 
     def plan(self, variant: GPTQModelVariant, ctx) -> Step:
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),

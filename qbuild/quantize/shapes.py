@@ -92,13 +92,13 @@ def _describe(group_size: int, bad: list[tuple[str, int, list[str]]]) -> str:
 
 def check_group_size(group_size: int | None, info: dict, ignore: list[str], field: str,
                      on_indivisible: str = "error", method: str = "the method",
-                     escapes: str = "ignore+on_indivisible") -> tuple[list[str], str]:
+                     escapes: tuple[str, ...] = ("ignore", "on_indivisible")) -> tuple[list[str], str]:
     """Raise RecipeError naming the layers whose input dim the group size does not divide.
 
     With on_indivisible="ignore", return `re:` ignore rules that keep those layers unquantized instead
     (the caller records them in the step params, so they are part of the key and manifest) and the
     sentence that tells the user so; ([], "") when every layer divides. `escapes` names the fields the method
-    has to route around it ("ignore+on_indivisible", "ignore", or "" for neither), so the hint offers only those.
+    has to route around it (`ignore`, `on_indivisible`, both or neither), so the hint offers only those.
     """
     bad = indivisible_layers(group_size, info, ignore)
     if not bad:
@@ -116,9 +116,9 @@ def check_group_size(group_size: int | None, info: dict, ignore: list[str], fiel
         "no common group size ≤ 256 fits"
     example = sorted(m.rsplit(".", 1)[-1] for m in bad[0][2])[0]
     options = [hint]
-    if "ignore" in escapes.split("+"):
+    if "ignore" in escapes:
         options.append(f"add those layers to `ignore` (e.g. 're:.*{example}$')")
-    if "on_indivisible" in escapes.split("+"):
+    if "on_indivisible" in escapes:
         options.append("set on_indivisible: ignore to keep them unquantized")
     raise RecipeError(
         f"{field}.group_size",
