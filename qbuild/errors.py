@@ -7,6 +7,12 @@ EXIT_USER_ERROR = 2
 EXIT_GATE_FAILED = 3
 
 
+def first_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception in one line for a one-line error: its message's first line, or its class when it has none."""
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:limit]
+
+
 class QBuildError(Exception):
     """Base class: every qbuild error carries the exit code it should produce."""
 

@@ -28,13 +28,14 @@ from pathlib import Path
 
 from qbuild.artifacts.remote.cache import RemoteHit, push_hit
 from qbuild.artifacts.store import Store
-from qbuild.errors import UserError
+from qbuild.errors import UserError, first_line
 from qbuild.executor import UNBUILDABLE, Executor, Origin, StepOutcome, escape
 from qbuild.plan import PlannedStep
 from qbuild.step import Outcome, Step
 
 MAX_RETRIES = 3          # a step whose node (or worker process) dies is run again, up to this many times
 LOG_LIMIT = 4 << 20      # bytes of a step's log sent back to the driver
+PROBE_TIMEOUT_S = 5      # a cluster address that accepts no TCP connection in this long is reported dead
 
 
 def need_remote_message() -> str:
@@ -163,15 +164,33 @@ class RayExecutor(Executor):
         ray = _ray()
         if ray.is_initialized():   # inside a Ray job or a notebook that connected already: use that session
             return ray
+        self._probe_address()
         env = {k: os.environ[k] for k in ("PYTHONPATH",) if os.environ.get(k)}   # where qbuild and plugins live
         try:
             ray.init(address=self.address, runtime_env={"env_vars": env} if env else None, log_to_driver=False,
                      logging_level="ERROR", configure_logging=False)
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise UserError(f"no Ray cluster at {self.address}: {str(exc).splitlines()[0] if str(exc) else exc} "
-                            "(start one with `ray start --head`, or pass --address HOST:PORT)") from None
+            raise self._unreachable(first_line(exc)) from None
         self._owns_ray = True
         return ray
+
+    def _unreachable(self, why: str) -> UserError:
+        return UserError(f"no Ray cluster at {self.address}: {why} "
+                         "(start one with `ray start --head`, or pass --address HOST:PORT)")
+
+    def _probe_address(self) -> None:
+        """A named HOST:PORT that accepts no connection fails here in seconds: ray.init would retry it for minutes."""
+        import socket
+
+        if self.address in ("auto", "local"):   # Ray finds (or reports the lack of) a local cluster quickly itself
+            return
+        host, _, port = self.address.removeprefix("ray://").rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=PROBE_TIMEOUT_S).close()
+        except ValueError:
+            raise self._unreachable("expected HOST:PORT") from None
+        except OSError as exc:
+            raise self._unreachable(first_line(exc)) from None
 
     def run(self, planned: list[PlannedStep]) -> list[StepOutcome]:
         # Ray's driver prints cluster events (a node lost, a worker killed) on stdout: keep stdout for --json

@@ -155,6 +155,19 @@ def test_ray_without_a_remote_store_fails_at_once_in_one_line(tmp_path):
     assert not (tmp_path / "s" / "objects").exists()
 
 
+def test_a_dead_cluster_address_fails_in_seconds_in_one_line(tmp_path):
+    # ray.init retries an address that refuses connections for minutes: a nightly job must not hang on it
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [{"name": "a", "method": "fake"}]))
+    for address, why in (("127.0.0.1:9", "Connection refused"), ("127.0.0.1", "expected HOST:PORT")):
+        t0 = time.monotonic()
+        res = qbuild("run", recipe, "--store", tmp_path / "s", "--executor", "ray", "--address", address,
+                     "--remote", (tmp_path / "remote").as_uri(), timeout=120)
+        assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert f"no Ray cluster at {address}: " in res.stderr and why in res.stderr, res.stderr
+        assert time.monotonic() - t0 < 60
+    assert not list((tmp_path / "s" / "objects").glob("*/*"))
+
+
 def test_step_resources_for_ray():
     from qbuild.executor_ray import resources
     from qbuild.step import Step

@@ -33,6 +33,7 @@ from qbuild.artifacts.remote.base import (
     check_sidecar,
 )
 from qbuild.artifacts.store import now_iso
+from qbuild.errors import first_line
 
 CONNECT_TIMEOUT = 5
 READ_TIMEOUT = 60
@@ -56,7 +57,7 @@ class FsspecRemote(RemoteStore):
             fsspec.get_filesystem_class(self.scheme)
         except (ImportError, ValueError) as exc:
             raise RemoteConfigError(self.display, f"{self.scheme}:// needs a filesystem library that is not "
-                                                  f"installed ({str(exc).splitlines()[0]})") from None
+                                                  f"installed ({first_line(exc)})") from None
         opts: dict = {"skip_instance_cache": True}
         if self.scheme in ("s3", "s3a"):
             opts["config_kwargs"] = {"connect_timeout": CONNECT_TIMEOUT, "read_timeout": READ_TIMEOUT,
@@ -100,7 +101,7 @@ class FsspecRemote(RemoteStore):
                 return None
             raise self.error(f"{what}: not found (missing bucket or path?)") from None
         except PermissionError as exc:
-            raise self.error(f"{what}: access denied ({_short(exc)}); check the credentials "
+            raise self.error(f"{what}: access denied ({first_line(exc)}); check the credentials "
                              "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or the provider chain)") from None
         except RemoteError:
             raise
@@ -274,11 +275,6 @@ class FsspecRemote(RemoteStore):
         return self._read_bytes(self._sidecar(digest, name))
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text[:200]
-
-
 def _describe(exc: BaseException) -> str:
     """A network failure in a few words: the root cause's class and first line."""
     seen = exc
@@ -289,7 +285,7 @@ def _describe(exc: BaseException) -> str:
         seen = nxt
     root = seen if seen is not exc else exc
     name = type(root).__name__
-    text = f"{name}: {_short(root)}"
+    text = f"{name}: {first_line(root)}"
     if "Refused" in name or "Connect call failed" in text or "EndpointConnectionError" in text or "gaierror" in name:
         return f"unreachable ({text})"
     if any(s in name for s in ("Connection", "Timeout", "Disconnected")) or isinstance(root, (ConnectionError,

@@ -42,6 +42,7 @@ from qbuild.artifacts.remote.base import (
     check_sidecar,
 )
 from qbuild.artifacts.store import now_iso
+from qbuild.errors import first_line
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MODEL_ARTIFACT = "application/vnd.cncf.model.manifest.v1+json"
@@ -176,7 +177,7 @@ class OciRemote(RemoteStore):
             try:
                 client.auth.load_configs(self._container(), configs=[c for c in configs or [] if os.path.exists(c)])
             except Exception as exc:
-                raise RemoteConfigError(self.display, f"cannot read the docker config: {_short(exc)}") from None
+                raise RemoteConfigError(self.display, f"cannot read the docker config: {first_line(exc)}") from None
         has_creds = bool(getattr(client.auth, "_basic_auth", None))
         if r.status_code == 401 and backend == "basic" and not has_creds:
             raise self.error("the registry requires credentials and none were found "
@@ -543,11 +544,6 @@ def _make_client(host: str, plain_http: bool, backend: str):
     return client
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
-
-
 def _describe(exc: BaseException) -> str:
     import requests
 
@@ -557,10 +553,10 @@ def _describe(exc: BaseException) -> str:
             return f"connection failed: {errno_text.group(0).strip()}"
         if "Connection aborted" in str(exc) or "RemoteDisconnected" in str(exc):
             return "connection lost (the registry closed the connection)"
-        return f"connection failed: {_short(exc)}"
+        return f"connection failed: {first_line(exc)}"
     if isinstance(exc, requests.Timeout):
         return "timed out"
-    return f"{type(exc).__name__}: {_short(exc)}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 __all__ = ["OciRemote", "media_type", "oci_tag", "MODEL_ARTIFACT", "MODEL_CONFIG", "WEIGHT", "WEIGHT_CONFIG", "DOC"]
