@@ -181,14 +181,19 @@ class RayExecutor(Executor):
     def _probe_address(self) -> None:
         """A named HOST:PORT that accepts no connection fails here in seconds: ray.init would retry it for minutes."""
         import socket
+        from urllib.parse import urlsplit
 
         if self.address in ("auto", "local"):   # Ray finds (or reports the lack of) a local cluster quickly itself
             return
-        host, _, port = self.address.removeprefix("ray://").rpartition(":")
-        try:
-            socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=PROBE_TIMEOUT_S).close()
+        try:   # HOST:PORT or ray://HOST:PORT; an IPv6 host in brackets
+            parts = urlsplit("//" + self.address.removeprefix("ray://"))
+            host, port = parts.hostname or "127.0.0.1", parts.port
         except ValueError:
-            raise self._unreachable("expected HOST:PORT") from None
+            port = None
+        if port is None:
+            raise self._unreachable("expected HOST:PORT")
+        try:
+            socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S).close()
         except OSError as exc:
             raise self._unreachable(first_line(exc)) from None
 
