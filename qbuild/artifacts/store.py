@@ -34,7 +34,7 @@ from pathlib import Path
 
 from qbuild.errors import EXIT_USER_ERROR, QBuildError, UserError
 from qbuild.hashing import canonical_json, memo_sha256, sha256_file, tree_digest
-from qbuild.names import NAME, check_name, valid_name
+from qbuild.names import NAME, check_name
 from qbuild.owned import OwnedRoot, claim_root, only_these, owned_root
 
 log = logging.getLogger("qbuild")
@@ -46,6 +46,7 @@ SCRATCH_RE = re.compile(r"^(?P<key>[0-9a-f]{64})\.(?P<pid>\d+)\.[0-9a-f]{8}$")  
 # the only names housekeeping removes: what qbuild itself writes there (a foreign file in a store is left alone)
 FETCH_RE = re.compile(r"^fetch-[0-9a-f]{32}$")                                   # tmp/: a remote fetch's staging
 LOCK_RE = re.compile(r"^(?:fetch-)?[0-9a-f]{64}\.lock$")                        # locks/<key>.lock
+RUN_ID_RE = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6}$")                               # new_run_id: runs/<id>.json, logs/<id>/
 QUARANTINE_RE = re.compile(r"^[0-9a-f]{64}\.\d{8}T\d{6}Z\.[0-9a-f]{6}$")          # quarantine/<digest>.<when>.<id>
 VERIFY_MODES = ("fast", "full")
 # what a store root holds (docs/architecture.md); an old store without the marker is adopted only if it holds no more
@@ -233,6 +234,8 @@ class Store:
         return self.root / "stamps" / digest[:2] / f"{checked_digest(digest)}.json"
 
     def log_path(self, run_id: str, step_name: str) -> Path:
+        """Where a step's log goes (written by the caller: the store is claimed here)."""
+        self.owned  # noqa: B018 (claims the root before its first write)
         safe = re.sub(r"[^\w.\-\[\]]", "_", step_name)
         return self.root / "logs" / run_id / f"{safe}.log"
 
@@ -509,13 +512,13 @@ class Store:
             when = record.get("finished") if record else None
             return (when if isinstance(when, int | float) else 0, p.name)
 
-        runs = sorted((p for p in _listdir(self.root / "runs") if p.suffix == ".json" and valid_name(p.stem)), key=finished)
+        runs = sorted((p for p in _listdir(self.root / "runs") if p.suffix == ".json" and RUN_ID_RE.match(p.stem)), key=finished)
         keep = {p.stem for p in runs[-keep_runs:]} if keep_runs > 0 else set()
         for entry in runs:
             if entry.stem not in keep and old(entry, older_than_s):
                 drop("run", entry)
         for entry in _listdir(self.root / "logs"):
-            if valid_name(entry.name) and entry.name not in keep and old(entry, older_than_s):
+            if RUN_ID_RE.match(entry.name) and entry.name not in keep and old(entry, older_than_s):
                 drop("log", entry)
         for entry in _listdir(self.root / "quarantine"):
             if QUARANTINE_RE.match(entry.name) and old(entry, older_than_s):
