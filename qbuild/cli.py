@@ -172,6 +172,10 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
                 from qbuild.evaluate.gates import render_gates
 
                 render_gates(list(r.gates), console)
+            if r.summary.get("selection"):
+                from qbuild.summary import render_selection
+
+                render_selection(r.summary["selection"], console)
     if result.exit_code:
         sys.exit(result.exit_code)
 
@@ -241,6 +245,36 @@ def plan(recipe, store_path, as_json, remote_urls, verify):
         _print_plan(api.plan(recipe, store=store_path, remotes=remote_urls, verify=verify), as_json)
     except QBuildError as exc:
         _fail(exc)
+
+
+@cli.command()
+@RECIPE_ARG
+@STORE_OPTION
+@JSON_OPTION
+def select(recipe, store_path, as_json):
+    """Pick the artifact to ship by RECIPE's `selection:` (SLOs, quality and budget bounds, objective), from what the
+    store holds: nothing is built.
+
+    \b
+    Prints the selected (variant, serving config), the server command it was measured with, and for every other
+    candidate which bound it missed and by how much. Exits 3 when nothing meets every bound.
+      qbuild select recipes/serving.yaml --json   # {"selected": {"variant", "config", ...}, "rejected": [...]}
+    """
+    from qbuild import api
+    from qbuild.errors import EXIT_GATE_FAILED
+
+    try:
+        result = api.select(recipe, store=store_path)
+    except QBuildError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        from qbuild.summary import render_selection
+
+        render_selection(result, _console())
+    if not result["passed"]:
+        sys.exit(EXIT_GATE_FAILED)
 
 
 @cli.command()
