@@ -168,6 +168,13 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
         from qbuild.selection import select
 
         out["selection"] = select(recipe.selection, rows, recipe.evaluation.serving)
+        chosen = out["selection"]["selected"]
+        for r in rows:   # the selected artifact's row (and so its model card) carries how it met the bounds
+            if chosen and r["variant"] == chosen["variant"]:
+                r["selected"] = {"config": chosen["config"], "command": chosen["command"],
+                                 "objective": recipe.selection.objective,
+                                 "bounds": {k: v for k, v in recipe.selection.canonical().items()
+                                            if v is not None and k not in ("objective", "include_baseline")}}
     return out
 
 

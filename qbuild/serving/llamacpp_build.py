@@ -127,3 +127,7 @@ def _run(cmd: list[str], out, build_log: Path, log, progress: bool = False) -> N
         out.flush()
         tail = build_log.read_text().strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"{' '.join(cmd[:2])} failed (exit {proc.returncode}): {tail[0]} (log: {build_log})")
+
+
+if __name__ == "__main__":   # python -m qbuild.serving.llamacpp_build: build now (scripts/install.sh does)
+    print(f"llama.cpp tools: {build(log=lambda m: print(m, flush=True))}")
