@@ -63,8 +63,11 @@ def select(sel, rows: list[dict], serving=None) -> dict:
     if best is not None:
         selected = {k: best[k] for k in ("variant", "config", "output_tok_s", "size_bytes", "kld", "command",
                                          "digest", "key")}
-    return {"objective": sel.objective, "concurrency": at, "selected": selected, "rejected": rejected,
-            "passed": selected is not None}
+    bounds = {f: {"value": b[0], "concurrency": b[1]} for f, *_ in SLOS if (b := _bound(sel, f, default_c))}
+    bounds.update({f: getattr(sel, f) for f in ("max_kld", "max_delta_ppl_pct", "max_size_mb", "max_memory_mb")
+                   if getattr(sel, f) is not None})
+    return {"objective": sel.objective, "concurrency": at, "bounds": bounds, "selected": selected,
+            "rejected": rejected, "passed": selected is not None}
 
 
 def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | None) -> dict:

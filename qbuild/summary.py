@@ -172,9 +172,7 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
         for r in rows:   # the selected artifact's row (and so its model card) carries how it met the bounds
             if chosen and r["variant"] == chosen["variant"]:
                 r["selected"] = {"config": chosen["config"], "command": chosen["command"],
-                                 "objective": recipe.selection.objective,
-                                 "bounds": {k: v for k, v in recipe.selection.canonical().items()
-                                            if v is not None and k not in ("objective", "include_baseline")}}
+                                 "objective": recipe.selection.objective, "bounds": out["selection"]["bounds"]}
     return out
 
 
