@@ -37,12 +37,12 @@ def server_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def find_artifacts(store: Path) -> tuple[Path, Path]:
-    """(the demo's q4km GGUF, the demo's HF checkpoint for guidellm's tokenizer) from the store's refs/manifests."""
+def find_artifacts(store: Path, ref: str) -> tuple[Path, Path]:
+    """(the GGUF `ref` names, the demo's HF checkpoint for guidellm's tokenizer) from the store's refs/manifests."""
     from qbuild.artifacts.store import Store
 
     st = Store(store)
-    gguf = next(st.object_dir(st.resolve("demo/q4km")).glob("*.gguf"))
+    gguf = next(st.object_dir(st.resolve(ref)).glob("*.gguf"))
     for manifest in store.glob("objects/*/*/manifest.json"):
         m = json.loads(manifest.read_text())
         if m.get("name") == "model" and (manifest.parent / "tokenizer.json").is_file():
@@ -85,6 +85,7 @@ def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_le
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", type=Path, default=REPO / "artifacts")
+    ap.add_argument("--ref", default="demo/q4km", help="the GGUF to serve (serving/q4km after recipes/serving.yaml)")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
@@ -95,14 +96,14 @@ def main() -> None:
     from qbuild.serving.engines.llamacpp import LlamaServer
     from qbuild.serving.server import running
 
-    gguf, tokenizer = find_artifacts(args.store)
+    gguf, tokenizer = find_artifacts(args.store, args.ref)
     input_len, output_len = 128, 32
     threads = max(1, (os.cpu_count() or 2) // 2)
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     launch = LlamaServer().launch(gguf, ServingConfig(name="default"), threads=threads, slots=max(args.concurrency),
                                   context=input_len + output_len + 8, workdir=tmp)
     results: dict = {c: {"qbuild": [], "guidellm": []} for c in args.concurrency}
-    with running(launch, tmp / "server.log", "demo/q4km") as srv:
+    with running(launch, tmp / "server.log", args.ref) as srv:
         print(f"llama-server {srv.url} pid {srv.pid}, {threads} thread(s), --parallel {max(args.concurrency)}; "
               f"{args.requests} requests of {input_len}+{output_len} tokens per point", flush=True)
         for r in range(args.rounds):
