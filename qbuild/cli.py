@@ -325,7 +325,8 @@ def plugins(as_json):
     for col in ("kind", "name", "from", "installed", "reads / writes"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        io = ", ".join(r.get("formats", [])) or ", ".join(r.get("accepts", {}))
+        io = ", ".join(r.get("formats", [])) or ", ".join(r.get("accepts", {})) or (
+            f"serves what {r['engine']} loads" if r.get("engine") else "")
         table.add_row(r["kind"], r["name"], r["origin"], "yes" if r["installed"] else f"no: qbuild[{r['extra']}]", io)
     ftable = Table(title="formats", title_justify="left")
     for col in ("format", "evaluated by", "loads in"):
