@@ -56,7 +56,7 @@ def run(ctx: StepContext) -> dict:
     n_points = len(w["concurrency"]) + len(w["request_rates"] or [])
     prompts = prompts_from(tokens, w["input_len"], n_points * (w["requests"] + w["warmup"]), w["seed"])
     launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
-                           workdir=ctx.out, log=ctx.log)
+                           workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
     work = Workload(prompts=prompts, output_len=w["output_len"], requests=w["requests"], warmup=w["warmup"],
                     timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos, model=launch.model_name)
     log = ctx.out / SERVER_LOG
@@ -86,6 +86,16 @@ def run(ctx: StepContext) -> dict:
             "workload": w, "environment": server.environment()}
     (ctx.out / RESULT).write_text(json.dumps({**info, "points": points}, indent=2))
     return {"format": "metrics", "metrics": {**info, "points": points}}
+
+
+def _log_with_progress(ctx: StepContext, msg: str) -> None:
+    """A server's first-use build logs "llama.cpp build 40%": the step's progress line shows it too."""
+    import re
+
+    ctx.log(msg)
+    m = re.search(r"build (\d+)%", msg)
+    if m:
+        ctx.progress(int(m.group(1)), 100, "building llama-server (once)")
 
 
 def _portable(command: list[str], model: Path) -> list[str]:
