@@ -238,8 +238,9 @@ class Server(Plugin, ABC):
         (`{port}` where the port goes), readiness probe and stop. `workdir`: where it may write files the command
         reads (they are stored with the results). Runs in the step's worker."""
 
-    def kv_bytes_per_token(self, log_text: str) -> float | None:
-        """KV-cache bytes per token, from what the server's log says about its cache (None: it does not say)."""
+    def kv_bytes_per_token(self, model: Path, config, log_text: str) -> float | None:
+        """KV-cache bytes per token of `model` under `config` (the model's shape × the cache's element size, or what
+        the server's log says about its cache); None where it cannot tell."""
         return None
 
 

@@ -31,7 +31,7 @@ def _miss(name: str, value: float, bound: float, kind: str, unit: str, where: st
     op = ">" if kind == "max" else "<"
     pct = f", {100 * over / bound:.0f} %" if bound else ""
     u = f" {unit}" if unit else ""
-    return f"{name} {value:.4g}{u}{where} {op} {bound:.4g} ({'+' if kind == 'max' else '-'}{over:.3g}{u}{pct})"
+    return f"{name} {value:.4g}{u}{where} {op} {bound:.4g} ({'+' if kind == 'max' else '-'}{over:.4g}{u}{pct})"
 
 
 def _configs(row: dict) -> list[str | None]:

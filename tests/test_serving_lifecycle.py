@@ -122,3 +122,25 @@ def test_server_killed_mid_sweep(llama_server_bin, gguf_model, tmp_path):
     assert time.monotonic() - started < 60           # the failed requests end the point at once, nothing hangs
     assert "llama.cpp server for smollm2 exited with signal SIGKILL" in str(err.value)
     gone(pid, port)
+
+
+@pytest.mark.parametrize("kv", [None, "q8_0"])
+def test_kv_bytes_per_token_is_what_llama_cpp_allocates(llama_server_bin, gguf_model, tmp_path, kv):
+    """llama.cpp's own account of its KV cache (logged at -lv 4): K + V MiB over the context's tokens."""
+    import re
+
+    from qbuild.recipe import ServingConfig
+    from qbuild.serving.engines.llamacpp import LlamaServer
+    from qbuild.serving.server import running
+
+    config = {"kv_cache_dtype": kv} if kv else {}
+    base = launch(gguf_model, **config)
+    with running(replace(base, command=base.command + ("-lv", "4")), tmp_path / "s.log", "smollm2"):
+        pass
+    log = (tmp_path / "s.log").read_text()
+    m = re.search(r"K \((\w+)\):\s*([\d.]+) MiB, V \((\w+)\):\s*([\d.]+) MiB", log)
+    assert m and m.group(1) == m.group(3) == (kv or "f16")
+    tokens = 2 * 256   # slots × context per slot (launch above)
+    measured = (float(m.group(2)) + float(m.group(4))) * 2**20 / tokens
+    ours = LlamaServer().kv_bytes_per_token(gguf_model, ServingConfig(name="t", **config), "")
+    assert ours == pytest.approx(measured, rel=2e-3)   # the log rounds MiB to 2 decimals

@@ -78,7 +78,7 @@ def run(ctx: StepContext) -> dict:
     failed = [pt for pt in points if pt["errors"]]
     if failed and all(pt["completed"] == 0 for pt in points):
         raise RuntimeError(f"{launch.engine} server for {label}: every request failed: {failed[0].get('first_error')}")
-    kv = server.kv_bytes_per_token(log.read_text(errors="replace"))
+    kv = server.kv_bytes_per_token(ctx.inputs["model"], config, log.read_text(errors="replace"))
     info = {"server": server.name, "engine": launch.engine, "config": p["config"],
             "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
             "server_args": p["server_args"], "ready_s": round(ready_s, 2), "peak_rss_bytes": peak_rss,

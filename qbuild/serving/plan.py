@@ -18,6 +18,7 @@ from qbuild.plugins import Server, servers
 from qbuild.step import OnUnavailable, Step
 
 RUNNER = "qbuild.serving.bench:run"
+IMPL_VERSION = 2   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
 WORKLOAD_FIELDS = ("concurrency", "request_rates", "requests", "warmup", "input_len", "output_len", "seed", "timeout_s")
 
 
@@ -77,4 +78,5 @@ def serving_steps(ctx) -> None:
                          inputs={"model": art.step, "prompts": data}, tools=tuple(sorted(server.tools)),
                          threads=threads, per_hardware=True, env_toolchain=server.environment(),
                          requires_gpu=server.needs_gpu, unavailable=unavailable, on_unavailable=OnUnavailable.SKIP,
-                         format="metrics", runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s}))
+                         format="metrics", impl_version=IMPL_VERSION,
+                         runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s}))

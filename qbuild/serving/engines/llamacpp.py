@@ -3,7 +3,6 @@ the installed llama-cpp-python (qbuild/serving/llamacpp_build.py), so it is the 
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from qbuild.plugins import Server, servers
 # llama.cpp KV-cache element types (--cache-type-k/-v) for the recipe's kv_cache_dtype
 KV_TYPES = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}
 QUANTIZED_KV = ("q8_0", "q4_0")
+BYTES_PER_ELEMENT = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}   # ggml block size / elements
 
 
 @servers.register
@@ -75,7 +75,27 @@ class LlamaServer(Server):
                *self.args(config, threads=threads, slots=slots, context=context))
         return ServerLaunch(cmd, engine=self.engine, model_name=files[0].stem, ready_path="/health", ignore_eos=True)
 
-    def kv_bytes_per_token(self, log_text: str) -> float | None:
-        """From llama.cpp's own report of its KV cache: `llama_kv_cache: size = 18.00 MiB (4096 cells, ...)`."""
-        m = re.search(r"llama_kv_cache[^\n]*?size =\s*([\d.]+) MiB \(\s*(\d+) cells", log_text)
-        return float(m.group(1)) * 2**20 / int(m.group(2)) if m else None
+    def kv_bytes_per_token(self, model: Path, config, log_text: str) -> float | None:
+        """K and V of every layer for one token: layers × KV heads × (key + value head size) × the cache type's
+        bytes per element (q8_0: 34 bytes per block of 32), from the GGUF's metadata. It is what llama.cpp allocates
+        per token of context (its `llama_kv_cache: size = ...` line, logged at -lv 4, which the tests compare with;
+        not parsed here because -lv 4 also logs every batch)."""
+        import gguf
+
+        files = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else [Path(model)]
+        reader = gguf.GGUFReader(str(files[0]))
+
+        def field(key):
+            f = reader.get_field(key)
+            return None if f is None else f.contents()
+
+        arch = field("general.architecture")
+        layers, heads, embd = (field(f"{arch}.{k}") for k in ("block_count", "attention.head_count",
+                                                               "embedding_length"))
+        kv_heads = field(f"{arch}.attention.head_count_kv") or heads
+        if not (layers and heads and embd) or isinstance(kv_heads, list):
+            return None   # per-layer head counts (some hybrid models): not worked out here
+        k_len = field(f"{arch}.attention.key_length") or embd // heads
+        v_len = field(f"{arch}.attention.value_length") or embd // heads
+        size = BYTES_PER_ELEMENT[config.kv_cache_dtype or "f16"]
+        return float(layers * kv_heads * (k_len + v_len) * size)
