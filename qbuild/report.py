@@ -197,7 +197,7 @@ def svg_serving(variant: str, points: list[dict], metric: str, ylabel: str, slo:
     ys = [p[metric] for p in pts] + ([slo["value"]] if slo else [])
     x0, x1 = 0.0, max(xs) * 1.1
     y0, y1 = 0.0, max(ys) * 1.15
-    ticks = [f"{v:.3g}" for v in (y0, y1 / 2, y1)]
+    ticks = [f"{v:.4g}" for v in (y0, y1 / 2, y1)]
     m, w, h, right = left_margin(ticks), 560, 320, 110
     w += m - 56
 
