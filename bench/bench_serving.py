@@ -4,8 +4,9 @@
     flock /tmp/qbuild-heavy.lock .venv/bin/python bench/bench_serving.py --store artifacts
 
 One llama-server (qbuild's build, started by qbuild's lifecycle: 127.0.0.1, free port, --parallel 4, half the cores)
-serves the demo's q4km. At each concurrency (1 and 4) the same workload (N requests of 128 prompt tokens and 32
-output tokens with ignore_eos, streamed over /v1/completions, after 2 warm-up requests) is driven in turns by qbuild's
+serves the demo's q4km, its prompt cache off. At each concurrency (1 and 4) the same workload (N requests of 128
+prompt tokens and 32 output tokens with ignore_eos, streamed over /v1/completions; every run's prompts drawn with
+a seed of its own, so none is a cache hit) is driven in turns by qbuild's
 client and by `guidellm run` (from .venv-guidellm, which scripts/install.sh dev makes), `--rounds` times. Prints
 per concurrency the medians of output tok/s and TTFT p50 of each and their ratios (target: within 5 %), and each
 client's CPU seconds as a share of the server's over the same run (target for qbuild's: at most 10 %).
@@ -63,7 +64,7 @@ def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len:
 
 
 def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_len: int, output_len: int,
-                 out: Path) -> dict:
+                 out: Path, seed: int) -> dict:
     backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
                "extras": {"body": {"ignore_eos": True}}}
     cmd = [str(GUIDELLM), "run", "--backend", json.dumps(backend),
@@ -71,6 +72,7 @@ def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_le
            "--constraint", json.dumps({"kind": "max_requests", "count": n + 2}),
            "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": input_len, "output_tokens": output_len}),
            "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": str(tokenizer)}),
+           "--seed", json.dumps({"kind": "static", "value": seed}),
            "--output", json.dumps({"kind": "json", "path": str(out)}), "--disable-progress", "--disable-console"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
@@ -100,7 +102,9 @@ def main() -> None:
     input_len, output_len = 128, 32
     threads = max(1, (os.cpu_count() or 2) // 2)
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    launch = LlamaServer().launch(gguf, ServingConfig(name="default"), threads=threads, slots=max(args.concurrency),
+    # no prompt cache: every prompt is new anyway (distinct seeds), and no run may profit from another's
+    launch = LlamaServer().launch(gguf, ServingConfig(name="nocache", prefix_caching=False), threads=threads,
+                                  slots=max(args.concurrency),
                                   context=input_len + output_len + 8, workdir=tmp)
     results: dict = {c: {"qbuild": [], "guidellm": []} for c in args.concurrency}
     with running(launch, tmp / "server.log", args.ref) as srv:
@@ -111,10 +115,11 @@ def main() -> None:
                 for tool in ("qbuild", "guidellm"):
                     s0 = server_cpu(srv.pid)
                     if tool == "qbuild":
-                        res = run_qbuild(srv.url, launch.model_name, c, args.requests, input_len, output_len, seed=r)
+                        res = run_qbuild(srv.url, launch.model_name, c, args.requests, input_len, output_len,
+                                         seed=1000 * r + c)
                     else:
                         res = run_guidellm(srv.url, launch.model_name, tokenizer, c, args.requests, input_len,
-                                           output_len, tmp / f"guidellm-{c}-{r}.json")
+                                           output_len, tmp / f"guidellm-{c}-{r}.json", seed=1000 * r + c + 500)
                     res["server_cpu_s"] = server_cpu(srv.pid) - s0
                     results[c][tool].append(res)
                     print(f"round {r} c={c} {tool:8} {res['output_tok_s']:7.2f} tok/s  TTFT p50 "

@@ -51,6 +51,18 @@ def test_one_serving_step_per_artifact_and_config(tmp_path, no_gpu):
     assert "llama-server" in step.toolchain() and any(k.startswith("hw.") for k in step.toolchain())
 
 
+def test_llama_server_prefix_caching_flags():
+    from qbuild.serving.engines.llamacpp import LlamaServer
+
+    def args(**config):
+        return LlamaServer().args(ServingConfig(name="c", **config), threads=1, slots=4, context=168)
+
+    assert "--cache-reuse" in args(prefix_caching=True) and "--no-cache-prompt" not in args(prefix_caching=True)
+    off = args(prefix_caching=False)
+    assert "--no-cache-prompt" in off and off[off.index("--cache-ram") + 1] == "0"
+    assert "--no-cache-prompt" not in args() and "--cache-reuse" not in args()   # the engine's default
+
+
 def test_hf_baseline_is_planned_for_a_gpu_server_and_skipped_without_one(tmp_path, no_gpu):
     data = recipe(tmp_path, serving={"configs": [{"name": "default"}], "engine": "vllm"})
     data["variants"] = [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}]
@@ -77,7 +89,6 @@ def test_key_follows_workload_config_and_server_flags_never_selection(tmp_path, 
 @pytest.mark.parametrize("config, problem", [
     ({"name": "fp8", "kv_cache_dtype": "fp8"}, "llama.cpp has no fp8 KV cache"),
     ({"name": "nofa", "kv_cache_dtype": "q4_0", "flash_attn": False}, "only with flash attention"),
-    ({"name": "noprefix", "prefix_caching": False}, "has no flag to turn that off"),
 ])
 def test_config_the_engine_cannot_express_is_refused_in_one_line(tmp_path, no_gpu, config, problem):
     with pytest.raises(RecipeError) as err:

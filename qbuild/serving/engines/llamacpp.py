@@ -44,8 +44,6 @@ class LlamaServer(Server):
             return f"llama.cpp has no {kv} KV cache (it has {', '.join(KV_TYPES)})"
         if kv in QUANTIZED_KV and config.flash_attn is False:
             return f"llama.cpp quantizes the V cache ({kv}) only with flash attention; drop flash_attn: false"
-        if config.prefix_caching is False:
-            return "llama-server always reuses a slot's cached prompt prefix; it has no flag to turn that off"
         return None
 
     def args(self, config, *, threads: int, slots: int, context: int) -> list[str]:
@@ -61,6 +59,8 @@ class LlamaServer(Server):
             args += ["--flash-attn", "on" if flash else "off"]
         if config.prefix_caching:
             args += ["--cache-reuse", "256"]
+        elif config.prefix_caching is False:   # neither a slot's nor the host-RAM prompt cache
+            args += ["--no-cache-prompt", "--cache-ram", "0"]
         return args
 
     def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
