@@ -45,15 +45,20 @@ class RunResult:
         return [o for o in self.outcomes if o.status == "failed"]
 
     @property
+    def selected(self) -> bool:
+        """No `selection:`, or something met every one of its bounds."""
+        return (self.summary.get("selection") or {}).get("passed", True)
+
+    @property
     def passed(self) -> bool:
-        """No step failed and every quality gate passed."""
-        return not self.failed and all(g["passed"] for g in self.gates)
+        """No step failed, every quality gate passed and (with `selection:`) some artifact met every bound."""
+        return not self.failed and all(g["passed"] for g in self.gates) and self.selected
 
     @property
     def exit_code(self) -> int:
         if self.failed:
             return EXIT_STEP_FAILED
-        return EXIT_GATE_FAILED if not all(g["passed"] for g in self.gates) else 0
+        return EXIT_GATE_FAILED if not (all(g["passed"] for g in self.gates) and self.selected) else 0
 
 
 def load(recipe, threads: int | None = None) -> tuple[Recipe, Path, Path | None]:
@@ -123,6 +128,36 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
         st = type(store)(store.root)   # the caller's store keeps its own setting
     st.repair = False   # a plan is a dry run: a damaged object is reported as a miss, never moved to quarantine
     return make_plan(r, base, st, open_remotes(r, remotes), verify)
+
+
+def select(recipe, *, store=None, threads: int | None = None) -> dict:
+    """The `selection:` of RECIPE judged from the store, building nothing: {selected: {variant, config, ...} | None,
+    rejected: [{variant, config, why}], passed}. Every step the selection reads must be stored (run RECIPE first)."""
+    from qbuild.executor import StepOutcome
+    from qbuild.plan import make_plan
+    from qbuild.step import Outcome, PlanStatus
+    from qbuild.summary import summarize
+
+    r, base, _ = load(recipe, threads)
+    if r.selection is None:
+        raise UserError(f"{r.name}: the recipe has no selection: section (SLOs, bounds and an objective)")
+    st = open_store(store, r)
+    the_plan = make_plan(r, base, st)
+    outcomes, missing = [], []
+    for ps in the_plan.steps:
+        if ps.status == PlanStatus.HIT:
+            outcomes.append(StepOutcome(ps.step, Outcome.CACHED, ps.hit.path, ps.hit.digest, record=ps.hit.record))
+        elif ps.status == PlanStatus.SOURCE:
+            outcomes.append(StepOutcome(ps.step, Outcome.SOURCE, path=ps.step.source_path))
+        else:
+            outcomes.append(StepOutcome(ps.step, Outcome.SKIPPED, error=f"not stored ({ps.status})"))
+            if ps.status == PlanStatus.MISS:
+                missing.append(ps.step.name)
+    summary = summarize(the_plan, outcomes)
+    result = dict(summary["selection"])
+    if missing:
+        result["not_stored"] = missing
+    return result
 
 
 def _check_verify(verify: str) -> None:

@@ -174,6 +174,10 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
                 from qbuild.evaluate.gates import render_gates
 
                 render_gates(list(r.gates), console)
+            if r.summary.get("selection"):
+                from qbuild.summary import render_selection
+
+                render_selection(r.summary["selection"], console)
     if result.exit_code:
         sys.exit(result.exit_code)
 
@@ -247,6 +251,36 @@ def plan(recipe, store_path, as_json, remote_urls, verify):
 
 @cli.command()
 @RECIPE_ARG
+@STORE_OPTION
+@JSON_OPTION
+def select(recipe, store_path, as_json):
+    """Pick the artifact to ship by RECIPE's `selection:` (SLOs, quality and budget bounds, objective), from what the
+    store holds: nothing is built.
+
+    \b
+    Prints the selected (variant, serving config), the server command it was measured with, and for every other
+    candidate which bound it missed and by how much. Exits 3 when nothing meets every bound.
+      qbuild select recipes/serving.yaml --json   # {"selected": {"variant", "config", ...}, "rejected": [...]}
+    """
+    from qbuild import api
+    from qbuild.errors import EXIT_GATE_FAILED
+
+    try:
+        result = api.select(recipe, store=store_path)
+    except QBuildError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        from qbuild.summary import render_selection
+
+        render_selection(result, _console())
+    if not result["passed"]:
+        sys.exit(EXIT_GATE_FAILED)
+
+
+@cli.command()
+@RECIPE_ARG
 def validate(recipe):
     """Check RECIPE: schema, files, installed backends and model shapes, without building anything."""
     from qbuild import api
@@ -293,7 +327,8 @@ def plugins(as_json):
     for col in ("kind", "name", "from", "installed", "reads / writes"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        io = ", ".join(r.get("formats", [])) or ", ".join(r.get("accepts", {}))
+        io = ", ".join(r.get("formats", [])) or ", ".join(r.get("accepts", {})) or (
+            f"serves what {r['engine']} loads" if r.get("engine") else "")
         table.add_row(r["kind"], r["name"], r["origin"], "yes" if r["installed"] else f"no: qbuild[{r['extra']}]", io)
     ftable = Table(title="formats", title_justify="left")
     for col in ("format", "evaluated by", "loads in"):

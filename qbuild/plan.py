@@ -14,6 +14,7 @@ from qbuild.evaluate.plan import evaluation_steps
 from qbuild.models.resolve import model_info, model_step
 from qbuild.plugins import methods, targets
 from qbuild.recipe import Recipe, locate
+from qbuild.serving.plan import serving_steps
 from qbuild.step import PlanStatus, Step
 
 if TYPE_CHECKING:
@@ -207,6 +208,7 @@ def _build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
             ctx.artifacts.append(Artifact(out.variant or f"{name}.{t.type}", out, t.type, target.describe(out),
                                           target=t.type))
     evaluation_steps(ctx)
+    serving_steps(ctx)
     for warning in overlapping_sources(recipe.calibration, recipe.evaluation.perplexity, recipe_dir):
         ctx.warn(warning)
     return ctx
