@@ -19,6 +19,7 @@ from pathlib import Path
 
 from qbuild.fingerprint import package_version
 from qbuild.hashing import sha256_text
+from qbuild.owned import claim_root
 
 TARGETS = ("llama-server", "llama-imatrix", "llama-perplexity")
 # the CPU flags llama-cpp-python is built with (scripts/install.sh): same kernels, so the same numbers; static
@@ -32,6 +33,15 @@ BUILD_VERSION = 1   # bump when what is built changes (flags, targets, layout)
 
 def build_id(version: str) -> str:
     return f"{version}-{sha256_text(json.dumps([BUILD_VERSION, CMAKE_FLAGS, TARGETS]))[:10]}"
+
+
+_BUILD_ENTRY = re.compile(r"^(\.build-\w+|[\w.+]+-[0-9a-f]{10}(\.lock|\.build\.log)?)$")
+
+
+def _only_builds(root: Path) -> str | None:
+    """An `adopt` test: the folder holds nothing but builds of ours (made before it had a marker)."""
+    foreign = sorted(e for e in os.listdir(root) if not _BUILD_ENTRY.match(e))
+    return f"it holds {', '.join(foreign[:3])}" if foreign else None
 
 
 def bin_root() -> Path:
@@ -80,7 +90,7 @@ def build(log=print, jobs: int | None = None) -> Path:
     target = bin_root() / build_id(version)
     if all((target / t).is_file() for t in TARGETS):
         return target
-    bin_root().mkdir(parents=True, exist_ok=True)
+    root = claim_root(bin_root(), "llama.cpp-bin", adopt=_only_builds)   # replaced only inside a folder we own
     with FileLock(str(target) + ".lock"):
         if all((target / t).is_file() for t in TARGETS):   # another process built it while we waited
             return target
@@ -106,8 +116,8 @@ def build(log=print, jobs: int | None = None) -> Path:
             (staged / "build.json").write_text(json.dumps({"llama_cpp_python": version, "cmake_flags": CMAKE_FLAGS,
                                                            "targets": TARGETS, "seconds": seconds}, indent=2))
             if target.exists():   # a partial leftover of ours (no lock holder writes here but us)
-                shutil.rmtree(target)
-            os.rename(staged, target)
+                root.remove(target)
+            root.move(staged, target)
         log(f"built llama.cpp tools in {seconds:.0f} s: {target}")
     return target
 
