@@ -117,8 +117,11 @@ def open_remotes(recipe: Recipe | None = None, urls: list[str] | tuple[str, ...]
 
 
 def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] | tuple = (),
-         verify: str = "fast") -> Plan:
-    """Every step of the recipe with its key: hit (stored locally or in a remote) or miss, and why it misses."""
+         verify: str = "fast", estimate: bool = True) -> Plan:
+    """Every step of the recipe with its key: hit (stored locally or in a remote) or miss, and why it misses.
+
+    With misses and `estimate`, each miss gets an estimate of its time from the store's history of similar
+    steps, and the plan a total (qbuild/estimate.py; `plan.estimate`)."""
     from qbuild.plan import make_plan
 
     _check_verify(verify)
@@ -127,7 +130,14 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
     if st is store:
         st = type(store)(store.root)   # the caller's store keeps its own setting
     st.repair = False   # a plan is a dry run: a damaged object is reported as a miss, never moved to quarantine
-    return make_plan(r, base, st, open_remotes(r, remotes), verify)
+    the_plan = make_plan(r, base, st, open_remotes(r, remotes), verify)
+    if not estimate or not the_plan.to_build:
+        return the_plan
+    from dataclasses import replace
+
+    from qbuild.estimate import estimate_plan
+
+    return replace(the_plan, estimate=estimate_plan(the_plan.steps, st, r.name))
 
 
 def select(recipe, *, store=None, threads: int | None = None) -> dict:

@@ -208,7 +208,8 @@ def _print_plan(the_plan, as_json):
 
     table = Table(title=f"plan · {the_plan.recipe.name}", title_justify="left")
     with_env = any(r["env"] for r in data["steps"])   # the column appears when a step runs in a backend environment
-    for col in ("step", "key", "status", "why") + (("env",) if with_env else ()):
+    with_est = "estimate" in data                       # ...and the estimate column when something must be built
+    for col in ("step", "key", "status", "why") + (("env",) if with_env else ()) + (("est.",) if with_est else ()):
         table.add_column(col, overflow="fold")
     style = {"hit": "cyan", "hit-remote": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta",
              "unavailable": "magenta"}
@@ -216,7 +217,8 @@ def _print_plan(the_plan, as_json):
         status = f"hit ({r['reason']})" if r["status"] == "hit-remote" else r["status"]
         table.add_row(escape(r["step"]), r["key"][:12], f"[{style[r['status']]}]{escape(status)}[/]",
                       "" if r["status"] in ("hit", "hit-remote") else escape(r["reason"]),
-                      *((escape(r["env"] or "-"),) if with_env else ()))
+                      *((escape(r["env"] or "-"),) if with_env else ()),
+                      *((_estimate_cell(r),) if with_est else ()))
     console = _console()
     console.print(table)
     for row in data["not_evaluated"]:
@@ -224,6 +226,20 @@ def _print_plan(the_plan, as_json):
     hits = sum(r["status"] == "hit" for r in data["steps"])
     remote = sum(r["status"] == "hit-remote" for r in data["steps"])
     console.print(f"{data['to_build']} step(s) to build, {hits} cached" + (f", {remote} in a remote" if remote else ""))
+    if the_plan.estimate is not None:
+        from qbuild.estimate import history_note
+
+        console.print(history_note(the_plan.estimate))
+
+
+def _estimate_cell(row: dict) -> str:
+    if "estimate_s" not in row:
+        return ""
+    if row["estimate_s"] is None:
+        return "[dim]no history[/]"
+    from qbuild.estimate import human_seconds
+
+    return human_seconds(row["estimate_s"])
 
 
 @cli.command()
@@ -232,13 +248,17 @@ def _print_plan(the_plan, as_json):
 @JSON_OPTION
 @REMOTE_OPTION
 @click.option("--verify", "verify", type=click.Choice(["fast", "full"]), default="fast", show_default=True,
-              help="How each stored hit is checked (see `qbuild run --help`); a damaged one is quarantined.")
+              help="How each stored hit is checked (see `qbuild run --help`); a damaged one is reported as a miss "
+              "and left in place (a run quarantines it).")
 def plan(recipe, store_path, as_json, remote_urls, verify):
-    """Show every step of RECIPE with its key: hit (stored) or miss, and why it misses.
+    """Show every step of RECIPE with its key: hit (stored) or miss, and why it misses. Changes nothing.
 
     \b
     A miss says what changed since the step was last built for this recipe, e.g.
       params changed: seed 0 → 1 · input changed: calibration · toolchain changed: torch 2.12 → 2.13
+    and how long it will take, estimated from this store's history of similar steps (the same step built
+    before, else the stored step of the same kind and method with most settings in common, scaled by model
+    size); the total schedules the misses on this machine's cores as `qbuild run` would.
     With remotes, a step stored in one shows as `hit (remote NAME)` (only its action record is read).
     """
     from qbuild import api

@@ -60,6 +60,7 @@ class Plan:
     not_evaluated: dict[str, str]        # artifact label → why it gets no evaluation
     warnings: tuple[str, ...]
     remotes: tuple = ()                  # the remote tiers looked up (RemoteStore), in order
+    estimate: object = None              # qbuild.estimate.PlanEstimate: `qbuild plan` adds it (run does not need it)
 
     @property
     def to_build(self) -> int:
@@ -69,14 +70,20 @@ class Plan:
         return {a.label: a.step for a in self.artifacts if not a.baseline}
 
     def as_dict(self) -> dict:
+        estimates = self.estimate.steps if self.estimate is not None else {}
         rows = [{"step": p.step.name, "kind": p.step.kind, "status": p.status, "key": p.step.key, "reason": p.reason,
                  "reasons": list(p.reasons),
                  "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None),
-                 "env": p.step.backend_env.label if p.step.backend_env else None}
+                 "env": p.step.backend_env.label if p.step.backend_env else None,
+                 **({"estimate_s": None if estimates[p.step.key].seconds is None else round(estimates[p.step.key].seconds, 1),
+                     "estimate_basis": estimates[p.step.key].basis} if p.step.key in estimates else {})}
                 for p in self.steps]
-        return {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
-                "not_evaluated": [{"artifact": label, "reason": why} for label, why in self.not_evaluated.items()],
-                "warnings": list(self.warnings)}
+        out = {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
+               "not_evaluated": [{"artifact": label, "reason": why} for label, why in self.not_evaluated.items()],
+               "warnings": list(self.warnings)}
+        if self.estimate is not None:
+            out["estimate"] = self.estimate.as_dict()
+        return out
 
 
 @dataclass

@@ -37,8 +37,21 @@ if [[ ",${extras}," == *",dev,"* ]]; then
   .venv-guidellm/bin/python -m pip install --quiet -c .venv/constraints.txt \
     -c <($py -m pip freeze | grep -i '^pydantic') "guidellm==0.8.1"
 fi
-if [[ ",${extras}," == *",dev,"* ]] && ! command -v docker-registry >/dev/null 2>&1; then
-  echo "note: the OCI registry tests need Debian's docker-registry and skopeo (apt-get install docker-registry skopeo);"
-  echo "      without them they are skipped"
+# The tests also use system packages: headless Chromium renders the HTML report, docker-registry (CNCF
+# distribution) and skopeo serve the OCI tests. As root with apt (CI, a fresh Debian box) they are installed here,
+# so a newcomer's test run and CI's are the same; elsewhere the tests that need them skip, saying why.
+if [[ ",${extras}," == *",dev,"* ]]; then
+  missing=()
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry skopeo)
+  if ((${#missing[@]})); then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+      echo "installing ${missing[*]} from apt (used by the tests)"
+      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
+        || echo "could not install ${missing[*]}: the tests that need them will be skipped"
+    else
+      echo "note: the tests also use ${missing[*]} (apt-get install ${missing[*]}); without them those tests skip"
+    fi
+  fi
 fi
 echo "ready: .venv/bin/qbuild --help"

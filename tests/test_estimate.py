@@ -1,0 +1,70 @@
+"""`qbuild plan` estimates each miss from the store's history of similar steps, and the plan's total the way the
+executor schedules it (qbuild/estimate.py). The fake method sleeps a set time, so the history is known."""
+
+from __future__ import annotations
+
+import json
+
+from qbuild import api
+from qbuild.estimate import _schedule, estimate_plan
+from qbuild.step import Step
+
+from helpers import fake_recipe, qbuild, run_api, write_recipe
+
+
+def _recipe(tmp_path, variants):
+    return write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants))
+
+
+def test_a_miss_is_estimated_from_the_same_step_built_before_then_from_similar_ones(tmp_path, store_dir):
+    variants = [{"name": "a", "method": "fake", "sleep": 1.2}, {"name": "b", "method": "fake", "sleep": 0.4}]
+    recipe = _recipe(tmp_path, variants)
+    cold = api.plan(recipe, store=store_dir)
+    assert cold.estimate.unknown == 2 and cold.estimate.total_seconds == 0        # no history: said, not guessed
+    rc, summary = run_api(recipe, store_dir)
+    assert rc == 0
+    took = {s["name"]: s["seconds"] for s in summary["steps"] if s["name"].startswith("quantize")}
+    assert api.plan(recipe, store=store_dir).estimate is None                    # all cached: nothing to estimate
+
+    variants[0]["level"] = 2          # the same step with another setting
+    variants.append({"name": "c", "method": "fake", "sleep": 1.2, "level": 7})   # a new step like `a`
+    recipe = _recipe(tmp_path, variants)
+    res = qbuild("plan", recipe, "--store", store_dir, "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    rows = {r["step"]: r for r in data["steps"]}
+    assert rows["quantize[a]"]["estimate_basis"] == "same step, built before"
+    assert abs(rows["quantize[a]"]["estimate_s"] - took["quantize[a]"]) < 0.06   # its manifest's recorded time
+    assert rows["quantize[c]"]["estimate_basis"].startswith("similar step (")
+    assert abs(rows["quantize[c]"]["estimate_s"] - took["quantize[a]"]) < 0.06   # most settings in common: a
+    assert "estimate_s" not in rows["quantize[b]"]                                # a hit
+    assert data["estimate"]["steps_without_history"] == 0 and data["estimate"]["total_s"] > 0
+    human = qbuild("plan", recipe, "--store", store_dir)
+    assert "estimated" in human.stdout and "from this store's history" in human.stdout
+
+
+def _step(name, inputs=(), threads=1, timing=False):
+    return Step("quantize", name, {"n": name}, "m:f", inputs={f"i{i}": s for i, s in enumerate(inputs)},
+                threads=threads, per_hardware=timing)
+
+
+def test_the_total_schedules_misses_like_the_executor():
+    from qbuild.estimate import StepEstimate
+
+    a, b = _step("a"), _step("b")
+    c = _step("c", inputs=(a,))
+    t = _step("t", timing=True)
+    est = {s.key: StepEstimate(sec, "x") for s, sec in ((a, 10), (b, 4), (c, 3), (t, 5))}
+    assert _schedule([a, b, c], est, cores=2) == 13      # a ‖ b, then c after a
+    assert _schedule([a, b, c], est, cores=1) == 17      # one core: one after another
+    assert _schedule([a, b, t], est, cores=2) == 15      # a timing step runs alone: a ‖ b (10), then t (5)
+    wide = _step("w", threads=2)
+    est[wide.key] = StepEstimate(6, "x")
+    assert _schedule([a, wide], est, cores=2) == 16      # a two-thread step waits for both cores
+
+
+def test_estimate_plan_without_misses_reads_nothing(tmp_path, store_dir):
+    recipe = _recipe(tmp_path, [{"name": "a", "method": "fake"}])
+    assert run_api(recipe, store_dir)[0] == 0
+    plan = api.plan(recipe, store=store_dir, estimate=False)
+    assert estimate_plan(plan.steps, None, "t").steps == {}   # no store access at all (None would fail)
