@@ -90,7 +90,7 @@ def validate(recipe) -> Plan:
     r, base, _ = load(recipe)
     ctx = build_steps(r, base)
     return Plan(r, base, tuple(PlannedStep(s, PlanStatus.MISS) for s in ctx.steps), tuple(ctx.artifacts),
-                dict(ctx.not_evaluated), tuple(ctx.warnings))
+                dict(ctx.not_evaluated), tuple(ctx.warnings), overlap=ctx.overlap)
 
 
 def backend_envs(recipe) -> list:

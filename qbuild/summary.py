@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from qbuild.evaluate.tasks import add_deltas as add_task_deltas
+from qbuild.evaluate.tasks import summary_rows as task_rows
 from qbuild.executor import StepOutcome
 from qbuild.plan import Artifact, Plan
 from qbuild.step import Outcome
@@ -60,7 +62,7 @@ def load_label(checks: list[dict]) -> str | None:
 
 
 def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None,
-         load_checks: list[dict] | None = None) -> dict:
+         load_checks: list[dict] | None = None, tasks: list[dict] | None = None) -> dict:
     key = art.step.key
     ppl = evals.get((key, "perplexity")) or evals.get((key, "reference"))
     speed = evals.get((key, "throughput"))
@@ -81,7 +83,7 @@ def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated
         "ppl": metric(ppl, "ppl"), "kld": metric(kld, "kld"), "top1": metric(kld, "top1"),
         "decode_tok_s": metric(speed, "decode_tok_s"), "prefill_tok_s": metric(speed, "prefill_tok_s"),
         "ttft_ms": metric(speed, "ttft_ms"),
-        "load": load_label(load_checks or []), "load_check": load_checks or None,
+        "load": load_label(load_checks or []), "load_check": load_checks or None, "tasks": tasks or [],
     }
 
 
@@ -91,8 +93,10 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
     by_key = {o.step.key: o for o in outcomes}
     evals = _evaluations(outcomes)
     checks = _load_checks(outcomes)
-    rows = [_row(a, by_key.get(a.step.key), evals, plan.not_evaluated.get(a.label), checks.get(a.step.key))
-            for a in plan.artifacts]
+    tasks = task_rows(outcomes)
+    rows = [_row(a, by_key.get(a.step.key), evals, plan.not_evaluated.get(a.label), checks.get(a.step.key),
+                 tasks.get(a.step.key)) for a in plan.artifacts]
+    add_task_deltas(rows)
     base = rows[0] if rows and rows[0]["variant"] == "baseline" else None
     for r in rows:
         if base and r is not base:
@@ -112,7 +116,7 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
               for s in (Outcome.BUILT, Outcome.CACHED, Outcome.FAILED, Outcome.SKIPPED)}
     protocol = recipe.evaluation.perplexity.canonical() if recipe.evaluation.perplexity else None
     return {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol,
-            "warnings": list(plan.warnings)}
+            "warnings": list(plan.warnings), "overlap": plan.overlap}
 
 
 def _fmt(v, spec: str) -> str:
@@ -140,6 +144,7 @@ def render_table(summary: dict, console) -> None:
                       f"[{style[r['status']]}]{r['status']}[/]" if r["status"] in style else escape(str(r["status"])),
                       *(_fmt(r.get(field), spec) for _, field, spec in shown))
     console.print(table)
+    _render_tasks(rows, console)
     c = summary["counts"]
     console.print(f"{c['built']} built, {c['cached']} cached, {c['failed']} failed, {c['skipped']} skipped")
     for r in rows:
@@ -152,3 +157,22 @@ def render_table(summary: dict, console) -> None:
         if s["status"] == "failed":
             console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(str(s['error']))}  "
                           f"(log: {escape(str(s['log']))})")
+
+
+def _render_tasks(rows: list[dict], console) -> None:
+    """One table of lm-eval task accuracy: acc ± stderr per artifact, and the flips against the baseline."""
+    if not any(r.get("tasks") for r in rows):
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="tasks (lm-eval)", title_justify="left")
+    for name in ("variant", "task", "acc", "± stderr", "right→wrong", "wrong→right", "flipped"):
+        table.add_column(name, justify="left" if name in ("variant", "task") else "right")
+    for r in rows:
+        for t in r.get("tasks") or []:
+            f = t["flips"]
+            table.add_row(escape(r["variant"]), escape(t["task"]), _fmt(t["acc"], ".3f"), _fmt(t["acc_stderr"], ".3f"),
+                          *((str(f["right_to_wrong"]), str(f["wrong_to_right"]), f"{f['pct']:.1f} %") if f else
+                            ("-", "-", "-" if r["variant"] != "baseline" else "ref")))
+    console.print(table)

@@ -25,7 +25,8 @@ from qbuild.step import HF_PRELOAD, Step
 log = logging.getLogger("qbuild")
 
 RUNNERS = {"perplexity": "qbuild.evaluate.quality:perplexity", "reference": "qbuild.evaluate.quality:reference",
-           "throughput": "qbuild.evaluate.throughput:run", "load-check": "qbuild.evaluate.loadcheck:run"}
+           "throughput": "qbuild.evaluate.throughput:run", "load-check": "qbuild.evaluate.loadcheck:run",
+           "task": "qbuild.evaluate.tasks:run"}
 
 
 def pick_runtime(fmt: str) -> tuple[Runtime | None, str]:
@@ -37,6 +38,19 @@ def pick_runtime(fmt: str) -> tuple[Runtime | None, str]:
         rt = found[0]
         return None, f"runtime {rt.name} for {fmt} is not installed (pip install 'qbuild[{rt.extra}]')"
     return found[0], ""
+
+
+def evaluable_artifacts(ctx):
+    """(artifact, the runtime that evaluates it) of every model artifact, in plan order; one no installed runtime
+    reads is noted in ctx.not_evaluated (shown by `plan` and the summary), never dropped silently."""
+    for art in ctx.artifacts:
+        if not spec(art.step.format).model:
+            continue
+        rt, why = pick_runtime(art.step.format)
+        if rt is None:
+            ctx.note_not_evaluated(art.label, why)
+            continue
+        yield art, rt
 
 
 # their numbers are the same bit for bit at any thread count (torch and llama.cpp on CPU, checked), so they may
@@ -89,13 +103,7 @@ def evaluation_steps(ctx) -> None:
             data = ctx.eval_data(ev.perplexity)
             reference = _step("reference", "reference[baseline]", params, baseline_rt, "baseline", ctx.model(),
                               {"model": ctx.model(), "data": data}, (), ctx, format="logprobs")
-    for art in ctx.artifacts:
-        if not spec(art.step.format).model:
-            continue
-        rt, why = pick_runtime(art.step.format)
-        if rt is None:
-            ctx.note_not_evaluated(art.label, why)
-            continue
+    for art, rt in evaluable_artifacts(ctx):
         skipped = rt.cannot_measure(art.label, art.step, ev)
         for reason in dict.fromkeys(skipped.values()):
             ctx.warn(reason)
