@@ -200,7 +200,8 @@ def _check_one(st: Store, plan, ps, Executor, PlannedStep, Outcome, PlanStatus, 
             result = {"status": "identical" if outcome.digest == stored_digest else "different",
                       "rebuilt_digest": outcome.digest, "files_differ": files,
                       "metrics_moved": compare_metrics(stored.get("metrics", {}), rebuilt.get("metrics", {})),
-                      "environment_differs": compare_environment(stored, rebuilt)}
+                      "environment_differs": compare_environment(stored, rebuilt),
+                      "timings": {"stored": stored.get("timings"), "rebuilt": rebuilt.get("timings")}}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     result |= {"digest": stored_digest, "seconds": round(time.perf_counter() - t0, 2), "when": now_iso(),

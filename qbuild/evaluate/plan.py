@@ -53,9 +53,11 @@ def evaluable_artifacts(ctx):
         yield art, rt
 
 
-# their numbers are the same bit for bit at any thread count (torch and llama.cpp on CPU, checked), so they may
-# take cores left idle while they run; a timing or generation step keeps the threads it was given
+# through a runtime whose numbers are the same bit for bit at any thread count (Runtime.thread_invariant: llama.cpp
+# on CPU), they may take cores left idle while they run; a timing or generation step keeps the threads it was given
 ELASTIC_KINDS = ("reference", "perplexity")
+# v2: no timings in the objects' files (they went to the manifest), so a rebuild is bit-identical
+IMPL_VERSIONS = {"reference": 2, "perplexity": 2, "load-check": 2}
 
 
 def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, artifact: Step, inputs: dict, tools,
@@ -68,8 +70,10 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
     kw.setdefault("format", "metrics")
     # a format only another environment reads (GPTQ: gptqmodel) is evaluated there; so is a model built in one
     env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
+    kw.setdefault("impl_version", IMPL_VERSIONS.get(kind, 1))
+    elastic = ctx.elastic_threads and kind in ELASTIC_KINDS and runtime.thread_invariant
     return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **extra_inputs}, tools=tools,
-                        threads=ctx.threads, elastic_threads=ctx.elastic_threads and kind in ELASTIC_KINDS,
+                        threads=ctx.threads, elastic_threads=elastic,
                         preload=runtime.preload if env is None else (),
                         backend_env=env, runtime_args=runtime_args, **fields, **kw))
 
