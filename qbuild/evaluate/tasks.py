@@ -21,8 +21,6 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
 SAMPLES = "samples.jsonl"    # one line per document: doc_id, correct (acc of that document), target, choice
 RESULTS = "task.json"        # lm-eval's result row for the task, its config, versions, and the runtime
 TOOLS = ("lm-eval", "datasets")
@@ -99,6 +97,7 @@ def add_deltas(rows: list[dict]) -> None:
 # --- worker side ---------------------------------------------------------------------------------------------
 def _lm_class():
     """SessionLM, defined on first use: lm-eval (and its datasets/evaluate imports) load only in a task worker."""
+    import numpy as np
     from lm_eval import utils
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import MODEL_REGISTRY, register_model
@@ -220,6 +219,7 @@ def run(ctx) -> dict:
     """The `task` step: lm-eval's task over the artifact's runtime session; acc ± stderr, per-document outcomes,
     and flips against the baseline's step when it is an input."""
     import lm_eval
+    import numpy as np
     from lm_eval.evaluator import simple_evaluate
     from lm_eval.tasks import TaskManager, get_task_dict
 
