@@ -122,3 +122,15 @@ def test_task_files_are_part_of_the_key(tmp_path, built):
         f.write(json.dumps({"id": 40, "question": "Which module?", "choices": ["a", "b", "c", "d"], "answer": 0}) + "\n")
     changed = {p.step.name: p.status for p in api.plan(data).steps if p.step.kind == "task"}
     assert set(changed.values()) == {"miss"}
+
+
+def test_the_adapter_is_an_lm_eval_model_beside_lm_evals_own():
+    """Registering `qbuild` must not hide lm-eval's own models (its registry loads them only when empty)."""
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import get_model
+
+    from qbuild.evaluate.tasks import _lm_class
+
+    cls = _lm_class()
+    assert issubclass(cls, LM) and get_model("qbuild") is cls and _lm_class() is cls
+    assert get_model("hf").__name__ == "HFLM"

@@ -102,8 +102,10 @@ def _lm_class():
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import MODEL_REGISTRY, register_model
 
+    if len(MODEL_REGISTRY) == 0:   # lm-eval loads its own models only into an empty registry: let it first
+        import lm_eval.models  # noqa: F401
     if "qbuild" in MODEL_REGISTRY:
-        return MODEL_REGISTRY["qbuild"]
+        return MODEL_REGISTRY.get("qbuild")
 
     @register_model("qbuild")
     class SessionLM(TemplateLM):
