@@ -50,7 +50,7 @@ def direct(model_dir: Path, threads: int) -> tuple[float, float]:
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         sys.exit(f"lm_eval failed:\n{res.stderr[-2000:]}")
-    m = re.search(rf"\|{TASK}\s*\|.*?\|acc\s*\|[↑ ]*\|\s*([0-9.]+)\|", res.stdout)
+    m = re.search(rf"\|{TASK}\s*\|.*?\|acc\s*\|[↑ ]*\|\s*([0-9.]+)\|", res.stdout + res.stderr)
     return wall, float(m.group(1)) if m else float("nan")
 
 

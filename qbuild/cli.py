@@ -416,6 +416,8 @@ def verify(names, store_path, as_json, remote_url, deep, repair, rebuild):
     from qbuild import api
 
     if rebuild:
+        if remote_url or deep or repair:
+            _fail(UserError("--rebuild re-executes steps of the local store: it takes no --remote, --deep or --repair"))
         _verify_rebuild(names, store_path, as_json)
         return
     try:
