@@ -150,33 +150,60 @@ def rebuild_check(names: tuple[str, ...], *, store=None, progress=None, log=None
     """Re-execute the stored steps of a recipe (or of the named refs/digests) in scratch and compare each with the
     stored object. Returns {"steps": [...], "identical": bool, ...}; records each result beside its object."""
     from qbuild import api
-    from qbuild.executor import Executor
-    from qbuild.plan import PlannedStep
-    from qbuild.step import Outcome, PlanStatus
 
     recipe_file = len(names) == 1 and Path(names[0]).suffix in (".yaml", ".yml") and Path(names[0]).is_file()
     st = api.open_store(store, api.load(names[0])[0] if recipe_file else None)   # a recipe names its own store
     st.require_writable("verify --rebuild (it records the result beside each object)")
     rows = []
     for plan, checked in _steps_for(tuple(names), st):
-        for ps in checked:
-            step = ps.step
-            row = {"step": step.name, "kind": step.kind, "key": step.key}
-            if ps.status == PlanStatus.SOURCE:
-                continue   # an external input: not built by qbuild
-            if ps.status != PlanStatus.HIT:
-                rows.append(row | {"status": "not checked", "reason": f"not stored ({ps.status})"})
-                continue
-            if step.kind in NOT_CHECKED_KINDS:
-                rows.append(row | {"status": "not checked", "reason": NOT_CHECKED_KINDS[step.kind],
-                                   "digest": ps.hit.digest})
-                continue
-            if log:
-                log(f"rebuilding {step.name} ({step.key[:12]})")
-            rows.append(row | _check_one(st, plan, ps, Executor, PlannedStep, Outcome, PlanStatus, progress))
+        rows += check_steps(st, plan, checked, progress=progress, log=log)
+    return _result(rows, st)
+
+
+def _result(rows: list[dict], st: Store) -> dict:
     checked = [r for r in rows if r["status"] in ("identical", "different", "failed")]
     return {"steps": rows, "checked": len(checked), "identical": all(r["status"] == "identical" for r in checked),
             "where": socket.gethostname(), "when": now_iso(), "store": str(st.root)}
+
+
+def check_steps(st: Store, plan, planned, *, progress=None, log=None) -> list[dict]:
+    """One result row per planned step: re-executed and compared, or why it was not checked."""
+    from qbuild.executor import Executor
+    from qbuild.plan import PlannedStep
+    from qbuild.step import Outcome, PlanStatus
+
+    rows = []
+    for ps in planned:
+        step = ps.step
+        row = {"step": step.name, "kind": step.kind, "key": step.key}
+        if ps.status == PlanStatus.SOURCE:
+            continue   # an external input: not built by qbuild
+        if ps.status != PlanStatus.HIT:
+            rows.append(row | {"status": "not checked", "reason": f"not stored ({ps.status})"})
+            continue
+        if step.kind in NOT_CHECKED_KINDS:
+            rows.append(row | {"status": "not checked", "reason": NOT_CHECKED_KINDS[step.kind],
+                               "digest": ps.hit.digest})
+            continue
+        if log:
+            log(f"rebuilding {step.name} ({step.key[:12]})")
+        rows.append(row | _check_one(st, plan, ps, Executor, PlannedStep, Outcome, PlanStatus, progress))
+    return rows
+
+
+def after_run(st: Store, the_plan, wanted: list[str], progress=None) -> tuple[dict, list[dict]]:
+    """A recipe's `runtime.rebuild_check` (step kinds or names): those steps re-executed right after the run, and
+    one gate row per step (passed: bit-identical), so a nightly job fails (exit 3) on a step that is not."""
+    from qbuild.plan import _status
+
+    chosen = [p.step for p in the_plan.steps if p.step.kind in wanted or p.step.name in wanted]
+    planned = [_status(s, st, the_plan.recipe.name) for s in chosen]   # built by the run: stored now
+    rows = check_steps(st, the_plan, planned, progress=progress)
+    gates = [{"gate": "rebuild_check", "variant": r["step"], "check": "rebuild_identical",
+              "metric": "bit-identical rebuild", "value": float(r["status"] == "identical"), "bound": 1.0,
+              "passed": r["status"] == "identical", "by": None if r["status"] == "identical" else 1.0}
+             for r in rows if r["status"] != "not checked"]
+    return _result(rows, st), gates
 
 
 def _check_one(st: Store, plan, ps, Executor, PlannedStep, Outcome, PlanStatus, progress) -> dict:

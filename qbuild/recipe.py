@@ -219,6 +219,10 @@ class Runtime(StrictModel):
         "cores that would otherwise sit idle while it runs (its numbers do not depend on the thread count). "
         "A number is a fixed cap.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    rebuild_check: list[str] = Field(
+        default_factory=list, description="Step kinds or step names (quantize, calibrate, perplexity[q4km], ...) to "
+        "re-execute in scratch right after the run and compare with what was stored (`qbuild verify --rebuild`); "
+        "a step that is not bit-identical fails the run like a gate (exit 3).")
 
     def resolved_threads(self) -> int:
         import os

@@ -61,3 +61,24 @@ def test_rebuild_of_a_step_whose_recipe_is_gone_is_one_line(tmp_path):
     res = qbuild("verify", "--rebuild", "t/a", "--store", store)
     assert res.returncode == 2
     assert res.stderr.count("\n") == 1 and "give the recipe file instead" in res.stderr
+
+
+def test_a_recipe_can_require_a_rebuild_check_of_chosen_steps(tmp_path):
+    """runtime.rebuild_check: the named steps are re-executed right after the run; one that is not bit-identical
+    fails the run like a gate (exit 3), naming the step."""
+    data = fake_recipe(tmp_path, [{"name": "steady", "method": "fake", "level": 2},
+                                  {"name": "noisy", "method": "fake", "level": 3, "noise": True}],
+                       runtime={"rebuild_check": ["quantize[steady]"]})
+    data["store"] = {"path": str(tmp_path / "store")}
+    res = qbuild("run", write_recipe(tmp_path / "r.yaml", data), "--json")
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout)
+    assert [r["step"] for r in summary["rebuild_check"]["steps"]] == ["quantize[steady]"]
+    assert summary["gates"]["passed"] is True
+
+    data["runtime"]["rebuild_check"] = ["quantize"]      # a kind: every quantize step
+    res = qbuild("run", write_recipe(tmp_path / "r.yaml", data), "--json")
+    assert res.returncode == 3, res.stderr
+    summary = json.loads(res.stdout)
+    failed = [g for g in summary["gates"]["checks"] if not g["passed"]]
+    assert [(g["variant"], g["check"]) for g in failed] == [("quantize[noisy]", "rebuild_identical")]
