@@ -48,6 +48,29 @@ def test_task_accuracy_and_flips_for_every_variant(demo_runs):
         assert round(40 * (t["acc"] - base["acc"])) == t["flips"]["wrong_to_right"] - t["flips"]["right_to_wrong"]
 
 
+def test_baseline_accuracy_equals_lm_eval_run_directly(demo_runs):
+    """lm-eval's own `hf` model on the demo's baseline checkpoint, the same task: the same accuracy and stderr."""
+    import os
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    _, store, first, _ = demo_runs
+    base = next(r for r in json.loads(first.stdout)["variants"] if r["variant"] == "baseline")
+    task_dir = REPO / "tests" / "tasks" / "pystdlib_mc"
+    cwd = os.getcwd()
+    os.chdir(task_dir)   # the task's data_files path is relative to where lm-eval runs
+    try:
+        res = simple_evaluate(model="hf", model_args={"pretrained": str(store / "objects" / base["digest"][:2] /
+                                                                     base["digest"]), "dtype": "float32"},
+                              tasks=["pystdlib_mc"], task_manager=TaskManager(include_path=str(task_dir)),
+                              batch_size=1, device="cpu")
+    finally:
+        os.chdir(cwd)
+    assert res["results"]["pystdlib_mc"]["acc,none"] == pytest.approx(base["tasks"][0]["acc"], abs=1e-12)
+    assert res["results"]["pystdlib_mc"]["acc_stderr,none"] == pytest.approx(base["tasks"][0]["acc_stderr"])
+
+
 def test_first_run_builds_every_variant_and_evaluates(demo_runs):
     _, store, first, _ = demo_runs
     assert first.returncode == 0, first.stderr[-3000:]
