@@ -134,3 +134,16 @@ def test_the_adapter_is_an_lm_eval_model_beside_lm_evals_own():
     cls = _lm_class()
     assert issubclass(cls, LM) and get_model("qbuild") is cls and _lm_class() is cls
     assert get_model("hf").__name__ == "HFLM"
+
+
+def test_a_task_its_include_path_does_not_declare_is_a_plan_error(tmp_path, tiny_model_dir):
+    from helpers import qbuild
+
+    data = _recipe(tmp_path, tiny_model_dir, [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}])
+    data["evaluation"]["tasks"][0]["task"] = "pystdlib_mcq"
+    res = qbuild("plan", write_recipe(tmp_path / "r.yaml", data))
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
+    assert "evaluation.tasks[0].task: 'pystdlib_mcq': no task YAML under" in res.stderr
+    data["evaluation"]["tasks"][0] |= {"task": TASK, "include_path": str(tmp_path / "nowhere")}
+    res = qbuild("plan", write_recipe(tmp_path / "r.yaml", data))
+    assert res.returncode == 2 and "evaluation.tasks[0].include_path" in res.stderr

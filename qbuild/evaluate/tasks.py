@@ -46,6 +46,9 @@ def task_steps(ctx) -> None:
             path = resolve_path(t.include_path, ctx.recipe_dir, f"{field}.include_path")
             if not path.is_dir():
                 raise RecipeError(f"{field}.include_path", f"{t.include_path!r} is not a directory of task YAML files")
+            if not _declares(path, t.task):
+                raise RecipeError(f"{field}.task", f"{t.task!r}: no task YAML under {t.include_path} declares it "
+                                  "(task: NAME, or group: NAME)")
             params["task_files"] = dir_fingerprint(path)   # content, not location: a moved task dir still hits
             runtime_args["include_path"] = str(path)
         reference = None
@@ -58,6 +61,21 @@ def task_steps(ctx) -> None:
                          runtime_args={**runtime_args, "label": art.label})
             if art.baseline:
                 reference = step
+
+
+def _declares(root: Path, name: str) -> bool:
+    """Whether a task YAML under `root` names `name` as its task, group or tag (a text scan: no lm-eval at plan
+    time; lm-eval's own loader reports anything subtler when the step runs)."""
+    import re
+
+    pattern = re.compile(rf"^\s*(?:task|group|tag)\s*:\s*[\"']?{re.escape(name)}[\"']?\s*(?:#.*)?$", re.MULTILINE)
+    for f in sorted(root.rglob("*.y*ml")):
+        try:
+            if pattern.search(f.read_text(encoding="utf-8", errors="replace")):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def summary_rows(outcomes) -> dict[str, list[dict]]:
