@@ -9,7 +9,7 @@ The Python API (qbuild/api.py) is available from the package root; importing qbu
 
 __version__ = "0.1.0"
 
-__all__ = ["plan", "run", "pull", "report", "validate", "RunResult"]
+__all__ = ["plan", "run", "pull", "report", "validate", "select", "RunResult"]
 
 
 def __getattr__(name):

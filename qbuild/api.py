@@ -45,15 +45,20 @@ class RunResult:
         return [o for o in self.outcomes if o.status == "failed"]
 
     @property
+    def selected(self) -> bool:
+        """No `selection:`, or something met every one of its bounds."""
+        return (self.summary.get("selection") or {}).get("passed", True)
+
+    @property
     def passed(self) -> bool:
-        """No step failed and every quality gate passed."""
-        return not self.failed and all(g["passed"] for g in self.gates)
+        """No step failed, every quality gate passed and (with `selection:`) some artifact met every bound."""
+        return not self.failed and all(g["passed"] for g in self.gates) and self.selected
 
     @property
     def exit_code(self) -> int:
         if self.failed:
             return EXIT_STEP_FAILED
-        return EXIT_GATE_FAILED if not all(g["passed"] for g in self.gates) else 0
+        return EXIT_GATE_FAILED if not (all(g["passed"] for g in self.gates) and self.selected) else 0
 
 
 def load(recipe, threads: int | None = None) -> tuple[Recipe, Path, Path | None]:
@@ -118,7 +123,41 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
 
     _check_verify(verify)
     r, base, _ = load(recipe, threads)
-    return make_plan(r, base, open_store(store, r), open_remotes(r, remotes), verify)
+    st = open_store(store, r)
+    if st is store:
+        st = type(store)(store.root)   # the caller's store keeps its own setting
+    st.repair = False   # a plan is a dry run: a damaged object is reported as a miss, never moved to quarantine
+    return make_plan(r, base, st, open_remotes(r, remotes), verify)
+
+
+def select(recipe, *, store=None, threads: int | None = None) -> dict:
+    """The `selection:` of RECIPE judged from the store, building nothing: {selected: {variant, config, ...} | None,
+    rejected: [{variant, config, why}], passed}. Every step the selection reads must be stored (run RECIPE first)."""
+    from qbuild.executor import StepOutcome
+    from qbuild.plan import make_plan
+    from qbuild.step import Outcome, PlanStatus
+    from qbuild.summary import summarize
+
+    r, base, _ = load(recipe, threads)
+    if r.selection is None:
+        raise UserError(f"{r.name}: the recipe has no selection: section (SLOs, bounds and an objective)")
+    st = open_store(store, r)
+    the_plan = make_plan(r, base, st)
+    outcomes, missing = [], []
+    for ps in the_plan.steps:
+        if ps.status == PlanStatus.HIT:
+            outcomes.append(StepOutcome(ps.step, Outcome.CACHED, ps.hit.path, ps.hit.digest, record=ps.hit.record))
+        elif ps.status == PlanStatus.SOURCE:
+            outcomes.append(StepOutcome(ps.step, Outcome.SOURCE, path=ps.step.source_path))
+        else:
+            outcomes.append(StepOutcome(ps.step, Outcome.SKIPPED, error=f"not stored ({ps.status})"))
+            if ps.status == PlanStatus.MISS:
+                missing.append(ps.step.name)
+    summary = summarize(the_plan, outcomes)
+    result = dict(summary["selection"])
+    if missing:
+        result["not_stored"] = missing
+    return result
 
 
 def _check_verify(verify: str) -> None:
@@ -341,14 +380,17 @@ def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store
 
 
 def pull(name: str, *, store=None, out: str | Path | None = None, need: dict | None = None, remote=None,
-         verify_with: str | Path | None = None, tracking_uri: str | None = None, progress=None) -> tuple[str, Path]:
+         verify_with: str | Path | None = None, tracking_uri: str | None = None, progress=None,
+         force: bool = False) -> tuple[str, Path]:
     """Fetch NAME, every file verified against its manifest; returns (digest, path).
 
     NAME is a ref (recipe/variant[:tag]), a digest, or models:/NAME@ALIAS (MLflow registry: it names the
     digest and the store that holds it). From the local store by default; from a remote with `remote=`
     (URL or RemoteStore), or when the local store lacks the object and QBUILD_REMOTE names remotes.
     An engine ref picks the build that fits this GPU (SM + TensorRT toolchain; `need` overrides the probe).
-    `verify_with`: a public key; unsigned or tampered artifacts are refused (remote/registry pulls)."""
+    `verify_with`: a public key; unsigned or tampered artifacts are refused (remote/registry pulls).
+    `out` must be new or empty; `force=True` writes into a non-empty folder, replacing files of the artifact's names
+    (a link there is replaced, never written through) and touching nothing else."""
     if name.startswith("models:/"):
         import os
 
@@ -360,14 +402,28 @@ def pull(name: str, *, store=None, out: str | Path | None = None, need: dict | N
         name, store_url = resolve_models_uri(name, uri)
         if store_url.startswith("qbuild-file://"):
             store = store or store_url.removeprefix("qbuild-file://")
-        else:
-            remote = remote or store_url
+        elif remote is None:
+            remote = _remote_named_by_registry(store_url)
     if remote is not None:
         return _pull_remote(name, remote, out, need, verify_with, progress)
     if verify_with is not None:
         raise UserError("--verify-with checks the signature pushed with an artifact: pull it from its remote "
                         "(--from REMOTE) or by registry name (models:/NAME@ALIAS)")
-    return _pull_local(name, open_store(store), out, need, progress)
+    return _pull_local(name, open_store(store), out, need, progress, force)
+
+
+def _remote_named_by_registry(url: str):
+    """The remote a registry version's tag names. It may use qbuild's credential variables only when the user
+    configured that host themselves (QBUILD_REMOTE): a tag must not send QBUILD_REGISTRY_PASSWORD to any host."""
+    from urllib.parse import urlsplit
+
+    from qbuild.artifacts.remote import open_remote, remotes_from_env
+
+    def netloc(u: str) -> str:   # host and port: another port on the same host is another registry
+        return urlsplit(u).netloc.rsplit("@", 1)[-1].lower()
+
+    configured = {netloc(u) for u in remotes_from_env()}
+    return open_remote(url, env_credentials=bool(netloc(url)) and netloc(url) in configured)
 
 
 def _pull_remote(name, remote, out, need, verify_with, progress) -> tuple[str, Path]:
@@ -395,7 +451,7 @@ def _pull_remote(name, remote, out, need, verify_with, progress) -> tuple[str, P
     return manifest["digest"], Path(out)
 
 
-def _pull_local(name: str, st: Store, out, need, progress) -> tuple[str, Path]:
+def _pull_local(name: str, st: Store, out, need, progress, force: bool = False) -> tuple[str, Path]:
     from qbuild.artifacts.store import REF_RE
     from qbuild.trtllm.engine import ENGINE_KIND
     from qbuild.trtllm.select import engine_manifests, local_needs, select_engine
@@ -426,6 +482,11 @@ def _pull_local(name: str, st: Store, out, need, progress) -> tuple[str, Path]:
     if out is None:
         return digest, src
     dest = Path(out)
+    if dest.is_symlink():
+        raise UserError(f"--out {dest} is a symlink; give the folder itself (a pull never writes through a link)")
+    if dest.is_dir() and any(dest.iterdir()) and not force:
+        raise UserError(f"--out {dest} exists and is not empty; give a new or empty folder (or --force to write "
+                        "the artifact's files into it)")
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink()):
         write_fresh(f, dest, f.relative_to(src))

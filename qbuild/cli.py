@@ -143,6 +143,8 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
         result = _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize,
                                     executor, address, verify)
     except QBuildError as exc:
+        if as_json:   # a script reading --json gets JSON whatever happened (a full disk too), then the exit code
+            click.echo(json.dumps({"error": " ".join(redact_url(str(exc)).split()), "exit_code": exc.exit_code}))
         _fail(exc)
     except KeyboardInterrupt:
         click.echo("qbuild: interrupted: running steps stopped and their scratch removed; finished steps are "
@@ -172,6 +174,10 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
                 from qbuild.evaluate.gates import render_gates
 
                 render_gates(list(r.gates), console)
+            if r.summary.get("selection"):
+                from qbuild.summary import render_selection
+
+                render_selection(r.summary["selection"], console)
     if result.exit_code:
         sys.exit(result.exit_code)
 
@@ -249,6 +255,36 @@ def plan(recipe, store_path, as_json, remote_urls, verify):
 
 @cli.command()
 @RECIPE_ARG
+@STORE_OPTION
+@JSON_OPTION
+def select(recipe, store_path, as_json):
+    """Pick the artifact to ship by RECIPE's `selection:` (SLOs, quality and budget bounds, objective), from what the
+    store holds: nothing is built.
+
+    \b
+    Prints the selected (variant, serving config), the server command it was measured with, and for every other
+    candidate which bound it missed and by how much. Exits 3 when nothing meets every bound.
+      qbuild select recipes/serving.yaml --json   # {"selected": {"variant", "config", ...}, "rejected": [...]}
+    """
+    from qbuild import api
+    from qbuild.errors import EXIT_GATE_FAILED
+
+    try:
+        result = api.select(recipe, store=store_path)
+    except QBuildError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        from qbuild.summary import render_selection
+
+        render_selection(result, _console())
+    if not result["passed"]:
+        sys.exit(EXIT_GATE_FAILED)
+
+
+@cli.command()
+@RECIPE_ARG
 def validate(recipe):
     """Check RECIPE: schema, files, installed backends and model shapes, without building anything."""
     from qbuild import api
@@ -295,7 +331,8 @@ def plugins(as_json):
     for col in ("kind", "name", "from", "installed", "reads / writes"):
         table.add_column(col, overflow="fold")
     for r in rows:
-        io = ", ".join(r.get("formats", [])) or ", ".join(r.get("accepts", {}))
+        io = ", ".join(r.get("formats", [])) or ", ".join(r.get("accepts", {})) or (
+            f"serves what {r['engine']} loads" if r.get("engine") else "")
         table.add_row(r["kind"], r["name"], r["origin"], "yes" if r["installed"] else f"no: qbuild[{r['extra']}]", io)
     ftable = Table(title="formats", title_justify="left")
     for col in ("format", "evaluated by", "loads in"):
@@ -550,7 +587,9 @@ def diff(runs, last, store_path, as_json):
 @click.option("--sm", help="Select engines for this compute capability (e.g. 9.0) instead of the local GPU's.")
 @click.option("--tensorrt-llm", "trtllm_version", help="Select engines built with this TensorRT-LLM version.")
 @click.option("--tensorrt", "trt_version", help="Select engines built with this TensorRT version.")
-def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trtllm_version, trt_version):
+@click.option("--force", is_flag=True, help="Write into a non-empty --out (local store): files of the artifact's names "
+              "are replaced, a link there is replaced and never written through, nothing else is touched.")
+def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trtllm_version, trt_version, force):
     """Fetch NAME verified file by file: a ref, a digest, or models:/NAME@ALIAS from the MLflow registry.
 
     \b
@@ -567,7 +606,7 @@ def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trt
         need = local_needs(sm, trtllm_version, trt_version) if (sm or trtllm_version or trt_version) else None
         with _transfer_progress(f"pulling {name}") as progress:
             digest, path = api.pull(name, store=store_path, out=output, need=need, remote=from_url,
-                                    verify_with=pubkey, tracking_uri=mlflow_uri, progress=progress)
+                                    verify_with=pubkey, tracking_uri=mlflow_uri, progress=progress, force=force)
     except QBuildError as exc:
         _fail(exc)
     click.echo(f"{digest}  {path}")
@@ -867,6 +906,10 @@ def env_rm(name, everything):
 def main():
     import logging
 
+    from qbuild import process
+
+    process.guard_interrupts()   # already so under `python -m qbuild` and the `qbuild` script (qbuild/__main__.py)
+
     class _Redact(logging.Filter):
         """Every warning line goes through the one URL redaction, and stays one line."""
 
@@ -882,11 +925,34 @@ def main():
     logger.setLevel(logging.WARNING)
     logger.propagate = False
     try:
-        cli(standalone_mode=True)
+        code = _main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            click.echo(str(exc.code), err=True)
+    except BaseException:
+        if not process.interrupted():
+            raise   # a bug in qbuild: Python's traceback, as always
+        click.echo("qbuild: interrupted", err=True)   # a library turned the interrupt into another error
+        code = process.EXIT_INTERRUPTED
+    process.finish(code)
+
+
+def _main() -> int:
+    try:
+        code = cli.main(standalone_mode=False)   # KeyboardInterrupt comes back as click's Abort: handled below
+        return code if isinstance(code, int) else 0
     except QBuildError as exc:  # pragma: no cover - commands catch their own
         _fail(exc)
     except OSError as exc:  # a full disk or read-only mount on a path no command expected: still one line
         _fail(_os_error(exc))
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("qbuild: interrupted", err=True)
+        return 130
+    except click.ClickException as exc:   # usage errors: click's own message, exit 2
+        exc.show()
+        return exc.exit_code
+    return 0
 
 
 def _os_error(exc: OSError) -> QBuildError:

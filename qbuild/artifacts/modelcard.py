@@ -144,6 +144,7 @@ def render_model_card(manifest: dict, summary_row: dict | None = None, protocol:
             out += [f"| {c.get('check')} | {c.get('value')} | {c.get('bound')} | "
                     f"{'pass' if c.get('passed') else 'FAIL'} |" for c in mine]
             out.append("")
+    out += _serving_section(row)
     out += ["## How to load it", "", "| engine | loads it | how |", "|---|---|---|"]
     out += [f"| {e} | {'yes' if ok else 'no'} | {how} |" for e, ok, how in load_table(manifest)]
     out += ["", "`MODEL_DIR` is where `qbuild pull` (or `oras pull`) put the files.", "",
@@ -154,6 +155,32 @@ def render_model_card(manifest: dict, summary_row: dict | None = None, protocol:
             "- toolchain: " + ", ".join(f"{k} {v}" for k, v in sorted((manifest.get("toolchain") or {}).items())),
             f"- built: {manifest.get('created')}", ""]
     return "\n".join(out)
+
+
+def _serving_section(row: dict) -> list[str]:
+    """Measured through its server under load (evaluation.serving), and, when `selection:` chose it, the exact
+    server command that met the bounds."""
+    out: list[str] = []
+    chosen = row.get("selected")
+    if chosen:
+        bounds = ", ".join(f"{k} {v['value'] if isinstance(v, dict) else v}"
+                           + (f" at concurrency {v['concurrency']}" if isinstance(v, dict) else "")
+                           for k, v in chosen["bounds"].items())
+        out += ["## Selected for serving", "",
+                f"qbuild selected this artifact with serving config **{chosen['config']}** (objective "
+                f"{chosen['objective']}; bounds: {bounds or 'none'}). It met them served exactly like this "
+                "(`model.gguf`/`MODEL_DIR`: the pulled files; pick your own port):", "",
+                f"    {chosen['command']}", ""]
+    points = [p for p in row.get("serving") or [] if p.get("ttft_ms_p50") is not None]
+    if points:
+        out += ["## Serving under load", "",
+                "| config | concurrency | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | output tok/s | "
+                "requests/s | errors | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [f"| {p['config']} | {p.get('concurrency', str(p.get('request_rate')) + '/s')} | {p['ttft_ms_p50']:.1f} | "
+                f"{p['ttft_ms_p99']:.1f} | {p['tpot_ms_p50']:.2f} | {p['itl_ms_p99']:.2f} | {p['output_tok_s']:.1f} | "
+                f"{p['requests_s']:.2f} | {p['errors']} | {p.get('peak_rss_mb') or '-'} |" for p in points]
+        out.append("")
+    return out
 
 
 __all__ = ["render_model_card", "load_table", "quantization_of"]

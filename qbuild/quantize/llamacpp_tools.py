@@ -54,27 +54,11 @@ def converter_dir(log=print) -> Path:
     target = cache_root() / version
     if (target / "convert_hf_to_gguf.py").is_file():
         return target
-    pinned = sdist_sha256(version)
     log(f"extracting llama.cpp's converter from the llama-cpp-python {version} sdist (once)")
     cache_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:  # same filesystem: the rename is atomic
-        req = Path(tmp) / "requirements.txt"
-        req.write_text(f"llama-cpp-python=={version} --hash=sha256:{pinned}\n")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
-             "--require-hashes", "-r", str(req), "-d", tmp],
-            check=True,
-        )
-        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
-        check_sdist(sdist, pinned)
         staged = Path(tmp) / "staged"
-        with tarfile.open(sdist) as tar:
-            prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
-            for member in tar.getmembers():
-                rel = member.name.removeprefix(prefix)
-                if member.name.startswith(prefix) and rel.startswith(MEMBERS) and (member.isfile()):
-                    member.name = rel
-                    tar.extract(member, staged, filter="data")
+        extract_vendored(download_sdist(version, Path(tmp)), staged, MEMBERS)
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.rename(staged, target)
@@ -82,6 +66,32 @@ def converter_dir(log=print) -> Path:
             if not (target / "convert_hf_to_gguf.py").is_file():
                 raise
     return target
+
+
+def download_sdist(version: str, dest: Path) -> Path:
+    """The llama-cpp-python `version` sdist, downloaded into `dest` by pip with its pinned hash, checked again."""
+    pinned = sdist_sha256(version)
+    req = dest / "requirements.txt"
+    req.write_text(f"llama-cpp-python=={version} --hash=sha256:{pinned}\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+         "--require-hashes", "-r", str(req), "-d", str(dest)],
+        check=True,
+    )
+    sdist = next(dest.glob("llama_cpp_python-*.tar.gz"))
+    check_sdist(sdist, pinned)
+    return sdist
+
+
+def extract_vendored(sdist: Path, staged: Path, members: tuple[str, ...] | None = None) -> None:
+    """Extract the sdist's vendor/llama.cpp/ (only paths starting with one of `members`, if given) into `staged`."""
+    with tarfile.open(sdist) as tar:
+        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        for member in tar.getmembers():
+            rel = member.name.removeprefix(prefix)
+            if member.name.startswith(prefix) and (members is None or rel.startswith(members)) and member.isfile():
+                member.name = rel
+                tar.extract(member, staged, filter="data")
 
 
 def check_sdist(sdist: Path, pinned: str) -> None:

@@ -1,0 +1,147 @@
+"""qbuild's serving client against guidellm 0.8 (vllm-project's serving benchmark) on one llama-server.
+
+    qbuild recipes/demo.yaml                                   # the demo's Q4_K_M and its HF checkpoint
+    flock /tmp/qbuild-heavy.lock .venv/bin/python bench/bench_serving.py --store artifacts
+
+One llama-server (qbuild's build, started by qbuild's lifecycle: 127.0.0.1, free port, --parallel 4, half the cores)
+serves the demo's q4km, its prompt cache off. At each concurrency (1 and 4) the same workload (N requests of 128
+prompt tokens and 32 output tokens with ignore_eos, streamed over /v1/completions; every run's prompts drawn with
+a seed of its own, so none is a cache hit) is driven in turns by qbuild's
+client and by `guidellm run` (from .venv-guidellm, which scripts/install.sh dev makes), `--rounds` times. Prints
+per concurrency the medians of output tok/s and TTFT p50 of each and their ratios (target: within 5 %), and each
+client's CPU seconds as a share of the server's over the same run (target for qbuild's: at most 10 %).
+Prompts: qbuild sends seeded random token ids, guidellm its synthetic text of the same token count (the server's
+speed does not depend on which tokens they are; only the lengths match, which is what is compared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+GUIDELLM = REPO / ".venv-guidellm" / "bin" / "guidellm"
+
+
+def server_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def find_artifacts(store: Path, ref: str) -> tuple[Path, Path]:
+    """(the GGUF `ref` names, the demo's HF checkpoint for guidellm's tokenizer) from the store's refs/manifests."""
+    from qbuild.artifacts.store import Store
+
+    st = Store(store)
+    gguf = next(st.object_dir(st.resolve(ref)).glob("*.gguf"))
+    for manifest in store.glob("objects/*/*/manifest.json"):
+        m = json.loads(manifest.read_text())
+        if m.get("name") == "model" and (manifest.parent / "tokenizer.json").is_file():
+            return gguf, manifest.parent
+    raise SystemExit(f"no HF checkpoint (step `model`) in {store}: run `qbuild recipes/demo.yaml` first")
+
+
+def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len: int, seed: int) -> dict:
+    from qbuild.serving.client import Workload, sweep
+
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(100, 20000, size=(n + 2, input_len)).tolist()
+    work = Workload(prompts=prompts, output_len=output_len, requests=n, warmup=2, timeout_s=300, model=model)
+    cpu0 = time.process_time()
+    [point] = sweep(url, work, [c])
+    return {"output_tok_s": point["output_tok_s"], "ttft_ms_p50": point["ttft_ms_p50"], "errors": point["errors"],
+            "client_cpu_s": time.process_time() - cpu0}
+
+
+def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_len: int, output_len: int,
+                 out: Path, seed: int) -> dict:
+    backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
+               "extras": {"body": {"ignore_eos": True}}}
+    cmd = [str(GUIDELLM), "run", "--backend", json.dumps(backend),
+           "--profile", json.dumps({"kind": "concurrent", "streams": [c]}),
+           "--constraint", json.dumps({"kind": "max_requests", "count": n + 2}),
+           "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": input_len, "output_tokens": output_len}),
+           "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": str(tokenizer)}),
+           "--seed", json.dumps({"kind": "static", "value": seed}),
+           "--output", json.dumps({"kind": "json", "path": str(out)}), "--disable-progress", "--disable-console"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    return {"output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
+            "ttft_ms_p50": m["time_to_first_token_ms"]["successful"]["median"],
+            "errors": m["request_totals"]["errored"],
+            "client_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", type=Path, default=REPO / "artifacts")
+    ap.add_argument("--ref", default="demo/q4km", help="the GGUF to serve (serving/q4km after recipes/serving.yaml)")
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    args = ap.parse_args()
+    if not GUIDELLM.is_file():
+        raise SystemExit(f"{GUIDELLM} missing: bash scripts/install.sh dev")
+    from qbuild.recipe import ServingConfig
+    from qbuild.serving.engines.llamacpp import LlamaServer
+    from qbuild.serving.server import running
+
+    gguf, tokenizer = find_artifacts(args.store, args.ref)
+    input_len, output_len = 128, 32
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
+    # no prompt cache: every prompt is new anyway (distinct seeds), and no run may profit from another's
+    launch = LlamaServer().launch(gguf, ServingConfig(name="nocache", prefix_caching=False), threads=threads,
+                                  slots=max(args.concurrency),
+                                  context=input_len + output_len + 8, workdir=tmp)
+    results: dict = {c: {"qbuild": [], "guidellm": []} for c in args.concurrency}
+    with running(launch, tmp / "server.log", args.ref) as srv:
+        print(f"llama-server {srv.url} pid {srv.pid}, {threads} thread(s), --parallel {max(args.concurrency)}; "
+              f"{args.requests} requests of {input_len}+{output_len} tokens per point", flush=True)
+        for r in range(args.rounds):
+            for c in args.concurrency:
+                for tool in ("qbuild", "guidellm"):
+                    s0 = server_cpu(srv.pid)
+                    if tool == "qbuild":
+                        res = run_qbuild(srv.url, launch.model_name, c, args.requests, input_len, output_len,
+                                         seed=1000 * r + c)
+                    else:
+                        res = run_guidellm(srv.url, launch.model_name, tokenizer, c, args.requests, input_len,
+                                           output_len, tmp / f"guidellm-{c}-{r}.json", seed=1000 * r + c + 500)
+                    res["server_cpu_s"] = server_cpu(srv.pid) - s0
+                    results[c][tool].append(res)
+                    print(f"round {r} c={c} {tool:8} {res['output_tok_s']:7.2f} tok/s  TTFT p50 "
+                          f"{res['ttft_ms_p50']:8.1f} ms  client CPU {res['client_cpu_s']:6.2f} s  server CPU "
+                          f"{res['server_cpu_s']:6.2f} s  errors {res['errors']}", flush=True)
+    print(f"\n{'conc.':>5} {'qbuild tok/s':>13} {'guidellm':>9} {'ratio':>6} {'qbuild TTFT':>12} {'guidellm':>9} "
+          f"{'ratio':>6} {'qbuild CPU/server':>18} {'guidellm CPU/server':>20}")
+    summary = {}
+    for c, by in results.items():
+        med = {t: {k: statistics.median(x[k] for x in by[t]) for k in by[t][0]} for t in by}
+        q, g = med["qbuild"], med["guidellm"]
+        row = {"tok_s_ratio": q["output_tok_s"] / g["output_tok_s"], "ttft_ratio": q["ttft_ms_p50"] / g["ttft_ms_p50"],
+               "qbuild_cpu_share": q["client_cpu_s"] / q["server_cpu_s"],
+               "guidellm_cpu_share": g["client_cpu_s"] / g["server_cpu_s"], "qbuild": q, "guidellm": g}
+        summary[c] = row
+        print(f"{c:5d} {q['output_tok_s']:13.2f} {g['output_tok_s']:9.2f} {row['tok_s_ratio']:6.3f} "
+              f"{q['ttft_ms_p50']:10.1f}ms {g['ttft_ms_p50']:7.1f}ms {row['ttft_ratio']:6.3f} "
+              f"{row['qbuild_cpu_share']:17.1%} {row['guidellm_cpu_share']:19.1%}")
+    out = REPO / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serving.json").write_text(json.dumps({"results": results, "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Which artifact to ship: the (variant, serving config) that meets every bound of `selection:`, best by its objective.
+
+Candidates are the summary's rows (variants and target outputs; the baseline only with include_baseline) × their
+serving configs. Each bound is checked where it applies: latency and throughput SLOs at their concurrency point of
+that config, quality (KLD, ΔPPL %) and size per artifact, memory as the config's server peak RSS. Every candidate
+that is not selected says why: each bound it missed and by how much, or that the objective preferred another.
+"""
+
+from __future__ import annotations
+
+SLOS = (  # recipe field, point field, what a miss is, unit
+    ("ttft_p99_ms", "ttft_ms_p99", "max", "ms"),
+    ("tpot_p50_ms", "tpot_ms_p50", "max", "ms"),
+    ("min_output_tok_s", "output_tok_s", "min", "tok/s"),
+)
+
+
+def _bound(sel, field: str, default_concurrency: int | None) -> tuple[float, int | None] | None:
+    b = getattr(sel, field)
+    if b is None:
+        return None
+    if isinstance(b, (int, float)):
+        return float(b), sel.concurrency or default_concurrency
+    return b.value, b.concurrency
+
+
+def _miss(name: str, value: float, bound: float, kind: str, unit: str, where: str = "") -> str | None:
+    over = value - bound if kind == "max" else bound - value
+    if over <= 0:
+        return None
+    op = ">" if kind == "max" else "<"
+    pct = f", {100 * over / bound:.0f} %" if bound else ""
+    u = f" {unit}" if unit else ""
+    return f"{name} {value:.4g}{u}{where} {op} {bound:.4g} ({'+' if kind == 'max' else '-'}{over:.4g}{u}{pct})"
+
+
+def _configs(row: dict) -> list[str | None]:
+    serving = row.get("serving")
+    if serving is None:
+        return [None]
+    return list(dict.fromkeys(p["config"] for p in serving)) or [None]
+
+
+def select(sel, rows: list[dict], serving=None) -> dict:
+    default_c = max(serving.concurrency) if serving else None
+    at = sel.concurrency or default_c
+    candidates = []
+    for row in rows:
+        if row["variant"] == "baseline" and not sel.include_baseline:
+            continue
+        for config in _configs(row):
+            candidates.append(_judge(sel, row, config, default_c, at))
+    met = [c for c in candidates if not c["misses"]]
+    best = _best(sel.objective, met)
+    rejected = []
+    for c in candidates:
+        if c is best:
+            continue
+        why = c["misses"] or [f"meets every bound; objective {sel.objective} prefers {best['variant']}"
+                              f"@{best['config']} ({_objective_text(sel.objective, best)} vs "
+                              f"{_objective_text(sel.objective, c)})"]
+        rejected.append({"variant": c["variant"], "config": c["config"], "why": "; ".join(why), "misses": c["misses"]})
+    selected = None
+    if best is not None:
+        selected = {k: best[k] for k in ("variant", "config", "output_tok_s", "size_bytes", "kld", "command",
+                                         "digest", "key")}
+    bounds = {f: {"value": b[0], "concurrency": b[1]} for f, *_ in SLOS if (b := _bound(sel, f, default_c))}
+    bounds.update({f: getattr(sel, f) for f in ("max_kld", "max_delta_ppl_pct", "max_size_mb", "max_memory_mb")
+                   if getattr(sel, f) is not None})
+    return {"objective": sel.objective, "concurrency": at, "bounds": bounds, "selected": selected,
+            "rejected": rejected, "passed": selected is not None}
+
+
+def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | None) -> dict:
+    points = [p for p in (row.get("serving") or []) if p["config"] == config]
+    misses: list[str] = []
+    if row.get("status") not in ("built", "cached"):
+        misses.append(f"not built ({row.get('status')})")
+
+    def point(c):
+        return next((p for p in points if p.get("concurrency") == c and p.get("ttft_ms_p50") is not None), None)
+
+    for field, pfield, kind, unit in SLOS:
+        b = _bound(sel, field, default_c)
+        if b is None:
+            continue
+        bound, c = b
+        pt = point(c)
+        if pt is None:
+            misses.append(f"{field}: not measured at concurrency {c}")
+            continue
+        if pt.get("errors"):
+            misses.append(f"{pt['errors']} of {pt['requests']} requests failed at concurrency {c}")
+        value = pt.get(pfield)
+        if value is None:
+            misses.append(f"{field}: not measured at concurrency {c}")
+            continue
+        m = _miss(field, value, bound, kind, unit, f" at concurrency {c}")
+        if m:
+            misses.append(m)
+    for field, value, bound, unit in (
+            ("max_kld", row.get("kld"), sel.max_kld, ""),
+            ("max_delta_ppl_pct", row.get("delta_ppl_pct"), sel.max_delta_ppl_pct, "%"),
+            ("max_size_mb", row["size_bytes"] / 2**20 if row.get("size_bytes") else None, sel.max_size_mb, "MiB"),
+            ("max_memory_mb", max((p.get("peak_rss_mb") or 0 for p in points), default=None) or None,
+             sel.max_memory_mb, "MiB")):
+        if bound is None:
+            continue
+        if value is None:
+            misses.append(f"{field.removeprefix('max_')}: not measured")
+            continue
+        m = _miss(field.removeprefix("max_"), value, bound, "max", unit)
+        if m:
+            misses.append(m)
+    pt = point(at)
+    return {"variant": row["variant"], "config": config, "misses": misses,
+            "output_tok_s": pt.get("output_tok_s") if pt else None, "size_bytes": row.get("size_bytes"),
+            "kld": row.get("kld"), "command": (pt or {}).get("command") or next(
+                (p.get("command") for p in points if p.get("command")), None),
+            "digest": row.get("digest"), "key": row.get("key")}
+
+
+def _best(objective: str, met: list[dict]) -> dict | None:
+    if objective == "max_throughput":
+        ranked = [c for c in met if c["output_tok_s"] is not None]
+        return max(ranked, key=lambda c: c["output_tok_s"], default=None)
+    if objective == "min_size":
+        return min((c for c in met if c["size_bytes"]), key=lambda c: c["size_bytes"], default=None)
+    return min((c for c in met if c["kld"] is not None), key=lambda c: c["kld"], default=None)
+
+
+def _objective_text(objective: str, c: dict) -> str:
+    if objective == "max_throughput":
+        return f"{c['output_tok_s']:.4g} tok/s" if c["output_tok_s"] is not None else "not measured"
+    if objective == "min_size":
+        return f"{c['size_bytes'] / 2**20:.1f} MiB" if c["size_bytes"] else "size unknown"
+    return f"KLD {c['kld']:.4g}" if c["kld"] is not None else "KLD not measured"

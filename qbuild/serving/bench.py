@@ -1,0 +1,113 @@
+"""The `serving[<artifact>@<config>]` step: start the artifact's server, sweep it with the streaming client, stop it.
+
+Prompts are windows of `input_len` tokens of the tokenized evaluation corpus, in an order drawn with the workload's
+seed; each is sent as token ids, so every engine sees exactly `input_len` prompt tokens. Results: one point per
+concurrency (and request rate) with TTFT/TPOT/ITL/e2e percentiles, requests/s, output tok/s and errors, plus the
+server's peak RSS, its KV-cache bytes per token (where the engine reports its KV cache) and the exact server command.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from pathlib import Path
+
+import numpy as np
+
+from qbuild.plugins import servers
+from qbuild.recipe import ServingConfig
+from qbuild.step import StepContext
+
+RESULT = "serving.json"
+SERVER_LOG = "server.log"
+
+
+def prompts_from(tokens: np.ndarray, input_len: int, count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of exactly `input_len` tokens: corpus windows in a seeded order (repeating if it runs out)."""
+    n = len(tokens) // input_len
+    if n < 1:
+        raise ValueError(f"the prompt corpus has {len(tokens)} tokens, fewer than one prompt of {input_len}")
+    order = np.random.default_rng(seed).permutation(n)
+    return [tokens[i * input_len:(i + 1) * input_len].tolist() for i in (order[k % n] for k in range(count))]
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run(ctx: StepContext) -> dict:
+    from qbuild.evaluate.data import load_tokens
+    from qbuild.serving.client import Workload, sweep
+    from qbuild.serving.server import running
+
+    p = ctx.params
+    w = p["workload"]
+    label = ctx.runtime_args.get("label", ctx.step_name)
+    server = servers.get(p["server"])
+    config = ServingConfig(**p["config"])
+    tokens, _ = load_tokens(ctx.inputs["prompts"])
+    n_points = len(w["concurrency"]) + len(w["request_rates"] or [])
+    prompts = prompts_from(tokens, w["input_len"], n_points * (w["requests"] + w["warmup"]), w["seed"])
+    launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
+                           workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
+    work = Workload(prompts=prompts, output_len=w["output_len"], requests=w["requests"], warmup=w["warmup"],
+                    timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos, model=launch.model_name)
+    log = ctx.out / SERVER_LOG
+    ctx.log(f"starting {launch.engine} for {label}: {shlex.join(launch.argv(0)).replace(' 0 ', ' PORT ', 1)}")
+    started = time.monotonic()
+    try:
+        with running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)) as srv:
+            ready_s = time.monotonic() - started
+            ctx.log(f"{launch.engine} ready on {srv.url} after {ready_s:.1f} s (pid {srv.pid})")
+            server_cpu0, client_cpu0 = _cpu_seconds(srv.pid), time.process_time()
+            points = sweep(srv.url, work, w["concurrency"], w["request_rates"], w["seed"], between=srv.check_alive,
+                           progress=ctx.progress)
+            server_cpu = (_cpu_seconds(srv.pid) or 0) - (server_cpu0 or 0)
+            client_cpu = time.process_time() - client_cpu0
+            peak_rss = srv.peak_rss_bytes()
+    except BaseException:
+        print(f"--- {SERVER_LOG} (last lines) ---\n" + "\n".join(_tail(log, 20)), flush=True)
+        raise
+    failed = [pt for pt in points if pt["errors"]]
+    if failed and all(pt["completed"] == 0 for pt in points):
+        raise RuntimeError(f"{launch.engine} server for {label}: every request failed: {failed[0].get('first_error')}")
+    kv = server.kv_bytes_per_token(ctx.inputs["model"], config, log.read_text(errors="replace"))
+    info = {"server": server.name, "engine": launch.engine, "config": p["config"],
+            "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
+            "server_args": p["server_args"], "ready_s": round(ready_s, 2), "peak_rss_bytes": peak_rss,
+            "kv_bytes_per_token": kv, "server_cpu_s": round(server_cpu, 3), "client_cpu_s": round(client_cpu, 3),
+            "workload": w, "environment": server.environment()}
+    (ctx.out / RESULT).write_text(json.dumps({**info, "points": points}, indent=2))
+    return {"format": "metrics", "metrics": {**info, "points": points}}
+
+
+def _log_with_progress(ctx: StepContext, msg: str) -> None:
+    """A server's first-use build logs "llama.cpp build 40%": the step's progress line shows it too."""
+    import re
+
+    ctx.log(msg)
+    m = re.search(r"build (\d+)%", msg)
+    if m:
+        ctx.progress(int(m.group(1)), 100, "building llama-server (once)")
+
+
+def _portable(command: list[str], model: Path) -> list[str]:
+    """The server command as a user would type it: the program and the model file by name, port 8080."""
+    out = [Path(command[0]).name if "/" in command[0] else command[0]]
+    for a in command[1:]:
+        out.append("8080" if a == "{port}" else Path(a).name if a.startswith(str(model)) else a)
+    return out
+
+
+def _tail(path: Path, n: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return ["(no server log)"]

@@ -1,0 +1,196 @@
+"""The load generator: streaming `/v1/completions` requests from an asyncio client (httpx), as users hit a server.
+
+Closed loop: at concurrency C, C requests are in flight until `requests` have completed (each point after a
+warm-up that is not counted). Open loop (`request_rates`): requests start at Poisson arrival times of the given
+rate (seeded), however many are in flight. Per request: time to first token (TTFT), the gaps between streamed
+tokens (ITL), time per output token after the first (TPOT = (e2e - TTFT) / (tokens - 1)) and end-to-end latency.
+Per point: p50/p90/p99 of each, requests/s, output tok/s, errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    error: str = ""
+
+    @property
+    def tpot_s(self) -> float | None:
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1) if self.output_tokens > 1 else None
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[list[int]] | list[str]   # token ids (exact input lengths) or text (a stand-in without a tokenizer)
+    output_len: int
+    requests: int
+    warmup: int = 2
+    timeout_s: float = 120.0
+    ignore_eos: bool = True
+    model: str = "model"
+
+
+async def one_request(client, url: str, prompt, work: Workload) -> RequestResult:
+    body = {"model": work.model, "prompt": prompt, "max_tokens": work.output_len, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if work.ignore_eos:
+        body["ignore_eos"] = True
+    start = time.perf_counter()
+    stamps: list[float] = []
+    usage_tokens = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                return RequestResult(False, error=f"HTTP {resp.status_code}: {text[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("error"):
+                    return RequestResult(False, error=str(chunk["error"])[:200])
+                if (chunk.get("usage") or {}).get("completion_tokens") is not None:
+                    usage_tokens = chunk["usage"]["completion_tokens"]
+                choices = chunk.get("choices") or []
+                if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
+                    stamps.append(time.perf_counter())
+    except Exception as exc:   # connection refused/reset, timeout, bad JSON: counted as an error of this request
+        return RequestResult(False, error=f"{type(exc).__name__}: {exc}"[:200])
+    end = time.perf_counter()
+    if not stamps:
+        return RequestResult(False, error="no token streamed")
+    tokens = usage_tokens if usage_tokens is not None else len(stamps)
+    result = RequestResult(True, ttft_s=stamps[0] - start, e2e_s=end - start, itl_s=list(np.diff(stamps)),
+                           output_tokens=tokens)
+    if work.ignore_eos and tokens < work.output_len:
+        result.ok, result.error = False, f"{tokens} of {work.output_len} tokens"
+    return result
+
+
+async def _closed_loop(client, url: str, work: Workload, concurrency: int, first: int, count: int,
+                       done: Callable[[], None]) -> list[RequestResult]:
+    queue = list(range(first, first + count))
+    results: list[RequestResult] = []
+
+    async def worker():
+        while queue:
+            i = queue.pop(0)
+            results.append(await one_request(client, url, work.prompts[i % len(work.prompts)], work))
+            done()
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
+    return results
+
+
+async def _open_loop(client, url: str, work: Workload, rate: float, first: int, count: int, seed: int,
+                     done: Callable[[], None]) -> list[RequestResult]:
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count)
+    start = time.perf_counter()
+    tasks = []
+    for k, at in enumerate(np.cumsum(gaps)):
+        delay = start + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(one_request(client, url, work.prompts[(first + k) % len(work.prompts)], work)))
+        tasks[-1].add_done_callback(lambda _: done())
+    return list(await asyncio.gather(*tasks))
+
+
+def summarize_point(results: list[RequestResult], seconds: float) -> dict:
+    ok = [r for r in results if r.ok]
+
+    def pcts(name: str, values: list[float]) -> dict:
+        if not values:
+            return {f"{name}_p{p}": None for p in PERCENTILES}
+        arr = np.array(values) * 1000
+        return {f"{name}_p{p}": round(float(np.percentile(arr, p)), 3) for p in PERCENTILES}
+
+    out = {"requests": len(results), "completed": len(ok), "errors": len(results) - len(ok),
+           "seconds": round(seconds, 4),
+           "requests_s": round(len(ok) / seconds, 4) if seconds > 0 else None,
+           "output_tok_s": round(sum(r.output_tokens for r in ok) / seconds, 3) if seconds > 0 else None,
+           **pcts("ttft_ms", [r.ttft_s for r in ok]),
+           **pcts("tpot_ms", [r.tpot_s for r in ok if r.tpot_s is not None]),
+           **pcts("itl_ms", [g for r in ok for g in r.itl_s]),
+           **pcts("e2e_ms", [r.e2e_s for r in ok]),
+           # per request (ms), so goodput can be computed later against any SLO without measuring again
+           "samples": {"ttft_ms": [round(r.ttft_s * 1000, 2) for r in ok],
+                       "tpot_ms": [round(r.tpot_s * 1000, 3) if r.tpot_s is not None else None for r in ok]}}
+    first_error = next((r.error for r in results if not r.ok), None)
+    if first_error:
+        out["first_error"] = first_error
+    return out
+
+
+def goodput(point: dict, ttft_ms: float | None, tpot_ms: float | None) -> float | None:
+    """Requests/s that met both SLOs (a bound that is None always holds)."""
+    samples = point.get("samples")
+    if not samples or not point.get("seconds"):
+        return None
+    good = sum(1 for t, p in zip(samples["ttft_ms"], samples["tpot_ms"], strict=True)
+               if (ttft_ms is None or t <= ttft_ms) and (tpot_ms is None or (p is not None and p <= tpot_ms)))
+    return round(good / point["seconds"], 4)
+
+
+def sweep(url: str, work: Workload, concurrency: list[int], request_rates: list[float] | None = None, seed: int = 0,
+          between: Callable[[], None] = lambda: None, progress: Callable[[int, int, str], None] = lambda *a: None
+          ) -> list[dict]:
+    """Every point of the sweep, in order: concurrency levels, then request rates. `between` runs after each point
+    (the caller checks the server is still alive there)."""
+    return asyncio.run(_sweep(url, work, concurrency, request_rates or [], seed, between, progress))
+
+
+async def _sweep(url, work, concurrency, rates, seed, between, progress) -> list[dict]:
+    import httpx
+
+    points: list[dict] = []
+    n_points = len(concurrency) + len(rates)
+    total = n_points * (work.requests + work.warmup)
+    done = 0
+
+    def tick(desc: str):
+        def f():
+            nonlocal done
+            done += 1
+            progress(done, total, desc)
+        return f
+
+    limits = httpx.Limits(max_connections=max([*concurrency, 1]) + work.requests, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(work.timeout_s, connect=10.0), limits=limits,
+                                 trust_env=False) as client:   # trust_env off: no proxy between us and 127.0.0.1
+        offset = 0
+        for c in concurrency:
+            await _closed_loop(client, url, work, c, offset, work.warmup, tick(f"warm-up, concurrency {c}"))
+            start = time.perf_counter()
+            results = await _closed_loop(client, url, work, c, offset + work.warmup, work.requests,
+                                         tick(f"concurrency {c}"))
+            points.append({"concurrency": c, **summarize_point(results, time.perf_counter() - start)})
+            offset += work.warmup + work.requests
+            between()
+        for k, rate in enumerate(rates):
+            await _closed_loop(client, url, work, 1, offset, work.warmup, tick(f"warm-up, rate {rate}/s"))
+            start = time.perf_counter()
+            results = await _open_loop(client, url, work, rate, offset + work.warmup, work.requests, seed + k,
+                                       tick(f"rate {rate}/s"))
+            points.append({"request_rate": rate, **summarize_point(results, time.perf_counter() - start)})
+            offset += work.warmup + work.requests
+            between()
+    return points

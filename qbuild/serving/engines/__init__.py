@@ -1,0 +1,1 @@
+"""Inference servers, one module per server: each a `qbuild.plugins.Server` registered by name."""

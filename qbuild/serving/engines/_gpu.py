@@ -1,0 +1,48 @@
+"""What the GPU servers (vLLM, SGLang, TensorRT-LLM) share: a GPU check, the served model name, HF-dir artifacts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from qbuild.plugins import Server
+
+SERVED_NAME = "model"   # every GPU server is told to answer to this name (--served-model-name)
+
+
+class GPUServer(Server):
+    needs_gpu = True
+    program: tuple[str, ...] = ()     # how the server is started, before the model ({python}: this interpreter)
+    model_flag: str | None = None     # None: the model path is positional
+
+    def unavailable(self) -> str:
+        from qbuild.trtllm.env import gpu
+
+        if gpu() is None:
+            return f"{self.name} needs an NVIDIA GPU"
+        return super().unavailable()
+
+    def common_refusal(self, config, kv_types: dict[str, str]) -> str | None:
+        if config.kv_cache_dtype is not None and config.kv_cache_dtype not in kv_types:
+            return (f"{self.engine} has no {config.kv_cache_dtype} KV cache (it keeps the model's dtype, or takes "
+                    f"{', '.join(kv_types)})")
+        if config.flash_attn is not None:
+            return f"flash_attn is a llama.cpp setting; {self.engine} picks its attention backend itself"
+        return None
+
+    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
+        from qbuild.serving.server import ServerLaunch
+
+        written = self.write_files(config, workdir, slots=slots, context=context)
+        where = (self.model_flag, str(model)) if self.model_flag else (str(model),)
+        args = [str(workdir / a) if a in written else a
+                for a in self.args(config, threads=threads, slots=slots, context=context)]
+        program = [sys.executable if a == "{python}" else a for a in self.program]
+        cmd = (*program, *where, "--port", "{port}", *args)
+        return ServerLaunch(cmd, engine=self.engine, model_name=SERVED_NAME, ready_path="/health", ignore_eos=True,
+                            stop_timeout_s=30.0)
+
+    def write_files(self, config, workdir: Path, *, slots: int, context: int) -> list[str]:
+        """Write the files the command reads (TensorRT-LLM's options YAML) into workdir; their names (args naming
+        them become absolute paths). None by default."""
+        return []

@@ -1,0 +1,101 @@
+"""llama.cpp's `llama-server`: continuous batching over `--parallel` slots, built from the vendored llama.cpp source of
+the installed llama-cpp-python (qbuild/serving/llamacpp_build.py), so it is the same llama.cpp qbuild evaluates with."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from qbuild.plugins import Server, servers
+
+# llama.cpp KV-cache element types (--cache-type-k/-v) for the recipe's kv_cache_dtype
+KV_TYPES = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}
+QUANTIZED_KV = ("q8_0", "q4_0")
+BYTES_PER_ELEMENT = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}   # ggml block size / elements
+
+
+@servers.register
+class LlamaServer(Server):
+    name = "llama-server"
+    engine = "llama.cpp"
+    tools = ("llama-cpp-python",)
+    extra = "gguf"
+    requires = ("llama_cpp",)
+
+    def unavailable(self) -> str:
+        from qbuild.serving.llamacpp_build import cached_bin_dir
+
+        why = super().unavailable()
+        if why or cached_bin_dir() is not None:
+            return why
+        if not (shutil.which("cmake") and (shutil.which("c++") or shutil.which("g++"))):
+            return "llama-server is built from llama.cpp's source on first use, which needs cmake and a C++ compiler"
+        return ""
+
+    def environment(self) -> dict[str, str]:
+        from qbuild.fingerprint import package_version
+        from qbuild.serving.llamacpp_build import build_id
+
+        return {"llama-server": build_id(package_version("llama-cpp-python"))}
+
+    def refusal(self, config) -> str | None:
+        kv = config.kv_cache_dtype
+        if kv is not None and kv not in KV_TYPES:
+            return f"llama.cpp has no {kv} KV cache (it has {', '.join(KV_TYPES)})"
+        if kv in QUANTIZED_KV and config.flash_attn is False:
+            return f"llama.cpp quantizes the V cache ({kv}) only with flash attention; drop flash_attn: false"
+        return None
+
+    def args(self, config, *, threads: int, slots: int, context: int) -> list[str]:
+        """The flags (everything but the binary, model and port): these enter the step's key."""
+        args = ["--host", "127.0.0.1", "--threads", str(threads), "--threads-batch", str(threads),
+                "--parallel", str(config.parallel or slots), "--ctx-size", str((config.parallel or slots) * context),
+                "--cont-batching", "--no-webui"]
+        if config.kv_cache_dtype:
+            args += ["--cache-type-k", KV_TYPES[config.kv_cache_dtype], "--cache-type-v", KV_TYPES[config.kv_cache_dtype]]
+        flash = config.flash_attn if config.flash_attn is not None else (True if config.kv_cache_dtype in QUANTIZED_KV
+                                                                          else None)
+        if flash is not None:
+            args += ["--flash-attn", "on" if flash else "off"]
+        if config.prefix_caching:
+            args += ["--cache-reuse", "256"]
+        elif config.prefix_caching is False:   # neither a slot's nor the host-RAM prompt cache
+            args += ["--no-cache-prompt", "--cache-ram", "0"]
+        return args
+
+    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
+        from qbuild.serving.llamacpp_build import tool
+        from qbuild.serving.server import ServerLaunch
+
+        files = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else [Path(model)]
+        if len(files) != 1:
+            raise ValueError(f"expected one .gguf file in {model}, found {len(files)}")
+        binary = tool("llama-server", log=log)
+        cmd = (str(binary), "--model", str(files[0]), "--port", "{port}",
+               *self.args(config, threads=threads, slots=slots, context=context))
+        return ServerLaunch(cmd, engine=self.engine, model_name=files[0].stem, ready_path="/health", ignore_eos=True)
+
+    def kv_bytes_per_token(self, model: Path, config, log_text: str) -> float | None:
+        """K and V of every layer for one token: layers × KV heads × (key + value head size) × the cache type's
+        bytes per element (q8_0: 34 bytes per block of 32), from the GGUF's metadata. It is what llama.cpp allocates
+        per token of context (its `llama_kv_cache: size = ...` line, logged at -lv 4, which the tests compare with;
+        not parsed here because -lv 4 also logs every batch)."""
+        import gguf
+
+        files = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else [Path(model)]
+        reader = gguf.GGUFReader(str(files[0]))
+
+        def field(key):
+            f = reader.get_field(key)
+            return None if f is None else f.contents()
+
+        arch = field("general.architecture")
+        layers, heads, embd = (field(f"{arch}.{k}") for k in ("block_count", "attention.head_count",
+                                                               "embedding_length"))
+        kv_heads = field(f"{arch}.attention.head_count_kv") or heads
+        if not (layers and heads and embd) or isinstance(kv_heads, list):
+            return None   # per-layer head counts (some hybrid models): not worked out here
+        k_len = field(f"{arch}.attention.key_length") or embd // heads
+        v_len = field(f"{arch}.attention.value_length") or embd // heads
+        size = BYTES_PER_ELEMENT[config.kv_cache_dtype or "f16"]
+        return float(layers * kv_heads * (k_len + v_len) * size)

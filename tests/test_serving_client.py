@@ -1,0 +1,87 @@
+"""The streaming load generator against `guidellm mock-server` (guidellm 0.8: an OpenAI-compatible stand-in with set
+TTFT and inter-token latency, run without --processor), started and stopped by qbuild's own server lifecycle: the
+numbers the client reports are the latencies the stand-in was told to produce."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("httpx")
+
+REPO = Path(__file__).resolve().parents[1]
+TTFT_MS, ITL_MS = 120.0, 15.0
+
+
+def guidellm() -> str | None:
+    local = REPO / ".venv-guidellm" / "bin" / "guidellm"
+    return str(local) if local.is_file() else shutil.which("guidellm")
+
+
+@pytest.fixture(scope="module")
+def mock_server(tmp_path_factory):
+    from qbuild.serving.server import ServerLaunch, running
+
+    exe = guidellm()
+    if exe is None:
+        pytest.skip("guidellm is not installed (scripts/install.sh dev puts it in .venv-guidellm)")
+    launch = ServerLaunch((exe, "mock-server", "--host", "127.0.0.1", "--port", "{port}", "--model", "mock",
+                           "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS)), engine="guidellm-mock",
+                          model_name="mock", ready_path="/health")
+    with running(launch, tmp_path_factory.mktemp("mock") / "mock.log", "stand-in", ready_timeout_s=180) as srv:
+        yield srv
+
+
+def work(n: int, output_len: int = 10, warmup: int = 1):
+    from qbuild.serving.client import Workload
+
+    return Workload(prompts=[f"prompt number {i} about the standard library" for i in range(n + warmup)],
+                    output_len=output_len, requests=n, warmup=warmup, timeout_s=30, model="mock")
+
+
+def test_latencies_are_what_the_stand_in_was_told(mock_server):
+    from qbuild.serving.client import sweep
+
+    points = sweep(mock_server.url, work(8), [1, 4], between=mock_server.check_alive)
+    one, four = points
+    for p in points:
+        assert p["errors"] == 0 and p["completed"] == 8
+        # never faster than the stand-in's own delays; slower only by HTTP and scheduling (generous: 2 busy cores)
+        assert TTFT_MS - 5 <= p["ttft_ms_p50"] <= TTFT_MS + 120
+        assert ITL_MS - 3 <= p["tpot_ms_p50"] <= ITL_MS + 15 and ITL_MS - 3 <= p["itl_ms_p50"] <= ITL_MS + 15
+        assert p["ttft_ms_p50"] <= p["ttft_ms_p90"] <= p["ttft_ms_p99"]
+        assert p["e2e_ms_p50"] == pytest.approx(p["ttft_ms_p50"] + 9 * p["tpot_ms_p50"], rel=0.25)
+        assert p["output_tok_s"] == pytest.approx(10 * p["requests_s"], rel=1e-3)   # 10 tokens streamed each
+    # the stand-in serves requests in parallel: 4 in flight → about 4 times the requests per second
+    assert four["requests_s"] == pytest.approx(4 * one["requests_s"], rel=0.35)
+
+
+def test_poisson_arrivals_follow_the_rate(mock_server):
+    from qbuild.serving.client import sweep
+
+    rate = 10.0
+    [p] = sweep(mock_server.url, work(30), [], request_rates=[rate], seed=3)
+    assert p["request_rate"] == rate and p["errors"] == 0 and p["completed"] == 30
+    # 30 arrivals at 10/s take about 3 s (+ the last request's own latency): the measured rate is near 10/s
+    assert p["requests_s"] == pytest.approx(rate, rel=0.4)
+
+
+def test_goodput_counts_requests_within_the_slos(mock_server):
+    from qbuild.serving.client import goodput, sweep
+
+    [p] = sweep(mock_server.url, work(6), [2])
+    assert goodput(p, ttft_ms=10_000, tpot_ms=10_000) == pytest.approx(p["requests_s"], rel=1e-3)
+    assert goodput(p, ttft_ms=1, tpot_ms=None) == 0
+
+
+def test_a_dead_server_is_counted_as_errors_not_a_hang():
+    from qbuild.serving.client import sweep
+    from qbuild.serving.server import free_port
+
+    started = time.monotonic()
+    [p] = sweep(f"http://127.0.0.1:{free_port()}", work(5), [2])
+    assert p["errors"] == 5 and p["completed"] == 0 and "Connect" in p["first_error"]
+    assert time.monotonic() - started < 20

@@ -1,0 +1,156 @@
+"""Serving end to end with a real llama-server: a 2-layer SmolLM2 quantized to Q8_0 and Q4_0, each served under two
+serving configs (f16 and q8_0 KV cache) and swept at concurrency 1 and 2; `qbuild select` from the store; Ctrl-C and
+SIGTERM of a run in the middle of a sweep leave no server and no listening port."""
+
+from __future__ import annotations
+
+import copy
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from serving_helpers import LOOPBACK, connectable, listening, port_of, processes_with
+
+from helpers import build_module_recipe, qbuild, run_api, write_recipe
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("httpx")
+
+SERVING = {"concurrency": [1, 2], "requests": 4, "warmup": 1, "input_len": 32, "output_len": 8,
+           "variants": ["q8_0", "q4_0"],   # the HF baseline's servers need a GPU (test_serving_plan.py)
+           "configs": [{"name": "default"}, {"name": "kv8", "kv_cache_dtype": "q8_0"}]}
+
+
+def recipe_data(model, store, serving=None, selection=None) -> dict:
+    data = {"name": "srv", "model": {"source": "local", "path": str(model)},
+            "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"},
+                         {"name": "q4_0", "method": "gguf", "type": "Q4_0"}],
+            "evaluation": {"perplexity": {"context_length": 128, "max_windows": 2}, "kld": True,
+                           "serving": serving or SERVING},
+            "runtime": {"threads": 1}, "store": {"path": str(store)}}
+    if selection:
+        data["selection"] = selection
+    return data
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_model_dir):
+    from qbuild.serving.llamacpp_build import cached_bin_dir
+
+    if cached_bin_dir() is None:
+        pytest.skip("llama-server is not built yet (scripts/install.sh builds it)")
+    root = tmp_path_factory.mktemp("serving")
+    return build_module_recipe(root, recipe_data(tiny_model_dir, root / "store"))
+
+
+def test_every_variant_served_under_every_config(built):
+    for name in ("q8_0", "q4_0"):
+        points = built["variants"][name]["serving"]
+        assert sorted((p["config"], p["concurrency"]) for p in points) == [
+            ("default", 1), ("default", 2), ("kv8", 1), ("kv8", 2)]
+        for p in points:
+            assert p["status"] == "built" and p["errors"] == 0 and p["completed"] == 4
+            for field in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99", "output_tok_s", "requests_s"):
+                assert p[field] > 0, field
+            assert p["output_tok_s"] == pytest.approx(8 * p["requests_s"], rel=1e-3)   # ignore_eos: 8 tokens each
+            assert p["peak_rss_mb"] > 10 and p["command"].startswith("llama-server --model model.gguf --port 8080")
+        kv = {p["config"]: p["kv_bytes_per_token"] for p in points}
+        # 2 layers × 3 KV heads × 64 dims × (K + V): f16 2 bytes per element, q8_0 34 bytes per 32
+        assert kv["default"] == pytest.approx(2 * 3 * 64 * 2 * 2)
+        assert kv["kv8"] == pytest.approx(2 * 3 * 64 * 2 * 34 / 32)
+    assert built["steps"]["serving[q8_0@kv8]"]["status"] == "built"
+    assert "serving" not in built["variants"]["baseline"] or not built["variants"]["baseline"]["serving"]
+
+
+def test_second_run_builds_nothing_and_keys_ignore_selection(built):
+    rc, summary = run_api(built["recipe"])
+    assert rc == 0 and summary["counts"]["built"] == 0
+    model = yaml.safe_load(built["recipe"].read_text())["model"]["path"]
+    with_selection = write_recipe(built["root"] / "sel.yaml", recipe_data(model, built["store"],
+                                                                          selection={"ttft_p99_ms": 60000}))
+    from qbuild import api
+
+    plan = api.plan(with_selection)
+    assert plan.to_build == 0   # a selection reads the measurements; it never changes what is measured
+
+
+def test_select_picks_per_objective_and_explains_the_rest(built):
+    model = yaml.safe_load(built["recipe"].read_text())["model"]["path"]
+    for objective, expect in (("min_size", "q4_0"), ("max_throughput", None)):
+        path = write_recipe(built["root"] / f"{objective}.yaml", recipe_data(
+            model, built["store"], selection={"ttft_p99_ms": {"value": 60000, "concurrency": 2}, "max_kld": 50,
+                                              "objective": objective}))
+        res = qbuild("select", path, "--json")
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout)
+        sel = out["selected"]
+        assert sel["config"] in ("default", "kv8") and sel["command"].startswith("llama-server ")
+        if expect:
+            assert sel["variant"] == expect
+        else:   # the most output tok/s at concurrency 2 of all four candidates
+            tok_s = {(v["variant"], p["config"]): p["output_tok_s"] for v in built["summary"]["variants"]
+                     for p in v.get("serving", []) if p.get("concurrency") == 2}
+            assert (sel["variant"], sel["config"]) == max(tok_s, key=tok_s.get)
+        assert len(out["rejected"]) == 3 and all("objective" in r["why"] for r in out["rejected"])
+    human = qbuild("select", path)
+    assert human.returncode == 0 and "selected" in human.stdout and "serve it with: llama-server" in human.stdout
+
+
+def test_impossible_slo_exits_3_naming_each_miss(built):
+    model = yaml.safe_load(built["recipe"].read_text())["model"]["path"]
+    path = write_recipe(built["root"] / "impossible.yaml", recipe_data(
+        model, built["store"], selection={"ttft_p99_ms": 0.001, "min_output_tok_s": 1e6, "max_size_mb": 1}))
+    res = qbuild("select", path, "--json")
+    assert res.returncode == 3
+    out = json.loads(res.stdout)
+    assert out["selected"] is None and len(out["rejected"]) == 4
+    for r in out["rejected"]:
+        assert "ttft_p99_ms" in r["why"] and "> 0.001" in r["why"] and "output_tok_s" in r["why"]
+        assert "size" in r["why"] and len(r["misses"]) == 3
+    human = qbuild("select", path)
+    assert human.returncode == 3 and "nothing meets every selection bound" in human.stdout
+
+
+def test_plan_refuses_a_config_the_engine_cannot_express(built, tiny_model_dir):
+    serving = copy.deepcopy(SERVING)
+    serving["configs"].append({"name": "fp8", "kv_cache_dtype": "fp8"})
+    path = write_recipe(built["root"] / "fp8.yaml", recipe_data(tiny_model_dir, built["store"], serving=serving))
+    res = qbuild("plan", path)
+    assert res.returncode == 2
+    line = res.stderr.strip().splitlines()[-1]
+    assert "evaluation.serving.configs[2]" in line and "llama.cpp has no fp8 KV cache" in line
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupted_run_leaves_no_server(built, tiny_model_dir, sig, code):
+    """Ctrl-C / SIGTERM while a serving step sweeps: qbuild exits with its code, no llama-server and no port left."""
+    serving = {**SERVING, "requests": 5000, "output_len": 64, "configs": [{"name": f"long{sig}"}]}
+    store = built["store"]
+    path = write_recipe(built["root"] / f"long{sig}.yaml", recipe_data(tiny_model_dir, store, serving=serving))
+    proc = subprocess.Popen([sys.executable, "-m", "qbuild", "run", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, port = time.monotonic() + 240, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            pids = processes_with(str(store))
+            servers = [p for p in pids if port_of(p)]
+            if servers and listening(port_of(servers[0])):
+                port = port_of(servers[0])
+                break
+            time.sleep(0.2)
+        assert port is not None, f"no server started: {proc.poll()} {proc.stderr.read() if proc.poll() else ''}"
+        assert listening(port) == [LOOPBACK]
+        time.sleep(1.0)   # in the middle of the sweep
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err
+    time.sleep(0.5)   # the server dies with its worker (PR_SET_PDEATHSIG); give the kernel a moment to reap it
+    assert not [p for p in processes_with(str(store)) if port_of(p)]
+    assert not listening(port) and not connectable(port)

@@ -1,0 +1,171 @@
+"""Serving at plan time, without starting anything: which server serves what, the refusals, keys, the GPU servers'
+command lines (vLLM, SGLang, trtllm-serve: built and checked on CPU), and the recipe's selection rules."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qbuild.errors import RecipeError
+from qbuild.plan import build_steps
+from qbuild.recipe import ServingConfig, parse_recipe
+
+from helpers import fake_model, qbuild, write_recipe
+
+
+def recipe(tmp_path: Path, serving: dict | None = None, selection: dict | None = None, **evaluation) -> dict:
+    data = {"name": "t", "model": {"source": "local", "path": str(fake_model(tmp_path))},
+            "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"},
+                         {"name": "q4", "method": "gguf", "type": "Q4_0"}],
+            "evaluation": {"perplexity": None, "baseline": True,
+                           "serving": serving if serving is not None else
+                           {"configs": [{"name": "default"}, {"name": "kv8", "kv_cache_dtype": "q8_0"}],
+                            "variants": ["q8_0", "q4"]},
+                           **evaluation}}
+    if selection is not None:
+        data["selection"] = selection
+    return data
+
+
+def steps(data: dict, tmp_path: Path) -> dict:
+    return {s.name: s for s in build_steps(parse_recipe(data), tmp_path).steps}
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setenv("QBUILD_FAKE_GPU", "none")
+
+
+def test_one_serving_step_per_artifact_and_config(tmp_path, no_gpu):
+    s = steps(recipe(tmp_path), tmp_path)
+    served = sorted(n for n in s if n.startswith("serving["))
+    assert served == ["serving[q4@default]", "serving[q4@kv8]", "serving[q8_0@default]", "serving[q8_0@kv8]"]
+    step = s["serving[q8_0@kv8]"]
+    assert step.per_hardware and step.inputs["model"] is s["quantize[q8_0]"] and step.params["server"] == "llama-server"
+    args = step.params["server_args"]
+    assert args[args.index("--cache-type-k") + 1] == "q8_0" and args[args.index("--cache-type-v") + 1] == "q8_0"
+    assert args[args.index("--host") + 1] == "127.0.0.1" and args[args.index("--parallel") + 1] == "4"
+    assert "llama-server" in step.toolchain() and any(k.startswith("hw.") for k in step.toolchain())
+
+
+def test_llama_server_prefix_caching_flags():
+    from qbuild.serving.engines.llamacpp import LlamaServer
+
+    def args(**config):
+        return LlamaServer().args(ServingConfig(name="c", **config), threads=1, slots=4, context=168)
+
+    assert "--cache-reuse" in args(prefix_caching=True) and "--no-cache-prompt" not in args(prefix_caching=True)
+    off = args(prefix_caching=False)
+    assert "--no-cache-prompt" in off and off[off.index("--cache-ram") + 1] == "0"
+    assert "--no-cache-prompt" not in args() and "--cache-reuse" not in args()   # the engine's default
+
+
+def test_hf_baseline_is_planned_for_a_gpu_server_and_skipped_without_one(tmp_path, no_gpu):
+    data = recipe(tmp_path, serving={"configs": [{"name": "default"}], "engine": "vllm"})
+    data["variants"] = [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}]
+    data["evaluation"]["serving"]["variants"] = ["baseline"]
+    path = write_recipe(tmp_path / "r.yaml", data)
+    res = qbuild("plan", path, "--store", tmp_path / "store", "--json")
+    assert res.returncode == 0, res.stderr
+    import json
+
+    row = next(r for r in json.loads(res.stdout)["steps"] if r["step"] == "serving[baseline@default]")
+    assert row["status"] == "needs-gpu" and row["reason"] == "vllm needs an NVIDIA GPU"
+
+
+def test_key_follows_workload_config_and_server_flags_never_selection(tmp_path, no_gpu):
+    base = steps(recipe(tmp_path), tmp_path)["serving[q8_0@default]"].key
+    with_sel = recipe(tmp_path, selection={"ttft_p99_ms": 100, "objective": "min_size"})
+    assert steps(with_sel, tmp_path)["serving[q8_0@default]"].key == base
+    more = recipe(tmp_path, serving={"requests": 32, "configs": [{"name": "default"}], "variants": ["q8_0"]})
+    assert steps(more, tmp_path)["serving[q8_0@default]"].key != base
+    par = recipe(tmp_path, serving={"configs": [{"name": "default", "parallel": 2}], "variants": ["q8_0"]})
+    assert steps(par, tmp_path)["serving[q8_0@default]"].key != base
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"name": "fp8", "kv_cache_dtype": "fp8"}, "llama.cpp has no fp8 KV cache"),
+    ({"name": "nofa", "kv_cache_dtype": "q4_0", "flash_attn": False}, "only with flash attention"),
+])
+def test_config_the_engine_cannot_express_is_refused_in_one_line(tmp_path, no_gpu, config, problem):
+    with pytest.raises(RecipeError) as err:
+        steps(recipe(tmp_path, serving={"configs": [{"name": "default"}, config], "variants": ["q8_0"]}), tmp_path)
+    msg = str(err.value)
+    assert "evaluation.serving.configs[1]" in msg and problem in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("selection, problem", [
+    ({"ttft_p99_ms": 500}, None),
+    ({"ttft_p99_ms": {"value": 500, "concurrency": 8}}, "concurrency 8"),
+    ({"max_kld": 0.1, "objective": "min_size"}, "need evaluation.kld"),
+])
+def test_selection_rules(tmp_path, no_gpu, selection, problem):
+    data = recipe(tmp_path, selection=selection)
+    if problem is None:
+        parse_recipe(data)
+        return
+    with pytest.raises(RecipeError, match=problem):
+        parse_recipe(data)
+
+
+def test_latency_slo_without_serving_is_refused(tmp_path):
+    data = recipe(tmp_path, selection={"ttft_p99_ms": 500})
+    data["evaluation"].pop("serving")
+    with pytest.raises(RecipeError, match="need evaluation.serving"):
+        parse_recipe(data)
+
+
+# --- the GPU servers' commands, built on CPU ------------------------------------------------------------------
+def command(server, tmp_path, **config) -> list[str]:
+    from qbuild.plugins import servers
+
+    launch = servers.get(server).launch(Path("/models/q"), ServingConfig(name="c", **config), threads=4, slots=8,
+                                        context=168, workdir=tmp_path)
+    return launch.argv(8123)
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_vllm_serve_command(tmp_path):
+    argv = command("vllm", tmp_path, kv_cache_dtype="fp8", prefix_caching=True)
+    assert argv[:3] == ["vllm", "serve", "/models/q"]
+    assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--port") == "8123"
+    assert flag(argv, "--kv-cache-dtype") == "fp8" and "--enable-prefix-caching" in argv
+    assert flag(argv, "--max-num-seqs") == "8" and flag(argv, "--max-model-len") == "168"
+    assert "--no-enable-prefix-caching" in command("vllm", tmp_path, prefix_caching=False)
+
+
+def test_sglang_command(tmp_path):
+    import sys
+
+    argv = command("sglang", tmp_path, kv_cache_dtype="fp8", prefix_caching=False, parallel=2)
+    assert argv[:4] == [sys.executable, "-m", "sglang.launch_server", "--model-path"] and argv[4] == "/models/q"
+    assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--port") == "8123"
+    assert flag(argv, "--kv-cache-dtype") == "fp8_e4m3" and "--disable-radix-cache" in argv
+    assert flag(argv, "--max-running-requests") == "2" and flag(argv, "--context-length") == "168"
+
+
+def test_trtllm_serve_command_and_options_file(tmp_path):
+    argv = command("trtllm-serve", tmp_path, kv_cache_dtype="fp8", prefix_caching=True)
+    assert argv[:2] == ["trtllm-serve", "/models/q"] and flag(argv, "--backend") == "pytorch"
+    assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--max_batch_size") == "8"
+    options = Path(flag(argv, "--extra_llm_api_options"))
+    assert options.parent == tmp_path
+    assert yaml.safe_load(options.read_text()) == {"kv_cache_config": {"dtype": "fp8", "enable_block_reuse": True}}
+    assert "--extra_llm_api_options" not in command("trtllm-serve", tmp_path)
+    assert shlex.join(argv)   # printable as one command line
+
+
+@pytest.mark.parametrize("server", ["vllm", "sglang", "trtllm-serve"])
+def test_gpu_servers_refuse_llamacpp_settings(server):
+    from qbuild.plugins import servers
+
+    s = servers.get(server)
+    assert "q8_0" in s.refusal(ServingConfig(name="c", kv_cache_dtype="q8_0"))
+    assert "llama.cpp setting" in s.refusal(ServingConfig(name="c", flash_attn=True))
+    assert s.refusal(ServingConfig(name="c", kv_cache_dtype="fp8")) is None
