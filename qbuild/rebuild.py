@@ -42,7 +42,9 @@ def machine_facts() -> dict:
 
 
 def record_file(store: Store, digest: str) -> Path:
-    return store.root / "rebuilds" / digest[:2] / f"{digest}.json"
+    from qbuild.artifacts.store import checked_digest
+
+    return store.root / "rebuilds" / digest[:2] / f"{checked_digest(digest)}.json"   # never a path from a name
 
 
 def last_check(store: Store, digest: str) -> dict | None:
