@@ -95,7 +95,7 @@ def validate(recipe) -> Plan:
     r, base, _ = load(recipe)
     ctx = build_steps(r, base)
     return Plan(r, base, tuple(PlannedStep(s, PlanStatus.MISS) for s in ctx.steps), tuple(ctx.artifacts),
-                dict(ctx.not_evaluated), tuple(ctx.warnings))
+                dict(ctx.not_evaluated), tuple(ctx.warnings), overlap=ctx.overlap)
 
 
 def backend_envs(recipe) -> list:
@@ -306,6 +306,14 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
         summary["gates"] = {"passed": all(g["passed"] for g in gate_rows), "checks": gate_rows,
                             "compared_with": previous.get("run_id") if previous else None}
     failed = any(o.status == "failed" for o in outcomes)
+    if r.runtime.rebuild_check and not failed:   # a nightly job's reproducibility check of chosen steps
+        from qbuild.rebuild import after_run
+
+        summary["rebuild_check"], rebuild_gates = after_run(st, the_plan, r.runtime.rebuild_check)
+        gate_rows += rebuild_gates
+        summary.setdefault("gates", {"checks": [], "compared_with": None})
+        summary["gates"]["checks"] = gate_rows
+        summary["gates"]["passed"] = all(g["passed"] for g in gate_rows)
     if the_plan.remotes and not failed:
         from qbuild.publish import write_through
 

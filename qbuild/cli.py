@@ -223,6 +223,10 @@ def _print_plan(the_plan, as_json):
     console.print(table)
     for row in data["not_evaluated"]:
         console.print(f"[yellow]not evaluated[/]: {escape(row['artifact'])}: {escape(row['reason'])}")
+    o = data.get("overlap")
+    if o and "overlap_pct" in o:
+        console.print(f"calibration/evaluation overlap: {o['overlap_pct']:.2f} % of {o['n']}-grams "
+                      f"({escape(o['calibration'])} vs {escape(o['evaluation'])}; limit {o['max_pct']:g} %)")
     hits = sum(r["status"] == "hit" for r in data["steps"])
     remote = sum(r["status"] == "hit-remote" for r in data["steps"])
     console.print(f"{data['to_build']} step(s) to build, {hits} cached" + (f", {remote} in a remote" if remote else ""))
@@ -427,6 +431,10 @@ def show(name, store_path):
     except QBuildError as exc:
         _fail(exc)
     manifest["path"] = str(store.object_dir(digest))
+    from qbuild.rebuild import last_check
+
+    check = last_check(store, digest)   # a mutable record beside the object (the manifest itself is immutable)
+    manifest["rebuild_check"] = check or "never (qbuild verify --rebuild)"
     if "loads_in" not in manifest:   # built before manifests recorded it: the same table answers now
         from qbuild.formats import manifest_loads_in
 
@@ -453,10 +461,22 @@ def show(name, store_path):
 @click.option("--deep", is_flag=True, help="With --remote: also stream every file and check its sha256.")
 @click.option("--repair", is_flag=True, help="Quarantine every damaged object (moved under quarantine/, kept for "
               "inspection) and drop the action records that name it, so the next run rebuilds it.")
-def verify(names, store_path, as_json, remote_url, deep, repair):
-    """Re-hash stored objects (all, or the named refs/digests) against their manifests."""
+@click.option("--rebuild", is_flag=True, help="Re-execute the stored steps of a RECIPE (or of the named refs/digests) "
+              "in scratch and compare each with the stored object, file by file; the stored objects are never touched. "
+              "Records the result beside each object (qbuild show prints it); exit 1 when one is not identical.")
+def verify(names, store_path, as_json, remote_url, deep, repair, rebuild):
+    """Re-hash stored objects (all, or the named refs/digests) against their manifests.
+
+    With --rebuild: `qbuild verify --rebuild recipes/demo.yaml` re-runs every stored step of the recipe and says per
+    step whether the rebuild is bit-identical, which files differ, how far metrics moved and which environment facts
+    differ from the stored manifest."""
     from qbuild import api
 
+    if rebuild:
+        if remote_url or deep or repair:
+            _fail(UserError("--rebuild re-executes steps of the local store: it takes no --remote, --deep or --repair"))
+        _verify_rebuild(names, store_path, as_json)
+        return
     try:
         if remote_url:
             from qbuild.artifacts.remote.cache import resolve
@@ -480,6 +500,35 @@ def verify(names, store_path, as_json, remote_url, deep, repair):
         click.echo(f"{len(rows)} object(s) checked, {len(bad)} damaged"
                    + (" (quarantined; the next run rebuilds them)" if repair and bad else ""))
     if bad and not repair:
+        sys.exit(EXIT_STEP_FAILED)
+
+
+def _verify_rebuild(names, store_path, as_json) -> None:
+    from qbuild.rebuild import rebuild_check
+
+    if not names:
+        _fail(UserError("verify --rebuild needs a RECIPE file or refs/digests to re-execute"))
+    try:
+        result = rebuild_check(tuple(names), store=store_path,
+                               log=None if as_json else (lambda m: click.echo(f"qbuild: {m}", err=True)))
+    except QBuildError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    else:
+        for r in result["steps"]:
+            line = f"{r['status'].upper():13} {r['step']}"
+            if r["status"] == "different":
+                files = ", ".join(f["path"] for f in r["files_differ"][:4])
+                moved = ", ".join(f"{k} {v.get('delta_pct', 0) or 0:+.3g} %" for k, v in r["metrics_moved"].items()
+                                  if "delta" in v)
+                line += f": files differ: {files}" + (f"; metrics moved: {moved}" if moved else "")
+            elif r["status"] in ("failed", "not checked"):
+                line += f": {r['reason']}"
+            click.echo(line)
+        click.echo(f"{result['checked']} step(s) re-executed: "
+                   + ("all identical" if result["identical"] else "NOT all identical"))
+    if not result["identical"]:
         sys.exit(EXIT_STEP_FAILED)
 
 

@@ -41,6 +41,7 @@ from qbuild.errors import StepFailed, UserError
 from qbuild.formats import manifest_loads_in
 from qbuild.formats import spec as format_spec
 from qbuild.plan import PlannedStep
+from qbuild.rebuild import machine_facts
 from qbuild.step import OnUnavailable, Outcome, PlanStatus, Step
 
 log = logging.getLogger("qbuild")
@@ -553,7 +554,7 @@ class Executor:
             "timings": {"seconds": round(rusage["wall"], 3), "cpu_seconds": round(rusage["cpu"], 3),
                         "peak_rss_mb": rusage["peak_rss_mb"]},
             "recipe": {"name": origin.recipe, "path": origin.path, "sha256": origin.sha256} if origin else None,
-            "run_id": self.run_id,
+            "run_id": self.run_id, "machine": machine_facts(),   # not in the key: `verify --rebuild` compares it
         }
         engines = manifest_loads_in(provenance["format"], step.scheme, provenance["info"])
         if engines is not None:   # which engines load it: one table (qbuild.formats.LOADS_IN), not a guess per run

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import Hit, Store
-from qbuild.calibration.plan import calibration_step, eval_data_step, overlapping_sources
+from qbuild.calibration.plan import calibration_step, check_overlap, eval_data_step, overlapping_sources
 from qbuild.errors import RecipeError
 from qbuild.evaluate.plan import evaluation_steps
+from qbuild.evaluate.tasks import task_steps
 from qbuild.models.resolve import model_info, model_step
 from qbuild.plugins import methods, targets
 from qbuild.recipe import Recipe, locate
@@ -61,6 +62,7 @@ class Plan:
     warnings: tuple[str, ...]
     remotes: tuple = ()                  # the remote tiers looked up (RemoteStore), in order
     estimate: object = None              # qbuild.estimate.PlanEstimate: `qbuild plan` adds it (run does not need it)
+    overlap: dict | None = None          # calibration vs evaluation text (qbuild.calibration.overlap)
 
     @property
     def to_build(self) -> int:
@@ -80,7 +82,7 @@ class Plan:
                 for p in self.steps]
         out = {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
                "not_evaluated": [{"artifact": label, "reason": why} for label, why in self.not_evaluated.items()],
-               "warnings": list(self.warnings)}
+               "warnings": list(self.warnings), "overlap": self.overlap}
         if self.estimate is not None:
             out["estimate"] = self.estimate.as_dict()
         return out
@@ -96,6 +98,7 @@ class PlanContext:
     artifacts: list[Artifact] = field(default_factory=list)
     not_evaluated: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)   # also logged to the "qbuild" logger
+    overlap: dict | None = None                         # calibration vs evaluation text, measured before any step
     _by_key: dict[str, Step] = field(default_factory=dict)
     _model: Step | None = None
     _calibration: Step | None = None
@@ -191,6 +194,9 @@ def build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
 
 def _build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
     ctx = PlanContext(recipe, recipe_dir)
+    ctx.overlap = check_overlap(recipe, recipe_dir)
+    if ctx.overlap and "error" in ctx.overlap:
+        ctx.warn(f"calibration/evaluation overlap not measured: {ctx.overlap['error']}")
     model = ctx.model()
     if recipe.evaluation.baseline:
         ctx.artifacts.append(Artifact("baseline", model, "-", "unquantized"))
@@ -215,6 +221,7 @@ def _build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
             ctx.artifacts.append(Artifact(out.variant or f"{name}.{t.type}", out, t.type, target.describe(out),
                                           target=t.type))
     evaluation_steps(ctx)
+    task_steps(ctx)
     serving_steps(ctx)
     for warning in overlapping_sources(recipe.calibration, recipe.evaluation.perplexity, recipe_dir):
         ctx.warn(warning)
@@ -315,4 +322,4 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (
     ctx = build_steps(recipe, recipe_dir)
     steps = tuple(_status(s, store, recipe.name, tuple(remotes), verify) for s in ctx.steps)
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
-                tuple(remotes))
+                tuple(remotes), ctx.overlap)

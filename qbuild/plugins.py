@@ -179,6 +179,10 @@ class Runtime(Plugin, ABC):
     tools: ClassVar[tuple[str, ...]] = ()        # distributions whose versions enter evaluation keys
     max_batch_size: ClassVar[int | None] = None  # largest throughput batch it measures (None: any)
     preload: ClassVar[tuple[str, ...]] = ()      # modules a session imports: a standby worker imports them ahead
+    # its logits are the same bit for bit at any thread count, so its perplexity steps may take idle cores mid-run.
+    # llama.cpp on CPU: checked. torch on CPU: not (SmolLM2, 63-96-token windows differ by 2e-5 between 1 and 2
+    # threads; 255-512 agree): a transformers step keeps its threads, so a rebuild gives the same bytes
+    thread_invariant: ClassVar[bool] = False
 
     def plan_fields(self, label: str, artifact: Step, ctx, measure: str) -> dict:
         """Extra Step fields of an evaluation step of `artifact` (inputs, env_toolchain, availability ...)."""

@@ -174,12 +174,36 @@ class Gate(StrictModel):
     min_top1: float | None = Field(None, ge=0, le=1)
     min_throughput_ratio: float | None = Field(None, description="Decode tok/s of the variant ÷ the baseline's.")
     max_size_mb: float | None = None
+    max_acc_drop_pct: float | None = Field(None, description="Largest allowed task accuracy drop below the baseline, "
+                                           "in percentage points (the worst task of evaluation.tasks).")
+    max_flips_pct: float | None = Field(None, ge=0, description="Largest allowed share of a task's documents whose "
+                                        "answer changed against the baseline (both directions), in %.")
     # compared with the previous successful run of the same recipe (the store's run records): a nightly job
     # fails when a variant got worse since the last good night, even where it still meets the absolute bounds
     max_regression_ppl_pct: float | None = Field(
         None, ge=0, description="Largest allowed PPL increase since the previous successful run, in %.")
     max_regression_decode_pct: float | None = Field(
         None, ge=0, description="Largest allowed decode tok/s drop since the previous successful run, in %.")
+
+
+class TaskEval(StrictModel):
+    """An lm-eval task (lm-eval's own names and task YAML), scored through qbuild's runtimes for every artifact."""
+
+    task: str = Field(min_length=1, description="lm-eval task (or group) name, as `lm_eval --tasks` takes it.")
+    include_path: str | None = Field(
+        None, description="Directory of task YAML files and their local data files (lm-eval's --include_path); "
+        "relative to the recipe. Its contents (every file under it) identify the task in the key.")
+    num_fewshot: int | None = Field(None, ge=0, description="lm-eval's --num_fewshot (default: the task's own).")
+    limit: int | None = Field(None, ge=1, description="Score at most this many documents (lm-eval's --limit).")
+
+
+class OverlapCheck(StrictModel):
+    """Calibration vs evaluation text: the share of evaluation n-grams also in calibration text (plan-time check)."""
+
+    ngram: int = Field(13, ge=5, le=50, description="Words per n-gram (13: GPT-3's decontamination analysis).")
+    max_pct: float = Field(5.0, ge=0, le=100, description="Plan fails (exit 2) above this share of the evaluation "
+                           "text's n-grams found in calibration text, in %. Copied boilerplate gives a few %: the "
+                           "demo's pydocs train/test split measures 2.9 % (docstrings copied between stdlib modules).")
 
 
 class Evaluation(StrictModel):
@@ -198,6 +222,12 @@ class Evaluation(StrictModel):
         "generate `tokens` tokens greedily, compared with the baseline's (the `load` column).",
         json_schema_extra=lambda schema: schema["anyOf"].insert(0, {"type": "boolean"}))   # `true` in editors too
     gates: list[Gate] = Field(default_factory=list)
+    tasks: list[TaskEval] = Field(
+        default_factory=list, description="Task accuracy through lm-eval: per artifact acc ± stderr, and per variant "
+        "the answers that flipped against the baseline (right→wrong, wrong→right).")
+    overlap: OverlapCheck | None = Field(
+        default_factory=OverlapCheck, description="Check that calibration and evaluation text do not overlap "
+        "(13-gram overlap, measured at plan time, recorded in both data steps' manifests); null turns it off.")
 
     @field_validator("load_check", mode="before")
     @classmethod
@@ -222,6 +252,8 @@ class Evaluation(StrictModel):
                 raise ValueError("a KLD/top-1 gate needs evaluation.kld: true")
             if g.min_throughput_ratio is not None and (self.throughput is None or not self.baseline):
                 raise ValueError("a throughput gate needs evaluation.throughput and baseline: true")
+            if (g.max_acc_drop_pct is not None or g.max_flips_pct is not None) and not (self.tasks and self.baseline):
+                raise ValueError("an accuracy/flips gate needs evaluation.tasks and baseline: true")
             if g.max_regression_ppl_pct is not None and self.perplexity is None:
                 raise ValueError("max_regression_ppl_pct needs evaluation.perplexity (the PPL it compares)")
             if g.max_regression_decode_pct is not None and self.throughput is None:
@@ -262,6 +294,10 @@ class Runtime(StrictModel):
         "cores that would otherwise sit idle while it runs (its numbers do not depend on the thread count). "
         "A number is a fixed cap.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    rebuild_check: list[str] = Field(
+        default_factory=list, description="Step kinds or step names (quantize, calibrate, perplexity[q4km], ...) to "
+        "re-execute in scratch right after the run and compare with what was stored (`qbuild verify --rebuild`); "
+        "a step that is not bit-identical fails the run like a gate (exit 3).")
 
     def resolved_threads(self) -> int:
         import os

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from qbuild.evaluate.tasks import add_deltas as add_task_deltas
+from qbuild.evaluate.tasks import summary_rows as task_rows
 from qbuild.executor import StepOutcome
 from qbuild.plan import Artifact, Plan
 from qbuild.step import Outcome
@@ -106,7 +108,8 @@ def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
 
 
 def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None,
-         load_checks: list[dict] | None = None, serving: list[dict] | None = None) -> dict:
+         load_checks: list[dict] | None = None, serving: list[dict] | None = None,
+         tasks: list[dict] | None = None) -> dict:
     key = art.step.key
     ppl = evals.get((key, "perplexity")) or evals.get((key, "reference"))
     speed = evals.get((key, "throughput"))
@@ -127,7 +130,7 @@ def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated
         "ppl": metric(ppl, "ppl"), "kld": metric(kld, "kld"), "top1": metric(kld, "top1"),
         "decode_tok_s": metric(speed, "decode_tok_s"), "prefill_tok_s": metric(speed, "prefill_tok_s"),
         "ttft_ms": metric(speed, "ttft_ms"),
-        "load": load_label(load_checks or []), "load_check": load_checks or None,
+        "load": load_label(load_checks or []), "load_check": load_checks or None, "tasks": tasks or [],
         **({"serving": serving} if serving is not None else {}),
     }
 
@@ -139,9 +142,11 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
     evals = _evaluations(outcomes)
     checks = _load_checks(outcomes)
     served = _serving(outcomes, goodput_slo(recipe)) if recipe.evaluation.serving else {}
+    tasks = task_rows(outcomes)
     rows = [_row(a, by_key.get(a.step.key), evals, plan.not_evaluated.get(a.label), checks.get(a.step.key),
-                 served.get(a.step.key, []) if recipe.evaluation.serving else None)
+                 served.get(a.step.key, []) if recipe.evaluation.serving else None, tasks.get(a.step.key))
             for a in plan.artifacts]
+    add_task_deltas(rows)
     base = rows[0] if rows and rows[0]["variant"] == "baseline" else None
     for r in rows:
         if base and r is not base:
@@ -161,7 +166,7 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
               for s in (Outcome.BUILT, Outcome.CACHED, Outcome.FAILED, Outcome.SKIPPED)}
     protocol = recipe.evaluation.perplexity.canonical() if recipe.evaluation.perplexity else None
     out = {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol,
-           "warnings": list(plan.warnings)}
+           "warnings": list(plan.warnings), "overlap": plan.overlap}
     if recipe.evaluation.serving:
         out["goodput_slo"] = goodput_slo(recipe)
     if recipe.selection is not None:
@@ -201,6 +206,7 @@ def render_table(summary: dict, console) -> None:
                       f"[{style[r['status']]}]{r['status']}[/]" if r["status"] in style else escape(str(r["status"])),
                       *(_fmt(r.get(field), spec) for _, field, spec in shown))
     console.print(table)
+    _render_tasks(rows, console)
     render_serving(summary, console)
     c = summary["counts"]
     console.print(f"{c['built']} built, {c['cached']} cached, {c['failed']} failed, {c['skipped']} skipped")
@@ -214,6 +220,25 @@ def render_table(summary: dict, console) -> None:
         if s["status"] == "failed":
             console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(str(s['error']))}  "
                           f"(log: {escape(str(s['log']))})")
+
+
+def _render_tasks(rows: list[dict], console) -> None:
+    """One table of lm-eval task accuracy: acc ± stderr per artifact, and the flips against the baseline."""
+    if not any(r.get("tasks") for r in rows):
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="tasks (lm-eval)", title_justify="left")
+    for name in ("variant", "task", "acc", "± stderr", "right→wrong", "wrong→right", "flipped"):
+        table.add_column(name, justify="left" if name in ("variant", "task") else "right")
+    for r in rows:
+        for t in r.get("tasks") or []:
+            f = t["flips"]
+            table.add_row(escape(r["variant"]), escape(t["task"]), _fmt(t["acc"], ".3f"), _fmt(t["acc_stderr"], ".3f"),
+                          *((str(f["right_to_wrong"]), str(f["wrong_to_right"]), f"{f['pct']:.1f} %") if f else
+                            ("-", "-", "-" if r["variant"] != "baseline" else "ref")))
+    console.print(table)
 
 
 def render_serving(summary: dict, console) -> None:

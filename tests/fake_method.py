@@ -32,6 +32,7 @@ class FakeVariant(VariantBase):
     work: int = 0          # fixed CPU work for benchmarks: this many thousand sha256 rounds (not a sleep)
     elastic: bool = False  # its step may take idle cores (Step.elastic_threads): it records the allowances it saw
     preload: list[str] = []  # modules its worker imports (Step.preload): it records which were imported before it ran
+    noise: bool = False    # also write random bytes: a step that is not bit-reproducible (verify --rebuild tests)
 
     def needs_calibration(self) -> bool:
         return self.calibrated
@@ -78,6 +79,8 @@ def run(ctx: StepContext) -> dict:
                 standbys = max(standbys, _sibling_standbys())
             time.sleep(0.05)
         f.write(b"end")
+    if p.get("noise"):
+        (ctx.out / "noise.bin").write_bytes(os.urandom(32))
     if p.get("work"):
         _burn(p["work"])
     if p["fail"]:

@@ -102,16 +102,23 @@ def test_missing_column_is_a_clear_step_error(tmp_path, smollm2_dir):
                                            "sources": [{"type": "file", "path": str(f["jsonl"]), "column": "body"}]})
 
 
-def test_overlapping_calibration_and_evaluation_text_warns(tmp_path):
+def test_overlapping_calibration_and_evaluation_text_is_refused(tmp_path):
     data = fake_recipe(tmp_path, [{"name": "a", "method": "fake", "calibrated": True}])
     data["calibration"] = {"sources": [{"type": "pydocs", "split": "train"}]}
     data["evaluation"] = {"baseline": False, "perplexity": {"dataset": {"sources": [{"type": "pydocs", "split": "train"}]}}}
     res = qbuild("plan", write_recipe(tmp_path / "r.yaml", data), "--store", tmp_path / "s")
+    assert res.returncode == 2
+    assert "calibration text (pydocs:train) and evaluation text (pydocs:train) overlap 100.0 %" in res.stderr
+    # with the check off, the source-level warning still says it
+    data["evaluation"]["overlap"] = None
+    res = qbuild("plan", write_recipe(tmp_path / "r.yaml", data), "--store", tmp_path / "s")
     assert res.returncode == 0
     assert "warning: evaluation.perplexity.dataset.sources[0] is also a calibration source" in res.stderr
     data["evaluation"]["perplexity"]["dataset"]["sources"][0]["split"] = "test"
+    del data["evaluation"]["overlap"]
     res = qbuild("plan", write_recipe(tmp_path / "r.yaml", data), "--store", tmp_path / "s")
-    assert "warning" not in res.stderr
+    assert res.returncode == 0 and "warning" not in res.stderr
+    assert "calibration/evaluation overlap: 2.9" in res.stdout   # what the held-out split really shares
 
 
 def _fake_hub_cache(root: Path, repo: str, sha: str) -> None:

@@ -121,7 +121,7 @@ def test_plan_explains_why_a_step_misses(tmp_path, setup):
     ctx = build_steps(recipe, tmp_path)
     for s in ctx.steps:  # pretend the first plan was built
         store.remember_build("keys", s.name, {"key": s.key, "params": s.params, "inputs": s.input_keys(),
-                                              "toolchain": s.toolchain()})
+                                              "toolchain": s.toolchain(), "impl": s.impl_version})
     data["calibration"]["seed"] = 7
     data["variants"][2]["type"] = "Q5_K_M"
     planned = make_plan(parse_recipe(copy.deepcopy(data)), tmp_path, store).steps

@@ -35,7 +35,7 @@ def test_second_run_builds_nothing_and_refs_resolve(tmp_path, store_dir):
     assert store.resolve("t/a") == store.resolve("t/a:nightly") == store.resolve(digest[:10]) == digest
     manifest = json.loads(qbuild("show", "t/a:latest", "--store", store_dir).stdout)
     assert manifest["params"] == {"method": "fake", "level": 1, "calibrated": False, "sleep": 0.0, "fail": False,
-                                  "timing": False, "ppl": None, "decode_tok_s": None, "work": 0, "elastic": False,
+                                  "timing": False, "ppl": None, "decode_tok_s": None, "work": 0, "elastic": False, "noise": False,
                                   "preload": []}
     assert manifest["files"][0]["path"] == "weights.bin" and len(manifest["files"][0]["sha256"]) == 64
     assert manifest["toolchain"]["pydantic"] and manifest["recipe"]["name"] == "t"

@@ -19,11 +19,56 @@ def demo_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo")
     data = yaml.safe_load((REPO / "recipes" / "demo.yaml").read_text())
     data["evaluation"]["perplexity"].update({"context_length": 256, "max_windows": 4})
+    _absolute_task_paths(data)
     recipe = write_recipe(tmp / "demo.yaml", data)
     store = tmp / "store"
     first = qbuild(recipe, "--store", store, "--json", "--threads", "1")
     second = qbuild(recipe, "--store", store, "--json")
     return recipe, store, first, second
+
+
+def _absolute_task_paths(data: dict) -> None:
+    """The recipe is written elsewhere: its task directory (relative to recipes/) must still be found."""
+    for t in data["evaluation"].get("tasks", []):
+        t["include_path"] = str((REPO / "recipes" / t["include_path"]).resolve())
+
+
+def test_task_accuracy_and_flips_for_every_variant(demo_runs):
+    """The shipped 40-question task on the real SmolLM2-135M: accuracy for all four, flips for the three variants."""
+    _, _, first, _ = demo_runs
+    rows = {r["variant"]: r for r in json.loads(first.stdout)["variants"]}
+    base = rows["baseline"]["tasks"][0]
+    assert base["task"] == "pystdlib_mc" and base["documents"] == 40 and base["flips"] is None
+    assert base["acc"] > 0.4   # chance is 0.25: the model knows some of its standard library
+    assert rows["f16"]["tasks"][0]["acc"] == base["acc"]            # the same weights in llama.cpp: same answers
+    assert rows["f16"]["tasks"][0]["flips"]["total"] == 0
+    for v in ("q8_0", "q4km"):
+        t = rows[v]["tasks"][0]
+        assert t["acc_stderr"] > 0 and t["flips"]["pct"] == 100 * t["flips"]["total"] / 40
+        assert round(40 * (t["acc"] - base["acc"])) == t["flips"]["wrong_to_right"] - t["flips"]["right_to_wrong"]
+
+
+def test_baseline_accuracy_equals_lm_eval_run_directly(demo_runs):
+    """lm-eval's own `hf` model on the demo's baseline checkpoint, the same task: the same accuracy and stderr."""
+    import os
+
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    _, store, first, _ = demo_runs
+    base = next(r for r in json.loads(first.stdout)["variants"] if r["variant"] == "baseline")
+    task_dir = REPO / "tests" / "tasks" / "pystdlib_mc"
+    cwd = os.getcwd()
+    os.chdir(task_dir)   # the task's data_files path is relative to where lm-eval runs
+    try:
+        res = simple_evaluate(model="hf", model_args={"pretrained": str(store / "objects" / base["digest"][:2] /
+                                                                     base["digest"]), "dtype": "float32"},
+                              tasks=["pystdlib_mc"], task_manager=TaskManager(include_path=str(task_dir)),
+                              batch_size=1, device="cpu")
+    finally:
+        os.chdir(cwd)
+    assert res["results"]["pystdlib_mc"]["acc,none"] == pytest.approx(base["tasks"][0]["acc"], abs=1e-12)
+    assert res["results"]["pystdlib_mc"]["acc_stderr,none"] == pytest.approx(base["tasks"][0]["acc_stderr"])
 
 
 def test_first_run_builds_every_variant_and_evaluates(demo_runs):
@@ -87,6 +132,7 @@ def test_demo_numbers_are_pinned(tmp_path):
     data = yaml.safe_load((REPO / "recipes" / "demo.yaml").read_text())
     data["evaluation"]["throughput"] = None   # timings are not pinned; everything else is the demo
     data["evaluation"]["gates"] = []
+    _absolute_task_paths(data)
     res = qbuild(write_recipe(tmp_path / "demo.yaml", data), "--store", tmp_path / "store", "--json",
                  "--threads", "1", timeout=1800)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -99,3 +145,13 @@ def test_demo_numbers_are_pinned(tmp_path):
             assert rows[variant][metric] == pytest.approx(value, rel=1e-4, abs=tol), (variant, metric)
     steps = {s["name"] for s in summary["steps"]}
     assert "reference[baseline]" in steps and not any(n.startswith("kld[") for n in steps)
+    for variant, (acc, right_to_wrong, wrong_to_right) in DEMO_TASK.items():
+        t = rows[variant]["tasks"][0]
+        assert t["acc"] == pytest.approx(acc, abs=1e-9), variant
+        if t["flips"] is not None:
+            assert (t["flips"]["right_to_wrong"], t["flips"]["wrong_to_right"]) == (right_to_wrong, wrong_to_right)
+
+
+# pystdlib_mc (tests/tasks, 40 questions) on this machine, 1 thread: acc, flips right→wrong, wrong→right;
+# `lm-eval run --model hf` on the baseline checkpoint gives 0.575 too (bench/bench_tasks.py)
+DEMO_TASK = {"baseline": (0.575, 0, 0), "f16": (0.575, 0, 0), "q8_0": (0.55, 1, 0), "q4km": (0.5, 3, 0)}

@@ -50,7 +50,7 @@ RUN_ID_RE = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6}$")                           
 QUARANTINE_RE = re.compile(r"^[0-9a-f]{64}\.\d{8}T\d{6}Z\.[0-9a-f]{6}$")          # quarantine/<digest>.<when>.<id>
 VERIFY_MODES = ("fast", "full")
 # what a store root holds (docs/architecture.md); an old store without the marker is adopted only if it holds no more
-LAYOUT = {"objects", "actions", "refs", "history", "runs", "stamps", "quarantine", "tmp", "locks", "logs"}
+LAYOUT = {"objects", "actions", "refs", "history", "runs", "stamps", "quarantine", "tmp", "locks", "logs", "rebuilds"}
 looks_like_store = only_these(LAYOUT, {"objects", "actions", "refs", "runs"})
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 

@@ -86,9 +86,11 @@ def run(ctx: StepContext) -> dict:
         "sampling": p["sampling"], "chat_template": p["chat_template"], "sources": p["sources"],
         "per_source": per_source, "sample_ids": sample_ids,
     }
+    extra = {"overlap": ctx.runtime_args["overlap"]} if ctx.runtime_args.get("overlap") else {}
+    info |= extra
     (ctx.out / INFO).write_text(json.dumps(info, indent=2))
     ctx.progress(len(counts), len(counts), "done")
-    return {"format": "calibration", "metrics": {"samples": len(rows), "tokens": int(attention_mask.sum())}}
+    return {"format": "calibration", "metrics": {"samples": len(rows), "tokens": int(attention_mask.sum())}, "info": extra}
 
 
 def load_calibration(path) -> tuple[np.ndarray, np.ndarray]:

@@ -53,7 +53,7 @@ def calibration_step(calibration, model: Step, ctx) -> Step:
     params["sources"] = identities
     return Step("calibrate", "calibrate", params, "qbuild.calibration.build:run", inputs={"tokenizer": model},
                 tools=tools, threads=ctx.threads, preload=HF_PRELOAD, format=Format.CALIBRATION,
-                runtime_args={"sources": runtimes})
+                runtime_args={"sources": runtimes, **_overlap_arg(ctx)})
 
 
 def eval_data_step(perplexity, model: Step, ctx) -> Step:
@@ -66,7 +66,42 @@ def eval_data_step(perplexity, model: Step, ctx) -> Step:
         "join": "\\n\\n",
     }
     return Step("eval-data", "eval-data", params, "qbuild.evaluate.data:run", inputs={"tokenizer": model},
-                tools=tools, threads=ctx.threads, preload=HF_PRELOAD, format=Format.TOKENS, runtime_args={"sources": runtimes})
+                tools=tools, threads=ctx.threads, preload=HF_PRELOAD, format=Format.TOKENS,
+                runtime_args={"sources": runtimes, **_overlap_arg(ctx)})
+
+
+def _overlap_arg(ctx) -> dict:
+    # the plan-time measure, recorded in the data step's manifest; not hashed: it follows from the texts (whose
+    # identities are hashed) and the other side's text, which the record names
+    overlap = getattr(ctx, "overlap", None)
+    return {"overlap": overlap} if overlap else {}
+
+
+def check_overlap(recipe, base: Path) -> dict | None:
+    """The calibration/evaluation text overlap record (qbuild.calibration.overlap), or None when the recipe has not
+    both texts or turns the check off. Above evaluation.overlap.max_pct: RecipeError (exit 2), one line naming both
+    texts and the overlap. A text that cannot be read here (a hub dataset offline) is a warning, not an error."""
+    ev = recipe.evaluation
+    if recipe.calibration is None or ev.perplexity is None or ev.overlap is None:
+        return None
+    from qbuild.calibration.overlap import measure
+
+    cal = [source_identity(s, base, f"calibration.sources[{i}]") for i, s in enumerate(recipe.calibration.sources)]
+    evl = [source_identity(s, base, f"evaluation.perplexity.dataset.sources[{i}]")
+           for i, s in enumerate(ev.perplexity.dataset.sources)]
+    try:
+        record = measure(cal, evl, ev.overlap.ngram)
+    except Exception as exc:  # a library's own error while reading a text: the plan goes on, unmeasured
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+    record = {**record, "max_pct": ev.overlap.max_pct}
+    if record["overlap_pct"] > ev.overlap.max_pct:
+        raise RecipeError("evaluation.perplexity.dataset",
+                          f"calibration text ({record['calibration']}) and evaluation text ({record['evaluation']}) "
+                          f"overlap {record['overlap_pct']:.1f} % ({record['shared_ngrams']} of "
+                          f"{record['evaluation_ngrams']} evaluation {record['n']}-grams, "
+                          f"{record['documents_flagged']} of {record['evaluation_documents']} documents), above "
+                          f"evaluation.overlap.max_pct {ev.overlap.max_pct:g} %: evaluate on held-out text")
+    return record
 
 
 def overlapping_sources(calibration, perplexity, base: Path) -> list[str]:

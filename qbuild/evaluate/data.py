@@ -31,8 +31,10 @@ def run(ctx: StepContext) -> dict:
     save_file({"input_ids": ids}, str(ctx.out / TOKENS))
     info = {"documents": len(docs), "tokens": int(len(ids)), "bos_token_id": tok.bos_token_id, "join": "\n\n",
             "sources": p["dataset"]["sources"]}
+    extra = {"overlap": ctx.runtime_args["overlap"]} if ctx.runtime_args.get("overlap") else {}
+    info |= extra
     (ctx.out / INFO).write_text(json.dumps(info, indent=2))
-    return {"format": "tokens", "metrics": {"tokens": int(len(ids)), "documents": len(docs)}}
+    return {"format": "tokens", "metrics": {"tokens": int(len(ids)), "documents": len(docs)}, "info": extra}
 
 
 def load_tokens(path) -> tuple[np.ndarray, dict]:

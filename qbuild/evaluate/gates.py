@@ -10,6 +10,8 @@ CHECKS = {
     "min_top1": ("top1", "min", "top-1 agreement"),
     "min_throughput_ratio": ("throughput_ratio", "min", "throughput ratio"),
     "max_size_mb": ("size_mb", "max", "size MB"),
+    "max_acc_drop_pct": ("acc_drop_pct", "max", "task accuracy drop (points)"),
+    "max_flips_pct": ("flips_pct", "max", "flipped answers %"),
 }
 
 

@@ -25,7 +25,8 @@ from qbuild.step import HF_PRELOAD, Step
 log = logging.getLogger("qbuild")
 
 RUNNERS = {"perplexity": "qbuild.evaluate.quality:perplexity", "reference": "qbuild.evaluate.quality:reference",
-           "throughput": "qbuild.evaluate.throughput:run", "load-check": "qbuild.evaluate.loadcheck:run"}
+           "throughput": "qbuild.evaluate.throughput:run", "load-check": "qbuild.evaluate.loadcheck:run",
+           "task": "qbuild.evaluate.tasks:run"}
 
 
 def pick_runtime(fmt: str) -> tuple[Runtime | None, str]:
@@ -39,9 +40,24 @@ def pick_runtime(fmt: str) -> tuple[Runtime | None, str]:
     return found[0], ""
 
 
-# their numbers are the same bit for bit at any thread count (torch and llama.cpp on CPU, checked), so they may
-# take cores left idle while they run; a timing or generation step keeps the threads it was given
+def evaluable_artifacts(ctx):
+    """(artifact, the runtime that evaluates it) of every model artifact, in plan order; one no installed runtime
+    reads is noted in ctx.not_evaluated (shown by `plan` and the summary), never dropped silently."""
+    for art in ctx.artifacts:
+        if not spec(art.step.format).model:
+            continue
+        rt, why = pick_runtime(art.step.format)
+        if rt is None:
+            ctx.note_not_evaluated(art.label, why)
+            continue
+        yield art, rt
+
+
+# through a runtime whose numbers are the same bit for bit at any thread count (Runtime.thread_invariant: llama.cpp
+# on CPU), they may take cores left idle while they run; a timing or generation step keeps the threads it was given
 ELASTIC_KINDS = ("reference", "perplexity")
+# v2: no timings in the objects' files (they went to the manifest), so a rebuild is bit-identical
+IMPL_VERSIONS = {"reference": 2, "perplexity": 2, "load-check": 2}
 
 
 def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, artifact: Step, inputs: dict, tools,
@@ -54,8 +70,10 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
     kw.setdefault("format", "metrics")
     # a format only another environment reads (GPTQ: gptqmodel) is evaluated there; so is a model built in one
     env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
+    kw.setdefault("impl_version", IMPL_VERSIONS.get(kind, 1))
+    elastic = ctx.elastic_threads and kind in ELASTIC_KINDS and runtime.thread_invariant
     return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **extra_inputs}, tools=tools,
-                        threads=ctx.threads, elastic_threads=ctx.elastic_threads and kind in ELASTIC_KINDS,
+                        threads=ctx.threads, elastic_threads=elastic,
                         preload=runtime.preload if env is None else (),
                         backend_env=env, runtime_args=runtime_args, **fields, **kw))
 
@@ -89,13 +107,7 @@ def evaluation_steps(ctx) -> None:
             data = ctx.eval_data(ev.perplexity)
             reference = _step("reference", "reference[baseline]", params, baseline_rt, "baseline", ctx.model(),
                               {"model": ctx.model(), "data": data}, (), ctx, format="logprobs")
-    for art in ctx.artifacts:
-        if not spec(art.step.format).model:
-            continue
-        rt, why = pick_runtime(art.step.format)
-        if rt is None:
-            ctx.note_not_evaluated(art.label, why)
-            continue
+    for art, rt in evaluable_artifacts(ctx):
         skipped = rt.cannot_measure(art.label, art.step, ev)
         for reason in dict.fromkeys(skipped.values()):
             ctx.warn(reason)

@@ -105,12 +105,14 @@ def reference(ctx: StepContext) -> dict:
             offsets.append([row, len(lp)])
             row += len(lp)
             ctx.progress(i + 1, len(wins), "windows")
-    record = {"protocol": protocol_record(p, info), "runtime": rt.info() | {"seconds": time.perf_counter() - t0}}
+    # no timing in the object's files: a rebuild of the step gives the same bytes (the seconds go to the manifest)
+    record = {"protocol": protocol_record(p, info), "runtime": rt.info()}
+    seconds = round(time.perf_counter() - t0, 3)
     result = _write_perplexity(ctx, nlls, record)
     ref = {"format": REFERENCE_FORMAT, "rows": n_rows, "vocab": int(lp.shape[1]), "windows": offsets, **record}
     (ctx.out / REFERENCE).write_text(json.dumps(ref, indent=2))
     return {"format": "logprobs", "metrics": {"ppl": result["ppl"], "tokens_scored": result["tokens_scored"]},
-            "info": {"logprobs": REFERENCE_FORMAT | {"rows": n_rows, "vocab": int(lp.shape[1])}}}
+            "info": {"logprobs": REFERENCE_FORMAT | {"rows": n_rows, "vocab": int(lp.shape[1])}, "seconds": seconds}}
 
 
 def reference_from_kld_base(ctx: StepContext) -> dict:
@@ -173,17 +175,18 @@ def perplexity(ctx: StepContext) -> dict:
             klds.append(d["kld"])
             top1.append(d["top1"])
         ctx.progress(i + 1, len(wins), "windows")
-    record = {"protocol": protocol_record(p, info), "runtime": rt.info() | {"seconds": time.perf_counter() - t0}}
+    record = {"protocol": protocol_record(p, info), "runtime": rt.info()}
+    seconds = round(time.perf_counter() - t0, 3)
     result = _write_perplexity(ctx, nlls, record)
     metrics = {"ppl": result["ppl"], "tokens_scored": result["tokens_scored"]}
     if ref is not None or file_base is not None:
-        runtime = {k: v for k, v in record["runtime"].items() if k != "seconds"}
+        runtime = record["runtime"]
         base_runtime = ({"name": "llama-perplexity --kl-divergence-base", "kld": "llama.cpp (base entries > -16 nats)",
                          "n_ctx": file_base.n_ctx, "n_chunk": file_base.n_chunk} if file_base else
-                        {k: v for k, v in ref.info["runtime"].items() if k != "seconds"})
+                        {k: v for k, v in ref.info["runtime"].items() if k != "seconds"})   # older references
         metrics |= write_divergence(ctx, klds, top1, {"protocol": record["protocol"], "runtime": runtime,
                                                       "baseline_runtime": base_runtime})["metrics"]
-    return {"format": "metrics", "metrics": metrics}
+    return {"format": "metrics", "metrics": metrics, "info": {"seconds": seconds}}
 
 
 def write_divergence(ctx: StepContext, klds: list, top1: list, record: dict) -> dict:

@@ -107,6 +107,7 @@ class LlamaCppRuntime(Runtime):
     requires = ("llama_cpp",)
     preload = ("llama_cpp",)
     max_batch_size = 1
+    thread_invariant = True   # the same logits at 1 and 2 threads, bit for bit (checked: tests/test_rebuild_real.py)
 
     def open(self, model: Path, ctx: StepContext, n_ctx: int) -> LlamaCppSession:
         # flash attention changes the logits in the 3rd digit: off unless the protocol asks (evaluation.perplexity)
