@@ -322,4 +322,4 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (
     ctx = build_steps(recipe, recipe_dir)
     steps = tuple(_status(s, store, recipe.name, tuple(remotes), verify) for s in ctx.steps)
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
-                tuple(remotes), ctx.overlap)
+                tuple(remotes), overlap=ctx.overlap)

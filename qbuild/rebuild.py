@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import platform
-import shutil
 import socket
 import sys
 import tempfile
@@ -211,6 +210,7 @@ def after_run(st: Store, the_plan, wanted: list[str], progress=None) -> tuple[di
 def _check_one(st: Store, plan, ps, Executor, PlannedStep, Outcome, PlanStatus, progress) -> dict:
     step, stored_digest = ps.step, ps.hit.digest
     stored = st.manifest(stored_digest)
+    root = st.owned   # claims the store (its marker) before anything is written
     (st.root / "tmp").mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix="rebuild-", dir=st.root / "tmp"))   # ours: made here, removed here
     t0 = time.perf_counter()
@@ -232,7 +232,10 @@ def _check_one(st: Store, plan, ps, Executor, PlannedStep, Outcome, PlanStatus, 
                       "environment_differs": compare_environment(stored, rebuilt),
                       "timings": {"stored": stored.get("timings"), "rebuilt": rebuilt.get("timings")}}
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            root.remove(scratch, within=st.root / "tmp")
+        except OSError:
+            pass
     result |= {"digest": stored_digest, "seconds": round(time.perf_counter() - t0, 2), "when": now_iso(),
                "where": socket.gethostname(), "machine": machine_facts(), "qbuild_python": sys.executable}
     _record(st, stored_digest, result)
