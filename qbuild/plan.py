@@ -71,7 +71,11 @@ class Plan:
         rows = [{"step": p.step.name, "kind": p.step.kind, "status": p.status, "key": p.step.key, "reason": p.reason,
                  "reasons": list(p.reasons),
                  "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None),
-                 "env": p.step.backend_env.label if p.step.backend_env else None}
+                 "env": p.step.backend_env.label if p.step.backend_env else None,
+                 # what the key hashes (kind, params, input keys, toolchain): a reader can see why two keys differ
+                 "key_material": {"params": dict(p.step.params), "inputs": p.step.input_keys(),
+                                  "toolchain": p.step.toolchain()}}
+                | ({"command": list(p.step.runtime_args["command"])} if "command" in p.step.runtime_args else {})
                 for p in self.steps]
         return {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
                 "not_evaluated": [{"artifact": label, "reason": why} for label, why in self.not_evaluated.items()],
