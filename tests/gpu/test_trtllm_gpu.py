@@ -6,7 +6,9 @@ throughput through trtllm-bench) with a target built with gather_context_logits.
 Needs an NVIDIA GPU and TensorRT-LLM 1.2.x importable in this Python (NVIDIA's release container;
 see docs/tensorrt-llm.md for the exact commands). Skipped cleanly anywhere else: tensorrt_llm is
 located with importlib.util.find_spec, never imported at collection time.
-NOT RUN in the workplace where it was written (no GPU, no tensorrt_llm there).
+NOT RUN in the workplace where it was written (no GPU, no tensorrt_llm there). tests/gpu/run.sh sets up the
+environments and runs the whole GPU suite; tests/test_gpu_suite.py checks on CPU what can be checked there
+(this file's engine settings and context-logits path, through tests/fake_trtllm).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ pytestmark = [
 ]
 
 SCHEMES = [("fp16", {"scheme": "none", "dtype": "float16"}), ("fp8", {"scheme": "fp8"})]
+# the engine this suite builds: context logits gathered (the perplexity below reads them; trtllm-build adds
+# --logits_dtype float32 with them), FP8 context attention explicitly off (qbuild's default)
+ENGINE_TARGET = {"type": "tensorrt-llm", "max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
+                 "max_num_tokens": 4096, "gather_context_logits": True}
 
 
 def run_recipe(tmp_path, recipe: dict) -> dict:
@@ -40,6 +46,31 @@ def run_recipe(tmp_path, recipe: dict) -> dict:
                          capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout)
+
+
+def engine_context_nll(engine: Path, tokenizer: Path, windows: list[list[int]], vocab: int) -> tuple[float, int]:
+    """Sum of -log p(token | prefix) over tokens 1..n-1 of each window, from the engine's context logits (sliced to
+    the source vocabulary; KV-cache block reuse off, as qbuild's shim does, so no prefix goes uncomputed)."""
+    import numpy as np
+    from tensorrt_llm import SamplingParams
+    from tensorrt_llm._tensorrt_engine import LLM
+    from tensorrt_llm.llmapi import KvCacheConfig
+
+    llm = LLM(model=str(engine), tokenizer=str(tokenizer), kv_cache_config=KvCacheConfig(enable_block_reuse=False))
+    nll, count = 0.0, 0
+    try:
+        for w in windows:
+            out = llm.generate([w], SamplingParams(max_tokens=1, return_context_logits=True))[0]
+            assert out.context_logits is not None, "engine built without gather_context_logits"
+            logits = out.context_logits
+            logits = logits.detach().float().cpu().numpy() if hasattr(logits, "detach") else np.asarray(logits)
+            logits = logits[:, :vocab].astype(np.float64)
+            logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            nll -= float(logp[np.arange(len(w) - 1), np.asarray(w[1:])].sum())
+            count += len(w) - 1
+    finally:
+        llm.shutdown()
+    return nll, count
 
 
 @pytest.fixture(scope="module", params=["tiny_model_dir", "smollm2_dir"])
@@ -54,8 +85,7 @@ def _build(tmp_path: Path, model_dir: Path, name: str, variant: dict) -> tuple[d
     recipe = {"name": "gpu", "model": {"source": "local", "path": str(model_dir)},
               "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 16, "seq_len": 256},
               "variants": [{"name": name, "method": "modelopt", **variant}],
-              "targets": [{"type": "tensorrt-llm", "max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
-                           "max_num_tokens": 4096}],
+              "targets": [dict(ENGINE_TARGET)],
               "evaluation": {"baseline": False, "perplexity": None}, "store": {"path": str(tmp_path / "store")}}
     summary = run_recipe(tmp_path, recipe)
     step = next(s for s in summary["steps"] if s["name"] == f"engine[{name}.trtllm]")
@@ -81,6 +111,7 @@ def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
     llm = LLM(model=str(engine), tokenizer=str(engine))
     text = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].outputs[0].text
     assert text.strip()
+    llm.shutdown()
 
     # perplexity, fixed-window protocol: score tokens 1..n-1 of each window from context logits
     from transformers import AutoTokenizer
@@ -90,17 +121,10 @@ def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
 
     ids = tok("\n\n".join(inspect.getsource(m) for m in (json, os, subprocess)), add_special_tokens=False)["input_ids"]
     windows = [ids[i: i + 512] for i in range(0, len(ids) - 512, 512)][:4]
-    nll, count = 0.0, 0
-    for w in windows:
-        out = llm.generate([w], SamplingParams(max_tokens=1, return_context_logits=True))[0]
-        logits = out.context_logits.float()
-        logp = logits.log_softmax(-1)
-        for pos in range(len(w) - 1):
-            nll -= float(logp[pos, w[pos + 1]])
-            count += 1
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    nll, count = engine_context_nll(engine, engine, windows, vocab)
     ppl = math.exp(nll / count)
     assert 1.0 < ppl < 200.0, ppl
-    del llm
 
     # throughput through trtllm-bench
     ds = tmp_path / "bench.jsonl"
@@ -115,7 +139,7 @@ def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
 
 
 def test_engine_perplexity_and_throughput_steps(tmp_path, model_dir):
-    """qbuild's own engine evaluation steps (qbuild/evaluate/trtllm.py): PPL through the shim, trtllm-bench."""
+    """qbuild's own engine evaluation steps (qbuild/trtllm/runtime.py): PPL/KLD through the shim, trtllm-bench."""
     from qbuild.artifacts.store import Store
 
     ev = {"baseline": True, "kld": True,
@@ -124,8 +148,7 @@ def test_engine_perplexity_and_throughput_steps(tmp_path, model_dir):
     recipe = {"name": "gpu-eval", "model": {"source": "local", "path": str(model_dir)},
               "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 16, "seq_len": 256},
               "variants": [{"name": "fp16", "method": "modelopt", "scheme": "none", "dtype": "float16"}],
-              "targets": [{"type": "tensorrt-llm", "max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
-                           "max_num_tokens": 4096, "gather_context_logits": True}],
+              "targets": [dict(ENGINE_TARGET)],
               "evaluation": ev, "store": {"path": str(tmp_path / "store")}}
     summary = run_recipe(tmp_path, recipe)
     steps = {s["name"]: s for s in summary["steps"]}
