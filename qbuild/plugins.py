@@ -179,6 +179,7 @@ class Runtime(Plugin, ABC):
     tools: ClassVar[tuple[str, ...]] = ()        # distributions whose versions enter evaluation keys
     max_batch_size: ClassVar[int | None] = None  # largest throughput batch it measures (None: any)
     preload: ClassVar[tuple[str, ...]] = ()      # modules a session imports: a standby worker imports them ahead
+    fallback: ClassVar[bool] = False             # evaluates a format only where no other installed runtime reads it
 
     def plan_fields(self, label: str, artifact: Step, ctx, measure: str) -> dict:
         """Extra Step fields of an evaluation step of `artifact` (inputs, env_toolchain, availability ...)."""
@@ -299,9 +300,10 @@ def open_session(runtime: str, model: Path, ctx: StepContext, n_ctx: int) -> Run
 
 
 def runtimes_for(fmt: str) -> list[Runtime]:
-    """Registered runtimes that evaluate `fmt`, installed ones first (registration order otherwise)."""
+    """Registered runtimes that evaluate `fmt`: installed ones first, fallbacks after the others (registration order
+    otherwise)."""
     found = [r for r in runtimes.all() if fmt in r.formats]
-    return sorted(found, key=lambda r: bool(r.missing()))
+    return sorted(found, key=lambda r: (bool(r.missing()), r.fallback))
 
 
 def plugin_table() -> list[dict[str, Any]]:
