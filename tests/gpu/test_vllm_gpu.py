@@ -40,14 +40,24 @@ def _ctx(tmp_path, model, data, runtime: str, device: str = "cuda", reference=No
                        step_name=f"perplexity[{runtime}]", runtime_args={"python": python, "expected": facts})
 
 
-def test_vllm_matches_transformers_through_qbuild(tmp_path, smollm2_dir):
-    """A recipe whose baseline is evaluated by transformers (CUDA) and by vLLM (the load check), and whose ModelOpt
-    FP8 HF export only vLLM reads: PPL/KLD of the export come from vLLM's prompt_logprobs."""
+def run_recipe(tmp_path, recipe: dict, timeout: int = 1200) -> dict:
+    """`qbuild run --json` of `recipe`; its summary."""
     import subprocess
     import sys
 
     import yaml
 
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    out = subprocess.run([sys.executable, "-m", "qbuild", "run", str(path), "--json"], capture_output=True, text=True,
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout)
+
+
+def test_vllm_matches_transformers_through_qbuild(tmp_path, smollm2_dir):
+    """A recipe whose baseline is evaluated by transformers (CUDA) and by vLLM (the load check), and whose ModelOpt
+    FP8 HF export only vLLM reads: PPL/KLD of the export come from vLLM's prompt_logprobs."""
     recipe = {"name": "gpu-vllm", "model": {"source": "local", "path": str(smollm2_dir)},
               "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 16, "seq_len": 256},
               "variants": [{"name": "fp8-hf", "method": "modelopt", "scheme": "fp8", "export": "hf"}],
@@ -55,12 +65,7 @@ def test_vllm_matches_transformers_through_qbuild(tmp_path, smollm2_dir):
                              "perplexity": {"protocol": "fixed-window", "context_length": 256, "max_windows": 4},
                              "load_check": {"tokens": 16, "runtimes": ["transformers", "vllm"]}},
               "runtime": {"device": "cuda"}, "store": {"path": str(tmp_path / "store")}}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    out = subprocess.run([sys.executable, "-m", "qbuild", "run", str(path), "--json"], capture_output=True, text=True,
-                         timeout=1800)
-    assert out.returncode == 0, out.stderr[-4000:]
-    summary = json.loads(out.stdout)
+    summary = run_recipe(tmp_path, recipe)
     steps = {s["name"]: s for s in summary["steps"]}
     for name in ("perplexity[fp8-hf]", "load-check[baseline@vllm]", "load-check[fp8-hf]"):
         assert steps[name]["status"] == "built", steps[name]
@@ -76,22 +81,13 @@ def test_vllm_bf16_baseline_logprobs_equal_transformers(tmp_path, smollm2_dir):
     """The unquantized model through both runtimes, the same windows: vLLM's full-vocabulary prompt_logprobs give the
     transformers perplexity (bf16/fp16 kernels against fp32: within 1 %) and a small KLD."""
     import shutil
-    import subprocess
-    import sys
-
-    import yaml
 
     # tokenized evaluation data from qbuild itself (plan + run of a recipe with only the baseline's reference)
     recipe = {"name": "gpu-vllm-ref", "model": {"source": "local", "path": str(smollm2_dir)},
               "evaluation": {"baseline": True, "kld": True,
                              "perplexity": {"protocol": "fixed-window", "context_length": 256, "max_windows": 4}},
               "runtime": {"device": "cuda"}, "store": {"path": str(tmp_path / "store")}}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    out = subprocess.run([sys.executable, "-m", "qbuild", "run", str(path), "--json"], capture_output=True, text=True,
-                         timeout=1200)
-    assert out.returncode == 0, out.stderr[-4000:]
-    steps = {s["name"]: s for s in json.loads(out.stdout)["steps"]}
+    steps = {s["name"]: s for s in run_recipe(tmp_path, recipe)["steps"]}
     from qbuild.artifacts.store import Store
     from qbuild.evaluate import quality
 
