@@ -30,7 +30,9 @@ def row_from_entry(entry, vocab: int):
 
     row = np.full(vocab, -np.inf, dtype=np.float32)
     ids = np.fromiter((int(t) for t in entry), dtype=np.int64, count=len(entry))
-    row[ids] = np.fromiter((float(entry[t].logprob) for t in entry), dtype=np.float32, count=len(entry))
+    lps = np.fromiter((float(entry[t].logprob) for t in entry), dtype=np.float32, count=len(entry))
+    keep = ids < vocab   # ids past the model's vocabulary (a padded lm_head) are not tokens
+    row[ids[keep]] = lps[keep]
     return row
 
 
@@ -45,7 +47,8 @@ def dense_rows(logprobs, first: int, last: int, vocab: int):
         starts, ends, ids, lps = (np.asarray(c) for c in cols)
         for r, pos in enumerate(range(first, last)):
             s, e = int(starts[pos]), int(ends[pos])
-            out[r, ids[s:e]] = lps[s:e]
+            keep = ids[s:e] < vocab   # ids past the model's vocabulary (a padded lm_head) are not tokens
+            out[r, ids[s:e][keep]] = lps[s:e][keep]
     else:
         for r, pos in enumerate(range(first, last)):
             out[r] = row_from_entry(logprobs[pos], vocab)
