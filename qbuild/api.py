@@ -118,7 +118,11 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
 
     _check_verify(verify)
     r, base, _ = load(recipe, threads)
-    return make_plan(r, base, open_store(store, r), open_remotes(r, remotes), verify)
+    st = open_store(store, r)
+    if st is store:
+        st = type(store)(store.root)   # the caller's store keeps its own setting
+    st.repair = False   # a plan is a dry run: a damaged object is reported as a miss, never moved to quarantine
+    return make_plan(r, base, st, open_remotes(r, remotes), verify)
 
 
 def _check_verify(verify: str) -> None:
@@ -333,14 +337,17 @@ def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store
 
 
 def pull(name: str, *, store=None, out: str | Path | None = None, need: dict | None = None, remote=None,
-         verify_with: str | Path | None = None, tracking_uri: str | None = None, progress=None) -> tuple[str, Path]:
+         verify_with: str | Path | None = None, tracking_uri: str | None = None, progress=None,
+         force: bool = False) -> tuple[str, Path]:
     """Fetch NAME, every file verified against its manifest; returns (digest, path).
 
     NAME is a ref (recipe/variant[:tag]), a digest, or models:/NAME@ALIAS (MLflow registry: it names the
     digest and the store that holds it). From the local store by default; from a remote with `remote=`
     (URL or RemoteStore), or when the local store lacks the object and QBUILD_REMOTE names remotes.
     An engine ref picks the build that fits this GPU (SM + TensorRT toolchain; `need` overrides the probe).
-    `verify_with`: a public key; unsigned or tampered artifacts are refused (remote/registry pulls)."""
+    `verify_with`: a public key; unsigned or tampered artifacts are refused (remote/registry pulls).
+    `out` must be new or empty; `force=True` writes into a non-empty folder, replacing files of the artifact's names
+    (a link there is replaced, never written through) and touching nothing else."""
     if name.startswith("models:/"):
         import os
 
@@ -352,14 +359,28 @@ def pull(name: str, *, store=None, out: str | Path | None = None, need: dict | N
         name, store_url = resolve_models_uri(name, uri)
         if store_url.startswith("qbuild-file://"):
             store = store or store_url.removeprefix("qbuild-file://")
-        else:
-            remote = remote or store_url
+        elif remote is None:
+            remote = _remote_named_by_registry(store_url)
     if remote is not None:
         return _pull_remote(name, remote, out, need, verify_with, progress)
     if verify_with is not None:
         raise UserError("--verify-with checks the signature pushed with an artifact: pull it from its remote "
                         "(--from REMOTE) or by registry name (models:/NAME@ALIAS)")
-    return _pull_local(name, open_store(store), out, need, progress)
+    return _pull_local(name, open_store(store), out, need, progress, force)
+
+
+def _remote_named_by_registry(url: str):
+    """The remote a registry version's tag names. It may use qbuild's credential variables only when the user
+    configured that host themselves (QBUILD_REMOTE): a tag must not send QBUILD_REGISTRY_PASSWORD to any host."""
+    from urllib.parse import urlsplit
+
+    from qbuild.artifacts.remote import open_remote, remotes_from_env
+
+    def netloc(u: str) -> str:   # host and port: another port on the same host is another registry
+        return urlsplit(u).netloc.rsplit("@", 1)[-1].lower()
+
+    configured = {netloc(u) for u in remotes_from_env()}
+    return open_remote(url, env_credentials=bool(netloc(url)) and netloc(url) in configured)
 
 
 def _pull_remote(name, remote, out, need, verify_with, progress) -> tuple[str, Path]:
@@ -387,7 +408,7 @@ def _pull_remote(name, remote, out, need, verify_with, progress) -> tuple[str, P
     return manifest["digest"], Path(out)
 
 
-def _pull_local(name: str, st: Store, out, need, progress) -> tuple[str, Path]:
+def _pull_local(name: str, st: Store, out, need, progress, force: bool = False) -> tuple[str, Path]:
     from qbuild.artifacts.store import REF_RE
     from qbuild.trtllm.engine import ENGINE_KIND
     from qbuild.trtllm.select import engine_manifests, local_needs, select_engine
@@ -418,6 +439,11 @@ def _pull_local(name: str, st: Store, out, need, progress) -> tuple[str, Path]:
     if out is None:
         return digest, src
     dest = Path(out)
+    if dest.is_symlink():
+        raise UserError(f"--out {dest} is a symlink; give the folder itself (a pull never writes through a link)")
+    if dest.is_dir() and any(dest.iterdir()) and not force:
+        raise UserError(f"--out {dest} exists and is not empty; give a new or empty folder (or --force to write "
+                        "the artifact's files into it)")
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink()):
         write_fresh(f, dest, f.relative_to(src))

@@ -143,6 +143,8 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
         result = _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize,
                                     executor, address, verify)
     except QBuildError as exc:
+        if as_json:   # a script reading --json gets JSON whatever happened (a full disk too), then the exit code
+            click.echo(json.dumps({"error": " ".join(redact_url(str(exc)).split()), "exit_code": exc.exit_code}))
         _fail(exc)
     except KeyboardInterrupt:
         click.echo("qbuild: interrupted: running steps stopped and their scratch removed; finished steps are "
@@ -504,8 +506,10 @@ def diff(runs, last, store_path, as_json):
 @click.option("--gpu", "gpu_name", help="Select engines built on this GPU model, as nvidia-smi names it "
               "(e.g. 'NVIDIA H200'), instead of the local GPU's.")
 @click.option("--arch", help="Select engines built on this CPU architecture (x86_64, aarch64) instead of this host's.")
+@click.option("--force", is_flag=True, help="Write into a non-empty --out (local store): files of the artifact's names "
+              "are replaced, a link there is replaced and never written through, nothing else is touched.")
 def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trtllm_version, trt_version, gpu_name,
-                 arch):
+                 arch, force):
     """Fetch NAME verified file by file: a ref, a digest, or models:/NAME@ALIAS from the MLflow registry.
 
     \b
@@ -524,7 +528,7 @@ def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trt
         need = local_needs(sm, trtllm_version, trt_version, gpu_name=gpu_name, arch=arch) if any(chosen) else None
         with _transfer_progress(f"pulling {name}") as progress:
             digest, path = api.pull(name, store=store_path, out=output, need=need, remote=from_url,
-                                    verify_with=pubkey, tracking_uri=mlflow_uri, progress=progress)
+                                    verify_with=pubkey, tracking_uri=mlflow_uri, progress=progress, force=force)
     except QBuildError as exc:
         _fail(exc)
     click.echo(f"{digest}  {path}")
@@ -824,6 +828,10 @@ def env_rm(name, everything):
 def main():
     import logging
 
+    from qbuild import process
+
+    process.guard_interrupts()   # already so under `python -m qbuild` and the `qbuild` script (qbuild/__main__.py)
+
     class _Redact(logging.Filter):
         """Every warning line goes through the one URL redaction, and stays one line."""
 
@@ -839,11 +847,34 @@ def main():
     logger.setLevel(logging.WARNING)
     logger.propagate = False
     try:
-        cli(standalone_mode=True)
+        code = _main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int | None):
+            click.echo(str(exc.code), err=True)
+    except BaseException:
+        if not process.interrupted():
+            raise   # a bug in qbuild: Python's traceback, as always
+        click.echo("qbuild: interrupted", err=True)   # a library turned the interrupt into another error
+        code = process.EXIT_INTERRUPTED
+    process.finish(code)
+
+
+def _main() -> int:
+    try:
+        code = cli.main(standalone_mode=False)   # KeyboardInterrupt comes back as click's Abort: handled below
+        return code if isinstance(code, int) else 0
     except QBuildError as exc:  # pragma: no cover - commands catch their own
         _fail(exc)
     except OSError as exc:  # a full disk or read-only mount on a path no command expected: still one line
         _fail(_os_error(exc))
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo("qbuild: interrupted", err=True)
+        return 130
+    except click.ClickException as exc:   # usage errors: click's own message, exit 2
+        exc.show()
+        return exc.exit_code
+    return 0
 
 
 def _os_error(exc: OSError) -> QBuildError:

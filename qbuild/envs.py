@@ -37,6 +37,7 @@ from functools import cache
 from pathlib import Path
 
 from qbuild.errors import UserError
+from qbuild.owned import OwnedRoot, claim_root
 
 MARKER = ".qbuild-env.json"          # written last: an environment without it is incomplete
 RESOLVE_TIMEOUT_S = 300
@@ -70,9 +71,26 @@ class EnvError(UserError):
 def envs_root() -> Path:
     base = os.environ.get("QBUILD_ENVS_DIR")
     if base:
-        return Path(base)
+        return Path(base).absolute()
     cache_home = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache_home) / "qbuild" / "envs"
+    return Path(cache_home).absolute() / "qbuild" / "envs"
+
+
+ENV_DIR_RE = re.compile(r"^[a-z0-9][a-z0-9.-]*-[0-9a-f]{16}$")   # <name>-<lock hash>: the only folders `env rm` removes
+
+
+def _looks_like_envs_root(root: Path) -> str | None:
+    """Why `root` is not an environments folder made before markers (None: it is one: only qbuild's entries)."""
+    foreign = sorted(e for e in os.listdir(root)
+                     if not (e in ("locks", "qbuild-src") or ENV_DIR_RE.match(e.removesuffix(".lock"))
+                             or (e.startswith(".") and e.endswith((".lock.txt", ".tmp")))))
+    return f"it holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}" if foreign else None
+
+
+def owned_envs_root() -> OwnedRoot:
+    """The environments folder as a root qbuild owns: created with its marker, or an old one adopted; a folder
+    holding anything else (QBUILD_ENVS_DIR pointing at a home directory) is refused in one line."""
+    return claim_root(envs_root(), "envs", adopt=_looks_like_envs_root)
 
 
 def canonical_name(dist: str) -> str:
@@ -200,6 +218,7 @@ def resolve(name: str, packages: tuple[str, ...]) -> BackendEnv:
     if lock_file.is_file():
         lock = lock_file.read_text()
     else:
+        root = owned_envs_root()   # the first write: a foreign QBUILD_ENVS_DIR is refused before anything lands in it
         locks.mkdir(parents=True, exist_ok=True)
         constraint_file = locks / f".{spec_hash}.constraints.{os.getpid()}.txt"
         constraint_file.write_text("".join(c + "\n" for c in constraints))
@@ -209,14 +228,14 @@ def resolve(name: str, packages: tuple[str, ...]) -> BackendEnv:
                                   input="\n".join(reqs) + "\n", capture_output=True, text=True, env=uv_env(),
                                   timeout=RESOLVE_TIMEOUT_S)
         finally:
-            constraint_file.unlink(missing_ok=True)
+            root.remove(constraint_file)
         if proc.returncode != 0:
             raise EnvError(f"environment {name!r} could not be resolved ({', '.join(packages)}): "
                            f"{_last_line(proc.stderr or proc.stdout)}")
         lock = proc.stdout
         tmp = lock_file.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(lock)
-        os.replace(tmp, lock_file)
+        root.move(tmp, lock_file)
     lock_hash = hashlib.sha256((python_version() + "\n" + lock).encode()).hexdigest()
     directory = envs_root() / f"{name}-{lock_hash[:16]}"
     return BackendEnv(name, str(directory / "bin" / "python"), lock_hash, parse_lock(lock), tuple(packages), lock)
@@ -257,11 +276,12 @@ def ensure(env: BackendEnv, log=print) -> str:
     from filelock import FileLock
 
     directory = env.directory
-    directory.parent.mkdir(parents=True, exist_ok=True)
+    root = owned_envs_root()
+    root.confine(directory)
     with FileLock(str(directory) + ".lock"):
         if env.exists():            # another process created it while we waited
             return env.python
-        shutil.rmtree(directory, ignore_errors=True)   # an interrupted creation
+        root.remove(directory)   # an interrupted creation
         t0 = time.perf_counter()
         log(f"creating environment {env.label} with uv ({', '.join(env.packages)})")
         uv, uenv = uv_binary(), uv_env()
@@ -275,10 +295,10 @@ def ensure(env: BackendEnv, log=print) -> str:
                     raise EnvError(f"environment {env.label} could not be created: "
                                    f"{_last_line(proc.stderr or proc.stdout)}")
         except BaseException:
-            shutil.rmtree(directory, ignore_errors=True)
+            root.remove(directory)
             raise
         finally:
-            lock_path.unlink(missing_ok=True)
+            root.remove(lock_path)
         (directory / "qbuild-env.lock.txt").write_text(env.lock)
         marker = {"name": env.name, "packages": list(env.packages), "lock_hash": env.lock_hash,
                   "python": python_version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -298,11 +318,12 @@ def worker_environ(env: BackendEnv, base: dict[str, str]) -> dict[str, str]:
     link_dir = envs_root() / "qbuild-src" / hashlib.sha256(str(package).encode()).hexdigest()[:16]
     link = link_dir / "qbuild"
     if not link.is_symlink() or link.resolve() != package:
+        root = owned_envs_root()
         link_dir.mkdir(parents=True, exist_ok=True)
         tmp = link_dir / f".qbuild.{os.getpid()}"
-        tmp.unlink(missing_ok=True)
+        root.remove(tmp)
         tmp.symlink_to(package, target_is_directory=True)
-        os.replace(tmp, link)
+        root.move(tmp, link)
     site = {str(Path(p).resolve()) for p in sys.path if p.endswith("site-packages")}
     extra = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p and str(Path(p).resolve()) not in site]
     out = dict(base)
@@ -320,28 +341,41 @@ def installed() -> list[dict]:
     if not root.is_dir():
         return rows
     for d in sorted(root.iterdir()):
-        if not d.is_dir() or d.name in ("locks", "qbuild-src"):
-            continue
+        if not ENV_DIR_RE.match(d.name) or d.is_symlink() or not d.is_dir():
+            continue   # only qbuild's own <name>-<hash> folders: anything else here is not ours to list or remove
         marker = d / MARKER
         info = {}
-        if marker.is_file():
+        if marker.is_file() and not marker.is_symlink():
             try:
                 info = json.loads(marker.read_text())
             except ValueError:
                 info = {}
-        size = sum(f.stat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
+        info = info if isinstance(info, dict) else {}
+        size = sum(f.lstat().st_size for f in d.rglob("*") if f.is_file() and not f.is_symlink())
         rows.append({"name": info.get("name", d.name.rsplit("-", 1)[0]), "dir": str(d),
                      "lock_hash": info.get("lock_hash", ""), "packages": info.get("packages", []),
                      "created": info.get("created"), "complete": bool(info), "size_bytes": size})
     return rows
 
 
+def _interrupted_creation(d: Path) -> bool:
+    entries = list(d.iterdir())
+    cfg = d / "pyvenv.cfg"
+    return not entries or (cfg.is_file() and not cfg.is_symlink())
+
+
 def remove(name: str | None) -> list[str]:
     """Remove the environments named `name` (every version), or all with None. Returns the directories removed."""
     removed = []
-    for row in installed():
-        if name is None or row["name"] == name:
-            shutil.rmtree(row["dir"], ignore_errors=True)
-            Path(row["dir"] + ".lock").unlink(missing_ok=True)
+    rows = installed()
+    if not rows:
+        return removed
+    root = owned_envs_root()
+    for row in rows:
+        # a complete environment (its marker, written last by `ensure`, names it), or an interrupted creation of
+        # one: empty, or holding uv's pyvenv.cfg. A folder that only looks like one by its name stays.
+        if (row["complete"] or _interrupted_creation(Path(row["dir"]))) and (name is None or row["name"] == name):
+            root.remove(row["dir"])
+            root.remove(row["dir"] + ".lock")
             removed.append(row["dir"])
     return removed

@@ -7,6 +7,14 @@ EXIT_USER_ERROR = 2
 EXIT_GATE_FAILED = 3
 
 
+def quoted(value: object, limit: int = 120) -> str:
+    """repr(value) for an error line, cut short: a 100,000-character bad value is shown as its start and its length."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(str(value)):,} characters)"
+
+
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """An exception in one line for a one-line error: its message's first line, or its class when it has none."""
     text = str(exc).strip()

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +56,19 @@ def escape(text: str) -> str:
     from rich.markup import escape as _escape
 
     return _escape(text)
+
+
+def model_link_roots(inputs, step: Step) -> tuple[Path, ...]:
+    """Where a link in a step's output may point besides its scratch and the store: its model files outside the
+    store (a local checkpoint, a GGUF file, a hub snapshot with the blobs its links point at)."""
+    roots = []
+    for o in inputs:
+        if o.path is not None:
+            p = Path(o.path)
+            roots.append(p.parent.parent if p.parent.name == "snapshots" else p)   # hub cache: snapshots -> ../../blobs
+    if step.runtime_args.get("gguf_path"):
+        roots.append(Path(step.runtime_args["gguf_path"]))
+    return tuple(roots)
 
 
 @dataclass
@@ -389,7 +401,13 @@ class Executor:
         for proc in procs.values():
             self._kill_group(proc)
         for tmp in scratch.values():
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._drop_scratch(tmp)
+
+    def _drop_scratch(self, tmp: Path) -> None:
+        try:
+            self.store.owned.remove(tmp, within=self.store.root / "tmp")
+        except OSError:
+            pass
 
     # --- one step ---------------------------------------------------------------------------------------
     def materialize(self, outcome: StepOutcome, task=None) -> Path:
@@ -485,7 +503,7 @@ class Executor:
                                  "the disk filled)", max(needed, written)) from None
             raise
         finally:  # published (out/ renamed into objects/), failed or cancelled: the scratch goes
-            shutil.rmtree(tmp, ignore_errors=True)
+            self._drop_scratch(tmp)
             with self._lock:
                 self._scratch.pop(step.key, None)
 
@@ -503,7 +521,7 @@ class Executor:
             "inputs": {r: str(o.path) for r, o in inputs.items()},
             "input_manifests": {r: o.record for r, o in inputs.items()},
             "threads": step.threads, "device": self.device, "runtime_args": step.runtime_args,
-            "result": str(tmp / "result.json"),
+            "result": str(tmp / "result.json"), "store_root": str(self.store.root),
         }
         if claim.get("elastic"):
             spec["threads_file"] = str(tmp / "threads")
@@ -542,7 +560,8 @@ class Executor:
             provenance["loads_in"] = engines
         from qbuild.names import redact_tree
 
-        return self.store.publish(step.key, out, redact_tree(provenance))   # no URL password in a manifest
+        return self.store.publish(step.key, out, redact_tree(provenance),   # no URL password in a manifest
+                                  link_roots=model_link_roots(inputs.values(), step))
 
     def _interpreter(self, step: Step, task) -> str:
         """The Python that runs `step`'s worker: qbuild's own, or its backend environment (created on first use)."""
@@ -560,8 +579,10 @@ class Executor:
         except EnvError as exc:
             raise StepFailed(step.name, f"{exc} (variant {step.variant or '-'})") from None
 
-    def _worker_env(self, backend_env, progress_fd: int, threads: int, gpu: str | None) -> dict:
-        env = dict(os.environ)
+    def _worker_env(self, backend_env, progress_fd: int, threads: int, gpu: str | None, kind: str | None = None) -> dict:
+        from qbuild.worker_env import step_environ
+
+        env = step_environ(kind, os.environ)   # an allow-list per step kind: no worker gets AWS_*, *_PASSWORD, ...
         if backend_env is not None:
             from qbuild.envs import worker_environ
 
@@ -583,10 +604,10 @@ class Executor:
             sb = None
         if sb is None:
             read_fd, write_fd = os.pipe()
-            env = self._worker_env(step.backend_env, write_fd, step.threads, claim["gpu"])
+            env = self._worker_env(step.backend_env, write_fd, step.threads, claim["gpu"], step.kind)
         else:
             read_fd, write_fd = sb.read_fd, None
-            env = self._worker_env(None, int(sb.env["QBUILD_PROGRESS_FD"]), step.threads, claim["gpu"])
+            env = self._worker_env(None, int(sb.env["QBUILD_PROGRESS_FD"]), step.threads, claim["gpu"], step.kind)
         t0 = time.perf_counter()
         with self._lock:
             if self._cancelled.is_set():

@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_vali
 
 from qbuild.artifacts.remote.config import RegisterSpec, RemoteSpec
 from qbuild.data_sources import DataSource
-from qbuild.errors import RecipeError
+from qbuild.errors import RecipeError, quoted
 from qbuild.names import NAME_PATTERN
 from qbuild.schema_base import StrictModel
 from qbuild.yamlio import Loc, line_for, load_yaml_file
@@ -353,16 +353,16 @@ def _describe(err: dict) -> str:
     if kind == "missing":
         return "required field is missing"
     if kind == "literal_error":
-        return f"{value!r} is not allowed; expected {ctx.get('expected')}"
+        return f"{quoted(value)} is not allowed; expected {ctx.get('expected')}"
     if kind == "union_tag_invalid":
         kind_name = ctx.get("discriminator", "kind").strip(chr(39))
-        return f"{ctx.get('tag')!r} is not a known {kind_name}; expected one of {ctx.get('expected_tags')}"
+        return f"{quoted(ctx.get('tag'))} is not a known {kind_name}; expected one of {ctx.get('expected_tags')}"
     if kind == "union_tag_not_found":
         return f"missing the {ctx.get('discriminator', 'kind')} key that says which kind this is"
     msg = err["msg"]
     msg = msg.removeprefix("Value error, ")
     if value is not None and not isinstance(value, (dict, list)) and kind != "value_error":
-        return f"{msg} (got {value!r})"
+        return f"{msg} (got {quoted(value)})"
     return msg
 
 

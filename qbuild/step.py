@@ -121,6 +121,16 @@ class StepContext:
     runtime_args: dict = field(default_factory=dict)
     progress_fd: int | None = None
     threads_file: Path | None = None   # an elastic step's current thread allowance, rewritten by the executor
+    store_root: Path | None = None     # the store whose tmp/ holds `out`: the root a runner's deletes are checked against
+
+    def owned(self):
+        """The step's store as a root qbuild owns (its marker checked): a runner deletes or moves files only through
+        it, confined to its own output (`root.remove(p, within=ctx.out)`)."""
+        from qbuild.owned import NotOurs, owned_root
+
+        if self.store_root is None:
+            raise NotOurs(f"step {self.step_name} has no store: refusing to delete or move files under {self.out}")
+        return owned_root(self.store_root, "store")
 
     def threads_now(self) -> int:
         """The threads this step may use now: `threads`, or more while the executor has idle cores for it."""

@@ -17,7 +17,8 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import NoReturn
+
+from qbuild.process import exit_without_teardown
 
 
 def die_with_parent() -> None:
@@ -57,6 +58,7 @@ def main(spec_path: str) -> int:
         device=spec["device"],
         step_name=spec["name"],
         runtime_args=spec["runtime_args"],
+        store_root=Path(spec["store_root"]) if spec.get("store_root") else None,
         progress_fd=int(fd) if fd else None,
         threads_file=Path(spec["threads_file"]) if spec.get("threads_file") else None,
     )
@@ -74,38 +76,6 @@ def main(spec_path: str) -> int:
         return 1
     Path(spec["result"]).write_text(json.dumps(result, default=str))
     return 0
-
-
-def exit_without_teardown(code: int) -> NoReturn:
-    """End the worker as Python's exit would, less freeing every module's objects one by one.
-
-    With torch and transformers loaded that teardown takes ~1.2 s of each step's wall and CPU time, for memory
-    the OS takes back at once. What exit does that can matter still happens, in its order: threading's exit
-    hooks and a join of non-daemon threads, the atexit handlers (logging flushes its handlers, multiprocessing
-    stops its children, weakref finalizers remove temporary directories), then every open file object that
-    writes is flushed, so nothing a step wrote stays in a Python buffer."""
-    import _io  # its C base class: isinstance against io.IOBase (an ABC) takes 0.5 s over a torch process's objects
-    import atexit
-    import gc
-    import threading
-
-    shutdown = getattr(threading, "_shutdown", None)   # what Py_FinalizeEx calls first
-    if shutdown is not None:
-        shutdown()
-    atexit._run_exitfuncs()
-    for obj in gc.get_objects():
-        if isinstance(obj, _io._IOBase):
-            try:
-                if not obj.closed and obj.writable():
-                    obj.flush()
-            except Exception:   # a detached or broken stream: exit would not have written it either
-                pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(code)
 
 
 def standby(modules: list[str]) -> int:

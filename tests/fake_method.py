@@ -84,7 +84,8 @@ def run(ctx: StepContext) -> dict:
         raise RuntimeError("fake failure requested by the recipe")
     metrics = {"level": p["level"], **{k: p[k] for k in ("ppl", "decode_tok_s") if p.get(k) is not None}}
     info = {"threads_seen": sorted(seen), "preloaded": preloaded, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-            "cwd_is_scratch": Path.cwd() == ctx.out.parent, "pid": os.getpid(), "standbys_beside": standbys}
+            "cwd_is_scratch": Path.cwd() == ctx.out.parent, "pid": os.getpid(), "standbys_beside": standbys,
+            "env_names": sorted(os.environ)}   # what the worker was given (test_safety: no credential reaches it)
     return {"format": "fake", "metrics": metrics, "info": info}
 
 

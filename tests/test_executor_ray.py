@@ -82,7 +82,8 @@ def test_each_step_is_built_once_across_the_nodes_and_a_lost_node_is_retried(clu
     recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
     proc = _run(cluster, recipe, s3_url, tmp_path / "driver")
     out, err = proc.communicate(timeout=300)
-    failed = [(s["name"], s.get("error")) for s in json.loads(out)["steps"] if s["status"] == "failed"] if out else []
+    data = json.loads(out) if out else {}   # the summary, or {"error", "exit_code"} when the run could not finish
+    failed = [(s["name"], s.get("error")) for s in data.get("steps", []) if s["status"] == "failed"] or data.get("error")
     assert proc.returncode == 0, f"{failed} {err[-1500:]}"
     summary = json.loads(out)
     built = {s["key"]: s for s in summary["steps"] if s["status"] == "built"}
@@ -130,7 +131,8 @@ def test_each_step_is_built_once_across_the_nodes_and_a_lost_node_is_retried(clu
     cluster["proc"].stdin.flush()
     assert json.loads(cluster["proc"].stdout.readline()) == {"killed": "worker2"}
     out, err = proc.communicate(timeout=300)
-    failed = [(s["name"], s.get("error")) for s in json.loads(out)["steps"] if s["status"] == "failed"] if out else []
+    data = json.loads(out) if out else {}   # the summary, or {"error", "exit_code"} when the run could not finish
+    failed = [(s["name"], s.get("error")) for s in data.get("steps", []) if s["status"] == "failed"] or data.get("error")
     assert proc.returncode == 0, f"{failed} {err[-1500:]}"
     summary = json.loads(out)
     steps = {s["key"]: s for s in summary["steps"] if s["kind"] == "quantize"}

@@ -206,30 +206,35 @@ def test_pull_out_never_follows_existing_symlinks(tmp_path, store_dir):
     out.mkdir()
     (out / "weights.bin").symlink_to(victim)
     (out / "manifest.json").symlink_to(victim)
-    res = qbuild("pull", "t/a", "-o", out, "--store", store_dir)
+    res = qbuild("pull", "t/a", "-o", out, "--store", store_dir)   # a non-empty --out is refused, nothing touched
+    assert res.returncode == 2 and "not empty" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert (out / "weights.bin").is_symlink() and victim.read_text() == "precious"
+    res = qbuild("pull", "t/a", "-o", out, "--store", store_dir, "--force")   # --force never writes through a link
     assert res.returncode == 0, res.stderr
     assert victim.read_text() == "precious"
     assert not (out / "weights.bin").is_symlink() and (out / "weights.bin").stat().st_size > 0
 
 
-def test_a_step_symlink_output_is_stored_as_bytes_and_its_target_untouched(tmp_path, store_dir):
+def test_a_step_symlink_into_its_model_files_is_stored_as_bytes_and_its_target_untouched(tmp_path, store_dir):
     from qbuild.artifacts.store import Store
 
-    outside = tmp_path / "outside.bin"
+    model = tmp_path / "model"          # a step's model files outside the store (a local checkpoint)
+    model.mkdir()
+    outside = model / "outside.bin"
     outside.write_bytes(b"payload")
     outside.chmod(0o640)
     store = Store(store_dir)
     tmp = store.new_tmp("a" * 64)
     (tmp / "link.bin").symlink_to(outside)
-    hit = store.publish("a" * 64, tmp, {"kind": "quantize", "name": "s"})
+    hit = store.publish("a" * 64, tmp, {"kind": "quantize", "name": "s"}, link_roots=(model,))
     stored = hit.path / "link.bin"
     assert not stored.is_symlink() and stored.read_bytes() == b"payload"
     assert outside.stat().st_mode & 0o777 == 0o640                      # never chmodded outside the store
     assert store.verify([hit.digest])[0]["ok"]
     tmp = store.new_tmp("b" * 64)
-    (tmp / "dir").symlink_to(tmp_path)
+    (tmp / "dir").symlink_to(model)
     with pytest.raises(Exception, match="symlink"):
-        store.publish("b" * 64, tmp, {"kind": "quantize", "name": "s"})
+        store.publish("b" * 64, tmp, {"kind": "quantize", "name": "s"}, link_roots=(model,))
 
 
 # --- secrets: one redaction for every URL that is printed or recorded ----------------------------------------------

@@ -317,10 +317,10 @@ def test_show_derives_loads_in_for_a_manifest_written_before_it_was_recorded(tmp
     from qbuild.artifacts.store import Store
 
     store = Store(tmp_path / "store")
-    out = store.new_tmp("k" * 64) / "out"
+    out = store.new_tmp("c" * 64) / "out"
     out.mkdir()
     (out / "config.json").write_text("{}")
-    hit = store.publish("k" * 64, out, {"kind": "quantize", "name": "quantize[w4]", "variant": "w4",
+    hit = store.publish("c" * 64, out, {"kind": "quantize", "name": "quantize[w4]", "variant": "w4",
                                         "format": "compressed-tensors", "scheme": "w4a16", "info": {}})
     assert "loads_in" not in store.manifest(hit.digest)
     shown = json.loads(qbuild("show", hit.digest, "--store", store.root).stdout)

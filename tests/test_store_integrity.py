@@ -246,10 +246,10 @@ def test_records_and_objects_are_fsynced_before_they_become_visible(tmp_path, st
     monkeypatch.setattr(store_module.os, "replace", lambda a, b: (events.append(("rename", str(a))), real_replace(a, b)))
     monkeypatch.setattr(store_module.os, "rename", lambda a, b: (events.append(("rename", str(a))), real_rename(a, b)))
     store = Store(store_dir)
-    tmp = store.new_tmp("k" * 64)
+    tmp = store.new_tmp("c" * 64)
     (tmp / "w.bin").write_bytes(b"x" * 1000)
-    store.publish("k" * 64, tmp, {"kind": "quantize", "name": "s"})
-    store.set_ref("t", "a", "latest", store.lookup("k" * 64).digest, "k" * 64)
+    store.publish("c" * 64, tmp, {"kind": "quantize", "name": "s"})
+    store.set_ref("t", "a", "latest", store.lookup("c" * 64).digest, "c" * 64)
     renames = [i for i, e in enumerate(events) if e[0] == "rename"]
     assert renames
     for i in renames:
@@ -315,7 +315,7 @@ def test_disk_full_is_one_line_exit_1_and_no_scratch(tmp_path, store_dir, monkey
     from qbuild.artifacts.store import StoreFull
 
     store = Store(store_dir)
-    tmp = store.new_tmp("k" * 64)
+    tmp = store.new_tmp("c" * 64)
     (tmp / "w.bin").write_bytes(b"x" * 1000)
 
     def full(fd, data):
@@ -323,7 +323,7 @@ def test_disk_full_is_one_line_exit_1_and_no_scratch(tmp_path, store_dir, monkey
 
     monkeypatch.setattr(store_module.os, "write", full)
     with pytest.raises(StoreFull) as info:
-        store.publish("k" * 64, tmp, {"kind": "quantize", "name": "quantize[a]"})
+        store.publish("c" * 64, tmp, {"kind": "quantize", "name": "quantize[a]"})
     msg = str(info.value)
     assert str(store_dir) in msg and "needs" in msg and "free" in msg and "\n" not in msg
     assert info.value.exit_code == 1

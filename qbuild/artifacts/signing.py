@@ -50,17 +50,33 @@ def keygen(path: str | os.PathLike, overwrite: bool = False) -> tuple[Path, Path
     from cryptography.hazmat.primitives.asymmetric import ec
 
     priv, pub = Path(path), Path(f"{path}.pub")
-    if not overwrite and (priv.exists() or pub.exists()):
-        raise UserError(f"{priv} or {pub} already exists (refusing to overwrite a key)")
     key = ec.generate_private_key(ec.SECP256R1())
     priv.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(priv, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                  serialization.PublicFormat.SubjectPublicKeyInfo))
+    # O_EXCL|O_NOFOLLOW: no window between a check and the open, and never through a link (a key path pointing at
+    # ~/.bashrc must not truncate it); `overwrite` replaces an existing key by a rename, never by writing through it
+    _write_new(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()), 0o600, overwrite)
+    try:
+        _write_new(pub, key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                      serialization.PublicFormat.SubjectPublicKeyInfo), 0o644, overwrite)
+    except UserError:
+        if not overwrite:
+            priv.unlink()   # the private key this call just created (O_EXCL): never an unmatched pair
+        raise
     return priv, pub
+
+
+def _write_new(path: Path, data: bytes, mode: int, overwrite: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    target = path.with_name(f".{path.name}.{os.getpid()}.new") if overwrite else path
+    try:
+        fd = os.open(target, flags, mode)
+    except FileExistsError:
+        raise UserError(f"{path} already exists (refusing to overwrite a key)") from None
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    if overwrite:
+        os.replace(target, path)   # replaces a link itself, never what it points at
 
 
 def signing_key(explicit: str | os.PathLike | None = None) -> Path | None:

@@ -35,6 +35,7 @@ from pathlib import Path
 from qbuild.errors import EXIT_USER_ERROR, QBuildError, UserError
 from qbuild.hashing import canonical_json, memo_sha256, sha256_file, tree_digest
 from qbuild.names import NAME, check_name
+from qbuild.owned import OwnedRoot, claim_root, only_these, owned_root
 
 log = logging.getLogger("qbuild")
 
@@ -42,7 +43,15 @@ MANIFEST = "manifest.json"
 REF_RE = re.compile(rf"^(?P<recipe>{NAME})/(?P<variant>{NAME})(?::(?P<tag>{NAME}))?$")
 DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
 SCRATCH_RE = re.compile(r"^(?P<key>[0-9a-f]{64})\.(?P<pid>\d+)\.[0-9a-f]{8}$")   # tmp/<key>.<pid>.<rand> (new_tmp)
+# the only names housekeeping removes: what qbuild itself writes there (a foreign file in a store is left alone)
+FETCH_RE = re.compile(r"^fetch-[0-9a-f]{32}$")                                   # tmp/: a remote fetch's staging
+LOCK_RE = re.compile(r"^(?:fetch-)?[0-9a-f]{64}\.lock$")                        # locks/<key>.lock
+RUN_ID_RE = re.compile(r"^\d{8}T\d{6}Z-[0-9a-f]{6}$")                               # new_run_id: runs/<id>.json, logs/<id>/
+QUARANTINE_RE = re.compile(r"^[0-9a-f]{64}\.\d{8}T\d{6}Z\.[0-9a-f]{6}$")          # quarantine/<digest>.<when>.<id>
 VERIFY_MODES = ("fast", "full")
+# what a store root holds (docs/architecture.md); an old store without the marker is adopted only if it holds no more
+LAYOUT = {"objects", "actions", "refs", "history", "runs", "stamps", "quarantine", "tmp", "locks", "logs"}
+looks_like_store = only_these(LAYOUT, {"objects", "actions", "refs", "runs"})
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
@@ -176,23 +185,57 @@ class Hit:
     record: dict
 
 
+def checked_digest(value: object, what: str = "digest") -> str:
+    """`value` if it is a 64-hex digest or key; ValueError otherwise. Every store path built from a digest or key
+    goes through here, so a name from a remote record (`x/../../victim`) never becomes a path."""
+    if not isinstance(value, str) or not DIGEST_RE.match(value):
+        raise ValueError(f"invalid {what} {str(value)[:80]!r} (expected 64 lowercase hex characters)")
+    return value
+
+
 class Store:
     def __init__(self, root: Path):
         self.root = Path(root).absolute()
         self._writable: bool | None = None
+        self._owned: OwnedRoot | None = None
+        self.repair = True                  # False for a plan (a dry run): a damaged object misses, nothing moves
         self.quarantined: list[dict] = []   # what this process moved to quarantine/ (digest, reason, where)
+
+    # --- ownership -------------------------------------------------------------------------------
+    @property
+    def owned(self) -> OwnedRoot:
+        """This store as a root qbuild owns: claimed (marker written) on the first write, so a new store or an old
+        one gets its marker; a non-empty folder that is not a store is refused in one line (NotOurs, exit 2)."""
+        if self._owned is None:
+            try:
+                self._owned = claim_root(self.root, "store", adopt=looks_like_store)
+            except OSError as exc:
+                if exc.errno in NO_SPACE:
+                    raise store_full(self.root, "the store's marker", 4096) from None
+                if exc.errno in (errno.EROFS, errno.EACCES):
+                    raise StoreReadOnly(f"store {self.root} is read-only: cannot write its marker") from None
+                raise
+        return self._owned
+
+    def owned_existing(self) -> OwnedRoot:
+        """For destructive commands (gc, verify --repair): the store must already carry its marker."""
+        if self._owned is None:
+            self._owned = owned_root(self.root, "store")
+        return self._owned
 
     # --- paths -----------------------------------------------------------------------------------
     def object_dir(self, digest: str) -> Path:
-        return self.root / "objects" / digest[:2] / digest
+        return self.root / "objects" / digest[:2] / checked_digest(digest)
 
     def _action_file(self, key: str) -> Path:
-        return self.root / "actions" / key[:2] / f"{key}.json"
+        return self.root / "actions" / key[:2] / f"{checked_digest(key, 'step key')}.json"
 
     def _stamp_file(self, digest: str) -> Path:
-        return self.root / "stamps" / digest[:2] / f"{digest}.json"
+        return self.root / "stamps" / digest[:2] / f"{checked_digest(digest)}.json"
 
     def log_path(self, run_id: str, step_name: str) -> Path:
+        """Where a step's log goes (written by the caller: the store is claimed here)."""
+        self.owned  # noqa: B018 (claims the root before its first write)
         safe = re.sub(r"[^\w.\-\[\]]", "_", step_name)
         return self.root / "logs" / run_id / f"{safe}.log"
 
@@ -219,6 +262,7 @@ class Store:
                                 "(give another --store, or run where the mount is writable)")
 
     def write_json(self, path: Path, data) -> None:
+        self.owned  # noqa: B018 (claims the root on the first write)
         atomic_write_json(path, data, root=self.root)
 
     # --- action cache ----------------------------------------------------------------------------
@@ -240,13 +284,17 @@ class Store:
         wrong = self.check_record(key, record, digest)
         if wrong:  # the record is wrong, not (necessarily) the object it names: drop the record, a miss
             log.warning(f"action record of step {key[:12]} in store {self.root} is wrong ({wrong}); it will be rebuilt")
-            if self.writable:
+            if self.writable and self.repair:
                 with _quiet():
-                    self._action_file(key).unlink()
+                    self.owned.remove(self._action_file(key))
             return None
         problems = self.check_object(digest, full=verify == "full")
         if problems:
-            self.quarantine(digest, problems, key=key)
+            if self.repair:
+                self.quarantine(digest, problems, key=key)
+            else:
+                log.warning(f"object {digest[:12]} in store {self.root} is damaged ({'; '.join(problems[:3])}); "
+                            "a run will quarantine and rebuild it (or run `qbuild verify --repair`)")
             return None
         return Hit(key, digest, path, record)
 
@@ -302,7 +350,7 @@ class Store:
             rel = p.relative_to(obj).as_posix()
             if rel != MANIFEST and rel not in listed:
                 problems.append(f"unexpected file {rel}")
-        if not problems and (changed or set(fresh) != set(stamp)) and self.writable:
+        if not problems and (changed or set(fresh) != set(stamp)) and self.writable and self.repair:
             with _quiet(), _quiet_store():
                 self.write_json(self._stamp_file(digest), fresh)
         return problems
@@ -319,17 +367,17 @@ class Store:
         dest = self.root / "quarantine" / f"{digest}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.{uuid.uuid4().hex[:6]}"
         dest.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.rename(obj, dest)
+            self.owned.move(obj, dest)
         except FileNotFoundError:
             dest = None  # another process quarantined it first
         except OSError as exc:
             log.warning(f"object {digest[:12]} is damaged ({reason}) and could not be quarantined: {exc}")
             return None
         with _quiet():
-            self._stamp_file(digest).unlink()
+            self.owned.remove(self._stamp_file(digest))
         if key is not None:
             with _quiet():
-                self._action_file(key).unlink()
+                self.owned.remove(self._action_file(key))
         fsync_dir(obj.parent)
         if dest is not None:
             log.warning(f"damaged object {digest[:12]} ({reason}) moved to {dest}; it will be rebuilt")
@@ -341,6 +389,9 @@ class Store:
         """Per-key lock: concurrent runs build a step once; the others wait, then hit."""
         from filelock import FileLock
 
+        if not re.fullmatch(r"[\w.-]{1,100}", key):
+            raise ValueError(f"invalid lock name {key[:80]!r}")
+        self.owned  # noqa: B018 (claims the root on the first write)
         lock_dir = self.root / "locks"
         lock_dir.mkdir(parents=True, exist_ok=True)
         with FileLock(str(lock_dir / f"{key}.lock"), timeout=timeout):
@@ -348,10 +399,14 @@ class Store:
 
     def new_tmp(self, key: str) -> Path:
         """Private scratch dir for building `key`. Call with the key's lock held."""
+        checked_digest(key, "step key")
+        root = self.owned   # the first write claims the store
         tmp_root = self.root / "tmp"
         tmp_root.mkdir(parents=True, exist_ok=True)
         for stale in tmp_root.glob(f"{key}.*"):  # left by a crashed build of this key
-            shutil.rmtree(stale, ignore_errors=True)
+            if SCRATCH_RE.match(stale.name):
+                with _quiet():
+                    root.remove(stale)
         path = tmp_root / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
         path.mkdir()
         return path
@@ -363,6 +418,7 @@ class Store:
         removed = {"tmp": 0, "locks": 0}
         if not self.writable:
             return removed
+        root = self.owned   # a run starts here: the store is claimed (or refused) before anything is written
         now = time.time()
         for entry in _listdir(self.root / "tmp"):
             m = SCRATCH_RE.match(entry.name)  # only build scratch: a remote fetch's staging is kept to resume
@@ -378,20 +434,20 @@ class Store:
             lock_file = self.root / "locks" / f"{m.group('key')}.lock"
             try:
                 with FileLock(str(lock_file), timeout=0):
-                    _remove(entry)
+                    root.remove(entry)
                     removed["tmp"] += 1
                     with _quiet():
-                        lock_file.unlink()   # held by us: a waiter re-opens it (filelock checks st_nlink)
+                        root.remove(lock_file)   # held by us: a waiter re-opens it (filelock checks st_nlink)
             except (Timeout, OSError):
                 continue
         for entry in _listdir(self.root / "locks"):
-            if not entry.name.endswith(".lock"):
+            if not LOCK_RE.match(entry.name):
                 continue
             try:
-                if now - entry.stat().st_mtime < min_age_s:
+                if now - entry.lstat().st_mtime < min_age_s:
                     continue
                 with FileLock(str(entry), timeout=0):  # held by nobody: removing it cannot break a build
-                    entry.unlink()
+                    root.remove(entry)
                     removed["locks"] += 1
             except (Timeout, OSError):
                 continue
@@ -405,6 +461,7 @@ class Store:
         from filelock import FileLock, Timeout
 
         self.require_writable("gc")
+        root = self.owned_existing()   # `qbuild gc --store /` must never clear /tmp: the root must carry the marker
         now = time.time() if now is None else now
         rows: list[dict] = []
 
@@ -416,7 +473,7 @@ class Store:
         def drop(kind: str, p: Path) -> None:
             rows.append({"kind": kind, "path": str(p), "bytes": size(p)})
             if not dry_run:
-                _remove(p)
+                root.remove(p)
 
         def old(p: Path, limit: float) -> bool:
             try:
@@ -427,7 +484,7 @@ class Store:
         for entry in _listdir(self.root / "tmp"):
             m = SCRATCH_RE.match(entry.name)
             if m is None:  # a remote fetch's staging (kept so it can resume): only once past the retention
-                if old(entry, older_than_s):
+                if FETCH_RE.match(entry.name) and old(entry, older_than_s):
                     drop("tmp", entry)
                 continue
             pid = int(m.group("pid"))
@@ -439,11 +496,11 @@ class Store:
                     drop("tmp", entry)
                     if not dry_run:
                         with _quiet():
-                            lock_file.unlink()   # held by us: a waiter re-opens it (filelock checks st_nlink)
+                            root.remove(lock_file)   # held by us: a waiter re-opens it (filelock checks st_nlink)
             except (Timeout, OSError):
                 continue
         for entry in _listdir(self.root / "locks"):
-            if not entry.name.endswith(".lock") or not old(entry, 60):
+            if not LOCK_RE.match(entry.name) or entry.is_symlink() or not old(entry, 60):
                 continue
             try:
                 with FileLock(str(entry), timeout=0):
@@ -455,31 +512,35 @@ class Store:
             when = record.get("finished") if record else None
             return (when if isinstance(when, int | float) else 0, p.name)
 
-        runs = sorted(_listdir(self.root / "runs"), key=finished)
+        runs = sorted((p for p in _listdir(self.root / "runs") if p.suffix == ".json" and RUN_ID_RE.match(p.stem)), key=finished)
         keep = {p.stem for p in runs[-keep_runs:]} if keep_runs > 0 else set()
         for entry in runs:
             if entry.stem not in keep and old(entry, older_than_s):
                 drop("run", entry)
         for entry in _listdir(self.root / "logs"):
-            if entry.name not in keep and old(entry, older_than_s):
+            if RUN_ID_RE.match(entry.name) and entry.name not in keep and old(entry, older_than_s):
                 drop("log", entry)
         for entry in _listdir(self.root / "quarantine"):
-            if old(entry, older_than_s):
+            if QUARANTINE_RE.match(entry.name) and old(entry, older_than_s):
                 drop("quarantine", entry)
         for entry in (self.root / "stamps").glob("*/*.json"):
-            if not self.object_dir(entry.stem).is_dir():
+            if DIGEST_RE.match(entry.stem) and not self.object_dir(entry.stem).is_dir():
                 drop("stamp", entry)
         return rows
 
-    def publish(self, key: str, tmp: Path, provenance: dict) -> Hit:
+    def publish(self, key: str, tmp: Path, provenance: dict, link_roots: tuple[Path, ...] = ()) -> Hit:
         """Hash the files in tmp, write the manifest, and make the object visible by atomic rename.
 
-        Symlinks a step wrote are replaced by the bytes they point at (a link to a directory or nowhere is refused);
-        every file and directory is fsynced before the rename. An existing object with this digest that is damaged
+        A symlink a step wrote is replaced by the bytes it points at only when it resolves into the step's scratch,
+        this store's objects (the step's inputs) or `link_roots` (its model files, the model cache); any other link
+        is refused in one line naming it (a library's link to ~/.aws/credentials is never stored or pushed).
+        Every file and directory is fsynced before the rename. An existing object with this digest that is damaged
         is quarantined and replaced, never kept."""
         self.require_writable(f"storing step {provenance.get('name') or key[:12]}")
+        root = self.owned
+        root.confine(tmp, within=self.root / "tmp")
         try:
-            _materialize_links(tmp)
+            _materialize_links(tmp, (tmp, self.root / "objects", *link_roots))
             files = []
             for f in _walk(tmp):
                 rel = f.relative_to(tmp).as_posix()
@@ -490,7 +551,7 @@ class Store:
             manifest = {"digest": digest, "key": key, **provenance, "files": files, "created": now_iso()}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
             for f in _walk(tmp):
-                os.chmod(f, 0o444)  # immutable from here on (regular files only: links were replaced)
+                root.chmod(f, 0o444, within=tmp)  # immutable from here on (regular files only: links were replaced)
                 fsync_file(f)
             for d in {f.parent for f in _walk(tmp)} | {tmp}:
                 fsync_dir(d)
@@ -501,11 +562,12 @@ class Store:
                 if problems:
                     self.quarantine(digest, problems)
             try:
-                os.rename(tmp, final)
+                root.move(tmp, final)
             except OSError:
                 if not (final / MANIFEST).is_file():
                     raise
-                shutil.rmtree(tmp, ignore_errors=True)  # identical content already stored (and checked above)
+                with _quiet():
+                    root.remove(tmp, within=self.root / "tmp")  # identical content already stored (and checked above)
             fsync_dir(final.parent)
             stamp = {}
             for f in files:
@@ -655,7 +717,7 @@ class Store:
                 if data is None or not isinstance(digest, str) or digest in bad or not self.object_dir(digest).is_dir() \
                         or self.check_record(rec.stem, data, digest):
                     with _quiet():
-                        rec.unlink()  # a miss: the step is rebuilt by the next run
+                        self.owned_existing().remove(rec)  # a miss: the step is rebuilt by the next run
         return rows
 
 
@@ -686,13 +748,6 @@ def _listdir(path: Path) -> list[Path]:
         return []
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink()
-
-
 def _walk(root: Path) -> list[Path]:
     """Regular files under root, sorted; never follows a symlink (links are listed as files when not materialized)."""
     out = []
@@ -703,16 +758,22 @@ def _walk(root: Path) -> list[Path]:
     return sorted(out)
 
 
-def _materialize_links(tmp: Path) -> None:
-    """Replace each symlink a step wrote by a fresh copy of the bytes it points at; refuse links to dirs/nothing."""
+def _materialize_links(tmp: Path, allowed: tuple[Path, ...]) -> None:
+    """Replace each symlink a step wrote by a fresh copy of the bytes it points at, when it resolves to a regular
+    file inside one of `allowed`; refuse links to folders, to nothing, and to anywhere else (one line naming it)."""
     from qbuild.errors import StepFailed
 
+    bases = [Path(os.path.realpath(a)) for a in allowed]
     for p in _walk(tmp):
         if not p.is_symlink():
             continue
         target = p.resolve()
+        rel = p.relative_to(tmp)
+        if not any(target == b or b in target.parents for b in bases):
+            raise StepFailed(str(rel), f"output {rel} is a symlink to {target}, outside the step's scratch, inputs and "
+                             "model files; refusing to store it (a library must write the file itself)")
         if not target.is_file():
-            raise StepFailed(str(p.relative_to(tmp)), f"output {p.relative_to(tmp)} is a symlink to "
+            raise StepFailed(str(rel), f"output {rel} is a symlink to "
                              f"{'a directory' if target.is_dir() else 'nothing'}; write the file itself")
         staged = p.with_name(f".{p.name}.{uuid.uuid4().hex[:8]}.copy")
         shutil.copyfile(target, staged)

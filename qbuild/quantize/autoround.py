@@ -18,7 +18,6 @@ Tuning runs on CPU (slowly: keep iters and samples small there).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -90,17 +89,25 @@ class AutoRound(Method):
 
 
 # --- worker side ------------------------------------------------------------------------------------
-def lift_export(export: Path, out: Path) -> None:
+def lift_export(export: Path, out: Path, root) -> None:
     """Move the checkpoint auto-round wrote somewhere under `export` (it adds its own <model>-w4g64 folder)
     up into `out`. The folder is found by searching inside `export` only, never taken from auto-round's
-    return value (a str for one format, a list for several), and files are renamed, never copied."""
+    return value (a str for one format, a list for several), and files are renamed, never copied.
+
+    `root` is the step's store (an OwnedRoot): every move and the removal of `export` are confined to `out`; an
+    export folder that is a symlink or resolves outside `out` is refused before anything moves."""
+    if export.is_symlink() or not export.is_dir():
+        raise RuntimeError(f"auto-round's export folder {export} is {'a symlink' if export.is_symlink() else 'missing'}; "
+                           "refusing to move anything out of it")
+    root.confine(export, within=out)
     configs = sorted(export.rglob("config.json"))
     if len(configs) != 1:
         raise RuntimeError(f"expected one exported checkpoint under {export}, found {len(configs)}")
     folder = configs[0].parent
-    for f in folder.iterdir():
-        f.rename(out / f.name)
-    shutil.rmtree(export)
+    root.confine(folder / "config.json", within=export)
+    for f in sorted(folder.iterdir()):
+        root.move(f, out / f.name, within=out)
+    root.remove(export, within=out)
 
 
 def calibration_samples(path: Path) -> tuple[list[dict], int]:
@@ -150,7 +157,7 @@ def run(ctx: StepContext) -> dict:
     export = ctx.out / "_export"
     tuner.quantize_and_save(str(export), format=p["format"])
     ctx.progress(2, 3, f"exported {p['format']}")
-    lift_export(export, ctx.out)
+    lift_export(export, ctx.out, ctx.owned())
     import json
     from importlib.metadata import version
 

@@ -91,7 +91,7 @@ class GPTQModel(Method):
         model.quantize(calibration, batch_size=1)
         ctx.progress(2, 3, "saving GPTQ format")
         model.save(str(ctx.out))
-        (ctx.out / "quant_log.csv").unlink(missing_ok=True)   # per-layer timings: not part of the artifact
+        ctx.owned().remove(ctx.out / "quant_log.csv", within=ctx.out)   # per-layer timings: not part of the artifact
         qc = json.loads((ctx.out / "quantize_config.json").read_text())
         return {"format": Format.GPTQ, "metrics": {"size_bytes": dir_size(ctx.out)},
                 "info": {"checkpoint_format": qc.get("checkpoint_format", qc.get("format")),

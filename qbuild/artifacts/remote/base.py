@@ -140,8 +140,54 @@ def check_sidecar(name: str) -> str:
 
 def check_digest(digest: str) -> str:
     if not isinstance(digest, str) or not HEX64.match(digest):
-        raise UserError(f"invalid digest {digest!r} (64 lowercase hex characters)")
+        raise UserError(f"invalid digest {str(digest)[:80]!r} (64 lowercase hex characters)")
     return digest
+
+
+# --- what a remote says, checked as it enters ----------------------------------------------------------------
+# A remote is not trusted: its records are read by every machine that pulls. Every digest and key in a record is
+# checked against the digest grammar here, where it is read, before anything builds a path from it (a record
+# with digest `x/../../victim/evil` once created files outside the store).
+MAX_JSON_BYTES = 64 << 20     # a manifest of a 1,000-shard checkpoint is ~300 KB; refuse what no record needs
+MAX_JSON_DEPTH = 64
+
+
+def bounded_json(data: bytes | str, what: str) -> object:
+    """Parse JSON read from a remote, refusing more than MAX_JSON_BYTES or nesting deeper than MAX_JSON_DEPTH
+    (ValueError, one line). Never RecursionError or a parse of hundreds of megabytes."""
+    if len(data) > MAX_JSON_BYTES:
+        raise ValueError(f"{what} is {len(data):,} bytes (more than {MAX_JSON_BYTES:,}: not a qbuild record)")
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in data if isinstance(data, str) else data.decode("utf-8", "replace"):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+        elif ch in "]}":
+            depth -= 1
+        deepest = max(deepest, depth)
+    return json.loads(data)
+
+
+def remote_record(record: object, key: str | None = None) -> dict | None:
+    """An action record or ref read from a remote, or None (ignored) when it is not an object, its `digest` is not
+    a 64-hex digest, its `key` (if any) is not one, or it names another key than `key`."""
+    if not isinstance(record, dict) or not isinstance(record.get("digest"), str) or not HEX64.match(record["digest"]):
+        return None
+    named = record.get("key")
+    if named is not None and (not isinstance(named, str) or not HEX64.match(named) or (key is not None and named != key)):
+        return None
+    return record
 
 
 class _Counter:
@@ -171,8 +217,12 @@ class RemoteStore(Plugin, ABC):
     schemes: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, url: str, *, name: str | None = None, endpoint_url: str | None = None,
-                 region: str | None = None, insecure: bool = False, push: str = "on-success", jobs: int = 4):
+                 region: str | None = None, insecure: bool = False, push: str = "on-success", jobs: int = 4,
+                 env_credentials: bool = True):
         self.scheme, self.display = split_url(url)
+        # False for a remote the user did not name (a URL read from a registry tag): credentials from qbuild's own
+        # environment variables (QBUILD_REGISTRY_USERNAME/PASSWORD) go only to remotes the user configured
+        self.env_credentials = env_credentials
         self.url = self.display  # credentials never kept
         self.name = name or self.display
         if push not in PUSH_POLICIES:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteStore
+from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteStore, remote_record
 from qbuild.artifacts.store import REF_RE, Store, atomic_write_json
 
 
@@ -35,7 +35,7 @@ class RemoteHit:
 def lookup(remotes: Iterable[RemoteStore], key: str) -> RemoteHit | None:
     """First remote whose action cache has `key` with a complete object. Downloads the record only."""
     for remote in remotes:
-        record = remote.get_action(key)
+        record = remote_record(remote.get_action(key), key)   # a plugin remote's record is checked here too
         if record is not None:
             return RemoteHit(remote, key, record["digest"], record)
     return None
@@ -54,8 +54,8 @@ def materialize(store: Store, remote: RemoteStore, digest: str, key: str | None 
             remote.fetch_object(digest, dest, progress=progress, jobs=jobs,
                                 staging=store.root / "tmp" / f"fetch-{digest[:32]}")
             for f in dest.rglob("*"):
-                if f.is_file():
-                    f.chmod(0o444)
+                if f.is_file() and not f.is_symlink():
+                    store.owned.chmod(f, 0o444, within=dest)
     if key and record:
         adopt_action(store, key, record)
     return dest
@@ -183,7 +183,8 @@ def pull(remote: RemoteStore, name: str, out: Path, need: dict | None = None, pr
         try:
             verify(check, verify_with)
         except Exception:
-            shutil.rmtree(check, ignore_errors=True)
+            if not check.is_symlink():   # the folder this pull made (its name built here from OUT and the digest)
+                shutil.rmtree(check, ignore_errors=True)
             raise
     if out.exists():
         out.rmdir()

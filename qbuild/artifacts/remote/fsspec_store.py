@@ -23,17 +23,21 @@ from pathlib import Path
 from qbuild.artifacts.remote import remotes
 from qbuild.artifacts.remote.base import (
     CHUNK,
+    HEX64,
     MANIFEST,
     Progress,
     RemoteConfigError,
     RemoteError,
     RemoteStore,
+    bounded_json,
     check_digest,
     check_name,
     check_sidecar,
+    remote_record,
 )
 from qbuild.artifacts.store import now_iso
 from qbuild.errors import first_line
+from qbuild.names import valid_name
 
 CONNECT_TIMEOUT = 5
 READ_TIMEOUT = 60
@@ -128,9 +132,9 @@ class FsspecRemote(RemoteStore):
         if data is None:
             return None
         try:
-            out = json.loads(data)
-        except ValueError:
-            raise self.error(f"{self._rel(path)} is not valid JSON") from None
+            out = bounded_json(data, self._rel(path))
+        except ValueError as exc:
+            raise self.error(f"{self._rel(path)} is not a valid record: {first_line(exc)}") from None
         return out if isinstance(out, dict) else None
 
     def _rel(self, path: str) -> str:
@@ -206,8 +210,8 @@ class FsspecRemote(RemoteStore):
 
     def get_action(self, key: str) -> dict | None:
         check_digest(key)
-        record = self._read_json(self._action(key))
-        if record is None or not isinstance(record.get("digest"), str):
+        record = remote_record(self._read_json(self._action(key)), key)
+        if record is None:
             return None
         if self._read_bytes(self._obj(record["digest"], MANIFEST)) is None:
             return None  # its object was collected
@@ -223,8 +227,8 @@ class FsspecRemote(RemoteStore):
         for p in paths:
             name = p.rsplit("/", 1)[-1]
             if name.endswith(".json") and not name.startswith("."):
-                rec = self._read_json(p)
-                if rec and isinstance(rec.get("digest"), str):
+                rec = remote_record(self._read_json(p))
+                if rec and HEX64.match(name[:-5]):
                     yield name[:-5], rec["digest"]
 
     def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None) -> None:
@@ -235,8 +239,8 @@ class FsspecRemote(RemoteStore):
 
     def get_ref(self, recipe: str, variant: str, tag: str = "latest") -> dict | None:
         check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)
-        data = self._read_json(self._p("refs", recipe, variant, tag))
-        return None if data is None else {"ref": f"{recipe}/{variant}:{tag}", **data}
+        data = remote_record(self._read_json(self._p("refs", recipe, variant, tag)))
+        return None if data is None else {**data, "ref": f"{recipe}/{variant}:{tag}"}
 
     def list_refs(self) -> list[dict]:
         paths = self._call("list refs", self.fs.find, self._p("refs"), missing_ok=True) or []
@@ -245,14 +249,14 @@ class FsspecRemote(RemoteStore):
             parts = self._rel(p).split("/")
             if len(parts) != 4 or parts[3].startswith("."):
                 continue
-            data = self._read_json(p)
-            if data and isinstance(data.get("digest"), str):
-                out.append({"ref": f"{parts[1]}/{parts[2]}:{parts[3]}", **data})
+            data = remote_record(self._read_json(p))
+            if data and all(valid_name(x) for x in parts[1:]):
+                out.append({**data, "ref": f"{parts[1]}/{parts[2]}:{parts[3]}"})
         return out
 
     def list_objects(self) -> list[str]:
         paths = self._call("list objects", self.fs.glob, self._p("objects", "*", "*", MANIFEST)) or []
-        return sorted(p.rsplit("/", 2)[-2] for p in paths)
+        return sorted(d for d in (p.rsplit("/", 2)[-2] for p in paths) if HEX64.match(d))
 
     def delete_object(self, digest: str) -> None:
         check_digest(digest)

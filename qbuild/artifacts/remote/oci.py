@@ -32,16 +32,19 @@ from pathlib import Path, PurePosixPath
 from qbuild.artifacts.remote import remotes
 from qbuild.artifacts.remote.base import (
     CHUNK,
+    HEX64,
     MANIFEST,
     Progress,
     RemoteConfigError,
     RemoteError,
     RemoteStore,
+    bounded_json,
     check_digest,
     check_name,
     check_sidecar,
+    remote_record,
 )
-from qbuild.artifacts.store import now_iso
+from qbuild.artifacts.store import REF_RE, now_iso
 from qbuild.errors import first_line
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -169,7 +172,7 @@ class OciRemote(RemoteStore):
         backend = "basic" if r.status_code == 401 and challenge.lower().startswith("basic") else "token"
         client = _make_client(self.host, self.plain_http, backend)
         user, password = os.environ.get("QBUILD_REGISTRY_USERNAME"), os.environ.get("QBUILD_REGISTRY_PASSWORD")
-        if user and password:
+        if user and password and self.env_credentials:
             client.auth.set_basic_auth(user, password)
         else:
             cfg_dir = os.environ.get("DOCKER_CONFIG")
@@ -222,9 +225,12 @@ class OciRemote(RemoteStore):
         if resp.status_code != 200:
             raise self._fail(resp, f"get manifest {ref}")
         try:
-            return resp.json(), resp.headers.get("Docker-Content-Digest")
-        except ValueError:
-            raise self.error(f"manifest {ref} is not JSON") from None
+            data = bounded_json(resp.content, f"manifest {ref}")
+        except ValueError as exc:
+            raise self.error(f"manifest {ref} is not a valid OCI manifest: {first_line(exc)}") from None
+        if not isinstance(data, dict):
+            raise self.error(f"manifest {ref} is not a JSON object")
+        return data, resp.headers.get("Docker-Content-Digest")
 
     def _put_oci_manifest(self, ref: str, manifest: dict) -> None:
         try:
@@ -307,7 +313,12 @@ class OciRemote(RemoteStore):
                 return tags
             if resp.status_code != 200:
                 raise self._fail(resp, "list tags")
-            tags += resp.json().get("tags") or []
+            try:
+                listing = bounded_json(resp.content, "the tag list")
+            except ValueError as exc:
+                raise self.error(f"the tag list is not valid: {first_line(exc)}") from None
+            found = listing.get("tags") if isinstance(listing, dict) else None
+            tags += [t for t in found or [] if isinstance(t, str)]
             link = resp.links.get("next", {}).get("url")
             if not link:
                 break
@@ -324,7 +335,13 @@ class OciRemote(RemoteStore):
         if layer is None:
             return None
         data = self._get_blob(layer["digest"])
-        return None if data is None else json.loads(data)
+        if data is None:
+            return None
+        try:
+            manifest = bounded_json(data, f"the manifest of {digest[:12]}")
+        except ValueError as exc:
+            raise self.error(f"object {digest[:12]}: manifest is not valid: {first_line(exc)}") from None
+        return manifest if isinstance(manifest, dict) else None
 
     def has_object(self, digest: str) -> bool:
         check_digest(digest)
@@ -409,8 +426,11 @@ class OciRemote(RemoteStore):
         if oci is None or oci.get("artifactType") != ACTION_ARTIFACT or not oci.get("layers"):
             return None
         data = self._get_blob(oci["layers"][0]["digest"])
-        record = json.loads(data) if data else None
-        if not isinstance(record, dict) or not isinstance(record.get("digest"), str):
+        try:
+            record = remote_record(bounded_json(data, f"action record {key[:12]}") if data else None, key)
+        except ValueError:
+            record = None
+        if record is None:
             return None
         if not self.has_object(record["digest"]):
             return None
@@ -431,7 +451,7 @@ class OciRemote(RemoteStore):
             if tag.startswith(KEY_TAG):
                 oci, _ = self._get_oci_manifest(tag)
                 d = ((oci or {}).get("annotations") or {}).get("org.qbuild.digest")
-                if d:
+                if remote_record({"digest": d}) and HEX64.match(tag[len(KEY_TAG):]):
                     yield tag[len(KEY_TAG):], d
 
     def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None) -> None:
@@ -447,7 +467,9 @@ class OciRemote(RemoteStore):
 
     def _ref_from(self, oci: dict | None, ref: str | None = None) -> dict | None:
         ann = (oci or {}).get("annotations") or {}
-        if not ann.get("org.qbuild.digest") or not ann.get("org.qbuild.ref") or (ref and ann["org.qbuild.ref"] != ref):
+        if not isinstance(ann, dict) or not ann.get("org.qbuild.ref") or (ref and ann["org.qbuild.ref"] != ref) \
+                or remote_record({"digest": ann.get("org.qbuild.digest"), "key": ann.get("org.qbuild.key")}) is None \
+                or not REF_RE.match(str(ann["org.qbuild.ref"])):
             return None
         return {"ref": ann["org.qbuild.ref"], "digest": ann["org.qbuild.digest"], "key": ann.get("org.qbuild.key"),
                 "updated": ann.get("org.qbuild.ref.updated")}
@@ -467,7 +489,7 @@ class OciRemote(RemoteStore):
         return sorted(out, key=lambda r: r["ref"])
 
     def list_objects(self) -> list[str]:
-        return sorted(t[len(OBJ_TAG):] for t in self._tags() if t.startswith(OBJ_TAG))
+        return sorted(t[len(OBJ_TAG):] for t in self._tags() if t.startswith(OBJ_TAG) and HEX64.match(t[len(OBJ_TAG):]))
 
     def delete_object(self, digest: str) -> None:
         """Untag the object and its action records. The registry's own garbage collection frees the blobs."""
