@@ -607,9 +607,13 @@ def diff(runs, last, store_path, as_json):
 @click.option("--sm", help="Select engines for this compute capability (e.g. 9.0) instead of the local GPU's.")
 @click.option("--tensorrt-llm", "trtllm_version", help="Select engines built with this TensorRT-LLM version.")
 @click.option("--tensorrt", "trt_version", help="Select engines built with this TensorRT version.")
+@click.option("--gpu", "gpu_name", help="Select engines built on this GPU model, as nvidia-smi names it "
+              "(e.g. 'NVIDIA H200'), instead of the local GPU's.")
+@click.option("--arch", help="Select engines built on this CPU architecture (x86_64, aarch64) instead of this host's.")
 @click.option("--force", is_flag=True, help="Write into a non-empty --out (local store): files of the artifact's names "
               "are replaced, a link there is replaced and never written through, nothing else is touched.")
-def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trtllm_version, trt_version, force):
+def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trtllm_version, trt_version, gpu_name,
+                 arch, force):
     """Fetch NAME verified file by file: a ref, a digest, or models:/NAME@ALIAS from the MLflow registry.
 
     \b
@@ -617,13 +621,15 @@ def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trt
       qbuild pull demo/q4km -o ./q4km && llama-cli -m ./q4km/model.gguf
       qbuild pull demo/q4km:nightly --from s3://team-models/qbuild -o ./q4km
       qbuild pull models:/smollm2-q4km@champion -o ./q4km --verify-with team.pub
-    An engine ref picks the build that fits this GPU (SM, TensorRT-LLM, TensorRT, CUDA major).
+    An engine ref picks the build that fits this machine (GPU model and SM, CPU architecture, TensorRT-LLM,
+    TensorRT, CUDA major).
     """
     from qbuild import api
     from qbuild.trtllm.select import local_needs
 
     try:
-        need = local_needs(sm, trtllm_version, trt_version) if (sm or trtllm_version or trt_version) else None
+        chosen = (sm, trtllm_version, trt_version, gpu_name, arch)
+        need = local_needs(sm, trtllm_version, trt_version, gpu_name=gpu_name, arch=arch) if any(chosen) else None
         with _transfer_progress(f"pulling {name}") as progress:
             digest, path = api.pull(name, store=store_path, out=output, need=need, remote=from_url,
                                     verify_with=pubkey, tracking_uri=mlflow_uri, progress=progress, force=force)

@@ -77,8 +77,12 @@ class Plan:
                  "reasons": list(p.reasons),
                  "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None),
                  "env": p.step.backend_env.label if p.step.backend_env else None,
+                 # what the key hashes (kind, params, input keys, toolchain): a reader can see why two keys differ
+                 "key_material": {"params": dict(p.step.params), "inputs": p.step.input_keys(),
+                                  "toolchain": p.step.toolchain()},
                  **({"estimate_s": None if estimates[p.step.key].seconds is None else round(estimates[p.step.key].seconds, 1),
                      "estimate_basis": estimates[p.step.key].basis} if p.step.key in estimates else {})}
+                | ({"command": list(p.step.runtime_args["command"])} if "command" in p.step.runtime_args else {})
                 for p in self.steps]
         out = {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
                "not_evaluated": [{"artifact": label, "reason": why} for label, why in self.not_evaluated.items()],

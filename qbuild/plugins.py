@@ -183,6 +183,7 @@ class Runtime(Plugin, ABC):
     # llama.cpp on CPU: checked. torch on CPU: not (SmolLM2, 63-96-token windows differ by 2e-5 between 1 and 2
     # threads; 255-512 agree): a transformers step keeps its threads, so a rebuild gives the same bytes
     thread_invariant: ClassVar[bool] = False
+    fallback: ClassVar[bool] = False             # evaluates a format only where no other installed runtime reads it
 
     def plan_fields(self, label: str, artifact: Step, ctx, measure: str) -> dict:
         """Extra Step fields of an evaluation step of `artifact` (inputs, env_toolchain, availability ...)."""
@@ -348,9 +349,10 @@ def open_session(runtime: str, model: Path, ctx: StepContext, n_ctx: int) -> Run
 
 
 def runtimes_for(fmt: str) -> list[Runtime]:
-    """Registered runtimes that evaluate `fmt`, installed ones first (registration order otherwise)."""
+    """Registered runtimes that evaluate `fmt`: installed ones first, fallbacks after the others (registration order
+    otherwise)."""
     found = [r for r in runtimes.all() if fmt in r.formats]
-    return sorted(found, key=lambda r: bool(r.missing()))
+    return sorted(found, key=lambda r: (bool(r.missing()), r.fallback))
 
 
 def plugin_table() -> list[dict[str, Any]]:

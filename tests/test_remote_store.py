@@ -326,12 +326,15 @@ def test_resolve_and_pull_by_ref(remote_url, tmp_path):
 
 
 def _engine(store: Store, sm: str, created: str):
+    from qbuild.trtllm import env as trtllm_env
     from qbuild.trtllm.engine import ENGINE_KIND
 
+    gpu = {"9.0": "NVIDIA H100 80GB HBM3", "8.9": "NVIDIA L4"}[sm]
     return make_object(store, {"rank0.engine": f"engine for sm{sm}".encode(), "config.json": b"{}"},
                        kind=ENGINE_KIND, name="engine[fp8.trtllm]", variant="fp8.trtllm", format="trtllm-engine",
-                       toolchain={"gpu.sm": sm, "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"},
-                       info={"gpu": {"name": f"GPU sm{sm}"}}, recipe={"name": "trt", "path": "/r/trt.yaml"},
+                       toolchain={"gpu.sm": sm, "gpu.name": gpu, "host.arch": trtllm_env.host_arch(),
+                                  "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"},
+                       info={"gpu": {"name": gpu}}, recipe={"name": "trt", "path": "/r/trt.yaml"},
                        created=created)
 
 

@@ -256,11 +256,12 @@ def test_trtllm_build_command_golden():
         "trtllm-build", "--checkpoint_dir", "/ckpt", "--output_dir", "/engine",
         "--max_batch_size", "16", "--max_input_len", "1024", "--max_seq_len", "4096", "--max_num_tokens", "8192",
         "--kv_cache_type", "paged", "--gemm_plugin", "auto", "--gpt_attention_plugin", "float16",
-        "--use_paged_context_fmha", "enable"]
+        "--use_paged_context_fmha", "enable", "--use_fp8_context_fmha", "disable"]
     assert trt.build_config(trt.build_settings(t)) == {
         "max_batch_size": 16, "max_input_len": 1024, "max_seq_len": 4096, "max_num_tokens": 8192,
         "kv_cache_type": "paged",
-        "plugin_config": {"gemm_plugin": "auto", "gpt_attention_plugin": "float16", "use_paged_context_fmha": True}}
+        "plugin_config": {"gemm_plugin": "auto", "gpt_attention_plugin": "float16", "use_paged_context_fmha": True,
+                          "use_fp8_context_fmha": False}}
 
 
 def test_trtllm_build_command_continuous_kv():
@@ -312,10 +313,12 @@ def _engine_key(monkeypatch, gpu=H100, env=TRT_121, **target) -> Step:
 
 
 def test_engine_key_sensitivity(monkeypatch):
+    monkeypatch.setenv(trtllm_env.FAKE_ARCH, "x86_64")
     base = _engine_key(monkeypatch)
     assert base.unavailable == "" and base.toolchain() == {
-        "gpu.sm": "9.0", "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
-    same = _engine_key(monkeypatch, gpu="NVIDIA H100 PCIe:9.0:560.00")  # another H100, other driver
+        "gpu.sm": "9.0", "gpu.name": "NVIDIA H100 80GB HBM3", "host.arch": "x86_64", "tensorrt_llm": "1.2.1",
+        "tensorrt": "10.13.3.9", "cuda": "13.0"}
+    same = _engine_key(monkeypatch, gpu="NVIDIA H100 80GB HBM3:9.0:560.00")  # the same GPU model, another driver
     assert same.key == base.key
     assert _engine_key(monkeypatch, gpu=L4).key != base.key                       # SM changed
     assert _engine_key(monkeypatch, env="1.2.0:10.13.3.9:13.0").key != base.key   # TensorRT-LLM changed
@@ -339,7 +342,8 @@ def test_newer_trtllm_has_no_engine_builder(monkeypatch):
 
 
 def test_expect_pins_key_without_gpu(monkeypatch):
-    pinned = dict(expect={"sm": "9.0", "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"})
+    pinned = dict(expect={"sm": "9.0", "gpu_name": "NVIDIA H100 80GB HBM3", "arch": trtllm_env.host_arch(),
+                          "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"})
     on_gpu = _engine_key(monkeypatch, **pinned)
     no_gpu = _engine_key(monkeypatch, gpu="none", env="none", **pinned)
     assert no_gpu.key == on_gpu.key == _engine_key(monkeypatch).key  # plan elsewhere finds the same engine
@@ -385,7 +389,8 @@ def test_engine_hit_on_machine_without_gpu(tmp_path, tiny_model_dir, monkeypatch
 
     path, store = _store_fake_checkpoint(tmp_path, tiny_model_dir)
     data = yaml.safe_load(path.read_text())
-    data["targets"][0]["expect"] = {"sm": "9.0", "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
+    data["targets"][0]["expect"] = {"sm": "9.0", "gpu_name": "NVIDIA H100 80GB HBM3", "arch": "x86_64",
+                                    "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
     path.write_text(yaml.safe_dump(data))
     step = next(p.step for p in _plan(path) if p.step.name == "engine[fp8.trtllm]")
     eng = store.new_tmp(step.key) / "out"
@@ -428,13 +433,20 @@ def test_parse_nvidia_smi():
     assert trtllm_env.parse_nvidia_smi("") is None
 
 
-def _publish_engine(store, key: str, sm: str, trtllm="1.2.1", tensorrt="10.13.3.9", created="2026-01-01"):
+GPU_NAMES = {"9.0": "NVIDIA H100 80GB HBM3", "8.9": "NVIDIA L4", "10.0": "NVIDIA B200"}
+
+
+def _publish_engine(store, key: str, sm: str, trtllm="1.2.1", tensorrt="10.13.3.9", created="2026-01-01",
+                    gpu_name=None, arch=None):
     out = store.new_tmp(key) / "out"
     _engine_dir(out)
     (out / "sm.txt").write_text(sm)
+    (out / "gpu.txt").write_text(gpu_name or GPU_NAMES[sm])
+    toolchain = {"gpu.sm": sm, "gpu.name": gpu_name or GPU_NAMES[sm], "host.arch": arch or trtllm_env.host_arch(),
+                 "tensorrt_llm": trtllm, "tensorrt": tensorrt, "cuda": "13.0"}
     return store.publish(key, out, {"kind": trt.ENGINE_KIND, "name": "engine[fp8.trtllm]", "variant": "fp8.trtllm",
-                                    "toolchain": {"gpu.sm": sm, "tensorrt_llm": trtllm, "tensorrt": tensorrt, "cuda": "13.0"},
-                                    "info": {"gpu": {"name": f"GPU sm{sm}"}},
+                                    "toolchain": toolchain,
+                                    "info": {"gpu": {"name": toolchain["gpu.name"]}},
                                     "recipe": {"name": "trt", "path": "/r/trt.yaml"}, "created_at": created})
 
 
@@ -447,11 +459,12 @@ def test_pull_selects_engine_by_sm(tmp_path):
     l4 = _publish_engine(store, "b" * 64, "8.9")
     store.set_ref("trt", "fp8.trtllm", "latest", l4.digest, l4.key)  # the ref points at the last build (L4)
     assert len(engine_manifests(store, "trt", "fp8.trtllm")) == 2
-    need = {"gpu.sm": "9.0", "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
+    need = {"gpu.sm": "9.0", "gpu.name": GPU_NAMES["9.0"], "host.arch": trtllm_env.host_arch(), "tensorrt_llm": "1.2.1",
+            "tensorrt": "10.13.3.9", "cuda": "13.0"}
     digest, path = pull("trt/fp8.trtllm", store=store, out=tmp_path / "out", need=need)
     assert digest == h.digest and (path / "sm.txt").read_text() == "9.0"
     with pytest.raises(UserError) as exc:
-        pull("trt/fp8.trtllm", store=store, need={**need, "gpu.sm": "10.0"})
+        pull("trt/fp8.trtllm", store=store, need={**need, "gpu.sm": "10.0", "gpu.name": GPU_NAMES["10.0"]})
     msg = str(exc.value)
     assert "needs: SM 10.0" in msg and "SM 9.0" in msg and "SM 8.9" in msg and "qbuild run /r/trt.yaml" in msg
     with pytest.raises(UserError, match="TensorRT 10.14"):
@@ -497,7 +510,8 @@ def test_pull_engine_family_without_ref(tmp_path):
     store = Store(tmp_path / "store")
     h = _publish_engine(store, "d" * 64, "9.0")
     _publish_engine(store, "e" * 64, "8.9")
-    need = {"gpu.sm": "9.0", "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
+    need = {"gpu.sm": "9.0", "gpu.name": GPU_NAMES["9.0"], "host.arch": trtllm_env.host_arch(), "tensorrt_llm": "1.2.1",
+            "tensorrt": "10.13.3.9", "cuda": "13.0"}
     assert pull("trt/fp8.trtllm", store=store, need=need)[0] == h.digest
     with pytest.raises(UserError, match="no ref"):
         pull("trt/other", store=store, need=need)

@@ -57,6 +57,26 @@ def _plan(path: Path) -> dict:
     return {p.step.name: p for p in make_plan(r, path.parent, Store(Path(r.store.path))).steps}
 
 
+def with_fake_trtllm(fn):
+    """Call fn() with the stub tensorrt_llm importable; never leave it importable in this process afterwards."""
+    sys.path.insert(0, str(FAKE_DIR))
+    try:
+        return fn()
+    finally:
+        sys.path.remove(str(FAKE_DIR))
+        for m in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
+            del sys.modules[m]
+
+
+def stub_fake_logits():
+    def load():
+        from tensorrt_llm._tensorrt_engine import fake_logits
+
+        return fake_logits
+
+    return with_fake_trtllm(load)
+
+
 @pytest.fixture
 def fake_model(tmp_path):
     from helpers import fake_model
@@ -95,11 +115,12 @@ def test_engine_eval_key_sensitivity(tmp_path, fake_model, monkeypatch):
     for name in ("engine[fp8.trtllm]", "perplexity[fp8.trtllm]", "throughput[fp8.trtllm]"):
         assert l4[name] != base[name], name
 
-    monkeypatch.setenv(trtllm_env.FAKE_GPU, H100_PCIE)                 # same SM, another H100 model / driver
+    monkeypatch.setenv(trtllm_env.FAKE_GPU, H100_PCIE)                 # same SM, another GPU model: another engine
     pcie = {n: p.step.key for n, p in _plan(path).items()}
-    assert pcie["engine[fp8.trtllm]"] == base["engine[fp8.trtllm]"]
-    assert pcie["perplexity[fp8.trtllm]"] == base["perplexity[fp8.trtllm]"]  # a PPL does not depend on the card
-    assert pcie["throughput[fp8.trtllm]"] != base["throughput[fp8.trtllm]"]  # a timing does
+    for name in ("engine[fp8.trtllm]", "perplexity[fp8.trtllm]", "throughput[fp8.trtllm]"):
+        assert pcie[name] != base[name], name
+    monkeypatch.setenv(trtllm_env.FAKE_GPU, H100.replace("550.54.15", "560.35.03"))   # the same GPU, another driver
+    assert _plan(path)["engine[fp8.trtllm]"].step.key == base["engine[fp8.trtllm]"]
 
     monkeypatch.setenv(trtllm_env.FAKE_GPU, H100)
     monkeypatch.setenv(trtllm_env.FAKE_TRTLLM, "1.2.0:10.13.3.9:13.0")  # TensorRT-LLM changed
@@ -124,8 +145,9 @@ def test_engine_eval_needs_gpu_without_one(tmp_path, fake_model, monkeypatch):
     for name in ("engine[fp8.trtllm]", "perplexity[fp8.trtllm]", "throughput[fp8.trtllm]"):
         assert plan[name].status == "needs-gpu" and "needs GPU" in plan[name].reason, name
         assert plan[name].step.on_unavailable == "skip"
-    pinned = _plan(_recipe(tmp_path, fake_model, EVAL, expect={"sm": "9.0", "tensorrt_llm": "1.2.1",
-                                                               "tensorrt": "10.13.3.9", "cuda": "13.0"}))
+    pinned = _plan(_recipe(tmp_path, fake_model, EVAL, expect={
+        "sm": "9.0", "gpu_name": "NVIDIA H100 80GB HBM3", "arch": trtllm_env.host_arch(), "tensorrt_llm": "1.2.1",
+        "tensorrt": "10.13.3.9", "cuda": "13.0"}))
     monkeypatch.setenv(trtllm_env.FAKE_GPU, H100)
     on_gpu = _plan(_recipe(tmp_path, fake_model, EVAL))
     # pinned: a machine without a GPU computes the same evaluation key (a stored result would be a hit)
@@ -179,13 +201,7 @@ def test_engine_ppl_kld_throughput_end_to_end_with_fake_interpreter(tmp_path, ti
     from qbuild.evaluate.data import load_tokens
     from qbuild.evaluate.protocol import summarize, window_nll, windows
 
-    sys.path.insert(0, str(FAKE_DIR))
-    try:
-        from tensorrt_llm._tensorrt_engine import fake_logits  # the stub's deterministic logits, to check against
-    finally:
-        sys.path.remove(str(FAKE_DIR))
-        for m in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
-            del sys.modules[m]   # never leave a (fake) tensorrt_llm importable in this process
+    fake_logits = stub_fake_logits()   # the stub's deterministic logits, to check against
 
     ev = {"baseline": True, "kld": True, "perplexity": {"context_length": 64, "max_windows": 2},
           "throughput": {"batch_sizes": [1, 2], "input_len": 16, "output_len": 4, "warmup": 1, "repetitions": 2}}
@@ -261,7 +277,7 @@ def test_engine_evals_skipped_without_gpu(tmp_path, tiny_model_dir, monkeypatch)
 
 
 # --- the runner directly (no CLI): failures are clear ---------------------------------------------------------
-def _runner_ctx(tmp_path: Path, gather: bool, sm: str = "9.0"):
+def _runner_ctx(tmp_path: Path, gather: bool, sm: str = "9.0", engine_vocab: int = 50):
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -270,16 +286,22 @@ def _runner_ctx(tmp_path: Path, gather: bool, sm: str = "9.0"):
     engine, tok, data = tmp_path / "engine", tmp_path / "tok", tmp_path / "data"
     for d in (engine, tok, data):
         d.mkdir(parents=True)
-    (engine / "config.json").write_text(json.dumps({"pretrained_config": {"vocab_size": 50}, "build_config": {
-        "max_input_len": 128, "max_seq_len": 256, "gather_context_logits": gather}}))
+    (engine / "config.json").write_text(json.dumps({
+        "pretrained_config": {"vocab_size": engine_vocab, "logits_dtype": "float32"},
+        "build_config": {"max_input_len": 128, "max_seq_len": 256, "gather_context_logits": gather}}))
     (engine / "rank0.engine").write_bytes(b"x")
     (tok / "tokenizer.json").write_text("{}")
+    (tok / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 50, "hidden_size": 64,
+                                                 "num_hidden_layers": 2, "num_attention_heads": 4}))
     save_file({"input_ids": (np.arange(300) * 7 % 50).astype(np.int32)}, str(data / "tokens.safetensors"))
     (data / "tokens.json").write_text(json.dumps({"bos_token_id": 1, "join": "\n\n", "sources": [{"type": "x"}]}))
     (tmp_path / "obj" / "out").mkdir(parents=True)
     params = {"protocol": "sliding-window", "context_length": 64, "stride": 16, "max_windows": 5, "add_bos": True,
               "runtime": "tensorrt-llm"}
-    expected = {"gpu.sm": sm, "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
+    import platform
+
+    expected = {"gpu.sm": sm, "gpu.name": H100.rsplit(":", 2)[0], "host.arch": platform.machine(),
+                "tensorrt_llm": "1.2.1", "tensorrt": "10.13.3.9", "cuda": "13.0"}
     return StepContext(params=params, inputs={"model": engine, "tokenizer": tok, "data": data}, input_manifests={},
                        out=tmp_path / "obj" / "out", threads=1, device="auto", step_name="perplexity[x.trtllm]",
                        runtime_args={"python": FAKE_PYTHON, "expected": expected})
@@ -290,13 +312,7 @@ def test_runner_sliding_window_through_shim(tmp_path):
     from qbuild.evaluate.data import load_tokens
     from qbuild.evaluate.protocol import summarize, window_nll, windows
 
-    sys.path.insert(0, str(FAKE_DIR))
-    try:
-        from tensorrt_llm._tensorrt_engine import fake_logits
-    finally:
-        sys.path.remove(str(FAKE_DIR))
-        for m in [m for m in sys.modules if m == "tensorrt_llm" or m.startswith("tensorrt_llm.")]:
-            del sys.modules[m]
+    fake_logits = stub_fake_logits()
     ctx = _runner_ctx(tmp_path, gather=True)
     res = quality.perplexity(ctx)
     ids, _ = load_tokens(ctx.inputs["data"])
@@ -304,6 +320,23 @@ def test_runner_sliding_window_through_shim(tmp_path):
     assert res["metrics"]["ppl"] == pytest.approx(summarize([window_nll(fake_logits(w.tokens, 50), w) for w in wins])["ppl"])
     assert json.loads((ctx.out / "perplexity.json").read_text())["protocol"]["stride"] == 16
     assert [p.name for p in ctx.out.parent.iterdir()] == ["out"]  # the request/work dir is cleaned up
+
+
+def test_runner_slices_padded_engine_logits_to_source_vocab(tmp_path):
+    """Issue 24, point 6: an AWQ engine's vocabulary is ModelOpt's padded one (a multiple of 64); its extra columns
+    (zero-weight rows: logit 0) are cut before scoring, so PPL is the source vocabulary's."""
+    from qbuild.evaluate import quality
+    from qbuild.evaluate.data import load_tokens
+    from qbuild.evaluate.protocol import summarize, window_nll, windows
+
+    fake_logits = stub_fake_logits()
+    ctx = _runner_ctx(tmp_path, gather=True, engine_vocab=64)   # source vocab 50, padded to 64
+    res = quality.perplexity(ctx)
+    ids, _ = load_tokens(ctx.inputs["data"])
+    wins = windows(ids, "sliding-window", 64, True, 1, 5, 16)
+    sliced = summarize([window_nll(fake_logits(w.tokens, 64)[:, :50], w) for w in wins])["ppl"]
+    padded = summarize([window_nll(fake_logits(w.tokens, 64), w) for w in wins])["ppl"]
+    assert res["metrics"]["ppl"] == pytest.approx(sliced, rel=1e-9) and sliced != pytest.approx(padded, rel=1e-3)
 
 
 def test_runner_fails_clearly(tmp_path):
@@ -329,7 +362,7 @@ def test_build_and_bench_args_for_evaluation():
 
     t = trt.EngineTarget(type="tensorrt-llm", gather_context_logits=True)
     args = trt.trtllm_build_args(trt.build_settings(t), "/c", "/e")
-    assert args[-1] == "--gather_context_logits"
+    assert args[-3:] == ["--gather_context_logits", "--logits_dtype", "float32"]
     assert trt.build_config(trt.build_settings(t))["gather_context_logits"] is True
     assert "--gather_context_logits" not in trt.trtllm_build_args(trt.build_settings(trt.EngineTarget(type="tensorrt-llm")), "c", "e")
     bench = trt.trtllm_bench_args("m", "/hf", "/e", "/d", "/r", concurrency=2, max_batch_size=2, streaming=True)

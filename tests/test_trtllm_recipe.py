@@ -15,7 +15,8 @@ from qbuild.trtllm import env as trtllm_env
 from helpers import run_api
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tensorrt-llm.yaml"
-GPU_STEPS = {"engine[fp8.trtllm]", "perplexity[fp8.trtllm]"}
+# the engine and its evaluation; the HF export's evaluation through vLLM (the runtime that reads it)
+GPU_STEPS = {"engine[fp8.trtllm]", "perplexity[fp8.trtllm]", "perplexity[fp8-hf]"}
 
 
 @pytest.fixture
@@ -23,6 +24,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setenv(trtllm_env.FAKE_GPU, "none")      # even on a GPU machine: this test is about having none
     monkeypatch.setenv(trtllm_env.FAKE_TRTLLM, "none")
     monkeypatch.delenv(trtllm_env.ENV_PYTHON, raising=False)
+    monkeypatch.delenv("QBUILD_VLLM_PYTHON", raising=False)
 
 
 def small_copy(tmp_path: Path, model_dir: Path) -> Path:
@@ -57,6 +59,7 @@ def test_run_without_gpu_builds_everything_else(no_gpu, tmp_path, tiny_model_dir
     assert {n for n, s in status.items() if s["status"] == "skipped"} == GPU_STEPS
     assert "needs GPU" in status["engine[fp8.trtllm]"]["error"]
     assert status["perplexity[fp8.trtllm]"]["error"] == "input failed: engine[fp8.trtllm]"   # skipped with it
+    assert "needs GPU" in status["perplexity[fp8-hf]"]["error"]
     built = {n for n, s in status.items() if s["status"] == "built"}
     assert built == {"calibrate", "quantize[fp8-hf]", "quantize[fp8]", "package[fp8-hf.trtllm-pytorch]",
                      "eval-data", "reference[baseline]"}

@@ -165,14 +165,13 @@ def load_check_steps(ctx, check) -> None:
     for art in ctx.artifacts:
         if not spec(art.step.format).model:
             continue
-        found = load_check_runtimes(ctx, check, art.step.format)
+        found = [rt for rt in load_check_runtimes(ctx, check, art.step.format)
+                 if "load-check" not in rt.cannot_measure(art.label, art.step, ctx.recipe.evaluation)]
         if not found:
             ctx.warn(f"load check: no installed runtime{' of evaluation.load_check.runtimes' if check.runtimes else ''}"
                      f" reads {art.step.format}; {art.label} is not loaded")
             continue
         for rt in found:
-            if "load-check" in rt.cannot_measure(art.label, art.step, ctx.recipe.evaluation):
-                continue
             name = f"load-check[{art.label}@{rt.name}]" if len(found) > 1 else f"load-check[{art.label}]"
             inputs = {"model": art.step, "prompt": prompt}
             reference = baseline_checks.get(rt.name) or next(iter(baseline_checks.values()), None)

@@ -3,7 +3,7 @@
 qbuild copies this file and protocol.py next to the request and runs
     <trtllm python> _shim.py REQUEST.json RESULT.json
 REQUEST: {"engine": dir, "tokenizer": HF dir, "protocol": path of a copy of qbuild/evaluate/protocol.py,
-          "windows": [{"tokens": [...], "first_scored": n}, ...], "vocab_size": n | null,
+          "windows": [{"tokens": [...], "first_scored": n}, ...], "vocab_size": source model's n | null,
           "batch": n, "logits_dir": dir | null}
 RESULT:  {"nll": [[nll_sum, tokens_scored], ...], "runtime": {...}, "seconds": s}
 
@@ -63,7 +63,9 @@ def main(request_path: str, result_path: str) -> int:
                 raise RuntimeError("the engine returned no context logits: build it with gather_context_logits: true")
             logits = as_numpy(out.context_logits)
             if vocab:
-                logits = logits[:, :vocab]  # drop vocab padding columns, if any
+                if logits.shape[1] < vocab:
+                    raise RuntimeError(f"the engine returned {logits.shape[1]} logit columns for a {vocab}-token vocabulary")
+                logits = logits[:, :vocab]  # the source vocabulary: padded columns (AWQ, TP) are not tokens
             if logits.shape[0] != len(w.tokens):
                 raise RuntimeError(f"window {start + i}: {logits.shape[0]} context-logit rows for {len(w.tokens)} tokens")
             nll.append(list(proto.window_nll(logits, w)))

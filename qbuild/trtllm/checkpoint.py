@@ -8,9 +8,14 @@ Two layouts are checked:
 Why: ModelOpt 0.47 writes no `rotary_base` into TensorRT-LLM checkpoints, so TensorRT-LLM silently
 falls back to 10000; and transformers-5 configs keep the RoPE base under `rope_parameters`, which
 transformers 4.x does not read (it falls back to 10000 too). Either way the engine loads and runs,
-just with the wrong positions. Fixable facts (RoPE base, norm epsilon) are rewritten in the config
-and every fix is returned as a record for the step's manifest; facts baked into the weights
-(dims, vocab, group sizes, layer count) are never "fixed": a mismatch is refused.
+just with the wrong positions. Without tensorrt_llm importable (the `modelopt` environment) ModelOpt's
+export also writes no `qwen_type` for Qwen checkpoints, which TensorRT-LLM's QWenForCausalLM reads
+(trtllm-build fails), nor `attn_bias` (QWenConfig then assumes qkv biases, which Qwen3 has not).
+Fixable facts (RoPE base, norm epsilon, qwen_type, attn_bias read off the weights) are rewritten in the
+config and every fix is returned as a record for the step's manifest; facts baked into the weights
+(dims, vocab, group sizes, layer count) are never "fixed": a mismatch is refused. One exception is
+expected, not refused: ModelOpt pads the vocabulary of AWQ checkpoints to a multiple of 64 (and writes
+the padded vocab_size); runtimes slice logits back to the source vocabulary (padded_vocab()).
 
 Pure Python: reads JSON and safetensors headers only (no torch), so it is cheap and testable.
 """
@@ -22,6 +27,11 @@ import struct
 from pathlib import Path
 
 DEFAULT_ROPE_BASE = 10000.0  # what TensorRT-LLM and transformers 4.x assume when none is given
+AWQ_VOCAB_PAD = 64           # modelopt/torch/export/postprocess.py pad_embedding_lm_head (AWQ exports)
+AWQ_ALGOS = ("W4A16_AWQ", "W4A8_AWQ")
+QWEN_ARCHITECTURES = ("QWenForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# tensorrt_llm/models/qwen/config.py QWenConfig.from_hugging_face: the HF model types it accepts as qwen_type
+QWEN_TYPES = ("qwen", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
 
 QUANT_ALGO = {  # qbuild modelopt scheme -> quant_algo written by ModelOpt's TensorRT-LLM export
     "none": None,
@@ -50,6 +60,7 @@ def source_facts(cfg: dict) -> dict:
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     return {
+        "model_type": cfg.get("model_type"),
         "hidden_size": hidden,
         "num_hidden_layers": cfg["num_hidden_layers"],
         "num_attention_heads": heads,
@@ -65,6 +76,10 @@ def source_facts(cfg: dict) -> dict:
         "rope_scaling": {k: v for k, v in {**scaling, **rope}.items() if k not in ("rope_theta",)}
         if rope_type != "default" else None,
     }
+
+
+def padded_vocab(vocab: int, multiple: int = AWQ_VOCAB_PAD) -> int:
+    return -(-vocab // multiple) * multiple
 
 
 def linear_in_features(cfg: dict) -> dict[str, int]:
@@ -124,12 +139,15 @@ def validate_trtllm_checkpoint(ckpt: Path, source_config: dict, *, quant_algo: s
             problems.append(f"{field} is {was!r}, the source model needs {now!r} ({why})")
 
     # 1. facts baked into the weights: refuse on mismatch
+    q = cfg.get("quantization") or {}
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "vocab_size", "intermediate_size", "head_size"):
         want = src.get(field)
         have = cfg.get(field)
         if field == "head_size" and have is None:
             continue  # TensorRT-LLM derives hidden_size // num_attention_heads; checked below
+        if field == "vocab_size" and q.get("quant_algo") in AWQ_ALGOS and have == padded_vocab(want):
+            continue  # ModelOpt's AWQ padding (zero rows): the runtimes slice logits to the source vocabulary
         if want is not None and have != want:
             problems.append(f"{field} is {have!r} in the checkpoint but {want!r} in the source model")
     if cfg.get("head_size") is None and src["head_size"] != src["hidden_size"] // src["num_attention_heads"]:
@@ -153,7 +171,6 @@ def validate_trtllm_checkpoint(ckpt: Path, source_config: dict, *, quant_algo: s
         need_fix("norm_epsilon", cfg["norm_epsilon"], src["norm_epsilon"], "differs from the source model")
 
     # 3. quantization as requested
-    q = cfg.get("quantization") or {}
     if quant_algo != "any" and q.get("quant_algo") != quant_algo:
         problems.append(f"quantization.quant_algo is {q.get('quant_algo')!r}, expected {quant_algo!r}")
     if group_size is not None and q.get("group_size") != group_size:
@@ -162,6 +179,7 @@ def validate_trtllm_checkpoint(ckpt: Path, source_config: dict, *, quant_algo: s
     # 4. mapping and rank files
     mapping = cfg.get("mapping") or {}
     world = mapping.get("world_size", 1)
+    tp = mapping.get("tp_size", 1)
     for name, want in (("tp_size", tp_size), ("pp_size", pp_size)):
         if want is not None and mapping.get(name, 1) != want:
             problems.append(f"mapping.{name} is {mapping.get(name, 1)}, expected {want}")
@@ -170,13 +188,28 @@ def validate_trtllm_checkpoint(ckpt: Path, source_config: dict, *, quant_algo: s
         problems.append(f"{len(ranks)} rank*.safetensors file(s) for world_size {world}")
 
     # 5. tensor shapes (rank 0): vocab and hidden size, quantization group size
-    if ranks and not problems:
-        problems += _check_tensors(safetensors_header(ckpt / "rank0.safetensors"), cfg, src, world, q)
+    header = safetensors_header(ckpt / "rank0.safetensors") if (ckpt / "rank0.safetensors").is_file() else None
+    if header is not None and not problems:
+        problems += _check_tensors(header, cfg, src, tp, q)
+
+    # 6. Qwen: what TensorRT-LLM's QWenConfig reads but ModelOpt's export (without tensorrt_llm) does not write
+    if header is not None and (cfg.get("architecture") in QWEN_ARCHITECTURES or cfg.get("decoder") == "qwen"):
+        if not cfg.get("qwen_type"):
+            if src["model_type"] in QWEN_TYPES:
+                need_fix("qwen_type", cfg.get("qwen_type"), src["model_type"],
+                         "missing: TensorRT-LLM's QWenForCausalLM reads it (the source model's model_type)")
+            else:
+                problems.append(f"qwen_type missing and the source model_type {src['model_type']!r} is not one "
+                                f"TensorRT-LLM accepts ({', '.join(QWEN_TYPES)})")
+        has_bias = any(n.endswith(".attention.qkv.bias") for n in header)
+        if cfg.get("attn_bias") is None or bool(cfg["attn_bias"]) != has_bias:
+            need_fix("attn_bias", cfg.get("attn_bias"), has_bias,
+                     "QWenConfig assumes qkv biases when it is missing; read off the checkpoint's tensors")
 
     return _refuse_or_fix(f"TensorRT-LLM checkpoint {ckpt}", cfg_path, cfg, problems, fixes, indent=4)
 
 
-def _check_tensors(header: dict, cfg: dict, src: dict, world: int, q: dict) -> list[str]:
+def _check_tensors(header: dict, cfg: dict, src: dict, tp: int, q: dict) -> list[str]:
     problems = []
     hidden = src["hidden_size"]
     emb = header.get("transformer.vocab_embedding.weight")
@@ -184,9 +217,11 @@ def _check_tensors(header: dict, cfg: dict, src: dict, world: int, q: dict) -> l
         problems.append("rank0.safetensors has no transformer.vocab_embedding.weight")
     else:
         rows = emb["shape"][0]
-        sharded = cfg.get("use_parallel_embedding") and cfg.get("embedding_sharding_dim", 0) == 0 and world > 1
-        full = rows * world if sharded else rows
-        if emb["shape"][1] != hidden or not (src["vocab_size"] <= full < src["vocab_size"] + 64 * world):
+        # use_parallel_embedding with embedding_sharding_dim 0 splits the vocabulary over the tensor-parallel ranks
+        # only (tensorrt_llm Embedding: tp_size/tp_group); pipeline stages each hold a whole table (the first)
+        sharded = cfg.get("use_parallel_embedding") and cfg.get("embedding_sharding_dim", 0) == 0 and tp > 1
+        full = rows * tp if sharded else rows
+        if emb["shape"][1] != hidden or not (src["vocab_size"] <= full < src["vocab_size"] + AWQ_VOCAB_PAD * tp):
             problems.append(f"vocab_embedding shape {emb['shape']} does not fit vocab {src['vocab_size']} x hidden {hidden}")
     lm = header.get("lm_head.weight")
     if lm is not None and lm["shape"][-1] != hidden:

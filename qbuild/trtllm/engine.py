@@ -6,10 +6,14 @@ and qbuild-engine.json recording what the engine's own config.json does not: the
 driver) and the TensorRT / TensorRT-LLM / CUDA versions it was built with.
 
 The engine key = checkpoint (input step key) + build settings + TensorRT-LLM, TensorRT and CUDA
-versions + GPU compute capability (SM). Nothing else about the machine enters it, so two identical
-GPUs share engines. TensorRT-LLM is never imported in qbuild's process: it is found with
-importlib.util.find_spec or in a configured interpreter (targets[i].python or QBUILD_TRTLLM_PYTHON),
-and the build runs there. Without a usable GPU + TensorRT-LLM 1.2.x the step plans as "needs-gpu".
+versions + GPU compute capability (SM) + GPU model name + CPU architecture. TensorRT engines are not
+portable across GPU models (H100, H200 and GH200 are all SM 9.0, with different SM counts and memory)
+or platforms (x86_64 vs aarch64 hosts), so all of these enter the key and the pull-time match; the
+driver does not. A fact that cannot be read (no GPU, a TensorRT-LLM whose TensorRT or CUDA version is
+not in its package metadata) never enters a key as a placeholder that another machine could match:
+the step is not available here ("needs-gpu", with the reason) unless `expect:` pins it.
+TensorRT-LLM is never imported in qbuild's process: it is found with importlib.util.find_spec or in a
+configured interpreter (targets[i].python or QBUILD_TRTLLM_PYTHON), and the build runs there.
 Engines are evaluated by the `tensorrt-llm` runtime (qbuild/trtllm/runtime.py).
 """
 
@@ -32,11 +36,20 @@ from qbuild.plugins import Target, TargetOptions, targets
 from qbuild.schema_base import StrictModel
 from qbuild.step import OnUnavailable, Step, StepContext
 from qbuild.trtllm import env as trtllm_env
+from qbuild.trtllm.checkpoint import QUANT_ALGO
 
 ENGINE_LINE = (1, 2)                 # the last TensorRT-LLM line with the TensorRT engine builder
 ENGINE_KIND = "trtllm-engine"
 BUILD_INFO = "qbuild-engine.json"
-ENV_KEYS = ("gpu.sm", "tensorrt_llm", "tensorrt", "cuda")   # what enters the key besides settings
+# what enters the key besides settings (see select.MATCH_KEYS for the pull-time match)
+ENV_KEYS = ("gpu.sm", "gpu.name", "host.arch", "tensorrt_llm", "tensorrt", "cuda")
+NOT_FOUND = "not-found"   # an unreadable fact of a step that is unavailable here; never built, never matched
+FP8_CONTEXT_FMHA_ALGOS = ("FP8", "W4A8_AWQ", "NVFP4")   # builder.py applies use_fp8_context_fmha to these only
+# TensorRT-LLM 1.2.x builder.py build(): for 100 <= SM < 120 it raises on INT8/INT4 weight-only (QuantMode
+# is_int8_weight_only / is_int4_weight_only, and QuantMode.from_quant_algo maps W4A16_AWQ and W4A8_AWQ to
+# use_weight_only(use_int4_weights=True, per_group=True)) and on SmoothQuant (has_act_and_weight_quant)
+SM100_REFUSED = {"int8-sq": "SmoothQuant", "int4-awq": "INT4 weight-only (W4A16_AWQ)",
+                 "w4a8-awq": "INT4 weight-only (W4A8_AWQ is an INT4 weight-only QuantMode)"}
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
 
 
@@ -52,6 +65,8 @@ class Expect(StrictModel):
     to build anywhere else."""
 
     sm: str | None = Field(None, pattern=r"^\d+\.\d+$", description="GPU compute capability, e.g. '9.0'.")
+    gpu_name: str | None = Field(None, description="GPU model as nvidia-smi names it, e.g. 'NVIDIA H100 80GB HBM3'.")
+    arch: str | None = Field(None, description="CPU architecture of the build host (platform.machine()), e.g. x86_64.")
     tensorrt_llm: str | None = None
     tensorrt: str | None = None
     cuda: str | None = None
@@ -70,8 +85,13 @@ class EngineTarget(TargetOptions):
     kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
     use_paged_context_fmha: bool = True
     gather_context_logits: bool = Field(
-        False, description="Build the engine so it can return context logits (trtllm-build --gather_context_logits): "
-        "needed for engine perplexity/KLD; costs GPU memory (max_num_tokens x vocab logits).")
+        False, description="Build the engine so it can return context logits (trtllm-build --gather_context_logits, "
+        "with --logits_dtype float32): needed for engine perplexity/KLD; costs GPU memory (max_num_tokens x vocab "
+        "float32 logits).")
+    use_fp8_context_fmha: bool = Field(
+        False, description="FP8 context attention (trtllm-build --use_fp8_context_fmha) for fp8, w4a8-awq and nvfp4 "
+        "checkpoints; always passed explicitly (TensorRT-LLM 1.2 turns it on by default). Off by default: an "
+        "FP8-attention accuracy regression was reported against 1.2.0.")
     tp_size: int = Field(1, ge=1, description="Must match the checkpoint's tensor-parallel ranks.")
     pp_size: int = Field(1, ge=1, description="Must match the checkpoint's pipeline-parallel ranks.")
     on_missing_gpu: Literal["fail", "skip"] = Field(
@@ -109,8 +129,13 @@ def trtllm_build_args(settings: dict, checkpoint_dir: str | Path, output_dir: st
     """The `trtllm-build` command line (tensorrt_llm/commands/build.py + plugin arguments, 1.2.x).
 
     Tensor/pipeline parallelism is not a flag: trtllm-build takes it from the checkpoint's mapping.
+    With context logits, `--logits_dtype float32` (build.py's "Logits arguments"; it overrides the
+    checkpoint's logits_dtype, which ModelOpt writes as float16 even for bf16 models): perplexity and
+    KLD need more than fp16 logits. `--use_fp8_context_fmha` (plugin/plugin.py, enable|disable) is
+    always explicit: its 1.2.x default is on, and builder.py ignores it for non-FP8 checkpoints.
     """
     p = settings
+    logits = ["--gather_context_logits", "--logits_dtype", "float32"] if p.get("gather_context_logits") else []
     return [
         "trtllm-build",
         "--checkpoint_dir", str(checkpoint_dir),
@@ -123,11 +148,14 @@ def trtllm_build_args(settings: dict, checkpoint_dir: str | Path, output_dir: st
         "--gemm_plugin", p["plugins"]["gemm"],
         "--gpt_attention_plugin", p["plugins"]["gpt_attention"],
         "--use_paged_context_fmha", _onoff(p["use_paged_context_fmha"]),
-    ] + (["--gather_context_logits"] if p.get("gather_context_logits") else [])
+        "--use_fp8_context_fmha", _onoff(p.get("use_fp8_context_fmha", False)),
+    ] + logits
 
 
 def build_config(settings: dict) -> dict:
-    """The same settings as an LLM-API `BuildConfig.from_dict(...)` dict (tensorrt_llm.builder, 1.2.x)."""
+    """The same settings as an LLM-API `BuildConfig.from_dict(...)` dict (tensorrt_llm.builder, 1.2.x).
+
+    logits_dtype is not a BuildConfig field (trtllm-build sets it on the model config): see trtllm_build_args."""
     p = settings
     extra = {"gather_context_logits": True} if p.get("gather_context_logits") else {}
     return extra | {
@@ -140,6 +168,7 @@ def build_config(settings: dict) -> dict:
             "gemm_plugin": p["plugins"]["gemm"],
             "gpt_attention_plugin": p["plugins"]["gpt_attention"],
             "use_paged_context_fmha": p["use_paged_context_fmha"],
+            "use_fp8_context_fmha": p.get("use_fp8_context_fmha", False),
         },
     }
 
@@ -184,26 +213,43 @@ def version_line(version: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
+def probed_facts(gpu, env) -> dict:
+    """The key facts as this machine has them (None where there is no GPU / TensorRT-LLM or a fact is unreadable)."""
+    return {"gpu.sm": gpu.sm if gpu else None, "gpu.name": gpu.name if gpu else None,
+            "host.arch": trtllm_env.host_arch(),
+            "tensorrt_llm": env.tensorrt_llm if env else None, "tensorrt": env.tensorrt if env else None,
+            "cuda": env.cuda if env else None}
+
+
 def resolve_environment(target: EngineTarget, gpu, env) -> tuple[dict, list[str]]:
     """(facts that enter the key, reasons this machine cannot build it). Pins win over probes."""
-    probed = {"gpu.sm": gpu.sm if gpu else None,
-              "tensorrt_llm": env.tensorrt_llm if env else None,
-              "tensorrt": env.tensorrt if env else None,
-              "cuda": env.cuda if env else None}
-    pinned = {"gpu.sm": target.expect.sm, "tensorrt_llm": target.expect.tensorrt_llm,
-              "tensorrt": target.expect.tensorrt, "cuda": target.expect.cuda}
-    facts = {k: pinned[k] or probed[k] or "unknown" for k in ENV_KEYS}
+    probed = probed_facts(gpu, env)
+    e = target.expect
+    pinned = {"gpu.sm": e.sm, "gpu.name": e.gpu_name, "host.arch": e.arch, "tensorrt_llm": e.tensorrt_llm,
+              "tensorrt": e.tensorrt, "cuda": e.cuda}
+    facts = {k: pinned[k] or probed[k] or NOT_FOUND for k in ENV_KEYS}
     reasons = []
     if gpu is None:
         reasons.append("needs GPU: no NVIDIA GPU found (nvidia-smi)")
-    elif pinned["gpu.sm"] and pinned["gpu.sm"] != gpu.sm:
-        reasons.append(f"needs a GPU with SM {pinned['gpu.sm']}; this machine has {gpu.name} (SM {gpu.sm})")
+    else:
+        for k, label in (("gpu.sm", "SM"), ("gpu.name", "GPU")):
+            if pinned[k] and pinned[k] != probed[k]:
+                reasons.append(f"needs {label} {pinned[k]}; this machine has {gpu.name} (SM {gpu.sm})")
+    if not probed["host.arch"]:
+        reasons.append("needs a known CPU architecture: platform.machine() is empty here")
+    elif pinned["host.arch"] and pinned["host.arch"] != probed["host.arch"]:
+        reasons.append(f"needs a {pinned['host.arch']} host; this machine is {probed['host.arch']}")
     if env is None:
         reasons.append("needs TensorRT-LLM 1.2.x: tensorrt_llm is not installed here; set the target's "
                        f"python: or ${trtllm_env.ENV_PYTHON} to an interpreter that has it (NVIDIA's release container)")
     else:
-        line = version_line(env.tensorrt_llm)
-        if line != ENGINE_LINE:
+        unreadable = [k for k in ("tensorrt_llm", "tensorrt", "cuda") if not probed[k]]
+        if unreadable:   # an engine keyed without them could be handed to another TensorRT: not built at all
+            reasons.append(f"needs TensorRT-LLM 1.2.x with known versions: the {', '.join(unreadable)} version of the "
+                           f"TensorRT-LLM environment ({env.python or sys.executable}) cannot be read from its package "
+                           "metadata, and an engine is keyed by them")
+        line = version_line(env.tensorrt_llm or "")
+        if env.tensorrt_llm and line != ENGINE_LINE:
             newer = line is not None and line > ENGINE_LINE
             reasons.append(f"TensorRT-LLM {env.tensorrt_llm} " + (
                 "has no TensorRT engine builder (removed after 1.3.0rc20); use type: trtllm-pytorch, "
@@ -212,6 +258,19 @@ def resolve_environment(target: EngineTarget, gpu, env) -> tuple[dict, list[str]
             if pinned[k] and probed[k] and pinned[k] != probed[k]:
                 reasons.append(f"expect.{k} is {pinned[k]} but the TensorRT-LLM environment has {probed[k]}")
     return facts, reasons
+
+
+def is_sm100_family(sm: str | None) -> bool:
+    """SM 10.x and 11.x, where TensorRT-LLM 1.2.x's builder refuses INT8/INT4 weight-only and SmoothQuant
+    (builder.py: `get_sm_version() >= 100 and get_sm_version() < 120`; SM 12.x is not refused)."""
+    line = version_line(sm or "")
+    return line is not None and 10 <= line[0] < 12
+
+
+def sm100_refusal(sm: str, variant: str | None, scheme: str) -> str:
+    return (f"TensorRT-LLM 1.2.x cannot build {SM100_REFUSED[scheme]} engines for SM {sm} (its builder refuses "
+            f"INT8/INT4 weight-only and SmoothQuant on SM 10.x-11.x); variant {variant!r} is {scheme}: use scheme fp8 "
+            "(or nvfp4 with export: hf and type: trtllm-pytorch)")
 
 
 @targets.register
@@ -239,20 +298,39 @@ class TensorRTLLMEngine(Target):
                                   f"checkpoint ({k}: {have}); trtllm-build takes parallelism from the checkpoint")
 
     def describe(self, output: Step) -> str:
-        return f"engine, SM {output.env_toolchain.get('gpu.sm', '?')}"
+        tc = output.env_toolchain
+        return f"engine, {tc.get('gpu.name', '?')} (SM {tc.get('gpu.sm', '?')}), {tc.get('host.arch', '?')}"
+
+    def check_quantization(self, target: EngineTarget, artifact: Step, field: str) -> None:
+        """Settings the builder would silently ignore for this checkpoint: refused here, naming the field."""
+        scheme = artifact.params.get("scheme", artifact.scheme)
+        algo = QUANT_ALGO.get(scheme)
+        if target.use_fp8_context_fmha and algo not in FP8_CONTEXT_FMHA_ALGOS:
+            raise RecipeError(f"{field}.use_fp8_context_fmha", f"applies to fp8, w4a8-awq and nvfp4 checkpoints; "
+                              f"variant {artifact.variant!r} is {scheme} (TensorRT-LLM would turn it off)")
+        if is_sm100_family(target.expect.sm) and scheme in SM100_REFUSED:
+            raise RecipeError(f"{field}.expect.sm", sm100_refusal(target.expect.sm, artifact.variant, scheme))
 
     def plan(self, target: EngineTarget, artifact: Step, ctx, field: str) -> Step:
         self.check_parallelism(target, artifact, field)
+        self.check_quantization(target, artifact, field)
         python = trtllm_env.configured_python(target.python)
         gpu, env = trtllm_env.gpu(), trtllm_env.trtllm(python)
         facts, reasons = resolve_environment(target, gpu, env)
+        scheme = artifact.params.get("scheme", artifact.scheme)
+        if is_sm100_family(facts["gpu.sm"]) and scheme in SM100_REFUSED:   # this GPU cannot build it; another can
+            reasons.append(sm100_refusal(facts["gpu.sm"], artifact.variant, scheme))
         ref_name = f"{artifact.variant}.{target.name}"
-        return ctx.add(Step(ENGINE_KIND, f"engine[{ref_name}]", build_settings(target),
+        settings = build_settings(target)
+        # the command is a pure function of the hashed settings: shown by `qbuild plan --json`, not hashed again
+        command = trtllm_build_args(settings, "<checkpoint>", "<engine>")
+        return ctx.add(Step(ENGINE_KIND, f"engine[{ref_name}]", settings,
                             "qbuild.trtllm.engine:run_build", inputs={"checkpoint": artifact}, threads=ctx.threads,
                             variant=ref_name, format=Format.TRTLLM_ENGINE, scheme=artifact.scheme,
                             env_toolchain=facts, requires_gpu=True, unavailable="; ".join(reasons),
                             on_unavailable=OnUnavailable(target.on_missing_gpu),
-                            runtime_args={"python": env.python if env else python, "expected": facts}))
+                            runtime_args={"python": env.python if env else python, "expected": facts,
+                                          "command": command}))
 
 
 def interpreter(python: str | None) -> list[str]:
@@ -270,10 +348,9 @@ BENCH_SHIM = "import sys; sys.argv[0] = 'trtllm-bench'; from tensorrt_llm.comman
 def current_environment(runtime_args: dict) -> tuple:
     """(GPU, TensorRT-LLM env) of this machine; refuses to run where they differ from the planned key."""
     gpu, env = trtllm_env.gpu(), trtllm_env.trtllm(runtime_args.get("python"))
-    now = {"gpu.sm": gpu.sm if gpu else None, "tensorrt_llm": env.tensorrt_llm if env else None,
-           "tensorrt": env.tensorrt if env else None, "cuda": env.cuda if env else None}
+    now = probed_facts(gpu, env)
     expected = runtime_args["expected"]
-    changed = [f"{k}: planned {expected[k]}, found {now[k]}" for k in ENV_KEYS if now[k] != expected[k]]
+    changed = [f"{k}: planned {expected.get(k)}, found {now[k]}" for k in ENV_KEYS if now[k] != expected.get(k)]
     if changed:
         raise RuntimeError("the TensorRT-LLM environment is not the one the key was computed for: " + "; ".join(changed))
     return gpu, env
@@ -301,7 +378,8 @@ def run_build(ctx: StepContext) -> dict:
     for f in ckpt.iterdir():  # tokenizer files make the engine dir loadable by LLM(model=engine_dir)
         if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors") and not (ctx.out / f.name).exists():
             shutil.copyfile(f, ctx.out / f.name)
-    info = {"gpu": gpu.as_dict(), "gpu_sm": gpu.sm, "tensorrt_llm": env.tensorrt_llm, "tensorrt": env.tensorrt,
+    info = {"gpu": gpu.as_dict(), "gpu_sm": gpu.sm, "host_arch": trtllm_env.host_arch(),
+            "tensorrt_llm": env.tensorrt_llm, "tensorrt": env.tensorrt,
             "cuda": env.cuda, "trtllm_build": args[:1] + [a if a not in (str(ckpt), str(ctx.out)) else
                                                           ("<checkpoint>" if a == str(ckpt) else "<engine>") for a in args[1:]],
             "build_config": build_config(p), "checkpoint_quantization": cfg.get("quantization")}
@@ -336,13 +414,13 @@ def parse_engine_dir(path: Path) -> dict:
         "max_seq_len": bc.get("max_seq_len"), "max_num_tokens": bc.get("max_num_tokens"),
         "engines": sorted(p.name for p in path.glob("rank*.engine")),
         "complete": all((path / f"rank{r}.engine").is_file() for r in range(world)),
-        "gpu_sm": None, "tensorrt": None, "gpu": None, "recorded_by_qbuild": False,
+        "gpu_sm": None, "tensorrt": None, "gpu": None, "host_arch": None, "recorded_by_qbuild": False,
     }
     info_file = path / BUILD_INFO
     if info_file.is_file():
         info = json.loads(info_file.read_text())
         out.update({"gpu_sm": info.get("gpu_sm"), "tensorrt": info.get("tensorrt"), "cuda": info.get("cuda"),
-                    "gpu": info.get("gpu"), "recorded_by_qbuild": True})
+                    "gpu": info.get("gpu"), "host_arch": info.get("host_arch"), "recorded_by_qbuild": True})
         if info.get("tensorrt_llm") and out["tensorrt_llm"] and info["tensorrt_llm"] != out["tensorrt_llm"]:
             raise UserError(f"{path}: config.json says TensorRT-LLM {out['tensorrt_llm']}, "
                             f"{BUILD_INFO} says {info['tensorrt_llm']}")

@@ -9,7 +9,9 @@ Both are memoized per process, so planning stays fast.
 
 Test hooks (tests only; documented in docs/tensorrt-llm.md):
   QBUILD_FAKE_GPU="NAME:SM:DRIVER" (e.g. "NVIDIA H100 80GB HBM3:9.0:550.54.15") or "none"
-  QBUILD_FAKE_TRTLLM="TRTLLM:TENSORRT:CUDA" (e.g. "1.2.1:10.13.3.9:13.0") or "none"
+  QBUILD_FAKE_TRTLLM="TRTLLM:TENSORRT:CUDA" (e.g. "1.2.1:10.13.3.9:13.0", "1.2.1::13.0" for a TensorRT
+                     whose version cannot be read) or "none"
+  QBUILD_FAKE_ARCH="aarch64" (the host's CPU architecture; default platform.machine())
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from functools import lru_cache
 ENV_PYTHON = "QBUILD_TRTLLM_PYTHON"
 FAKE_GPU = "QBUILD_FAKE_GPU"
 FAKE_TRTLLM = "QBUILD_FAKE_TRTLLM"
+FAKE_ARCH = "QBUILD_FAKE_ARCH"
 
 
 @dataclass(frozen=True)
@@ -41,9 +44,9 @@ class GPU:
 @dataclass(frozen=True)
 class TrtllmEnv:
     python: str      # the interpreter that has tensorrt_llm ("" = qbuild's own)
-    tensorrt_llm: str
-    tensorrt: str
-    cuda: str
+    tensorrt_llm: str | None   # None: installed, but the version is not in its package metadata
+    tensorrt: str | None
+    cuda: str | None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -119,7 +122,7 @@ def trtllm(python: str | None = None) -> TrtllmEnv | None:
     if fake is not None:
         if fake.strip().lower() in ("", "none"):
             return None
-        t, trt, cuda = fake.split(":")
+        t, trt, cuda = (part or None for part in fake.split(":"))
         return TrtllmEnv(python or "", t, trt, cuda)
     return _probe_trtllm(python or "")
 
@@ -139,9 +142,17 @@ def _probe_trtllm(python: str) -> TrtllmEnv | None:
         data = json.loads(out.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return None
-    if not data.get("found") or not data.get("tensorrt_llm"):
+    if not data.get("found"):
         return None
-    return TrtllmEnv(python, data["tensorrt_llm"], data.get("tensorrt") or "unknown", data.get("cuda") or "unknown")
+    # an unreadable version stays None: the engine target then plans needs-gpu, never keys on a placeholder
+    return TrtllmEnv(python, data.get("tensorrt_llm") or None, data.get("tensorrt") or None, data.get("cuda") or None)
+
+
+def host_arch() -> str:
+    """The CPU architecture engines are built on and for (x86_64, aarch64 on GH200/GB200 hosts)."""
+    import platform
+
+    return os.environ.get(FAKE_ARCH) or platform.machine()
 
 
 def sm_tag(sm: str) -> str:

@@ -42,9 +42,15 @@ FP4_QUANT_ALGO = {"nvfp4": "NVFP4", "w4a8-mxfp4-fp8": "W4A8_MXFP4_FP8"}
 FP4_GROUP_SIZE = {"nvfp4": 16, "w4a8-mxfp4-fp8": 32}   # elements per FP4 scale block along the input dim
 AWQ_SCHEMES = ("int4-awq", "w4a8-awq")
 AWQ_BLOCK_SIZES = (64, 128)  # group sizes TensorRT-LLM's weight-only/W4A8 AWQ kernels take
-# HF model_type -> ModelOpt's TensorRT-LLM decoder_type (only types ModelOpt's export maps)
+# HF model_type -> ModelOpt's TensorRT-LLM decoder_type, for the types whose checkpoint ModelOpt 0.37-0.47 writes
+# without tensorrt_llm importable (the `modelopt` environment): convert_to_tensorrt_llm_config
+# (modelopt/torch/export/tensorrt_llm_utils.py) raises NotImplementedError for any decoder but
+# gpt/gemma/llama/qwen/mpt/recurrentgemma/dbrx/mllama/enc-dec. qwen checkpoints get qwen_type/attn_bias written
+# by the checkpoint validation (qbuild/trtllm/checkpoint.py).
 DECODER_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gemma": "gemma",
-                 "gemma2": "gemma2", "phi3": "phi3", "gpt2": "gpt"}
+                 "gpt2": "gpt"}
+# decoder types ModelOpt recognises (and earlier qbuild offered) whose TensorRT-LLM checkpoint export raises there
+EXPORT_RAISES = {"gemma2": "gemma2", "phi3": "phi3"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
 FORMATS = {"trtllm-checkpoint": Format.TRTLLM_CHECKPOINT, "hf": Format.HF_MODELOPT}
@@ -113,6 +119,11 @@ class ModelOpt(Method):
     def check(self, variant: ModelOptVariant, ctx, field: str) -> None:
         info = ctx.model_info()
         model_type = info.get("model_type")
+        if variant.export == "trtllm-checkpoint" and model_type in EXPORT_RAISES:
+            raise RecipeError(f"{field}.export", f"ModelOpt's TensorRT-LLM checkpoint export raises NotImplementedError "
+                              f"for {model_type} (decoder {EXPORT_RAISES[model_type]!r}) where tensorrt_llm is not "
+                              "importable; use export: hf on this variant and a target of type: trtllm-pytorch "
+                              "(TensorRT-LLM's PyTorch backend loads the HF checkpoint)")
         if variant.export == "trtllm-checkpoint" and model_type not in DECODER_TYPES:
             raise RecipeError(f"{field}.export", f"ModelOpt's TensorRT-LLM export does not map model_type "
                               f"{model_type!r}; supported: {', '.join(sorted(DECODER_TYPES))} (or use export: hf)")

@@ -10,8 +10,8 @@ TensorRT-LLM interpreter (the target's `python:` / $QBUILD_TRTLLM_PYTHON, as for
 - throughput: `trtllm-bench throughput --backend tensorrt --streaming` per batch size (the command
   engine.trtllm_bench_args generates), its --report_json mapped to throughput.py's metric names.
 
-Plan side: an engine evaluation is keyed like the engine (TensorRT-LLM, TensorRT, CUDA, GPU SM; the
-GPU model too for timings), available exactly where the engine is (needs-gpu, on_missing_gpu), and
+Plan side: an engine evaluation is keyed like the engine (TensorRT-LLM, TensorRT, CUDA, GPU SM and model,
+CPU architecture; the whole host too for timings), available exactly where the engine is (needs-gpu, on_missing_gpu), and
 reads the source model's tokenizer/config (the engine dir has neither).
 """
 
@@ -32,16 +32,17 @@ from qbuild.formats import Format
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
 from qbuild.step import StepContext
 from qbuild.trtllm import engine as trt
-from qbuild.trtllm import env as trtllm_env
 
 SHIM = Path(__file__).with_name("_shim.py")
 
 
-def _engine_vocab(engine: Path) -> int | None:
-    try:
-        return json.loads((engine / "config.json").read_text())["pretrained_config"]["vocab_size"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+def source_vocab(model_dir: Path) -> int:
+    """The source model's vocabulary: engine logits are sliced to it. The engine's own vocab_size can be larger
+    (ModelOpt pads AWQ checkpoints to a multiple of 64, TensorRT-LLM pads the lm_head to a multiple of tp_size),
+    and the padded columns are zero-weight rows whose logit 0 would take probability mass."""
+    from qbuild.trtllm.checkpoint import source_facts
+
+    return source_facts(json.loads((Path(model_dir) / "config.json").read_text()))["vocab_size"]
 
 
 def _run(ctx: StepContext, cmd: list[str], what: str) -> float:
@@ -84,7 +85,8 @@ class EngineSession(RuntimeSession):
                        "protocol": str(work / "protocol.py"),
                        "windows": [{"tokens": [int(t) for t in w.tokens], "first_scored": w.first_scored}
                                    for w in windows],
-                       "vocab_size": _engine_vocab(self.engine), "batch": 1, "logits_dir": str(logits_dir)}
+                       "vocab_size": source_vocab(ctx.inputs["tokenizer"]), "batch": 1,
+                       "logits_dir": str(logits_dir)}
             (work / "request.json").write_text(json.dumps(request))
             _run(ctx, [*trt.interpreter(self.env.python), str(work / SHIM.name), str(work / "request.json"),
                        str(work / "result.json")], "the TensorRT-LLM logits shim")
@@ -117,10 +119,7 @@ class EngineRuntime(Runtime):
     extra = "tensorrt-llm"   # runs in the TensorRT-LLM interpreter, never imported here
 
     def plan_fields(self, label: str, artifact, ctx, measure: str) -> dict:
-        env = dict(artifact.env_toolchain)
-        if measure == "throughput":  # timings belong to a machine: the GPU model enters the key too
-            gpu = trtllm_env.gpu()
-            env["gpu.name"] = gpu.name if gpu else "unknown"
+        env = dict(artifact.env_toolchain)   # the engine's facts, GPU model and CPU architecture included
         # the source model's HF config + tokenizer: the LLM API and trtllm-bench read them, the engine has neither
         return {"extra_inputs": {"tokenizer": ctx.model()}, "env_toolchain": env, "requires_gpu": True,
                 "unavailable": artifact.unavailable, "on_unavailable": artifact.on_unavailable,
@@ -191,7 +190,7 @@ def parse_bench_report(report: dict, batch_size: int, input_len: int) -> dict:
 def bench_throughput(session: EngineSession, ctx: StepContext, p: dict) -> dict:
     gpu, env = session.gpu, session.env
     engine, hf_dir = session.engine, Path(ctx.inputs["tokenizer"])
-    vocab = _engine_vocab(engine) or 32000
+    vocab = source_vocab(hf_dir)
     results, commands, machine = [], [], None
     with _workdir(ctx) as work:
         work = Path(work)

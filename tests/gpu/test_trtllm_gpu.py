@@ -3,15 +3,18 @@
 Also runs qbuild's own engine evaluation steps (perplexity/KLD through qbuild/trtllm/_shim.py,
 throughput through trtllm-bench) with a target built with gather_context_logits.
 
-Needs an NVIDIA GPU and TensorRT-LLM 1.2.x importable in this Python (NVIDIA's release container;
-see docs/tensorrt-llm.md for the exact commands). Skipped cleanly anywhere else: tensorrt_llm is
-located with importlib.util.find_spec, never imported at collection time.
-NOT RUN in the workplace where it was written (no GPU, no tensorrt_llm there).
+Needs an NVIDIA GPU and a TensorRT-LLM 1.2.x interpreter: $QBUILD_TRTLLM_PYTHON (tests/gpu/run.sh points it at
+qbuild's `tensorrt-llm-1.2` backend environment) or qbuild's own Python if it has tensorrt_llm. pytest itself runs
+in qbuild's environment; everything TensorRT-LLM runs in that interpreter (the engine build and evaluation steps,
+trtllm_engine_check.py, trtllm-bench), as in real use. Skipped, with the reason, anywhere else; tensorrt_llm is
+never imported here.
+NOT RUN in the workplace where it was written (no GPU, no tensorrt_llm there). tests/gpu/run.sh sets up the
+environments and runs the whole GPU suite; tests/test_gpu_suite.py checks on CPU what can be checked there
+(this file's engine settings and context-logits path, through tests/fake_trtllm).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -22,21 +25,56 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("tensorrt_llm") is None,
-                       reason="tensorrt_llm is not installed (run inside NVIDIA's TensorRT-LLM 1.2.x release container)"),
-]
+from qbuild.trtllm import env as trtllm_env
+
+ENGINE_CHECK = Path(__file__).with_name("trtllm_engine_check.py")
+
+
+def unavailable() -> str:
+    """Why this machine cannot run the suite ("" = it can)."""
+    if trtllm_env.gpu() is None:
+        return "no NVIDIA GPU (nvidia-smi)"
+    env = trtllm_env.trtllm(trtllm_env.configured_python())
+    if env is None or not (env.tensorrt_llm or "").startswith("1.2."):
+        found = f"TensorRT-LLM {env.tensorrt_llm}" if env else "no tensorrt_llm"
+        return (f"needs TensorRT-LLM 1.2.x in ${trtllm_env.ENV_PYTHON} or this Python ({found}); "
+                "tests/gpu/run.sh creates it")
+    return ""
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(unavailable()), reason=unavailable() or "ready")]
+
+
+def trtllm_python() -> list[str]:
+    env = trtllm_env.trtllm(trtllm_env.configured_python())
+    return env.python.split() if env and env.python else [sys.executable]
+
+
+def engine_check(engine: Path, tokenizer: Path, vocab: int, windows: list[list[int]], prompt: str = "",
+                 python: list[str] | None = None) -> dict:
+    """trtllm_engine_check.py in the TensorRT-LLM interpreter: generated text and context-logit NLL."""
+    work = engine.parent / f"{engine.name}-check"
+    work.mkdir(exist_ok=True)
+    (work / "request.json").write_text(json.dumps({"engine": str(engine), "tokenizer": str(tokenizer),
+                                                   "vocab_size": vocab, "prompt": prompt, "windows": windows}))
+    run = subprocess.run([*(python or trtllm_python()), str(ENGINE_CHECK), str(work / "request.json"),
+                          str(work / "result.json")], capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return json.loads((work / "result.json").read_text())
+
 
 SCHEMES = [("fp16", {"scheme": "none", "dtype": "float16"}), ("fp8", {"scheme": "fp8"})]
+# the engine this suite builds: context logits gathered (the perplexity below reads them; trtllm-build adds
+# --logits_dtype float32 with them), FP8 context attention explicitly off (qbuild's default)
+ENGINE_TARGET = {"type": "tensorrt-llm", "max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
+                 "max_num_tokens": 4096, "gather_context_logits": True}
 
 
 def run_recipe(tmp_path, recipe: dict) -> dict:
-    """`qbuild run --json` with this interpreter as the TensorRT-LLM one; the summary."""
+    """`qbuild run --json` (qbuild's Python; TensorRT-LLM steps in the configured interpreter); the summary."""
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
-    env = {**os.environ, "QBUILD_TRTLLM_PYTHON": sys.executable}
-    out = subprocess.run([sys.executable, "-m", "qbuild", "run", str(path), "--json"], env=env,
+    out = subprocess.run([sys.executable, "-m", "qbuild", "run", str(path), "--json"], env=dict(os.environ),
                          capture_output=True, text=True, timeout=3600)
     assert out.returncode == 0, out.stderr[-4000:]
     return json.loads(out.stdout)
@@ -54,8 +92,7 @@ def _build(tmp_path: Path, model_dir: Path, name: str, variant: dict) -> tuple[d
     recipe = {"name": "gpu", "model": {"source": "local", "path": str(model_dir)},
               "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 16, "seq_len": 256},
               "variants": [{"name": name, "method": "modelopt", **variant}],
-              "targets": [{"type": "tensorrt-llm", "max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
-                           "max_num_tokens": 4096}],
+              "targets": [dict(ENGINE_TARGET)],
               "evaluation": {"baseline": False, "perplexity": None}, "store": {"path": str(tmp_path / "store")}}
     summary = run_recipe(tmp_path, recipe)
     step = next(s for s in summary["steps"] if s["name"] == f"engine[{name}.trtllm]")
@@ -74,33 +111,20 @@ def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
     assert info["complete"] and info["gpu_sm"] == gpu.sm and manifest["toolchain"]["gpu.sm"] == gpu.sm
     assert manifest["info"]["gpu"]["driver"] == gpu.driver and manifest["info"]["tensorrt"]
 
-    # load + generate through the LLM API (TensorRT engine backend of 1.2.x)
-    from tensorrt_llm import SamplingParams
-    from tensorrt_llm._tensorrt_engine import LLM
-
-    llm = LLM(model=str(engine), tokenizer=str(engine))
-    text = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0].outputs[0].text
-    assert text.strip()
-
-    # perplexity, fixed-window protocol: score tokens 1..n-1 of each window from context logits
+    # load + generate, and perplexity from context logits (fixed windows: tokens 1..n-1 of each scored)
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(engine))
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
     import inspect
 
     ids = tok("\n\n".join(inspect.getsource(m) for m in (json, os, subprocess)), add_special_tokens=False)["input_ids"]
     windows = [ids[i: i + 512] for i in range(0, len(ids) - 512, 512)][:4]
-    nll, count = 0.0, 0
-    for w in windows:
-        out = llm.generate([w], SamplingParams(max_tokens=1, return_context_logits=True))[0]
-        logits = out.context_logits.float()
-        logp = logits.log_softmax(-1)
-        for pos in range(len(w) - 1):
-            nll -= float(logp[pos, w[pos + 1]])
-            count += 1
-    ppl = math.exp(nll / count)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    checked = engine_check(engine, engine, vocab, windows, prompt="The capital of France is")
+    assert checked["text"].strip()
+    ppl = math.exp(checked["nll"] / checked["count"])
+    print(f"[gpu-report] engine {name} {model_dir.name}: ppl {ppl:.4f} over {checked['count']} tokens")
     assert 1.0 < ppl < 200.0, ppl
-    del llm
 
     # throughput through trtllm-bench
     ds = tmp_path / "bench.jsonl"
@@ -108,14 +132,14 @@ def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
     report = tmp_path / "report.json"
     # --model_path must be an HF dir (trtllm-bench reads its config.json with AutoConfig); the engine's is TRT-LLM's
     args = trt.trtllm_bench_args("local-model", model_dir, engine, ds, report, num_requests=32, warmup=2)
-    run = subprocess.run([sys.executable, "-c", "import sys; from tensorrt_llm.commands.bench import main; "
-                          "sys.argv[0]='trtllm-bench'; main()", *args[1:]], capture_output=True, text=True, timeout=1800)
+    run = subprocess.run([*trtllm_python(), "-c", trt.BENCH_SHIM, *args[1:]], capture_output=True, text=True,
+                         timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert json.loads(report.read_text())
 
 
 def test_engine_perplexity_and_throughput_steps(tmp_path, model_dir):
-    """qbuild's own engine evaluation steps (qbuild/evaluate/trtllm.py): PPL through the shim, trtllm-bench."""
+    """qbuild's own engine evaluation steps (qbuild/trtllm/runtime.py): PPL/KLD through the shim, trtllm-bench."""
     from qbuild.artifacts.store import Store
 
     ev = {"baseline": True, "kld": True,
@@ -124,8 +148,7 @@ def test_engine_perplexity_and_throughput_steps(tmp_path, model_dir):
     recipe = {"name": "gpu-eval", "model": {"source": "local", "path": str(model_dir)},
               "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 16, "seq_len": 256},
               "variants": [{"name": "fp16", "method": "modelopt", "scheme": "none", "dtype": "float16"}],
-              "targets": [{"type": "tensorrt-llm", "max_batch_size": 8, "max_input_len": 512, "max_seq_len": 1024,
-                           "max_num_tokens": 4096, "gather_context_logits": True}],
+              "targets": [dict(ENGINE_TARGET)],
               "evaluation": ev, "store": {"path": str(tmp_path / "store")}}
     summary = run_recipe(tmp_path, recipe)
     steps = {s["name"]: s for s in summary["steps"]}
@@ -133,6 +156,9 @@ def test_engine_perplexity_and_throughput_steps(tmp_path, model_dir):
         assert steps[name]["status"] == "built", steps[name]
     rows = {r["variant"]: r for r in summary["variants"]}
     engine, base = rows["fp16.trtllm"], rows["baseline"]
+    print(f"[gpu-report] engine eval {model_dir.name}: engine ppl {engine['ppl']:.4f}, baseline ppl {base['ppl']:.4f}, "
+          f"kld {engine['kld']:.5f}, top1 {engine['top1']:.4f}, decode {engine['decode_tok_s']:.1f} tok/s, "
+          f"ttft {engine['ttft_ms']:.1f} ms")
     # an FP16 engine against the FP32 transformers baseline, same windows: close, not identical
     assert abs(engine["ppl"] - base["ppl"]) / base["ppl"] < 0.02, (engine["ppl"], base["ppl"])
     assert engine["kld"] < 0.01 and engine["top1"] > 0.95

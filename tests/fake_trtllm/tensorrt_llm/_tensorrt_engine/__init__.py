@@ -13,8 +13,8 @@ def fake_logits(tokens: list[int], vocab: int) -> np.ndarray:
     t = np.asarray(tokens, dtype=np.int64)
     logits = np.zeros((len(t), vocab), dtype=np.float32)
     rows = np.arange(len(t))
-    logits[rows, (t * 7 + 3) % vocab] = 4.0
-    logits[rows, (t + 1) % vocab] += 2.0
+    logits[rows, (t * 7 + 3) % vocab] = 4.0123   # not fp16-representable: an fp16 logits engine shows
+    logits[rows, (t + 1) % vocab] += 2.0456
     return logits
 
 
@@ -51,6 +51,7 @@ class LLM:
             raise RuntimeError("the stub insists on enable_block_reuse=False (reused blocks lose context logits)")
         self.gather = cfg["build_config"].get("gather_context_logits", False)
         self.vocab = cfg["pretrained_config"]["vocab_size"]
+        self.logits_dtype = cfg["pretrained_config"].get("logits_dtype", "float32")
         self.max_input_len = cfg["build_config"]["max_input_len"]
 
     def generate(self, prompts, sampling_params, use_tqdm=True):
@@ -59,7 +60,10 @@ class LLM:
             if len(p) > self.max_input_len:
                 raise ValueError(f"prompt of {len(p)} tokens exceeds max_input_len {self.max_input_len}")
             ok = sampling_params.return_context_logits and self.gather
-            outs.append(_Output(_Tensor(fake_logits(p, self.vocab)) if ok else None))
+            logits = fake_logits(p, self.vocab)
+            if self.logits_dtype != "float32":   # what an fp16 logits output costs: rounding
+                logits = logits.astype(np.float16)
+            outs.append(_Output(_Tensor(logits) if ok else None))
         return outs
 
     def shutdown(self):

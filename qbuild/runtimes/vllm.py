@@ -1,0 +1,237 @@
+"""Runtime `vllm`: perplexity, KLD and the load check of HF-layout checkpoints through vLLM, on a GPU.
+
+vLLM pins its own CUDA torch, so it is never imported in qbuild's process: its code runs in the vLLM
+interpreter ($QBUILD_VLLM_PYTHON, e.g. the `vllm` backend environment's python from `qbuild env create
+vllm`, or qbuild's own Python if it has vllm), through _vllm_shim.py, which the step copies next to a
+JSON request in its private dir inside the store.
+
+Perplexity/KLD: vLLM gives no logits, but `SamplingParams(prompt_logprobs=k)` gives, for every prompt
+position, the log-probabilities of the k most likely tokens plus the prompt token itself. The prompt
+token's entry is all perplexity needs; KLD against the baseline needs the whole distribution at every
+scored position (a top-k truncation leaves out the tail mass, so KLD from it is a bound, not the number
+the other runtimes report). So qbuild asks for the whole vocabulary: prompt_logprobs=-1 and logprobs=-1
+(the last position's distribution comes with the one generated token), which vLLM allows only with
+LLM(max_logprobs=-1), with logprobs_mode "raw_logprobs" (log-softmax of the model's logits before any
+sampling processor) and no prefix caching (a cached prefix would not be recomputed). The rows go through
+the same protocol code (qbuild/evaluate/quality.py) as every runtime's logits, so the numbers compare with
+the transformers baseline. Cost: window length x vocabulary float32 per window crosses from vLLM to the
+shim (FlatLogprobs where the vLLM release has them: no Python object per entry).
+
+Plan side: formats are those vLLM loads (qbuild.formats.LOADS_IN lists "vllm"); transformers stays first
+for the formats both read, so vLLM evaluates what only it reads (ModelOpt's FP8 HF export) and joins the
+load check where it can run here, or where evaluation.load_check.runtimes names it. Without a GPU or a vLLM
+interpreter its steps plan as needs-gpu, with the reason, and are skipped by `qbuild run` (an evaluation
+that cannot run here does not stop the artifacts from being built). Throughput is not measured here:
+serving benchmarks run against `vllm serve`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from qbuild.formats import Format, loads_in
+from qbuild.plugins import Runtime, RuntimeSession, runtimes
+from qbuild.step import OnUnavailable, StepContext
+
+ENV_PYTHON = "QBUILD_VLLM_PYTHON"
+SHIM = Path(__file__).with_name("_vllm_shim.py")
+NOT_FOUND = "not-found"
+# the logprobs request: full vocabulary at every position, greedy, no detokenization (prompts are token ids)
+LOGPROBS_SAMPLING = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": -1, "logprobs": -1,
+                     "detokenize": False, "flat_logprobs": True}
+
+PROBE_SCRIPT = r"""
+import importlib.util, json
+from importlib import metadata
+out = {"found": importlib.util.find_spec("vllm") is not None}
+try:
+    out["vllm"] = metadata.version("vllm")
+except metadata.PackageNotFoundError:
+    out["vllm"] = None
+print(json.dumps(out))
+"""
+
+
+@dataclass(frozen=True)
+class VllmEnv:
+    python: str            # "" = qbuild's own interpreter
+    version: str | None    # None: importable, but no version in its package metadata
+
+
+def configured_python() -> str | None:
+    return os.environ.get(ENV_PYTHON) or None
+
+
+def interpreter(python: str | None) -> list[str]:
+    return python.split() if python else [sys.executable]
+
+
+@lru_cache(maxsize=8)
+def probe(python: str | None) -> VllmEnv | None:
+    """The vLLM install `python` has (stdlib probe in that interpreter: vllm is never imported), or None."""
+    if not python:
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            return None
+    try:
+        out = subprocess.run([*interpreter(python), "-c", PROBE_SCRIPT], capture_output=True, text=True, timeout=120)
+        data = json.loads(out.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+    return VllmEnv(python or "", data.get("vllm")) if data.get("found") else None
+
+
+def availability() -> tuple[dict, list[str], str | None]:
+    """(facts for the key, reasons it cannot run here, the interpreter)."""
+    from qbuild.trtllm import env as gpu_env  # the nvidia-smi probe (and its test hook)
+
+    python = configured_python()
+    env, gpu = probe(python), gpu_env.gpu()
+    reasons = []
+    if gpu is None:
+        reasons.append("needs GPU: no NVIDIA GPU found (nvidia-smi); the vllm runtime runs vLLM on CUDA")
+    if env is None:
+        reasons.append(f"needs vLLM: not importable here; set ${ENV_PYTHON} to an interpreter that has it "
+                       "(e.g. the `vllm` backend environment: qbuild env create vllm)")
+    elif env.version is None:
+        reasons.append(f"needs vLLM with a known version: {env.python or sys.executable} has no vllm package "
+                       "metadata, and results are keyed by it")
+    # logprobs differ across GPU models and vLLM releases (kernels): both enter evaluation keys
+    facts = {"vllm": (env.version if env else None) or NOT_FOUND, "gpu.name": gpu.name if gpu else NOT_FOUND,
+             "gpu.sm": gpu.sm if gpu else NOT_FOUND}
+    return facts, reasons, python
+
+
+def llm_kwargs(model: Path, n_ctx: int, seed: int = 0) -> dict:
+    """LLM(**kwargs) for one evaluation (vllm/entrypoints/llm.py; the names are EngineArgs fields)."""
+    return {
+        "model": str(model),
+        "skip_tokenizer_init": True,         # prompts are token ids; nothing is detokenized
+        "max_model_len": n_ctx + 1,          # a window plus the one generated token
+        "max_logprobs": -1,                  # allow prompt_logprobs=-1 / logprobs=-1 (whole vocabulary)
+        "logprobs_mode": "raw_logprobs",     # log-softmax of the raw logits, before any sampling processor
+        "enable_prefix_caching": False,      # a cached prefix would get no prompt logprobs recomputed
+        "seed": seed,
+        "gpu_memory_utilization": float(os.environ.get("QBUILD_VLLM_GPU_MEMORY_UTILIZATION", "0.5")),
+    }
+
+
+def generate_sampling(n: int) -> dict:
+    """Greedy continuation of exactly n tokens (no end token stops it), as the load check asks."""
+    return {"max_tokens": n, "min_tokens": n, "temperature": 0.0, "ignore_eos": True, "detokenize": False}
+
+
+def vocab_size(model: Path) -> int:
+    from qbuild.trtllm.checkpoint import source_facts
+
+    return source_facts(json.loads((Path(model) / "config.json").read_text()))["vocab_size"]
+
+
+class VllmSession(RuntimeSession):
+    def __init__(self, model: Path, ctx: StepContext, n_ctx: int):
+        self.model, self.ctx, self.n_ctx = model, ctx, n_ctx
+        self.python = ctx.runtime_args.get("python")
+        expected = ctx.runtime_args.get("expected") or {}
+        now, reasons, _ = availability()
+        if reasons:
+            raise RuntimeError("; ".join(reasons))
+        changed = [f"{k}: planned {expected[k]}, found {now[k]}" for k in expected if now.get(k) != expected[k]]
+        if changed:
+            raise RuntimeError("the vLLM environment is not the one the key was computed for: " + "; ".join(changed))
+        self._info: dict = {"name": VllmRuntime.name, "vllm": now["vllm"], "gpu": now["gpu.name"]}
+
+    def _call(self, request: dict, work: Path) -> dict:
+        shutil.copyfile(SHIM, work / SHIM.name)
+        (work / "request.json").write_text(json.dumps(request))
+        cmd = [*interpreter(self.python), str(work / SHIM.name), str(work / "request.json"), str(work / "result.json")]
+        self.ctx.log("running: " + " ".join(cmd))
+        sys.stdout.flush()
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the vLLM shim exited with code {proc.returncode} (see the step log)")
+        try:
+            result = json.loads((work / "result.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise RuntimeError(f"the vLLM shim wrote no result ({exc})") from None
+        self._info = {**self._info, **result.get("runtime", {}), "name": VllmRuntime.name,
+                      "llm": {k: v for k, v in request["llm"].items() if k != "model"},
+                      "sampling": request["sampling"], "seconds": round(time.perf_counter() - t0, 3)}
+        return result
+
+    def _workdir(self):
+        # private to this step, inside the store (ctx.out's parent is removed after publishing), never in the object
+        return tempfile.TemporaryDirectory(dir=self.ctx.out.parent, prefix="vllm-")
+
+    def window_logits(self, windows) -> Iterator:
+        """Each window's full-vocabulary log-probs (tokens x vocab), read back one window at a time."""
+        import numpy as np
+
+        with self._workdir() as work:
+            work = Path(work)
+            (work / "rows").mkdir()
+            request = {"mode": "logprobs", "llm": llm_kwargs(self.model, self.n_ctx), "sampling": LOGPROBS_SAMPLING,
+                       "windows": [[int(t) for t in w.tokens] for w in windows], "vocab_size": vocab_size(self.model),
+                       "out_dir": str(work / "rows")}
+            result = self._call(request, work)
+            if len(result.get("rows", ())) != len(windows):
+                raise RuntimeError(f"the vLLM shim scored {len(result.get('rows', ()))} windows, expected {len(windows)}")
+            for i in range(len(windows)):
+                path = work / "rows" / f"{i}.npy"
+                rows = np.load(path)
+                path.unlink()   # full-vocabulary rows are large: one window on disk at a time
+                yield rows
+
+    def generate(self, prompt_tokens: list[int], n: int) -> list[int]:
+        with self._workdir() as work:
+            request = {"mode": "generate", "llm": llm_kwargs(self.model, len(prompt_tokens) + n),
+                       "sampling": generate_sampling(n), "prompt": [int(t) for t in prompt_tokens], "tokens": n}
+            return list(self._call(request, Path(work))["generated"])
+
+    def info(self) -> dict:
+        return self._info
+
+
+@runtimes.register
+class VllmRuntime(Runtime):
+    name = "vllm"
+    # every format some artifact of which vLLM loads (qbuild.formats.LOADS_IN); the scheme is checked per artifact
+    formats = (Format.HF, Format.COMPRESSED_TENSORS, Format.GPTQ, Format.AWQ, Format.HF_MODELOPT,
+               Format.BITSANDBYTES, Format.AUTO_ROUND)
+    extra = "vllm"   # runs in the vLLM interpreter ($QBUILD_VLLM_PYTHON), never imported here
+    fallback = True  # transformers evaluates what both read (on CPU too); vLLM what only it reads
+
+    def plan_fields(self, label: str, artifact, ctx, measure: str) -> dict:
+        facts, reasons, python = availability()
+        return {"env_toolchain": facts, "requires_gpu": True, "unavailable": "; ".join(reasons),
+                "on_unavailable": OnUnavailable.SKIP,
+                "runtime_args": {"python": python, "expected": facts}}
+
+    def cannot_measure(self, label: str, artifact, evaluation) -> dict[str, str]:
+        if "vllm" not in loads_in(artifact.format, artifact.scheme):
+            why = f"vLLM does not load {label!r} ({artifact.format}, {artifact.scheme or 'any scheme'})"
+            return dict.fromkeys(("perplexity", "kld", "throughput", "load-check"), why)
+        skipped = {}
+        if evaluation.throughput:
+            skipped["throughput"] = (f"the vllm runtime measures quality and the load check; {label!r}'s throughput "
+                                     "is not measured here (benchmark `vllm serve` instead)")
+        check = evaluation.load_check
+        if check is not None and (check.runtimes is None or self.name not in check.runtimes):
+            _, reasons, _ = availability()
+            if reasons:   # joins the default load check only where it can run; named, it plans needs-gpu
+                skipped["load-check"] = f"load check of {label!r} with vLLM left out: {reasons[0]}"
+        return skipped
+
+    def open(self, model: Path, ctx: StepContext, n_ctx: int) -> VllmSession:
+        return VllmSession(Path(model), ctx, n_ctx)
