@@ -27,7 +27,7 @@ from qbuild.step import Step, StepContext
 
 TOOLS = ("llama-cpp-python",)
 CONVERT_TOOLS = ("llama-cpp-python", "torch", "transformers", "safetensors")
-IMATRIX_TOOLS = ("llama-cpp-python", "transformers", "safetensors", "gguf")   # + the llama-imatrix build id
+IMATRIX_TOOLS = ("llama-cpp-python", "tokenizers", "transformers", "safetensors", "gguf")   # + the llama-imatrix build id
 IMATRIX_IMPL = 2   # 2: llama-imatrix (1 was torch hooks on the HF model: other numbers, so another key)
 IMATRIX_FILE = "imatrix.safetensors"
 IMATRIX_REF = "imatrix"   # the imatrix's ref: RECIPE/imatrix[-<convert_type>]:TAG (qbuild ls / show / pull)
@@ -370,12 +370,17 @@ def write_calibration_text(model_dir: Path, calibration_dir: Path, path: Path) -
     """The calibration rows as text for llama-imatrix (it reads text and tokenizes it itself): each row's unpadded
     tokens decoded with special tokens kept (parsed back as such with --parse-special), so it sees the same tokens,
     cut into chunks of seq_len. Returns seq_len."""
-    from transformers import AutoTokenizer
-
     from qbuild.calibration.build import load_calibration
 
     ids, mask = load_calibration(calibration_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if (model_dir / "tokenizer.json").is_file():   # the tokenizers library alone: importing transformers costs ~3 s
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     path.write_text("".join(tokenizer.decode(row[keep.astype(bool)].tolist(), skip_special_tokens=False)
                             for row, keep in zip(ids, mask, strict=True)))
     return int(ids.shape[1])
