@@ -7,7 +7,11 @@ write_through  every object of the run that a remote lacks is uploaded (files, s
                remotes whose policy is `always` or `on-success`; `always` remotes already got each object
                right after it was built (qbuild/executor.py), this adds what only the end of a run knows.
 register       one MLflow model version per variant artifact, pointing at the store that holds it; the
-               alias (e.g. champion) moves only when every quality gate passed.
+               alias (e.g. champion) moves only when every quality gate passed, and with `selection:` only to
+               the selected artifact (tagged with its serving config and server command).
+
+With `selection:`, the selected artifact's refs carry the exact server command it was measured with
+(SERVE_COMMAND: an annotation of its OCI ref manifest, a field of the ref record on other remotes).
 """
 
 from __future__ import annotations
@@ -25,6 +29,22 @@ if TYPE_CHECKING:
     from qbuild.plan import Plan
 
 log = logging.getLogger("qbuild")
+
+SERVE_COMMAND = "org.qbuild.serve.command"
+SERVE_CONFIG = "org.qbuild.serve.config"
+
+
+def selected(summary: dict) -> dict | None:
+    """The artifact `selection:` chose ({variant, config, command, ...}), or None (no selection, or nothing met it)."""
+    return (summary.get("selection") or {}).get("selected")
+
+
+def serve_annotations(summary: dict, variant: str | None) -> dict[str, str] | None:
+    """The selected artifact's serving config and exact server command, for its refs; None for any other."""
+    chosen = selected(summary)
+    if not chosen or variant is None or chosen["variant"] != variant or not chosen.get("command"):
+        return None
+    return {SERVE_COMMAND: chosen["command"], SERVE_CONFIG: str(chosen["config"])}
 
 
 def _base_model(plan: Plan) -> str | None:
@@ -49,7 +69,8 @@ def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary
             ref_label = label or named_data.get(o.step.key)
             if o.path is None and o.status == "built" and ref_label and o.remote and o.remote.remote.url == remote.url:
                 for t in tags:   # built on a Ray node, pushed there already: the run's refs point at it
-                    remote.set_ref(plan.recipe.name, ref_label, t, o.digest, o.step.key)
+                    remote.set_ref(plan.recipe.name, ref_label, t, o.digest, o.step.key,
+                                   annotations=serve_annotations(summary, label))
                     refs += 1
                 continue
             if o.digest is None or o.path is None or o.status not in ("built", "cached"):
@@ -65,7 +86,7 @@ def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary
             elif label is not None:
                 _refresh_sidecars(remote, o.digest, sidecars)
             for recipe, variant, tag in ref_list:  # refs last: on OCI a sidecar re-tags the object
-                remote.set_ref(recipe, variant, tag, o.digest, o.step.key)
+                remote.set_ref(recipe, variant, tag, o.digest, o.step.key, annotations=serve_annotations(summary, label))
                 refs += 1
         report[remote.name] = {"objects": uploaded, "refs": refs}
     return report
@@ -96,6 +117,7 @@ def register(plan: Plan, outcomes: list[StepOutcome], summary: dict, store: Stor
     store_url = pushed[0].url if pushed else f"qbuild-file://{store.root}"
     by_key = {o.step.key: o for o in outcomes}
     gates = summary.get("gates")
+    chosen = selected(summary)
     out = {}
     for row in summary.get("variants", []):
         variant = row["variant"]
@@ -105,10 +127,20 @@ def register(plan: Plan, outcomes: list[StepOutcome], summary: dict, store: Stor
         if o is None or o.digest is None:
             continue
         passed = gates["passed"] if gates else True  # the alias moves only when the whole run passed its gates
+        if plan.recipe.selection is not None:   # ... and, with `selection:`, only to the selected artifact
+            passed = passed and chosen is not None and chosen["variant"] == variant
         name = spec.model_name(plan.recipe.name, variant)
         metrics = {k: row[k] for k in ("ppl", "delta_ppl", "delta_ppl_pct", "kld", "top1", "decode_tok_s")
                    if row.get(k) is not None}
         version = mlflow_registry.register(uri, name, {**o.record, "digest": o.digest}, store_url, metrics,
-                                           gates_passed=passed, alias=spec.alias, gates=gates)
+                                           gates_passed=passed, alias=spec.alias, gates=gates,
+                                           serve=serve_annotations(summary, variant))
         out[variant] = {"name": name, "version": version, "alias": spec.alias if passed else None}
+    if plan.recipe.selection is not None and chosen is not None and spec.alias:
+        # a per-variant model name: an alias an earlier selection left on another variant's model no longer names
+        # the artifact to ship
+        holders = {e["name"] for e in out.values() if e["alias"]}
+        for e in out.values():
+            if not e["alias"] and e["name"] not in holders:
+                mlflow_registry.drop_alias(uri, e["name"], spec.alias)
     return out

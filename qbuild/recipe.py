@@ -78,12 +78,24 @@ class Perplexity(StrictModel):
                           "and not set here: the model's own (its tokenizer's add_bos_token), as llama-perplexity does.")
     flash_attn: bool = Field(False, description="llama.cpp runtime: flash attention on. llama-perplexity's default is on, "
                              "qbuild's off; a kld_base file and qbuild must agree (numbers differ in the 3rd digit).")
+    kv_cache_dtype: Literal["f16", "bf16", "q8_0", "q4_0"] | None = Field(
+        None, description="llama.cpp runtime: KV-cache element type of each artifact's pass (llama-server's "
+        "--cache-type-k/-v, a serving config's kv_cache_dtype), so its quality cost shows in PPL/KLD. The KLD "
+        "reference (baseline) pass keeps f16. q8_0/q4_0 need flash_attn: true (llama.cpp quantizes V only with it).")
 
     def canonical(self) -> dict:
         data = super().canonical()
-        if not data.get("flash_attn"):
-            data.pop("flash_attn", None)   # the default is left out: keys made before the switch existed still hit
+        for field in ("flash_attn", "kv_cache_dtype"):
+            if not data.get(field):
+                data.pop(field, None)   # defaults left out: keys made before these switches existed still hit
         return data
+
+    @model_validator(mode="after")
+    def _quantized_kv_needs_flash_attn(self):
+        if self.kv_cache_dtype in ("q8_0", "q4_0") and not self.flash_attn:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} needs flash_attn: true (llama.cpp quantizes the V "
+                             "cache only with flash attention)")
+        return self
 
     @model_validator(mode="after")
     def _stride_only_for_sliding(self):

@@ -194,3 +194,44 @@ def test_a_run_writes_the_imatrix_ref_through_to_its_remote(built, tmp_path):
     pulled = qbuild("pull", "ggufx/imatrix", "--from", remote, "--store", tmp_path / "other", "-o", tmp_path / "im")
     assert pulled.returncode == 0, pulled.stderr
     assert (tmp_path / "im" / "imatrix.safetensors").is_file()
+
+
+def test_imatrix_is_llama_imatrix_own_output(built, tiny_model_dir, tmp_path):
+    """The step's matrix is llama-imatrix's (in_sum2 / counts) on the same F16 GGUF and calibration text, the
+    calibration text tokenizes back (llama.cpp's tokenizer) to exactly the calibration tokens, and the key names
+    the tool build."""
+    import subprocess
+
+    import gguf
+    import llama_cpp
+    from safetensors.numpy import load_file
+
+    from qbuild.calibration.build import load_calibration
+    from qbuild.fingerprint import package_version
+    from qbuild.quantize.gguf import llama_imatrix_command, write_calibration_text
+    from qbuild.serving.llamacpp_build import build_id, tool
+
+    store = built["store"]
+    im = built["steps"]["imatrix[f16]"]
+    manifest = Store(store).manifest(im["digest"])
+    assert manifest["toolchain"]["llama.cpp-tools"] == build_id(package_version("llama-cpp-python"))
+    assert manifest["info"]["tool"] == "llama-imatrix"
+    calib = Store(store).object_dir(built["steps"]["calibrate"]["digest"])
+    f16 = obj(store, built["steps"]["gguf-convert[f16]"]["digest"]) / "model.gguf"
+    text = tmp_path / "calib.txt"
+    seq_len = write_calibration_text(tiny_model_dir, calib, text)
+
+    ids, mask = load_calibration(calib)
+    vocab = llama_cpp.Llama(model_path=str(f16), vocab_only=True, verbose=False)
+    assert vocab.tokenize(text.read_bytes(), add_bos=False, special=True) == ids[mask.astype(bool)].tolist()
+
+    out = tmp_path / "direct.gguf"
+    res = subprocess.run(llama_imatrix_command(tool("llama-imatrix"), f16, text, out, seq_len, 1),
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    direct = {t.name: np.asarray(t.data, dtype=np.float64) for t in gguf.GGUFReader(str(out)).tensors}
+    stored = load_file(str(obj(store, im["digest"]) / "imatrix.safetensors"))
+    assert set(stored) == {n[: -len(".in_sum2")] for n in direct if n.endswith(".in_sum2")}
+    for name, values in stored.items():
+        expected = direct[name + ".in_sum2"].reshape(-1) / direct[name + ".counts"].reshape(-1)[0]
+        assert np.allclose(values, expected, rtol=1e-5, atol=0), name

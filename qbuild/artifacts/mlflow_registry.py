@@ -87,7 +87,7 @@ def artifact_source(store_url: str, digest: str) -> str:
 
 def register(tracking_uri: str, name: str, manifest: dict, store_url: str, metrics: dict | None = None,
              gates_passed: bool | None = None, alias: str | None = "champion", gates: dict | None = None,
-             description: str | None = None) -> str:
+             description: str | None = None, serve: dict[str, str] | None = None) -> str:
     """Create a model version of `name` for the artifact; alias it when every gate passed. Returns the version."""
     from qbuild.artifacts.remote.base import split_url
 
@@ -103,6 +103,8 @@ def register(tracking_uri: str, name: str, manifest: dict, store_url: str, metri
         f"{TAG_PREFIX}gates_passed": None if gates_passed is None else str(bool(gates_passed)).lower(),
         f"{TAG_PREFIX}size_bytes": sum(f["size"] for f in manifest.get("files", [])),
     }
+    for k, v in (serve or {}).items():   # the selected artifact's serving config and server command
+        tags[k.removeprefix("org.")] = v
     for k, v in (metrics or {}).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             tags[f"{TAG_PREFIX}metric.{k}"] = v
@@ -128,11 +130,24 @@ def register(tracking_uri: str, name: str, manifest: dict, store_url: str, metri
                                                                         f"({manifest.get('format')})")
         else:
             for k, v in tags.items():
-                if k.startswith((f"{TAG_PREFIX}metric.", f"{TAG_PREFIX}gate")) and (mv.tags or {}).get(k) != v:
+                if k.startswith((f"{TAG_PREFIX}metric.", f"{TAG_PREFIX}gate", f"{TAG_PREFIX}serve.")) \
+                        and (mv.tags or {}).get(k) != v:
                     client.set_model_version_tag(name, mv.version, k, v)
         if alias and gates_passed:
             client.set_registered_model_alias(name, alias, mv.version)
         return str(mv.version)
+
+
+def drop_alias(tracking_uri: str, name: str, alias: str) -> None:
+    """Remove `alias` from registered model `name` if it has it (the selection moved it elsewhere)."""
+    with _client(tracking_uri) as client:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            if alias in (client.get_registered_model(name).aliases or {}):
+                client.delete_registered_model_alias(name, alias)
+        except MlflowException:
+            return   # no such model: nothing to drop
 
 
 def resolve_models_uri(uri: str, tracking_uri: str) -> tuple[str, str]:
@@ -165,4 +180,4 @@ def alias_digests(tracking_uri: str, names: list[str] | None = None) -> set[str]
     return out
 
 
-__all__ = ["register", "resolve_models_uri", "alias_digests", "artifact_source", "RegistryError"]
+__all__ = ["register", "drop_alias", "resolve_models_uri", "alias_digests", "artifact_source", "RegistryError"]

@@ -104,6 +104,7 @@ def evaluation_steps(ctx) -> None:
         else:
             params = {**ev.perplexity.canonical(), "runtime": baseline_rt.name}
             params.pop("dataset")  # identified by the eval-data input
+            params.pop("kv_cache_dtype", None)   # the reference keeps the full-precision KV cache
             data = ctx.eval_data(ev.perplexity)
             reference = _step("reference", "reference[baseline]", params, baseline_rt, "baseline", ctx.model(),
                               {"model": ctx.model(), "data": data}, (), ctx, format="logprobs")
@@ -117,6 +118,10 @@ def evaluation_steps(ctx) -> None:
             else:
                 params = {**ev.perplexity.canonical(), "runtime": rt.name}
                 params.pop("dataset")  # identified by the eval-data input
+                if params.get("kv_cache_dtype") and rt.name != "llama.cpp":
+                    params.pop("kv_cache_dtype")
+                    ctx.warn(f"evaluation.perplexity.kv_cache_dtype applies to the llama.cpp runtime only: {art.label} "
+                             f"is evaluated by {rt.name} with its default KV cache")
                 data = data or ctx.eval_data(ev.perplexity)
                 inputs = {"model": art.step, "data": data}
                 if reference is not None and not art.baseline and "kld" not in skipped:

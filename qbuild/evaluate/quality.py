@@ -51,6 +51,8 @@ def protocol_record(p: dict, info: dict) -> dict:
                                              "bos_token_id": info["bos_token_id"]}
     if p.get("flash_attn"):
         record["flash_attn"] = True
+    if p.get("kv_cache_dtype"):
+        record["kv_cache_dtype"] = p["kv_cache_dtype"]
     return record
 
 

@@ -3,12 +3,11 @@
 Steps: `gguf-convert` (shared by every GGUF variant of a model), `imatrix` (importance matrix from the
 shared calibration set, shared by every GGUF variant that uses one) and `quantize[<variant>]`.
 
-Importance matrix: llama-cpp-python ships no `llama-imatrix`, so the `imatrix` step computes the same
-statistic in-process with torch: for every Linear layer, the mean over calibration tokens of the
-squared input activation per input column (what llama-imatrix accumulates for each matmul's src1),
-keyed by the GGUF tensor name (mapped with gguf-py's TensorNameMap and checked against the converted
-file). It is passed to llama_model_quantize through `params.imatrix`, and its provenance is written
-into the GGUF metadata (quantize.imatrix.*) and the manifest.
+Importance matrix: the `imatrix` step runs llama.cpp's own `llama-imatrix` (built from the vendored source of the
+installed llama-cpp-python, qbuild/serving/llamacpp_build.py) on the converted GGUF over the shared calibration
+tokens, and stores the per-column mean of the squared matmul inputs keyed by GGUF tensor name. It is passed to
+llama_model_quantize through `params.imatrix`, and its provenance is written into the GGUF metadata
+(quantize.imatrix.*) and the manifest.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ from qbuild.step import Step, StepContext
 
 TOOLS = ("llama-cpp-python",)
 CONVERT_TOOLS = ("llama-cpp-python", "torch", "transformers", "safetensors")
-IMATRIX_TOOLS = ("torch", "transformers", "safetensors", "gguf")
+IMATRIX_TOOLS = ("llama-cpp-python", "tokenizers", "transformers", "safetensors", "gguf")   # + the llama-imatrix build id
+IMATRIX_IMPL = 2   # 2: llama-imatrix (1 was torch hooks on the HF model: other numbers, so another key)
 IMATRIX_FILE = "imatrix.safetensors"
 IMATRIX_REF = "imatrix"   # the imatrix's ref: RECIPE/imatrix[-<convert_type>]:TAG (qbuild ls / show / pull)
 
@@ -340,7 +340,8 @@ class GGUF(Method):
                                              "qbuild.quantize.gguf:run_imatrix",
                                              inputs={"model": model, "calibration": ctx.calibration(), "gguf": convert},
                                              tools=IMATRIX_TOOLS, threads=ctx.threads, format=Format.IMATRIX,
-                                             variant=imatrix_ref(variant.convert_type)))
+                                             variant=imatrix_ref(variant.convert_type), impl_version=IMATRIX_IMPL,
+                                             env_toolchain=imatrix_toolchain()))
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.gguf:run_quantize", inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.GGUF,
@@ -357,66 +358,81 @@ def run_convert(ctx: StepContext) -> dict:
     return {"format": "gguf", "metrics": {"size_bytes": out.stat().st_size}}
 
 
-def _hf_to_gguf_names(gguf_path: Path, n_layers: int) -> tuple[dict[str, str], set[str]]:
-    """HF module name → GGUF tensor name, through gguf-py's declarative map for the file's architecture."""
-    import gguf
+def imatrix_toolchain() -> dict[str, str]:
+    """The llama.cpp tools build the imatrix step runs (its cmake flags and targets enter the key)."""
+    from qbuild.fingerprint import package_version
+    from qbuild.serving.llamacpp_build import build_id
 
-    reader = gguf.GGUFReader(str(gguf_path))
-    field = reader.fields["general.architecture"]
-    arch_name = bytes(field.parts[field.data[0]]).decode()
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch_name)
-    names = {t.name for t in reader.tensors}
-    return gguf.get_tensor_name_map(arch, n_layers), names
+    return {"llama.cpp-tools": build_id(package_version("llama-cpp-python"))}
+
+
+def write_calibration_text(model_dir: Path, calibration_dir: Path, path: Path) -> int:
+    """The calibration rows as text for llama-imatrix (it reads text and tokenizes it itself): each row's unpadded
+    tokens decoded with special tokens kept (parsed back as such with --parse-special), so it sees the same tokens,
+    cut into chunks of seq_len. Returns seq_len."""
+    from qbuild.calibration.build import load_calibration
+
+    ids, mask = load_calibration(calibration_dir)
+    if (model_dir / "tokenizer.json").is_file():   # the tokenizers library alone: importing transformers costs ~3 s
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    path.write_text("".join(tokenizer.decode(row[keep.astype(bool)].tolist(), skip_special_tokens=False)
+                            for row, keep in zip(ids, mask, strict=True)))
+    return int(ids.shape[1])
+
+
+def llama_imatrix_command(binary: Path, gguf: Path, text: Path, out: Path, seq_len: int, threads: int) -> list[str]:
+    """llama-imatrix over `text` in chunks of seq_len, GGUF output, no perplexity pass (only the matrix is wanted)."""
+    return [str(binary), "-m", str(gguf), "-f", str(text), "-o", str(out), "--output-format", "gguf",
+            "-c", str(seq_len), "-t", str(threads), "--parse-special", "--no-ppl", "--output-frequency", "1000000",
+            "-lv", "1"]
 
 
 def run_imatrix(ctx: StepContext) -> dict:
-    """Mean squared input activation per column of every Linear, on the shared calibration set."""
+    """llama.cpp's own `llama-imatrix` on the converted GGUF over the shared calibration tokens; its GGUF output
+    (per tensor: in_sum2 and counts) is stored as the per-column mean (in_sum2 / counts), what llama-quantize
+    derives from it and what run_quantize passes to llama_model_quantize."""
     import json
+    import subprocess
 
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    import gguf
+    import numpy as np
+    from safetensors.numpy import save_file
 
-    from qbuild.calibration.build import load_calibration
+    from qbuild.serving.llamacpp_build import tool
 
-    ids, mask = load_calibration(Path(ctx.inputs["calibration"]))
-    model = AutoModelForCausalLM.from_pretrained(str(ctx.inputs["model"]), dtype=torch.float32).eval()
-    n_layers = model.config.get_text_config().num_hidden_layers
-    name_map, gguf_names = _hf_to_gguf_names(Path(ctx.inputs["gguf"]) / OUTPUT_FILE, n_layers)
-    sums: dict[str, torch.Tensor] = {}
-    counts: dict[str, int] = {}
-    current_mask: list[torch.Tensor] = []
-    skipped: list[str] = []
-    hooks = []
-    for mod_name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        target = name_map.get_name(mod_name + ".weight", try_suffixes=(".weight",))
-        if target is None or target not in gguf_names:
-            skipped.append(mod_name)
-            continue
-
-        def hook(mod, args, _out, key=target):
-            x = args[0].detach().float()
-            m = current_mask[0].reshape(-1).bool()
-            x = x.reshape(-1, x.shape[-1])[m]
-            sums[key] = sums.get(key, 0) + (x * x).sum(0)
-            counts[key] = counts.get(key, 0) + x.shape[0]
-
-        hooks.append(module.register_forward_hook(hook))
-    with torch.inference_mode():
-        for i in range(len(ids)):
-            row = torch.tensor(ids[i: i + 1].astype("int64"))
-            current_mask[:] = [torch.tensor(mask[i: i + 1].astype("bool"))]
-            model(input_ids=row, attention_mask=current_mask[0].long())
-            ctx.progress(i + 1, len(ids), "calibration samples")
-    for h in hooks:
-        h.remove()
-    data = {k: (sums[k] / counts[k]).contiguous() for k in sums}
+    text_file, out_file = ctx.out / "calibration.txt", ctx.out / "imatrix.gguf"
+    seq_len = write_calibration_text(Path(ctx.inputs["model"]), Path(ctx.inputs["calibration"]), text_file)
+    cmd = llama_imatrix_command(tool("llama-imatrix", log=ctx.log), Path(ctx.inputs["gguf"]) / OUTPUT_FILE, text_file,
+                                out_file, seq_len, ctx.threads)
+    ctx.progress(0, 1, "llama-imatrix")
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    text_file.unlink()
+    if done.returncode != 0 or not out_file.is_file():
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"llama-imatrix failed (exit {done.returncode}): {tail[0]}")
+    reader = gguf.GGUFReader(str(out_file))
+    tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
+    data = {}
+    for name in sorted(n[: -len(".in_sum2")] for n in tensors if n.endswith(".in_sum2")):
+        sums, counts = tensors[name + ".in_sum2"], tensors[name + ".counts"].reshape(-1)
+        # one row per expert (one for a dense tensor), each divided by its own count, as llama-quantize does
+        data[name] = (sums.reshape(len(counts), -1) / np.maximum(counts, 1)[:, None]).reshape(-1).astype(np.float32)
+    field = reader.fields.get("imatrix.chunk_count")
+    chunks = int(field.contents()) if field is not None else 0
+    chunk_size = reader.fields.get("imatrix.chunk_size")
+    out_file.unlink()
     save_file(data, str(ctx.out / IMATRIX_FILE))
-    info = {"statistic": "mean of squared input activation per input column (llama-imatrix's values/counts)",
-            "entries": len(data), "chunks": int(len(ids)), "tokens": int(mask.sum()),
-            "calibration": ctx.input_manifests.get("calibration", {}).get("key"), "skipped_modules": skipped}
+    ctx.progress(1, 1, "llama-imatrix")
+    info = {"statistic": "llama-imatrix's in_sum2 / counts per input column",
+            "tool": "llama-imatrix", "entries": len(data), "chunks": chunks,
+            "tokens": chunks * (int(chunk_size.contents()) if chunk_size is not None else seq_len),
+            "calibration": ctx.input_manifests.get("calibration", {}).get("key")}
     (ctx.out / "imatrix.json").write_text(json.dumps(info, indent=2))
     return {"format": "imatrix", "metrics": {"entries": len(data), "tokens": info["tokens"]}, "info": info}
 

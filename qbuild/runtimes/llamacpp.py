@@ -11,17 +11,23 @@ from qbuild.step import StepContext
 
 
 class LlamaCppSession(RuntimeSession):
-    def __init__(self, path: Path, n_ctx: int, threads: int, flash_attn: bool = False):
+    def __init__(self, path: Path, n_ctx: int, threads: int, flash_attn: bool = False, kv_cache_dtype: str | None = None):
+        import llama_cpp
         from llama_cpp import Llama
+
+        from qbuild.quantize.gguf import ggml_type_id
 
         files = sorted(Path(path).glob("*.gguf")) if Path(path).is_dir() else [Path(path)]
         if len(files) != 1:
             raise ValueError(f"expected one .gguf file in {path}, found {len(files)}")
         self.threads = threads
         self._batch, self._batch_size = None, 0
+        # the KV-cache type a serving config runs with (type_k/type_v = llama-server's --cache-type-k/-v)
+        kv = {} if not kv_cache_dtype else {"type_k": ggml_type_id(llama_cpp, kv_cache_dtype.upper()),
+                                            "type_v": ggml_type_id(llama_cpp, kv_cache_dtype.upper())}
         self.llm = Llama(model_path=str(files[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                         n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
-        self.flash_attn = flash_attn
+                         n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False, **kv)
+        self.flash_attn, self.kv_cache_dtype = flash_attn, kv_cache_dtype
 
     def logits(self, tokens: list[int]):
         import numpy as np
@@ -95,7 +101,7 @@ class LlamaCppSession(RuntimeSession):
         import llama_cpp
 
         return {"name": LlamaCppRuntime.name, "llama_cpp_python": llama_cpp.__version__, "threads": self.threads,
-                "flash_attn": self.flash_attn}
+                "flash_attn": self.flash_attn, **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype else {})}
 
 
 @runtimes.register
@@ -111,4 +117,5 @@ class LlamaCppRuntime(Runtime):
 
     def open(self, model: Path, ctx: StepContext, n_ctx: int) -> LlamaCppSession:
         # flash attention changes the logits in the 3rd digit: off unless the protocol asks (evaluation.perplexity)
-        return LlamaCppSession(Path(model), n_ctx, ctx.threads, bool(ctx.params.get("flash_attn")))
+        return LlamaCppSession(Path(model), n_ctx, ctx.threads, bool(ctx.params.get("flash_attn")),
+                               ctx.params.get("kv_cache_dtype"))

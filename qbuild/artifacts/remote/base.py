@@ -272,8 +272,10 @@ class RemoteStore(Plugin, ABC):
         """Upload files (skipping those already there), sidecars, then the manifest. Resumable."""
 
     @abstractmethod
-    def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None) -> None:
-        ...
+    def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None,
+                annotations: dict[str, str] | None = None) -> None:
+        """Point the ref at `digest`. `annotations` (the selected artifact's serve command, ...) are kept where the
+        remote's ref format has a place for them: the OCI ref manifest's annotations, the ref record elsewhere."""
 
     @abstractmethod
     def get_ref(self, recipe: str, variant: str, tag: str = "latest") -> dict | None:

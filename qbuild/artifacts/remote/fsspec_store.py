@@ -231,11 +231,12 @@ class FsspecRemote(RemoteStore):
                 if rec and HEX64.match(name[:-5]):
                     yield name[:-5], rec["digest"]
 
-    def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None) -> None:
+    def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None,
+                annotations: dict[str, str] | None = None) -> None:
         check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)
         check_digest(digest)
-        self._write_bytes(self._p("refs", recipe, variant, tag),
-                          json.dumps({"digest": digest, "key": key, "updated": now_iso()}, sort_keys=True).encode())
+        record = {"digest": digest, "key": key, "updated": now_iso(), **({"annotations": annotations} if annotations else {})}
+        self._write_bytes(self._p("refs", recipe, variant, tag), json.dumps(record, sort_keys=True).encode())
 
     def get_ref(self, recipe: str, variant: str, tag: str = "latest") -> dict | None:
         check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)

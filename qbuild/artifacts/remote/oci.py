@@ -454,7 +454,8 @@ class OciRemote(RemoteStore):
                 if remote_record({"digest": d}) and HEX64.match(tag[len(KEY_TAG):]):
                     yield tag[len(KEY_TAG):], d
 
-    def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None) -> None:
+    def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None,
+                annotations: dict[str, str] | None = None) -> None:
         check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)
         check_digest(digest)
         oci, _ = self._get_oci_manifest(OBJ_TAG + digest)
@@ -462,7 +463,8 @@ class OciRemote(RemoteStore):
             raise self.error(f"cannot tag {recipe}/{variant}:{tag}: object {digest[:12]} is not on this remote")
         oci = dict(oci)
         oci["annotations"] = {**(oci.get("annotations") or {}), "org.qbuild.ref": f"{recipe}/{variant}:{tag}",
-                              "org.qbuild.ref.updated": now_iso(), **({"org.qbuild.key": key} if key else {})}
+                              "org.qbuild.ref.updated": now_iso(), **({"org.qbuild.key": key} if key else {}),
+                              **{k: str(v) for k, v in (annotations or {}).items()}}
         self._put_oci_manifest(oci_tag(recipe, variant, tag), oci)
 
     def _ref_from(self, oci: dict | None, ref: str | None = None) -> dict | None:
