@@ -405,10 +405,14 @@ class Executor:
             self._drop_scratch(tmp)
 
     def _drop_scratch(self, tmp: Path) -> None:
-        try:
-            self.store.owned.remove(tmp, within=self.store.root / "tmp")
-        except OSError:
-            pass
+        # a worker just killed may still have files in flight: retry (rmtree stops at its first error, where the
+        # old ignore_errors=True went on and left what it could not remove)
+        for attempt in range(10):
+            try:
+                self.store.owned.remove(tmp, within=self.store.root / "tmp")
+                return
+            except OSError:
+                time.sleep(0.05 * (attempt + 1))
 
     # --- one step ---------------------------------------------------------------------------------------
     def materialize(self, outcome: StepOutcome, task=None) -> Path:
