@@ -72,6 +72,8 @@ def model_step(spec, recipe_dir: Path) -> Step:
                     source_path=path, source_digest=digest, format=Format.HF)
     if isinstance(spec, GGUFModel):
         path = resolve_path(spec.path, recipe_dir, "model.path")
+        if not path.is_file():
+            raise RecipeError("model.path", f"{path} is not a GGUF file (source: gguf takes one .gguf file)")
         params = {"source": "gguf", "gguf_sha256": dir_fingerprint(path), "dtype": spec.dtype}
         return Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
                     tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format=Format.HF,
