@@ -412,7 +412,7 @@ def run_imatrix(ctx: StepContext) -> dict:
                                 out_file, seq_len, ctx.threads)
     ctx.progress(0, 1, "llama-imatrix")
     done = subprocess.run(cmd, capture_output=True, text=True)
-    text_file.unlink()
+    ctx.owned().remove(text_file, within=ctx.out)   # the step's own file, through its store's guarded helper
     if done.returncode != 0 or not out_file.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"llama-imatrix failed (exit {done.returncode}): {tail[0]}")
@@ -426,7 +426,7 @@ def run_imatrix(ctx: StepContext) -> dict:
     field = reader.fields.get("imatrix.chunk_count")
     chunks = int(field.contents()) if field is not None else 0
     chunk_size = reader.fields.get("imatrix.chunk_size")
-    out_file.unlink()
+    ctx.owned().remove(out_file, within=ctx.out)   # the step's own file, through its store's guarded helper
     save_file(data, str(ctx.out / IMATRIX_FILE))
     ctx.progress(1, 1, "llama-imatrix")
     info = {"statistic": "llama-imatrix's in_sum2 / counts per input column",
