@@ -94,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     if not GUIDELLM.is_file():
         raise SystemExit(f"{GUIDELLM} missing: bash scripts/install.sh dev")
-    from qbuild.recipe import ServingConfig
+    from qbuild.core.recipe import ServingConfig
     from qbuild.serving.engines.llamacpp import LlamaServer
     from qbuild.serving.server import running
 

@@ -2,13 +2,13 @@
 
 
 def main() -> None:
-    from qbuild import process
+    from qbuild.core import process
 
     process.guard_interrupts()
     try:
         from qbuild.cli import main as cli_main
 
-        cli_main()   # ends the process itself (qbuild.process.finish)
+        cli_main()   # ends the process itself (qbuild.core.process.finish)
     except BaseException as exc:
         if process.interrupted() and not isinstance(exc, SystemExit):   # before the command began: nothing started
             process.leave_interrupted()

@@ -1,11 +1,11 @@
 """The Python API: everything the CLI does, for notebooks, orchestrators (Airflow, Dagster, Ray) and tests.
 
     import qbuild
-    plan = qbuild.plan("recipes/demo.yaml")            # keys, hit/miss and why; never imports torch
+    plan = qbuild.core.plan("recipes/demo.yaml")            # keys, hit/miss and why; never imports torch
     result = qbuild.run("recipes/demo.yaml", tag="nightly")
     result.passed, result.exit_code, result.summary["variants"]
     digest, path = qbuild.pull("demo/q4km", out="./q4km")
-    html = qbuild.report("demo")
+    html = qbuild.results.report("demo")
 
 Errors are exceptions from qbuild.errors (each carries the exit code the CLI uses); nothing here
 prints except the progress display, which is off unless asked for.
@@ -25,9 +25,9 @@ from qbuild.errors import EXIT_GATE_FAILED, EXIT_STEP_FAILED, QBuildError, UserE
 
 if TYPE_CHECKING:
     from qbuild.artifacts.store import Store
-    from qbuild.executor import StepOutcome
-    from qbuild.plan import Plan
-    from qbuild.recipe import Recipe
+    from qbuild.core.executor import StepOutcome
+    from qbuild.core.plan import Plan
+    from qbuild.core.recipe import Recipe
 
 log = logging.getLogger("qbuild")
 
@@ -63,7 +63,7 @@ class RunResult:
 
 def load(recipe, threads: int | None = None) -> tuple[Recipe, Path, Path | None]:
     """(recipe, directory relative paths resolve against, its file or None) from a path, dict or Recipe."""
-    from qbuild.recipe import Recipe, load_recipe, parse_recipe
+    from qbuild.core.recipe import Recipe, load_recipe, parse_recipe
 
     if isinstance(recipe, Recipe):
         r, base, path = recipe, Path.cwd(), None
@@ -89,8 +89,8 @@ def open_store(store=None, recipe: Recipe | None = None) -> Store:
 
 def validate(recipe) -> Plan:
     """Schema, files, installed backends and model shapes; builds nothing, reads no store."""
-    from qbuild.plan import Plan, PlannedStep, build_steps
-    from qbuild.step import PlanStatus
+    from qbuild.core.plan import Plan, PlannedStep, build_steps
+    from qbuild.core.step import PlanStatus
 
     r, base, _ = load(recipe)
     ctx = build_steps(r, base)
@@ -99,8 +99,8 @@ def validate(recipe) -> Plan:
 
 
 def backend_envs(recipe) -> list:
-    """The backend environments (qbuild.envs.BackendEnv) RECIPE's steps run in, resolved but not created."""
-    from qbuild.plan import build_steps
+    """The backend environments (qbuild.core.envs.BackendEnv) RECIPE's steps run in, resolved but not created."""
+    from qbuild.core.plan import build_steps
 
     r, base, _ = load(recipe)
     return list(dict.fromkeys(s.backend_env for s in build_steps(r, base).steps if s.backend_env is not None))
@@ -121,8 +121,8 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
     """Every step of the recipe with its key: hit (stored locally or in a remote) or miss, and why it misses.
 
     With misses and `estimate`, each miss gets an estimate of its time from the store's history of similar
-    steps, and the plan a total (qbuild/estimate.py; `plan.estimate`)."""
-    from qbuild.plan import make_plan
+    steps, and the plan a total (qbuild/core/estimate.py; `plan.estimate`)."""
+    from qbuild.core.plan import make_plan
 
     _check_verify(verify)
     r, base, _ = load(recipe, threads)
@@ -135,7 +135,7 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
         return the_plan
     from dataclasses import replace
 
-    from qbuild.estimate import estimate_plan
+    from qbuild.core.estimate import estimate_plan
 
     return replace(the_plan, estimate=estimate_plan(the_plan.steps, st, r.name))
 
@@ -143,10 +143,10 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
 def select(recipe, *, store=None, threads: int | None = None) -> dict:
     """The `selection:` of RECIPE judged from the store, building nothing: {selected: {variant, config, ...} | None,
     rejected: [{variant, config, why}], passed}. Every step the selection reads must be stored (run RECIPE first)."""
-    from qbuild.executor import StepOutcome
-    from qbuild.plan import make_plan
-    from qbuild.step import Outcome, PlanStatus
-    from qbuild.summary import summarize
+    from qbuild.core.executor import StepOutcome
+    from qbuild.core.plan import make_plan
+    from qbuild.core.step import Outcome, PlanStatus
+    from qbuild.results.summary import summarize
 
     r, base, _ = load(recipe, threads)
     if r.selection is None:
@@ -228,10 +228,10 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     """Several recipes as one deduplicated graph: a shared model, calibration set or evaluation is built once.
 
     Every recipe still gets its own summary, refs, gates, run record and registration."""
-    from qbuild.executor import Executor, Origin
-    from qbuild.hashing import sha256_text
-    from qbuild.names import check_name
-    from qbuild.plan import make_plan
+    from qbuild.core.executor import Executor, Origin
+    from qbuild.core.hashing import sha256_text
+    from qbuild.core.names import check_name
+    from qbuild.core.plan import make_plan
 
     if executor not in ("local", "ray"):
         raise UserError(f"unknown executor {executor!r}; available: local, ray")
@@ -246,7 +246,7 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     st = open_store(store, loaded[0][0])
     remote_tiers = open_remotes(None, remotes) if remotes else _union_remotes([r for r, _, _ in loaded])
     if executor == "ray" and not remote_tiers:   # before planning: nodes share objects through a remote only
-        from qbuild.executor_ray import need_remote_message
+        from qbuild.core.executor_ray import need_remote_message
 
         raise UserError(need_remote_message())
     plans = [make_plan(r, base, st, remote_tiers, verify) for r, base, _ in loaded]
@@ -261,7 +261,7 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     started = time.time()
     device = loaded[0][0].runtime.device
     if executor == "ray":
-        from qbuild.executor_ray import RayExecutor
+        from qbuild.core.executor_ray import RayExecutor
 
         runner = RayExecutor(st, run_id, origins, address=address, progress=progress, device=device, jobs=jobs,
                              remotes=remote_tiers, materialize=materialize)
@@ -289,8 +289,8 @@ def _union_remotes(recipes: list[Recipe]) -> tuple:
 def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str, path: Path | None, started: float,
             tag: str | None, mlflow: str | None) -> RunResult:
     """After the build: summary, refs, gates, write-through, registry, tracking, run record."""
-    from qbuild.fingerprint import cpu_model
-    from qbuild.summary import summarize
+    from qbuild.core.fingerprint import cpu_model
+    from qbuild.results.summary import summarize
 
     r = the_plan.recipe
     summary = summarize(the_plan, outcomes)
@@ -307,7 +307,7 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
                             "compared_with": previous.get("run_id") if previous else None}
     failed = any(o.status == "failed" for o in outcomes)
     if r.runtime.rebuild_check and not failed:   # a nightly job's reproducibility check of chosen steps
-        from qbuild.rebuild import after_run
+        from qbuild.results.rebuild import after_run
 
         summary["rebuild_check"], rebuild_gates = after_run(st, the_plan, r.runtime.rebuild_check)
         gate_rows += rebuild_gates
@@ -315,18 +315,18 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
         summary["gates"]["checks"] = gate_rows
         summary["gates"]["passed"] = all(g["passed"] for g in gate_rows)
     if the_plan.remotes and not failed:
-        from qbuild.publish import write_through
+        from qbuild.results.publish import write_through
 
         summary["remotes"] = write_through(st, the_plan, outcomes, summary, tags)
     mlflow_cfg = r.tracking.mlflow
     if r.model_registry and not failed:
-        from qbuild.publish import register
+        from qbuild.results.publish import register
 
         summary["registered"] = register(the_plan, outcomes, summary, st, mlflow or (mlflow_cfg.uri if mlflow_cfg else None))
     if mlflow or mlflow_cfg:
         summary["mlflow"] = track(mlflow or mlflow_cfg.uri, mlflow_cfg.experiment if mlflow_cfg else None,
                                   r, summary, st)
-    from qbuild.names import redact_tree
+    from qbuild.core.names import redact_tree
 
     summary = redact_tree(summary)   # no password in a URL reaches --json, the run record or a report
     if st.quarantined:
@@ -368,9 +368,9 @@ def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store
     The client's HTTP timeout and retries are bounded (TRACKING_ENV, unless the environment sets its own), so an
     unreachable server costs seconds, not minutes; the run's result never depends on it."""
     from qbuild.artifacts.mlflow_registry import mlflow_http_limits
-    from qbuild.names import redact_url
-    from qbuild.report import render_html
-    from qbuild.tracking import log_run
+    from qbuild.core.names import redact_url
+    from qbuild.results.report import render_html
+    from qbuild.results.tracking import log_run
 
     shown = redact_url(uri)
     if uri in _tracking_failed:
@@ -440,8 +440,8 @@ def _pull_remote(name, remote, out, need, verify_with, progress) -> tuple[str, P
     from qbuild.artifacts.remote import RemoteError, open_remote
     from qbuild.artifacts.remote.cache import pull as pull_from
     from qbuild.artifacts.remote.cache import resolve
-    from qbuild.trtllm.engine import ENGINE_KIND
-    from qbuild.trtllm.select import local_needs
+    from qbuild.build.tensorrt_llm import ENGINE_KIND
+    from qbuild.build.trtllm_select import local_needs
 
     r = open_remote(remote) if isinstance(remote, str) else remote
     if out is None:
@@ -463,8 +463,8 @@ def _pull_remote(name, remote, out, need, verify_with, progress) -> tuple[str, P
 
 def _pull_local(name: str, st: Store, out, need, progress, force: bool = False) -> tuple[str, Path]:
     from qbuild.artifacts.store import REF_RE
-    from qbuild.trtllm.engine import ENGINE_KIND
-    from qbuild.trtllm.select import engine_manifests, local_needs, select_engine
+    from qbuild.build.tensorrt_llm import ENGINE_KIND
+    from qbuild.build.trtllm_select import engine_manifests, local_needs, select_engine
 
     m = REF_RE.match(name)
     try:
@@ -559,7 +559,7 @@ def push(name: str, to: str, *, store=None, progress=None) -> dict:
 
 def report(name: str | None = None, *, store=None, markdown: bool = False) -> str:
     """The report of a run (run id, recipe name or file, or None for the latest) as HTML or Markdown."""
-    from qbuild.report import find_run, render_html, render_markdown
+    from qbuild.results.report import find_run, render_html, render_markdown
 
     st = open_store(store)
     record = find_run(st, name)
@@ -578,12 +578,12 @@ def history(st: Store, record: dict) -> list[dict]:
 def diff(run_a: str | None = None, run_b: str | None = None, *, last: str | None = None, store=None) -> dict:
     """What changed between two recorded runs (ids), or the last two runs of recipe `last` (a name or file):
     per variant Δ PPL / KLD / decode tok/s and size, and each step run B rebuilt with why."""
-    from qbuild.diff import diff_runs, find_record, last_two
+    from qbuild.results.diff import diff_runs, find_record, last_two
 
     st = open_store(store)
     if last is not None:
         if Path(last).is_file():
-            from qbuild.recipe import load_recipe
+            from qbuild.core.recipe import load_recipe
 
             last = load_recipe(last).name
         a, b = last_two(st, last)
@@ -595,6 +595,6 @@ def diff(run_a: str | None = None, run_b: str | None = None, *, last: str | None
 
 
 def find_run(name: str | None = None, *, store=None) -> dict[str, Any]:
-    from qbuild.report import find_run as _find
+    from qbuild.results.report import find_run as _find
 
     return _find(open_store(store), name)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
+from qbuild.core.names import check_name, redact_url
 from qbuild.errors import EXIT_STEP_FAILED, QBuildError, UserError
-from qbuild.names import check_name, redact_url
 
 STORE_OPTION = click.option(
     "--store", "store_path", envvar="QBUILD_STORE", type=click.Path(file_okay=False),
@@ -158,14 +158,14 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
         signal.signal(signal.SIGTERM, previous)
     summaries = [r.summary for r in result.results]
     if junit_path:
-        from qbuild.junit import write_junit
+        from qbuild.results.junit import write_junit
 
         write_junit(junit_path, summaries)
     if as_json:
         data = summaries[0] if len(summaries) == 1 else {"recipes": summaries, "exit_code": result.exit_code}
         click.echo(json.dumps(data, indent=2, default=str))
     else:
-        from qbuild.summary import render_table
+        from qbuild.results.summary import render_table
 
         console = _console()
         for r in result.results:
@@ -175,7 +175,7 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
 
                 render_gates(list(r.gates), console)
             if r.summary.get("selection"):
-                from qbuild.summary import render_selection
+                from qbuild.results.summary import render_selection
 
                 render_selection(r.summary["selection"], console)
     if result.exit_code:
@@ -197,7 +197,7 @@ def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote
 
 
 def _print_plan(the_plan, as_json):
-    from qbuild.names import redact_tree
+    from qbuild.core.names import redact_tree
 
     data = redact_tree(the_plan.as_dict())
     if as_json:
@@ -231,7 +231,7 @@ def _print_plan(the_plan, as_json):
     remote = sum(r["status"] == "hit-remote" for r in data["steps"])
     console.print(f"{data['to_build']} step(s) to build, {hits} cached" + (f", {remote} in a remote" if remote else ""))
     if the_plan.estimate is not None:
-        from qbuild.estimate import history_note
+        from qbuild.core.estimate import history_note
 
         console.print(history_note(the_plan.estimate))
 
@@ -241,7 +241,7 @@ def _estimate_cell(row: dict) -> str:
         return ""
     if row["estimate_s"] is None:
         return "[dim]no history[/]"
-    from qbuild.estimate import human_seconds
+    from qbuild.core.estimate import human_seconds
 
     return human_seconds(row["estimate_s"])
 
@@ -296,7 +296,7 @@ def select(recipe, store_path, as_json):
     if as_json:
         click.echo(json.dumps(result, indent=2, default=str))
     else:
-        from qbuild.summary import render_selection
+        from qbuild.results.summary import render_selection
 
         render_selection(result, _console())
     if not result["passed"]:
@@ -323,7 +323,7 @@ def schema():
 
     Methods and targets from installed plugins (entry points) are part of it."""
     try:
-        from qbuild.recipe import Recipe
+        from qbuild.core.recipe import Recipe
     except QBuildError as exc:
         _fail(exc)
     click.echo(json.dumps(Recipe.model_json_schema(), indent=2))
@@ -371,7 +371,7 @@ def plugins(as_json):
 def ls_cmd(store_path, as_json, remote_url):
     """List refs (recipe/variant:tag) in the store (or a remote) with their digests."""
     from qbuild import api
-    from qbuild.summary import human_size
+    from qbuild.results.summary import human_size
 
     try:
         store = _open_remote(remote_url) if remote_url else api.open_store(store_path)
@@ -431,7 +431,7 @@ def show(name, store_path):
     except QBuildError as exc:
         _fail(exc)
     manifest["path"] = str(store.object_dir(digest))
-    from qbuild.rebuild import last_check
+    from qbuild.results.rebuild import last_check
 
     check = last_check(store, digest)   # a mutable record beside the object (the manifest itself is immutable)
     manifest["rebuild_check"] = check or "never (qbuild verify --rebuild)"
@@ -444,7 +444,7 @@ def show(name, store_path):
     problems = store.check_object(digest)
     if problems:
         manifest["damaged"] = problems
-    from qbuild.names import redact_tree
+    from qbuild.core.names import redact_tree
 
     click.echo(json.dumps(redact_tree(manifest), indent=2, sort_keys=True, default=str))
     if problems:
@@ -504,7 +504,7 @@ def verify(names, store_path, as_json, remote_url, deep, repair, rebuild):
 
 
 def _verify_rebuild(names, store_path, as_json) -> None:
-    from qbuild.rebuild import rebuild_check
+    from qbuild.results.rebuild import rebuild_check
 
     if not names:
         _fail(UserError("verify --rebuild needs a RECIPE file or refs/digests to re-execute"))
@@ -545,7 +545,7 @@ def report(name, store_path, out_path, markdown):
     perplexity protocol and the hardware.
     """
     from qbuild import api
-    from qbuild.report import render_html, render_markdown
+    from qbuild.results.report import render_html, render_markdown
 
     try:
         record = api.find_run(name, store=store_path)
@@ -590,7 +590,7 @@ def diff(runs, last, store_path, as_json):
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
-        from qbuild.diff import render
+        from qbuild.results.diff import render
 
         render(data, _console())
 
@@ -625,7 +625,7 @@ def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trt
     TensorRT, CUDA major).
     """
     from qbuild import api
-    from qbuild.trtllm.select import local_needs
+    from qbuild.build.trtllm_select import local_needs
 
     try:
         chosen = (sm, trtllm_version, trt_version, gpu_name, arch)
@@ -716,7 +716,7 @@ def gc(remote_url, keep_last, older_than, dry_run, mlflow_uri, store_path, as_js
     Local objects are not collected yet."""
     import os
 
-    from qbuild.summary import human_size
+    from qbuild.results.summary import human_size
 
     if not remote_url:
         from qbuild import api
@@ -847,8 +847,8 @@ def env():
 @JSON_OPTION
 def env_list(as_json):
     """Built-in backends and the environments created on this machine."""
-    from qbuild import envs
-    from qbuild.summary import human_size
+    from qbuild.core import envs
+    from qbuild.results.summary import human_size
 
     rows = envs.installed()
     if as_json:
@@ -882,7 +882,7 @@ def env_create(names, recipe, find_links, offline, as_json):
     """Resolve and create environments NAMES (built-in backends) and/or those RECIPE needs."""
     import time
 
-    from qbuild import envs
+    from qbuild.core import envs
 
     if find_links:
         os.environ["UV_FIND_LINKS"] = find_links
@@ -918,7 +918,7 @@ def env_create(names, recipe, find_links, offline, as_json):
 @click.option("--all", "everything", is_flag=True, help="Remove every environment.")
 def env_rm(name, everything):
     """Remove the environment NAME (every version of it), or all with --all."""
-    from qbuild import envs
+    from qbuild.core import envs
 
     if not name and not everything:
         _fail(UserError("name an environment to remove, or --all"))
@@ -932,7 +932,7 @@ def env_rm(name, everything):
 def main():
     import logging
 
-    from qbuild import process
+    from qbuild.core import process
 
     process.guard_interrupts()   # already so under `python -m qbuild` and the `qbuild` script (qbuild/__main__.py)
 

@@ -45,7 +45,7 @@ class FormatSpec:
     model: bool = True                 # a model artifact: evaluated and given a summary row
     loads_in: tuple[str, ...] = ()     # a plugin format's engines, for any scheme (becomes its LOADS_IN row)
     load_tools: tuple[str, ...] = ()   # distributions a runtime needs to read it: they enter evaluation keys
-    eval_env: str | None = None        # backend environment (qbuild.envs) its evaluation runs in; None: qbuild's
+    eval_env: str | None = None        # backend environment (qbuild.core.envs) its evaluation runs in; None: qbuild's
 
 
 FORMATS: dict[str, FormatSpec] = {}

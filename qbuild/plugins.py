@@ -12,7 +12,7 @@ Each is a class that declares everything the core needs, registered by name:
         requires = ("mylib",)         # ...these import names, checked at plan time (never imported then)
         def plan(self, variant, ctx) -> Step: ...
 
-In-tree plugins are the modules of qbuild.quantize, qbuild.runtimes and qbuild.trtllm (every module
+In-tree plugins are the modules of qbuild.quantize, qbuild.build and qbuild.runtimes (every module
 there is imported when a registry is first used: adding one is adding a file). Out-of-tree plugins
 are Python entry points in the groups `qbuild.methods`, `qbuild.targets` and `qbuild.runtimes`,
 each naming a plugin class (`name = "package.module:Class"`). Plugin modules must stay light at
@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import Field
 
+from qbuild.core.schema_base import StrictModel
 from qbuild.errors import MissingBackendError, RecipeError, UserError
-from qbuild.schema_base import StrictModel
 
 if TYPE_CHECKING:
     import numpy as np
 
+    from qbuild.core.step import Step, StepContext
     from qbuild.evaluate.protocol import Window
-    from qbuild.step import Step, StepContext
 
 
 class Plugin:
@@ -68,7 +68,7 @@ class Method(Plugin, ABC):
     """A quantization method: recipe `variants[i].method: NAME`."""
 
     options: ClassVar[type[StrictModel]]   # subclass of qbuild.quantize.base.VariantBase
-    # backend environments (qbuild/envs.py): whether the variant's `env:` is honoured, and the default one
+    # backend environments (qbuild/core/envs.py): whether the variant's `env:` is honoured, and the default one
     # (None: qbuild's own environment). A method that honours it passes ctx.backend_env(variant, self) to its Step.
     runs_in_env: ClassVar[bool] = False
     default_env: ClassVar[str | None] = None
@@ -234,7 +234,7 @@ class Server(Plugin, ABC):
 
     @abstractmethod
     def args(self, config, *, threads: int, slots: int, context: int) -> list[str]:
-        """The server's flags for a serving config (a qbuild.recipe.ServingConfig), without program, model and port:
+        """The server's flags for a serving config (a qbuild.core.recipe.ServingConfig), without program, model and port:
         `slots` requests decoded at once, `context` tokens per request. They enter the serving step's key."""
 
     @abstractmethod
@@ -253,7 +253,7 @@ class Server(Plugin, ABC):
 P = TypeVar("P", bound=Plugin)
 
 # in-tree plugin packages: every module in them is imported when a registry is first used
-PLUGIN_PACKAGES = ("qbuild.quantize", "qbuild.runtimes", "qbuild.trtllm")
+PLUGIN_PACKAGES = ("qbuild.quantize", "qbuild.build", "qbuild.runtimes")
 
 
 class Registry(Generic[P]):

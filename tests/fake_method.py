@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from qbuild.core.step import Step, StepContext
 from qbuild.plugins import Method
 from qbuild.quantize.base import VariantBase
-from qbuild.step import Step, StepContext
 
 TOOLS = ("pydantic",)
 

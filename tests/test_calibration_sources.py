@@ -14,9 +14,9 @@ from qbuild.calibration.build import load_calibration, split_counts
 from qbuild.calibration.build import run as run_calibration
 from qbuild.calibration.corpus import pydocs_documents
 from qbuild.calibration.plan import calibration_step
-from qbuild.plan import PlanContext
-from qbuild.recipe import parse_recipe
-from qbuild.step import StepContext
+from qbuild.core.plan import PlanContext
+from qbuild.core.recipe import parse_recipe
+from qbuild.core.step import StepContext
 
 from helpers import fake_recipe, qbuild, write_recipe
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from qbuild.core.recipe import load_recipe
 from qbuild.errors import MissingBackendError, RecipeError
-from qbuild.recipe import load_recipe
 
 from helpers import fake_model, qbuild, write_recipe
 

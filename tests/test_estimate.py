@@ -1,5 +1,5 @@
 """`qbuild plan` estimates each miss from the store's history of similar steps, and the plan's total the way the
-executor schedules it (qbuild/estimate.py). The fake method sleeps a set time, so the history is known."""
+executor schedules it (qbuild/core/estimate.py). The fake method sleeps a set time, so the history is known."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 from qbuild import api
 from qbuild.artifacts.store import Store
-from qbuild.estimate import _schedule, estimate_plan
-from qbuild.step import Step
+from qbuild.core.estimate import _schedule, estimate_plan
+from qbuild.core.step import Step
 
 from helpers import fake_recipe, qbuild, run_api, write_recipe
 
@@ -51,7 +51,7 @@ def _step(name, inputs=(), threads=1, timing=False):
 
 
 def test_the_total_schedules_misses_like_the_executor():
-    from qbuild.estimate import StepEstimate
+    from qbuild.core.estimate import StepEstimate
 
     a, b = _step("a"), _step("b")
     c = _step("c", inputs=(a,))

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from conftest import smollm2_gguf_path
 
+from qbuild.core.step import StepContext
 from qbuild.evaluate.protocol import Window
 from qbuild.evaluate.quality import scored_rows
-from qbuild.step import StepContext
 
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(100, 40000, size=96)]
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.executor import cpu_count
+from qbuild.core.executor import cpu_count
 
 from helpers import fake_recipe, qbuild, run_api, write_recipe
 
@@ -85,7 +85,7 @@ def _start_slow_run(tmp_path, store_dir, sleep=20.0):
 
 def _workers_of(store_dir: Path) -> list[int]:
     """Worker processes still running for this store (found by their spec path)."""
-    out = subprocess.run(["pgrep", "-f", f"qbuild.worker {store_dir}"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", f"qbuild.core.worker {store_dir}"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
@@ -129,7 +129,7 @@ def _infos(store_dir: Path) -> dict[str, dict]:
 
 
 def _standbys() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "qbuild.worker --standby"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", "qbuild.core.worker --standby"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 

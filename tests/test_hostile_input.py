@@ -16,9 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 from qbuild.cli import cli
+from qbuild.core.names import check_name, redact_tree, redact_url, valid_name
+from qbuild.core.yamlio import load_yaml
 from qbuild.errors import RecipeError
-from qbuild.names import check_name, redact_tree, redact_url, valid_name
-from qbuild.yamlio import load_yaml
 
 from helpers import fake_recipe, qbuild, run_api, write_recipe
 

@@ -167,7 +167,7 @@ def test_kld_base_follows_the_models_bos_rule_unless_the_recipe_sets_it(tmp_path
 
 def test_flash_attention_is_a_protocol_switch_of_the_llamacpp_runtime(tmp_path):
     """Off by default (the key of a recipe that does not mention it is unchanged); on, it is part of the key."""
-    from qbuild.recipe import Perplexity
+    from qbuild.core.recipe import Perplexity
 
     assert "flash_attn" not in Perplexity().canonical()
     assert Perplexity(flash_attn=True).canonical()["flash_attn"] is True

@@ -14,11 +14,11 @@ import pytest
 from test_backend_envs import envs_dir  # noqa: F401  (fixture: the session's backend environments directory)
 
 from qbuild.artifacts.store import Store
+from qbuild.core.plan import build_steps
+from qbuild.core.recipe import LOAD_CHECK_PROMPT, parse_recipe
+from qbuild.core.step import StepContext
 from qbuild.errors import RecipeError
 from qbuild.evaluate.loadcheck import RESULT, leading_matches
-from qbuild.plan import build_steps
-from qbuild.recipe import LOAD_CHECK_PROMPT, parse_recipe
-from qbuild.step import StepContext
 
 from helpers import build_module_recipe, fake_model, run_api, write_recipe
 
@@ -297,7 +297,7 @@ def test_engine_check_through_the_fake_tensorrt_llm_interpreter(tmp_path, tiny_m
     engine's check must be the greedy decode of exactly those logits, compared with the baseline's."""
     import test_trtllm_eval as trt
 
-    from qbuild.trtllm import env as trtllm_env
+    from qbuild.build import trtllm_env
 
     monkeypatch.delenv(trtllm_env.ENV_PYTHON, raising=False)
     monkeypatch.setenv(trtllm_env.FAKE_GPU, trt.H100)

@@ -261,7 +261,7 @@ def test_fp4_on_missing_gpu_skip_builds_the_rest_and_fail_stops_first(tmp_path, 
 
 def test_existing_modelopt_keys_unchanged():
     """New fields (on_missing_gpu, a resolved export) must not move the keys of variants built before them."""
-    from qbuild.trtllm.modelopt import ModelOptVariant as V
+    from qbuild.quantize.modelopt import ModelOptVariant as V
 
     assert V(name="x", method="modelopt", scheme="fp8").quant_params() == {
         "method": "modelopt", "scheme": "fp8", "block_size": None, "dtype": "float16", "export": "trtllm-checkpoint",
@@ -277,7 +277,7 @@ def test_existing_modelopt_keys_unchanged():
     ("w4a8-mxfp4-fp8", {"quant_algo": "MXFP4", "group_size": 32}, False),   # W4A4 MXFP4: no TRT-LLM Linear kernel
 ])
 def test_fp4_export_check(tmp_path, scheme, quant, ok):
-    from qbuild.trtllm.modelopt import check_fp4_export
+    from qbuild.quantize.modelopt import check_fp4_export
 
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
     if ok:
@@ -288,7 +288,7 @@ def test_fp4_export_check(tmp_path, scheme, quant, ok):
 
 
 def _has_cuda() -> bool:
-    from qbuild.trtllm import env
+    from qbuild.build import trtllm_env as env
 
     return env.gpu() is not None and importlib.util.find_spec("modelopt") is not None
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from qbuild.core.plan import build_steps
+from qbuild.core.recipe import parse_recipe
 from qbuild.errors import RecipeError
-from qbuild.plan import build_steps
 from qbuild.quantize.shapes import config_linear_names, weight_modules
-from qbuild.recipe import parse_recipe
 
 from helpers import fake_model, qbuild, write_recipe
 
@@ -290,9 +290,9 @@ def test_loads_in_follows_the_quantization_not_the_format():
 
 def test_trtllm_pytorch_column_agrees_with_the_target():
     """Two places know what TensorRT-LLM's PyTorch backend reads: the target's `accepts` and the table."""
+    from qbuild.core.step import Step
     from qbuild.formats import ANY, LOADS_IN
     from qbuild.plugins import targets
-    from qbuild.step import Step
 
     target = targets.get("trtllm-pytorch")
     rows = [(f, s) for f, s in LOADS_IN if f in target.accepts and s != ANY]

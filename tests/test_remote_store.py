@@ -14,8 +14,8 @@ from remote_common import make_object, model_files, run_child
 from qbuild.artifacts.remote import RemoteError, cache, open_remote
 from qbuild.artifacts.remote.gc import gc_remote, parse_age, plan_gc, plan_store_gc
 from qbuild.artifacts.store import Store
+from qbuild.core.hashing import tree_digest
 from qbuild.errors import UserError
-from qbuild.hashing import tree_digest
 
 BACKENDS = ["file", "s3", "oci"]
 
@@ -326,8 +326,8 @@ def test_resolve_and_pull_by_ref(remote_url, tmp_path):
 
 
 def _engine(store: Store, sm: str, created: str):
-    from qbuild.trtllm import env as trtllm_env
-    from qbuild.trtllm.engine import ENGINE_KIND
+    from qbuild.build import trtllm_env
+    from qbuild.build.tensorrt_llm import ENGINE_KIND
 
     gpu = {"9.0": "NVIDIA H100 80GB HBM3", "8.9": "NVIDIA L4"}[sm]
     return make_object(store, {"rank0.engine": f"engine for sm{sm}".encode(), "config.json": b"{}"},
@@ -339,8 +339,8 @@ def _engine(store: Store, sm: str, created: str):
 
 
 def test_pull_picks_the_engine_for_this_gpu(remote_url, tmp_path, monkeypatch):
-    from qbuild.trtllm import env as trtllm_env
-    from qbuild.trtllm.select import local_needs
+    from qbuild.build import trtllm_env
+    from qbuild.build.trtllm_select import local_needs
 
     store = Store(tmp_path / "a")
     h100, l4 = _engine(store, "9.0", "2026-01-01T00:00:00Z"), _engine(store, "8.9", "2026-01-02T00:00:00Z")

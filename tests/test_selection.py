@@ -4,8 +4,8 @@ and for every other candidate the bound it missed and by how much (the numbers o
 
 from __future__ import annotations
 
-from qbuild.recipe import Selection, Serving
-from qbuild.selection import select
+from qbuild.core.recipe import Selection, Serving
+from qbuild.results.selection import select
 
 SERVING = Serving(concurrency=[1, 4])
 

@@ -15,7 +15,7 @@ from qbuild.artifacts import mlflow_registry as reg
 from qbuild.artifacts.remote import open_remote
 from qbuild.artifacts.remote.config import RegisterSpec
 from qbuild.artifacts.store import Store
-from qbuild.publish import SERVE_COMMAND, SERVE_CONFIG, register, write_through
+from qbuild.results.publish import SERVE_COMMAND, SERVE_CONFIG, register, write_through
 
 COMMANDS = {"q4km": "llama-server --model model.gguf --ctx-size 2048 --parallel 4 --cache-type-k q8_0",
             "q8_0": "llama-server --model model.gguf --ctx-size 2048 --parallel 4"}

@@ -37,7 +37,7 @@ def gguf_model():
 
 
 def launch(model, **config):
-    from qbuild.recipe import ServingConfig
+    from qbuild.core.recipe import ServingConfig
     from qbuild.serving.engines.llamacpp import LlamaServer
 
     return LlamaServer().launch(model, ServingConfig(name="t", **config), threads=1, slots=2, context=256,
@@ -129,7 +129,7 @@ def test_kv_bytes_per_token_is_what_llama_cpp_allocates(llama_server_bin, gguf_m
     """llama.cpp's own account of its KV cache (logged at -lv 4): K + V MiB over the context's tokens."""
     import re
 
-    from qbuild.recipe import ServingConfig
+    from qbuild.core.recipe import ServingConfig
     from qbuild.serving.engines.llamacpp import LlamaServer
     from qbuild.serving.server import running
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qbuild.core.plan import build_steps
+from qbuild.core.recipe import ServingConfig, parse_recipe
 from qbuild.errors import RecipeError
-from qbuild.plan import build_steps
-from qbuild.recipe import ServingConfig, parse_recipe
 
 from helpers import fake_model, qbuild, write_recipe
 

@@ -14,13 +14,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from qbuild.build import tensorrt_llm as trt
+from qbuild.build import trtllm_env
+from qbuild.build import trtllm_pytorch as trtpt
+from qbuild.core import hardware
+from qbuild.build.trtllm_select import engine_manifests, select_engine
+from qbuild.core.step import Step
 from qbuild.errors import RecipeError, UserError
-from qbuild.step import Step
-from qbuild.trtllm import engine as trt
-from qbuild.trtllm import env as trtllm_env
-from qbuild.trtllm import pytorch_backend as trtpt
-from qbuild.trtllm.checkpoint import CheckpointError, validate_hf_export, validate_trtllm_checkpoint
-from qbuild.trtllm.select import engine_manifests, select_engine
+from qbuild.models.checkpoint import CheckpointError, validate_hf_export, validate_trtllm_checkpoint
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 L4 = "NVIDIA L4:8.9:550.54.15"
@@ -56,8 +57,8 @@ def _recipe(tmp_path: Path, model_dir: Path, variants: list, targets: list, cali
 
 def _plan(path: Path):
     from qbuild.artifacts.store import Store
-    from qbuild.plan import make_plan
-    from qbuild.recipe import load_recipe
+    from qbuild.core.plan import make_plan
+    from qbuild.core.recipe import load_recipe
 
     r = load_recipe(path)
     return make_plan(r, path.parent, Store(Path(r.store.path))).steps
@@ -328,7 +329,7 @@ def test_engine_key_sensitivity(monkeypatch):
 
 
 def test_engine_key_ignores_unrelated_packages(monkeypatch):
-    from qbuild import fingerprint
+    from qbuild.core import fingerprint
 
     base = _engine_key(monkeypatch).key
     real = fingerprint.package_version
@@ -385,7 +386,7 @@ def test_plan_shows_needs_gpu_and_run_exits_2(tmp_path, tiny_model_dir):
 
 def test_engine_hit_on_machine_without_gpu(tmp_path, tiny_model_dir, monkeypatch):
     """An engine already stored for the pinned SM/toolchain plans as a hit, even without a GPU."""
-    from qbuild.recipe import load_recipe
+    from qbuild.core.recipe import load_recipe
 
     path, store = _store_fake_checkpoint(tmp_path, tiny_model_dir)
     data = yaml.safe_load(path.read_text())
@@ -428,9 +429,9 @@ def test_parse_engine_dir(tmp_path):
 
 
 def test_parse_nvidia_smi():
-    gpu = trtllm_env.parse_nvidia_smi("NVIDIA H100 80GB HBM3, 9.0, 550.54.15\nNVIDIA H100 80GB HBM3, 9.0, 550.54.15\n")
+    gpu = hardware.parse_nvidia_smi("NVIDIA H100 80GB HBM3, 9.0, 550.54.15\nNVIDIA H100 80GB HBM3, 9.0, 550.54.15\n")
     assert (gpu.name, gpu.sm, gpu.driver, gpu.count) == ("NVIDIA H100 80GB HBM3", "9.0", "550.54.15", 2)
-    assert trtllm_env.parse_nvidia_smi("") is None
+    assert hardware.parse_nvidia_smi("") is None
 
 
 GPU_NAMES = {"9.0": "NVIDIA H100 80GB HBM3", "8.9": "NVIDIA L4", "10.0": "NVIDIA B200"}

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from qbuild.report import pareto, render_html
+from qbuild.results.report import pareto, render_html
 
 from helpers import fake_recipe, qbuild, run_api, write_recipe
 
@@ -182,7 +182,7 @@ def test_hardware_is_written_in_words():
 def test_history_tick_labels_leave_room_for_the_axis_label():
     import re
 
-    from qbuild.report import svg_lines
+    from qbuild.results.report import svg_lines
 
     svg = svg_lines({"q4km": [(0, 0.0045671, "a"), (1, 0.0051234, "b")]}, 2, "KLD", "kld")
     ticks = re.findall(r'<text x="([\d.]+)" y="[\d.]+" text-anchor="end" font-size="11">([^<]+)</text>', svg)

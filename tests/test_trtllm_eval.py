@@ -16,8 +16,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from qbuild.build import trtllm_env
 from qbuild.errors import RecipeError
-from qbuild.trtllm import env as trtllm_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 H100_PCIE = "NVIDIA H100 PCIe:9.0:560.35.03"
@@ -50,8 +50,8 @@ def _recipe(tmp_path: Path, model_dir: Path, evaluation: dict, **target) -> Path
 
 def _plan(path: Path) -> dict:
     from qbuild.artifacts.store import Store
-    from qbuild.plan import make_plan
-    from qbuild.recipe import load_recipe
+    from qbuild.core.plan import make_plan
+    from qbuild.core.recipe import load_recipe
 
     r = load_recipe(path)
     return {p.step.name: p for p in make_plan(r, path.parent, Store(Path(r.store.path))).steps}
@@ -104,7 +104,7 @@ def test_engine_eval_steps_planned_with_engine_facts_in_key(tmp_path, fake_model
 
 
 def test_engine_eval_key_sensitivity(tmp_path, fake_model, monkeypatch):
-    from qbuild import fingerprint
+    from qbuild.core import fingerprint
 
     ev = {**EVAL, "throughput": {"batch_sizes": [1], "input_len": 32, "output_len": 8}}
     path = _recipe(tmp_path, fake_model, ev)
@@ -281,7 +281,7 @@ def _runner_ctx(tmp_path: Path, gather: bool, sm: str = "9.0", engine_vocab: int
     import numpy as np
     from safetensors.numpy import save_file
 
-    from qbuild.step import StepContext
+    from qbuild.core.step import StepContext
 
     engine, tok, data = tmp_path / "engine", tmp_path / "tok", tmp_path / "data"
     for d in (engine, tok, data):
@@ -350,7 +350,7 @@ def test_runner_fails_clearly(tmp_path):
 
 
 def test_parse_bench_report_without_streaming():
-    from qbuild.trtllm.runtime import parse_bench_report
+    from qbuild.runtimes.tensorrt_llm import parse_bench_report
 
     row = parse_bench_report({"performance": {"system_output_throughput_tok_s": 300.0}}, 4, 128)
     assert row["decode_tok_s"] == 300.0 and row["ttft_ms"] is None and row["prefill_tok_s"] is None
@@ -358,7 +358,7 @@ def test_parse_bench_report_without_streaming():
 
 
 def test_build_and_bench_args_for_evaluation():
-    from qbuild.trtllm import engine as trt
+    from qbuild.build import tensorrt_llm as trt
 
     t = trt.EngineTarget(type="tensorrt-llm", gather_context_logits=True)
     args = trt.trtllm_build_args(trt.build_settings(t), "/c", "/e")
@@ -370,8 +370,8 @@ def test_build_and_bench_args_for_evaluation():
 
 
 def test_gates_apply_to_engines_only_when_named():
+    from qbuild.core.recipe import Gate
     from qbuild.evaluate.gates import check_gates
-    from qbuild.recipe import Gate
 
     summary = {"variants": [{"variant": "fp8", "kld": 0.05, "target": None},
                             {"variant": "fp8.trtllm", "kld": None, "target": "tensorrt-llm"}]}

@@ -15,11 +15,11 @@ import yaml
 from click.testing import CliRunner
 from test_trtllm_eval import _plan
 
+from qbuild.build import tensorrt_llm as trt
+from qbuild.build import trtllm_env
+from qbuild.core.step import Step
 from qbuild.errors import RecipeError, UserError
-from qbuild.step import Step
-from qbuild.trtllm import engine as trt
-from qbuild.trtllm import env as trtllm_env
-from qbuild.trtllm.checkpoint import CheckpointError, validate_trtllm_checkpoint
+from qbuild.models.checkpoint import CheckpointError, validate_trtllm_checkpoint
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 H200 = "NVIDIA H200:9.0:550.54.15"
@@ -54,7 +54,7 @@ def modelopt_export(out: Path, model_type: str, scheme: str = "none", vocab: int
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qbuild.trtllm.modelopt import DECODER_TYPES, quant_config
+    from qbuild.quantize.modelopt import DECODER_TYPES, quant_config
 
     cfg = tiny_config(model_type, vocab)
     torch.manual_seed(0)
@@ -274,7 +274,7 @@ def test_unreadable_versions_make_the_engine_unavailable(monkeypatch):
         assert f"the {what} version of the TensorRT-LLM environment" in step.unavailable, fake
         assert "unknown" not in json.dumps(step.toolchain())
     with pytest.raises(UserError, match="cannot tell which engine fits"):
-        from qbuild.trtllm.select import local_needs
+        from qbuild.build.trtllm_select import local_needs
 
         monkeypatch.setenv(trtllm_env.FAKE_TRTLLM, "1.2.1::13.0")
         local_needs()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qbuild.trtllm import env as trtllm_env
+from qbuild.build import trtllm_env
 
 from helpers import run_api
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
+from qbuild.build import trtllm_env as gpu_env
 from qbuild.runtimes import vllm as rt
-from qbuild.trtllm import env as gpu_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 FAKE_DIR = Path(__file__).parent / "fake_vllm"
@@ -78,7 +78,7 @@ def _runner_ctx(tmp_path: Path, monkeypatch, vocab: int = 50):
     """A perplexity step's context on a tiny 'model' (a config: the stub reads nothing else) and token data."""
     from safetensors.numpy import save_file
 
-    from qbuild.step import StepContext
+    from qbuild.core.step import StepContext
 
     monkeypatch.setenv(gpu_env.FAKE_GPU, H100)
     monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)

@@ -32,10 +32,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from qbuild.core.hashing import canonical_json, memo_sha256, sha256_file, tree_digest
+from qbuild.core.names import NAME, check_name
+from qbuild.core.owned import OwnedRoot, claim_root, only_these, owned_root
 from qbuild.errors import EXIT_USER_ERROR, QBuildError, UserError
-from qbuild.hashing import canonical_json, memo_sha256, sha256_file, tree_digest
-from qbuild.names import NAME, check_name
-from qbuild.owned import OwnedRoot, claim_root, only_these, owned_root
 
 log = logging.getLogger("qbuild")
 

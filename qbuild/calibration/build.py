@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from qbuild.calibration.sources import read_source
-from qbuild.step import StepContext
+from qbuild.core.step import StepContext
 
 OUTPUT = "calibration.safetensors"
 INFO = "calibration.json"

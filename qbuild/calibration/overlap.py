@@ -23,7 +23,7 @@ import os
 import re
 from pathlib import Path
 
-from qbuild.hashing import canonical_json, sha256_text
+from qbuild.core.hashing import canonical_json, sha256_text
 
 NGRAM = 13
 METHOD = "word-13gram-v1"   # bump when the normalization or the measure changes: cached results are then stale
@@ -77,7 +77,7 @@ def describe(identity: dict) -> str:
 
 
 def _cache_file(key: str) -> Path:
-    from qbuild.fingerprint import cache_dir
+    from qbuild.core.fingerprint import cache_dir
 
     return cache_dir() / "overlap" / f"{key}.json"
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from qbuild.calibration.build import load_tokenizer, render
 from qbuild.calibration.sources import read_source
-from qbuild.step import StepContext
+from qbuild.core.step import StepContext
 
 TOKENS = "tokens.safetensors"
 INFO = "tokens.json"

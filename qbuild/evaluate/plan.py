@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 
 from qbuild.calibration.plan import TOKENIZE_TOOLS
+from qbuild.core.step import HF_PRELOAD, Step
 from qbuild.formats import spec
 from qbuild.plugins import Runtime, runtimes_for
-from qbuild.step import HF_PRELOAD, Step
 
 log = logging.getLogger("qbuild")
 
@@ -191,10 +191,10 @@ def load_check_steps(ctx, check) -> None:
 def _kld_base_reference(ctx, ev, data: Step) -> Step:
     """A user's llama-perplexity KL-divergence base file as the reference: a source (fingerprinted, never built),
     and a `reference[baseline]` step that reads the baseline's PPL off it (no model runs)."""
+    from qbuild.core.fingerprint import dir_fingerprint
+    from qbuild.core.hashing import sha256_text
     from qbuild.errors import RecipeError
     from qbuild.evaluate.llamacpp_kld import read_kld_base
-    from qbuild.fingerprint import dir_fingerprint
-    from qbuild.hashing import sha256_text
     from qbuild.models.resolve import resolve_path
 
     path = resolve_path(ev.kld_base, ctx.recipe_dir, "evaluation.kld_base")

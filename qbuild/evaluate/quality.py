@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
+from qbuild.core.step import StepContext
 from qbuild.evaluate.data import load_tokens
 from qbuild.evaluate.llamacpp_kld import llamacpp_kld, read_kld_base
 from qbuild.evaluate.protocol import score_rows, summarize, windows
 from qbuild.plugins import open_session
-from qbuild.step import StepContext
 
 LOGPROBS = "logprobs.npy"        # float32 [scored positions × vocab], windows in order, rows in position order
 REFERENCE = "reference.json"     # what the log-probs are: protocol, runtime, per-window row offsets, format

@@ -33,9 +33,9 @@ def task_steps(ctx) -> None:
     ev = ctx.recipe.evaluation
     if not ev.tasks:
         return
+    from qbuild.core.fingerprint import dir_fingerprint
     from qbuild.errors import RecipeError
     from qbuild.evaluate.plan import _step, evaluable_artifacts
-    from qbuild.fingerprint import dir_fingerprint
     from qbuild.models.resolve import resolve_path
 
     for ti, t in enumerate(ev.tasks):
@@ -134,8 +134,8 @@ def _lm_class():
             super().__init__()
             if session is None:   # `lm_eval --model qbuild --model_args runtime=transformers,pretrained=DIR`
                 from qbuild.calibration.build import load_tokenizer
+                from qbuild.core.step import StepContext
                 from qbuild.plugins import open_session
-                from qbuild.step import StepContext
 
                 sctx = StepContext({}, {}, {}, Path("."), int(threads), device, "lm-eval")
                 session = open_session(runtime or "transformers", Path(pretrained), sctx, int(max_length))

@@ -23,12 +23,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from qbuild.core.step import Step, StepContext
 from qbuild.formats import Format
 from qbuild.plugins import Method, methods
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.base import dir_size
 from qbuild.quantize.shapes import is_ignored
-from qbuild.step import Step, StepContext
 
 TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")
 FORMATS = {"auto_round": Format.AUTO_ROUND, "llm_compressor": Format.COMPRESSED_TENSORS,

@@ -16,12 +16,12 @@ from typing import Literal
 
 from pydantic import Field
 
+from qbuild.core.step import Step
 from qbuild.errors import RecipeError
 from qbuild.formats import Format
 from qbuild.plugins import methods
 from qbuild.quantize import awq_gemm
 from qbuild.quantize import llmcompressor as lc
-from qbuild.step import Step
 
 
 class AWQVariant(lc.IntWeightVariant):

@@ -18,10 +18,10 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from qbuild.core.step import Step, StepContext
 from qbuild.formats import Format
 from qbuild.plugins import Method, methods
 from qbuild.quantize.base import VariantBase, dir_size
-from qbuild.step import Step, StepContext
 
 TOOLS = ("bitsandbytes", "torch", "transformers", "accelerate", "safetensors")
 FOUR_BIT = ("nf4", "fp4")

@@ -17,13 +17,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from qbuild.core.schema_base import StrictModel
+from qbuild.core.step import Step, StepContext
 from qbuild.errors import RecipeError
 from qbuild.formats import Format
 from qbuild.plugins import Method, methods
 from qbuild.quantize.base import VariantBase
 from qbuild.quantize.shapes import check_patterns, checkpoint_weight_names, config_linear_names
-from qbuild.schema_base import StrictModel
-from qbuild.step import Step, StepContext
 
 TOOLS = ("llama-cpp-python",)
 CONVERT_TOOLS = ("llama-cpp-python", "torch", "transformers", "safetensors")
@@ -360,7 +360,7 @@ def run_convert(ctx: StepContext) -> dict:
 
 def imatrix_toolchain() -> dict[str, str]:
     """The llama.cpp tools build the imatrix step runs (its cmake flags and targets enter the key)."""
-    from qbuild.fingerprint import package_version
+    from qbuild.core.fingerprint import package_version
     from qbuild.serving.llamacpp_build import build_id
 
     return {"llama.cpp-tools": build_id(package_version("llama-cpp-python"))}

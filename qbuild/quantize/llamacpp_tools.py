@@ -19,7 +19,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from qbuild.fingerprint import cache_dir, package_version
+from qbuild.core.fingerprint import cache_dir, package_version
 
 MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 SDIST_SHA256 = {  # llama_cpp_python-<version>.tar.gz on PyPI; add a line when scripts/constraints.txt moves
@@ -96,7 +96,7 @@ def extract_vendored(sdist: Path, staged: Path, members: tuple[str, ...] | None 
 
 def check_sdist(sdist: Path, pinned: str) -> None:
     """Refuse a downloaded sdist whose sha256 is not the pinned one (never extract unverified code)."""
-    from qbuild.hashing import sha256_file
+    from qbuild.core.hashing import sha256_file
 
     got = sha256_file(sdist)
     if got != pinned:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from qbuild.core.step import StepContext
 from qbuild.formats import Format
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
-from qbuild.step import StepContext
 
 
 class LlamaCppSession(RuntimeSession):

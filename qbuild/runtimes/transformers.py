@@ -7,9 +7,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from qbuild.core.step import HF_PRELOAD, StepContext
 from qbuild.formats import Format
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
-from qbuild.step import HF_PRELOAD, StepContext
 
 
 class TransformersSession(RuntimeSession):

@@ -39,9 +39,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from qbuild.core.step import OnUnavailable, StepContext
 from qbuild.formats import Format, loads_in
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
-from qbuild.step import OnUnavailable, StepContext
 
 ENV_PYTHON = "QBUILD_VLLM_PYTHON"
 SHIM = Path(__file__).with_name("_vllm_shim.py")
@@ -94,7 +94,7 @@ def probe(python: str | None) -> VllmEnv | None:
 
 def availability() -> tuple[dict, list[str], str | None]:
     """(facts for the key, reasons it cannot run here, the interpreter)."""
-    from qbuild.trtllm import env as gpu_env  # the nvidia-smi probe (and its test hook)
+    from qbuild.core import hardware as gpu_env  # the nvidia-smi probe (and its test hook)
 
     python = configured_python()
     env, gpu = probe(python), gpu_env.gpu()
@@ -133,7 +133,7 @@ def generate_sampling(n: int) -> dict:
 
 
 def vocab_size(model: Path) -> int:
-    from qbuild.trtllm.checkpoint import source_facts
+    from qbuild.models.checkpoint import source_facts
 
     return source_facts(json.loads((Path(model) / "config.json").read_text()))["vocab_size"]
 

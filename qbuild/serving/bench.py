@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from qbuild.core.recipe import ServingConfig
+from qbuild.core.step import StepContext
 from qbuild.plugins import servers
-from qbuild.recipe import ServingConfig
-from qbuild.step import StepContext
 
 RESULT = "serving.json"
 SERVER_LOG = "server.log"

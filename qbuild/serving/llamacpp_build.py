@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from qbuild.fingerprint import package_version
-from qbuild.hashing import sha256_text
-from qbuild.owned import claim_root
+from qbuild.core.fingerprint import package_version
+from qbuild.core.hashing import sha256_text
+from qbuild.core.owned import claim_root
 
 TARGETS = ("llama-server", "llama-imatrix", "llama-perplexity")
 # the CPU flags llama-cpp-python is built with (scripts/install.sh): same kernels, so the same numbers; static

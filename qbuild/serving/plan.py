@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
+from qbuild.core.step import OnUnavailable, Step
 from qbuild.errors import RecipeError
 from qbuild.formats import loads_in, spec
 from qbuild.plugins import Server, servers
-from qbuild.step import OnUnavailable, Step
 
 RUNNER = "qbuild.serving.bench:run"
 IMPL_VERSION = 2   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)

@@ -1,6 +1,6 @@
 """GPU suite for the TensorRT-LLM path: build engines, load them, generate, measure PPL and throughput.
 
-Also runs qbuild's own engine evaluation steps (perplexity/KLD through qbuild/trtllm/_shim.py,
+Also runs qbuild's own engine evaluation steps (perplexity/KLD through qbuild/runtimes/_trtllm_shim.py,
 throughput through trtllm-bench) with a target built with gather_context_logits.
 
 Needs an NVIDIA GPU and a TensorRT-LLM 1.2.x interpreter: $QBUILD_TRTLLM_PYTHON (tests/gpu/run.sh points it at
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qbuild.trtllm import env as trtllm_env
+from qbuild.build import trtllm_env
 
 ENGINE_CHECK = Path(__file__).with_name("trtllm_engine_check.py")
 
@@ -102,8 +102,8 @@ def _build(tmp_path: Path, model_dir: Path, name: str, variant: dict) -> tuple[d
 
 @pytest.mark.parametrize("name, variant", SCHEMES, ids=[s[0] for s in SCHEMES])
 def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
-    from qbuild.trtllm import engine as trt
-    from qbuild.trtllm import env as trtllm_env
+    from qbuild.build import tensorrt_llm as trt
+    from qbuild.build import trtllm_env
 
     manifest, engine = _build(tmp_path, model_dir, name, variant)
     gpu = trtllm_env.gpu()
@@ -139,7 +139,7 @@ def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
 
 
 def test_engine_perplexity_and_throughput_steps(tmp_path, model_dir):
-    """qbuild's own engine evaluation steps (qbuild/trtllm/runtime.py): PPL/KLD through the shim, trtllm-bench."""
+    """qbuild's own engine evaluation steps (qbuild/runtimes/tensorrt_llm.py): PPL/KLD through the shim, trtllm-bench."""
     from qbuild.artifacts.store import Store
 
     ev = {"baseline": True, "kld": True,

@@ -13,9 +13,9 @@ from typing import Literal
 
 from pydantic import Field
 
+from qbuild.core.step import Step, StepContext
 from qbuild.plugins import Method
 from qbuild.quantize.base import VariantBase
-from qbuild.step import Step, StepContext
 from qbuild_example import FORMAT, WEIGHTS
 
 

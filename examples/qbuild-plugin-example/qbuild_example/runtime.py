@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qbuild.core.step import StepContext
 from qbuild.plugins import Runtime
 from qbuild.runtimes.transformers import TransformersSession
-from qbuild.step import StepContext
 from qbuild_example import FORMAT, WEIGHTS
 
 

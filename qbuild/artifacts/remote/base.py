@@ -30,9 +30,9 @@ from pathlib import Path, PurePosixPath
 from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
+from qbuild.core.hashing import sha256_file, tree_digest
+from qbuild.core.names import check_name as check_ref_name
 from qbuild.errors import QBuildError, UserError
-from qbuild.hashing import sha256_file, tree_digest
-from qbuild.names import check_name as check_ref_name
 from qbuild.plugins import Plugin
 
 MANIFEST = "manifest.json"
@@ -68,9 +68,9 @@ class RemoteConfigError(RemoteError, UserError):
 
 def scrub(text: str) -> str:
     """Remove credentials from a message: URL userinfo and the values of secret environment variables."""
-    from qbuild.names import redact_url
+    from qbuild.core.names import redact_url
 
-    text = redact_url(text)   # the one URL redaction (qbuild/names.py)
+    text = redact_url(text)   # the one URL redaction (qbuild/core/names.py)
     for var in SECRET_ENV:
         value = os.environ.get(var)
         if value and len(value) >= 4:
@@ -128,7 +128,7 @@ def check_manifest(manifest: dict, digest: str) -> list[dict]:
 
 
 def check_name(kind: str, value: str) -> str:
-    """A recipe, variant or tag in a remote ref: the one name grammar (qbuild/names.py)."""
+    """A recipe, variant or tag in a remote ref: the one name grammar (qbuild/core/names.py)."""
     return check_ref_name(value, kind)
 
 

@@ -126,7 +126,7 @@ def resolve(remote: RemoteStore, name: str) -> str:
 
 def remote_engine_manifests(remote: RemoteStore, recipe: str, variant: str) -> list[dict]:
     """Every TensorRT-LLM engine build of recipe/variant on the remote (newest first): manifests only."""
-    from qbuild.trtllm.select import is_engine_of, newest_first
+    from qbuild.build.trtllm_select import is_engine_of, newest_first
 
     found = []
     for digest in remote.list_objects():
@@ -138,8 +138,8 @@ def remote_engine_manifests(remote: RemoteStore, recipe: str, variant: str) -> l
 
 def pull_engine(remote: RemoteStore, name: str, need: dict) -> dict:
     """The engine manifest for NAME (recipe/variant[:tag]) that fits `need` (SM, TensorRT-LLM, TensorRT, CUDA),
-    chosen by qbuild.trtllm.select.select_engine; its UserError lists what exists and why none fits."""
-    from qbuild.trtllm.select import select_engine
+    chosen by qbuild.build.trtllm_select.select_engine; its UserError lists what exists and why none fits."""
+    from qbuild.build.trtllm_select import select_engine
 
     m = REF_RE.match(name)
     if not m:
@@ -157,7 +157,7 @@ def pull(remote: RemoteStore, name: str, out: Path, need: dict | None = None, pr
     """`qbuild pull NAME --from REMOTE --out DIR [--verify-with PUBKEY]` without a local store: resolve the
     name (an engine ref picks the build that fits `need`), fetch every file verified, add the model card and
     signature sidecars, check the signature when asked, and only then make DIR appear (one rename)."""
-    from qbuild.trtllm.engine import ENGINE_KIND
+    from qbuild.build.tensorrt_llm import ENGINE_KIND
 
     try:
         digest = resolve(remote, name)

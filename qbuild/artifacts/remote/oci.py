@@ -369,7 +369,7 @@ class OciRemote(RemoteStore):
         cdesc = self._push_bytes(json.dumps(config, sort_keys=True).encode(), MODEL_CONFIG)
         annotations = {k: str(v) for k, v in {
             "org.qbuild.digest": digest, "org.qbuild.key": manifest.get("key"), "org.qbuild.kind": manifest.get("kind"),
-            "org.qbuild.recipe": recipe, "org.qbuild.variant": manifest.get("variant"),
+            "org.qbuild.core.recipe": recipe, "org.qbuild.variant": manifest.get("variant"),
             "org.qbuild.format": manifest.get("format"), "org.opencontainers.image.created": manifest.get("created"),
         }.items() if v}
         return {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": MODEL_ARTIFACT, "config": cdesc,

@@ -16,7 +16,7 @@ class GPUServer(Server):
     model_flag: str | None = None     # None: the model path is positional
 
     def unavailable(self) -> str:
-        from qbuild.trtllm.env import gpu
+        from qbuild.core.hardware import gpu
 
         if gpu() is None:
             return f"{self.name} needs an NVIDIA GPU"

@@ -33,7 +33,7 @@ class LlamaServer(Server):
         return ""
 
     def environment(self) -> dict[str, str]:
-        from qbuild.fingerprint import package_version
+        from qbuild.core.fingerprint import package_version
         from qbuild.serving.llamacpp_build import build_id
 
         return {"llama-server": build_id(package_version("llama-cpp-python"))}

@@ -9,18 +9,18 @@ from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import Hit, Store
 from qbuild.calibration.plan import calibration_step, check_overlap, eval_data_step, overlapping_sources
+from qbuild.core.recipe import Recipe, locate
+from qbuild.core.step import PlanStatus, Step
 from qbuild.errors import RecipeError
 from qbuild.evaluate.plan import evaluation_steps
 from qbuild.evaluate.tasks import task_steps
 from qbuild.models.resolve import model_info, model_step
 from qbuild.plugins import methods, targets
-from qbuild.recipe import Recipe, locate
 from qbuild.serving.plan import serving_steps
-from qbuild.step import PlanStatus, Step
 
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.cache import RemoteHit
-    from qbuild.envs import BackendEnv
+    from qbuild.core.envs import BackendEnv
 
 log = logging.getLogger("qbuild")
 
@@ -61,7 +61,7 @@ class Plan:
     not_evaluated: dict[str, str]        # artifact label → why it gets no evaluation
     warnings: tuple[str, ...]
     remotes: tuple = ()                  # the remote tiers looked up (RemoteStore), in order
-    estimate: object = None              # qbuild.estimate.PlanEstimate: `qbuild plan` adds it (run does not need it)
+    estimate: object = None              # qbuild.core.estimate.PlanEstimate: `qbuild plan` adds it (run does not need it)
     overlap: dict | None = None          # calibration vs evaluation text (qbuild.calibration.overlap)
 
     @property
@@ -152,7 +152,7 @@ class PlanContext:
         """A BackendEnv for a built-in name, an EnvOption, or None; errors name `field`."""
         if option is None:
             return None
-        from qbuild import envs
+        from qbuild.core import envs
 
         cache_key = option if isinstance(option, str) else option.model_dump_json()
         if cache_key not in self._envs:
@@ -262,7 +262,7 @@ def change_reasons(old: dict, new: dict) -> list[dict]:
     reasons = []
     if not all(isinstance(d.get(k, {}), dict) for d in (old, new) for k in ("params", "inputs", "toolchain", "input_steps")):
         return [{"kind": "key", "detail": "key changed"}]   # a record from another version or edited by hand
-    from qbuild.names import redact_tree
+    from qbuild.core.names import redact_tree
 
     changed = _diff(old.get("params", {}), redact_tree(new.get("params", {})))   # history is stored redacted
     if changed:

@@ -28,10 +28,10 @@ from pathlib import Path
 
 from qbuild.artifacts.remote.cache import RemoteHit, push_hit
 from qbuild.artifacts.store import Store
+from qbuild.core.executor import UNBUILDABLE, Executor, Origin, StepOutcome, escape
+from qbuild.core.plan import PlannedStep
+from qbuild.core.step import Outcome, Step
 from qbuild.errors import UserError, first_line
-from qbuild.executor import UNBUILDABLE, Executor, Origin, StepOutcome, escape
-from qbuild.plan import PlannedStep
-from qbuild.step import Outcome, Step
 
 MAX_RETRIES = 3          # a step whose node (or worker process) dies is run again, up to this many times
 LOG_LIMIT = 4 << 20      # bytes of a step's log sent back to the driver
@@ -59,7 +59,7 @@ def remote_spec(remote) -> dict:
 
 
 def node_store() -> Store:
-    from qbuild.fingerprint import cache_dir
+    from qbuild.core.fingerprint import cache_dir
 
     return Store(Path(os.environ.get("QBUILD_NODE_STORE") or cache_dir() / "ray-store"))
 
@@ -257,7 +257,7 @@ class RayExecutor(Executor):
                     outcomes[ps.step.key] = self._outcome(ray, ref, ps.step, t0)
         except BaseException:
             # Ctrl-C / SIGTERM: each task stops its worker process and removes its scratch (KeyboardInterrupt in
-            # the task); one that has not within a few seconds is killed (its qbuild.worker dies with it)
+            # the task); one that has not within a few seconds is killed (its qbuild.core.worker dies with it)
             for ref in running:
                 ray.cancel(ref, force=False)
             _, late = ray.wait(list(running), num_returns=len(running), timeout=5) if running else ([], [])

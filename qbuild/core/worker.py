@@ -1,9 +1,9 @@
-"""Entry point of a step's own process: `python -m qbuild.worker SPEC.json`.
+"""Entry point of a step's own process: `python -m qbuild.core.worker SPEC.json`.
 
 Heavy steps run here so memory is returned to the OS and a crash or OOM fails one step only.
 stdout/stderr go to the step's log; progress goes to a dedicated pipe (QBUILD_PROGRESS_FD).
 
-`python -m qbuild.worker --standby MODULE...` is a worker started before its step is ready: it imports
+`python -m qbuild.core.worker --standby MODULE...` is a worker started before its step is ready: it imports
 the modules (torch and transformers take 4-6 s) while its step's inputs are still being built, then reads
 its step from stdin and runs it like the first form. One process still runs one step.
 """
@@ -18,7 +18,7 @@ import time
 import traceback
 from pathlib import Path
 
-from qbuild.process import exit_without_teardown
+from qbuild.core.process import exit_without_teardown
 
 
 def die_with_parent() -> None:
@@ -42,7 +42,7 @@ def main(spec_path: str) -> int:
     die_with_parent()
     spec = json.loads(Path(spec_path).read_text())
     try:   # in a backend environment qbuild's own imports can fail too (a missing core dependency): say which
-        from qbuild.step import StepContext
+        from qbuild.core.step import StepContext
     except ImportError as exc:
         traceback.print_exc()
         Path(spec["result"]).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))

@@ -34,7 +34,7 @@ NOT_CHECKED_KINDS = {"throughput": "a timing: its output is a measurement of thi
 
 def machine_facts() -> dict:
     """Facts about the machine and environment a step ran in that its key does not hold (recorded in manifests)."""
-    from qbuild.fingerprint import cpu_model
+    from qbuild.core.fingerprint import cpu_model
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(), "os": platform.platform(),
             "python": platform.python_version()}
@@ -169,9 +169,9 @@ def _result(rows: list[dict], st: Store) -> dict:
 
 def check_steps(st: Store, plan, planned, *, progress=None, log=None) -> list[dict]:
     """One result row per planned step: re-executed and compared, or why it was not checked."""
-    from qbuild.executor import Executor
-    from qbuild.plan import PlannedStep
-    from qbuild.step import Outcome, PlanStatus
+    from qbuild.core.executor import Executor
+    from qbuild.core.plan import PlannedStep
+    from qbuild.core.step import Outcome, PlanStatus
 
     rows = []
     for ps in planned:
@@ -195,7 +195,7 @@ def check_steps(st: Store, plan, planned, *, progress=None, log=None) -> list[di
 def after_run(st: Store, the_plan, wanted: list[str], progress=None) -> tuple[dict, list[dict]]:
     """A recipe's `runtime.rebuild_check` (step kinds or names): those steps re-executed right after the run, and
     one gate row per step (passed: bit-identical), so a nightly job fails (exit 3) on a step that is not."""
-    from qbuild.plan import _status
+    from qbuild.core.plan import _status
 
     chosen = [p.step for p in the_plan.steps if p.step.kind in wanted or p.step.name in wanted]
     planned = [_status(s, st, the_plan.recipe.name) for s in chosen]   # built by the run: stored now

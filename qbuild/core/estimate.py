@@ -87,7 +87,7 @@ def _param_overlap(a: dict, b: dict) -> tuple[int, int]:
 
 def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = None) -> PlanEstimate:
     """Estimates for the misses of `planned` (PlannedStep rows of a Plan) and the plan's total."""
-    from qbuild.step import PlanStatus
+    from qbuild.core.step import PlanStatus
 
     cores = max(1, cores or os.cpu_count() or 1)
     misses = [p for p in planned if p.status == PlanStatus.MISS]

@@ -29,7 +29,7 @@ def describe(facts: dict) -> str:
 
 def is_engine_of(m: dict, recipe: str, variant: str) -> bool:
     """Whether manifest m is a TensorRT-LLM engine build of recipe/variant (local store or remote)."""
-    from qbuild.trtllm.engine import ENGINE_KIND
+    from qbuild.build.tensorrt_llm import ENGINE_KIND
 
     return m.get("kind") == ENGINE_KIND and m.get("variant") == variant and (m.get("recipe") or {}).get("name") == recipe
 
@@ -79,7 +79,7 @@ def select_engine(manifests: list[dict], need: dict, ref: str) -> dict:
 def local_needs(sm: str | None = None, tensorrt_llm: str | None = None, tensorrt: str | None = None,
                 python: str | None = None, gpu_name: str | None = None, arch: str | None = None) -> dict:
     """What an engine must have been built for to load here; the arguments select for another machine."""
-    from qbuild.trtllm import env as trtllm_env
+    from qbuild.build import trtllm_env
 
     gpu = trtllm_env.gpu()
     env = trtllm_env.trtllm(trtllm_env.configured_python(python))

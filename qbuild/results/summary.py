@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+from qbuild.core.executor import StepOutcome
+from qbuild.core.plan import Artifact, Plan
+from qbuild.core.step import Outcome
 from qbuild.evaluate.tasks import add_deltas as add_task_deltas
 from qbuild.evaluate.tasks import summary_rows as task_rows
-from qbuild.executor import StepOutcome
-from qbuild.plan import Artifact, Plan
-from qbuild.step import Outcome
 
 # "reference" is the baseline's one pass with KLD on (its perplexity + reference log-probs); a variant's
 # "perplexity" step carries its KLD and top-1 agreement when KLD is on
@@ -170,7 +170,7 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
     if recipe.evaluation.serving:
         out["goodput_slo"] = goodput_slo(recipe)
     if recipe.selection is not None:
-        from qbuild.selection import select
+        from qbuild.results.selection import select
 
         out["selection"] = select(recipe.selection, rows, recipe.evaluation.serving)
         chosen = out["selection"]["selected"]

@@ -14,7 +14,7 @@ not in its package metadata) never enters a key as a placeholder that another ma
 the step is not available here ("needs-gpu", with the reason) unless `expect:` pins it.
 TensorRT-LLM is never imported in qbuild's process: it is found with importlib.util.find_spec or in a
 configured interpreter (targets[i].python or QBUILD_TRTLLM_PYTHON), and the build runs there.
-Engines are evaluated by the `tensorrt-llm` runtime (qbuild/trtllm/runtime.py).
+Engines are evaluated by the `tensorrt-llm` runtime (qbuild/runtimes/tensorrt_llm.py).
 """
 
 from __future__ import annotations
@@ -30,13 +30,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from qbuild.build import trtllm_env
+from qbuild.core.schema_base import StrictModel
+from qbuild.core.step import OnUnavailable, Step, StepContext
 from qbuild.errors import RecipeError, UserError
 from qbuild.formats import Format
+from qbuild.models.checkpoint import QUANT_ALGO
 from qbuild.plugins import Target, TargetOptions, targets
-from qbuild.schema_base import StrictModel
-from qbuild.step import OnUnavailable, Step, StepContext
-from qbuild.trtllm import env as trtllm_env
-from qbuild.trtllm.checkpoint import QUANT_ALGO
 
 ENGINE_LINE = (1, 2)                 # the last TensorRT-LLM line with the TensorRT engine builder
 ENGINE_KIND = "trtllm-engine"
@@ -325,7 +325,7 @@ class TensorRTLLMEngine(Target):
         # the command is a pure function of the hashed settings: shown by `qbuild plan --json`, not hashed again
         command = trtllm_build_args(settings, "<checkpoint>", "<engine>")
         return ctx.add(Step(ENGINE_KIND, f"engine[{ref_name}]", settings,
-                            "qbuild.trtllm.engine:run_build", inputs={"checkpoint": artifact}, threads=ctx.threads,
+                            "qbuild.build.tensorrt_llm:run_build", inputs={"checkpoint": artifact}, threads=ctx.threads,
                             variant=ref_name, format=Format.TRTLLM_ENGINE, scheme=artifact.scheme,
                             env_toolchain=facts, requires_gpu=True, unavailable="; ".join(reasons),
                             on_unavailable=OnUnavailable(target.on_missing_gpu),

@@ -4,7 +4,7 @@ One step, `quantize[<variant>]`: load the HF model, calibrate ModelOpt's quantiz
 calibration set, export either a TensorRT-LLM checkpoint (config.json + rank<N>.safetensors, the
 input of `trtllm-build`) or a Hugging Face checkpoint with hf_quant_config.json (what TensorRT-LLM's
 PyTorch backend loads), then validate the export against the source model and record every fix
-(see qbuild/trtllm/checkpoint.py: ModelOpt 0.47 writes no rotary_base, for one).
+(see qbuild/models/checkpoint.py: ModelOpt 0.47 writes no rotary_base, for one).
 Runs on CPU; ModelOpt is imported only inside the step's worker process.
 
 NVFP4 and W4A8-MXFP4 (MXFP4 weights, FP8 activations) are exported as HF checkpoints for TensorRT-LLM's
@@ -25,13 +25,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from qbuild.build import trtllm_env
+from qbuild.core.step import OnUnavailable, Step, StepContext
 from qbuild.errors import RecipeError
 from qbuild.formats import Format
+from qbuild.models.checkpoint import QUANT_ALGO, linear_in_features
 from qbuild.plugins import Method, methods
 from qbuild.quantize.base import VariantBase
-from qbuild.step import OnUnavailable, Step, StepContext
-from qbuild.trtllm import env as trtllm_env
-from qbuild.trtllm.checkpoint import QUANT_ALGO, linear_in_features
 
 TOOLS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
 
@@ -46,7 +46,7 @@ AWQ_BLOCK_SIZES = (64, 128)  # group sizes TensorRT-LLM's weight-only/W4A8 AWQ k
 # without tensorrt_llm importable (the `modelopt` environment): convert_to_tensorrt_llm_config
 # (modelopt/torch/export/tensorrt_llm_utils.py) raises NotImplementedError for any decoder but
 # gpt/gemma/llama/qwen/mpt/recurrentgemma/dbrx/mllama/enc-dec. qwen checkpoints get qwen_type/attn_bias written
-# by the checkpoint validation (qbuild/trtllm/checkpoint.py).
+# by the checkpoint validation (qbuild/models/checkpoint.py).
 DECODER_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gemma": "gemma",
                  "gpt2": "gpt"}
 # decoder types ModelOpt recognises (and earlier qbuild offered) whose TensorRT-LLM checkpoint export raises there
@@ -155,12 +155,12 @@ class ModelOpt(Method):
                                                f"{variant.scheme} only on CUDA; none found here (nvidia-smi)")
             gpu = {"requires_gpu": True, "unavailable": why, "on_unavailable": OnUnavailable(variant.on_missing_gpu)}
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
-                            "qbuild.trtllm.modelopt:run", inputs=inputs, tools=TOOLS, threads=ctx.threads,
+                            "qbuild.quantize.modelopt:run", inputs=inputs, tools=TOOLS, threads=ctx.threads,
                             variant=variant.name, format=FORMATS[variant.export], scheme=variant.scheme, **gpu))
 
 
 def _modelopt_version() -> str:
-    from qbuild.fingerprint import package_version
+    from qbuild.core.fingerprint import package_version
 
     return package_version("nvidia-modelopt")
 
@@ -190,7 +190,7 @@ def run(ctx: StepContext) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qbuild.trtllm.checkpoint import validate_hf_export, validate_trtllm_checkpoint
+    from qbuild.models.checkpoint import validate_hf_export, validate_trtllm_checkpoint
 
     p = ctx.params
     src = Path(ctx.inputs["model"])

@@ -16,11 +16,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qbuild.fingerprint import hardware, toolchain
-from qbuild.hashing import step_key
+from qbuild.core.fingerprint import hardware, toolchain
+from qbuild.core.hashing import step_key
 
 if TYPE_CHECKING:
-    from qbuild.envs import BackendEnv
+    from qbuild.core.envs import BackendEnv
 
 
 class PlanStatus(StrEnum):
@@ -76,7 +76,7 @@ class Step:
     unavailable: str = ""                     # why this machine cannot run the step; "" = it can
     on_unavailable: OnUnavailable = OnUnavailable.FAIL
     impl_version: int = 1                     # bump when the runner's output changes for the same inputs
-    backend_env: BackendEnv | None = None     # runs in this interpreter (qbuild.envs); its versions enter the key
+    backend_env: BackendEnv | None = None     # runs in this interpreter (qbuild.core.envs); its versions enter the key
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -126,7 +126,7 @@ class StepContext:
     def owned(self):
         """The step's store as a root qbuild owns (its marker checked): a runner deletes or moves files only through
         it, confined to its own output (`root.remove(p, within=ctx.out)`)."""
-        from qbuild.owned import NotOurs, owned_root
+        from qbuild.core.owned import NotOurs, owned_root
 
         if self.store_root is None:
             raise NotOurs(f"step {self.step_name} has no store: refusing to delete or move files under {self.out}")

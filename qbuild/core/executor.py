@@ -12,7 +12,7 @@ The executor rewrites such a step's allowance file (`threads` in its scratch) an
 forward passes; before another step starts, every elastic step is given back its own share.
 
 Standby workers. While steps that declare heavy imports (Step.preload: torch and transformers take 4-6 s)
-wait, one worker process is started ahead (`qbuild.worker --standby`) and imports them; the first of those
+wait, one worker process is started ahead (`qbuild.core.worker --standby`) and imports them; the first of those
 steps to start is handed to it instead of a fresh process. Still one process per step, with its own variables.
 
 Cancellation. Ctrl-C / SIGTERM (the CLI turns SIGTERM into the same path) kills every running worker's
@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import NO_SPACE, Hit, Store, free_bytes, now_iso, store_full
+from qbuild.core.hardware import gpu_devices
+from qbuild.core.plan import PlannedStep
+from qbuild.core.step import OnUnavailable, Outcome, PlanStatus, Step
 from qbuild.errors import StepFailed, UserError
 from qbuild.formats import manifest_loads_in
 from qbuild.formats import spec as format_spec
-from qbuild.plan import PlannedStep
-from qbuild.rebuild import machine_facts
-from qbuild.step import OnUnavailable, Outcome, PlanStatus, Step
+from qbuild.results.rebuild import machine_facts
 
 log = logging.getLogger("qbuild")
 
@@ -120,17 +121,6 @@ def available_memory_mb() -> float:
     except OSError:
         pass
     return float("inf")
-
-
-def gpu_devices() -> list[str]:
-    """The GPUs steps may use: CUDA_VISIBLE_DEVICES if set, else those nvidia-smi lists."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d for d in visible.split(",") if d.strip() not in ("", "-1")]
-    from qbuild.trtllm.env import gpu
-
-    found = gpu()
-    return [str(i) for i in range(found.count)] if found else []
 
 
 @dataclass
@@ -352,7 +342,7 @@ class Executor:
             if self._cancelled.is_set():
                 os.close(read_fd), os.close(write_fd)
                 return
-            proc = subprocess.Popen([sys.executable, "-m", "qbuild.worker", "--standby", *preload],
+            proc = subprocess.Popen([sys.executable, "-m", "qbuild.core.worker", "--standby", *preload],
                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     pass_fds=(write_fd,), env=env, start_new_session=True)
             self._standby = Standby(proc, read_fd, env, preload,
@@ -442,7 +432,7 @@ class Executor:
             return
         last = self.store.last_build(origin.recipe, step.name)
         if last is None or last.get("key") != step.key:
-            from qbuild.names import redact_tree
+            from qbuild.core.names import redact_tree
 
             self.store.remember_build(origin.recipe, step.name, {
                 "key": step.key, "params": redact_tree(step.params), "inputs": step.input_keys(),
@@ -563,7 +553,7 @@ class Executor:
         engines = manifest_loads_in(provenance["format"], step.scheme, provenance["info"])
         if engines is not None:   # which engines load it: one table (qbuild.formats.LOADS_IN), not a guess per run
             provenance["loads_in"] = engines
-        from qbuild.names import redact_tree
+        from qbuild.core.names import redact_tree
 
         return self.store.publish(step.key, out, redact_tree(provenance),   # no URL password in a manifest
                                   link_roots=model_link_roots(inputs.values(), step))
@@ -572,7 +562,7 @@ class Executor:
         """The Python that runs `step`'s worker: qbuild's own, or its backend environment (created on first use)."""
         if step.backend_env is None:
             return sys.executable
-        from qbuild.envs import EnvError, ensure
+        from qbuild.core.envs import EnvError, ensure
 
         def note(message: str) -> None:
             log.info(message)
@@ -585,11 +575,11 @@ class Executor:
             raise StepFailed(step.name, f"{exc} (variant {step.variant or '-'})") from None
 
     def _worker_env(self, backend_env, progress_fd: int, threads: int, gpu: str | None, kind: str | None = None) -> dict:
-        from qbuild.worker_env import step_environ
+        from qbuild.core.worker_env import step_environ
 
         env = step_environ(kind, os.environ)   # an allow-list per step kind: no worker gets AWS_*, *_PASSWORD, ...
         if backend_env is not None:
-            from qbuild.envs import worker_environ
+            from qbuild.core.envs import worker_environ
 
             env = worker_environ(backend_env, env)
         env.update({"QBUILD_PROGRESS_FD": str(progress_fd), "OMP_NUM_THREADS": str(threads),
@@ -636,7 +626,7 @@ class Executor:
                     # its own session: a terminal's Ctrl-C reaches qbuild, which cancels workers (and their
                     # children). cwd: the step's scratch, so what a library writes to its working directory
                     # (gptqmodel's logs/) stays out of the user's directory and goes with the scratch
-                    proc = subprocess.Popen([python, "-m", "qbuild.worker", str(spec)], stdout=log,
+                    proc = subprocess.Popen([python, "-m", "qbuild.core.worker", str(spec)], stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
                                             env=env, start_new_session=True, cwd=spec.parent)
             self._procs[step.key] = proc

@@ -5,7 +5,7 @@ write_through  every object of the run that a remote lacks is uploaded (files, s
                signing key, SLSA provenance + signature) and their refs; a named object that is no model
                (RECIPE/imatrix) gets its refs only. Called when no step failed, for
                remotes whose policy is `always` or `on-success`; `always` remotes already got each object
-               right after it was built (qbuild/executor.py), this adds what only the end of a run knows.
+               right after it was built (qbuild/core/executor.py), this adds what only the end of a run knows.
 register       one MLflow model version per variant artifact, pointing at the store that holds it; the
                alias (e.g. champion) moves only when every quality gate passed, and with `selection:` only to
                the selected artifact (tagged with its serving config and server command).
@@ -25,8 +25,8 @@ from qbuild.formats import spec as format_spec
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.base import RemoteStore
     from qbuild.artifacts.store import Store
-    from qbuild.executor import StepOutcome
-    from qbuild.plan import Plan
+    from qbuild.core.executor import StepOutcome
+    from qbuild.core.plan import Plan
 
 log = logging.getLogger("qbuild")
 

@@ -19,10 +19,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from qbuild.core.schema_base import StrictModel
+from qbuild.core.step import Step, StepContext
 from qbuild.formats import Format
 from qbuild.plugins import Target, TargetOptions, targets
-from qbuild.schema_base import StrictModel
-from qbuild.step import Step, StepContext
 
 KIND = "trtllm-pytorch-package"
 OPTIONS_FILE = "extra_llm_api_options.yaml"
@@ -101,7 +101,7 @@ class TensorRTLLMPyTorch(Target):
         for k in ("variants", "name"):
             params.pop(k, None)
         ref_name = f"{artifact.variant}.{target.name}"
-        return ctx.add(Step(KIND, f"package[{ref_name}]", params, "qbuild.trtllm.pytorch_backend:run_package",
+        return ctx.add(Step(KIND, f"package[{ref_name}]", params, "qbuild.build.trtllm_pytorch:run_package",
                             inputs={"checkpoint": artifact, "model": ctx.model()}, tools=("pyyaml",), threads=1,
                             variant=ref_name, format=Format.TRTLLM_PYTORCH, scheme=artifact.scheme))
 
@@ -135,7 +135,7 @@ def check_quant_config(ckpt: Path) -> str:
 def run_package(ctx: StepContext) -> dict:
     import yaml
 
-    from qbuild.trtllm.checkpoint import validate_hf_export
+    from qbuild.models.checkpoint import validate_hf_export
 
     src = Path(ctx.inputs["checkpoint"])
     for f in sorted(src.rglob("*")):

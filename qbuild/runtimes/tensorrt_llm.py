@@ -26,12 +26,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from qbuild.build import tensorrt_llm as trt
+from qbuild.core.fingerprint import cpu_model
+from qbuild.core.step import StepContext
 from qbuild.errors import RecipeError
-from qbuild.fingerprint import cpu_model
 from qbuild.formats import Format
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
-from qbuild.step import StepContext
-from qbuild.trtllm import engine as trt
 
 SHIM = Path(__file__).with_name("_shim.py")
 
@@ -40,7 +40,7 @@ def source_vocab(model_dir: Path) -> int:
     """The source model's vocabulary: engine logits are sliced to it. The engine's own vocab_size can be larger
     (ModelOpt pads AWQ checkpoints to a multiple of 64, TensorRT-LLM pads the lm_head to a multiple of tp_size),
     and the padded columns are zero-weight rows whose logit 0 would take probability mass."""
-    from qbuild.trtllm.checkpoint import source_facts
+    from qbuild.models.checkpoint import source_facts
 
     return source_facts(json.loads((Path(model_dir) / "config.json").read_text()))["vocab_size"]
 

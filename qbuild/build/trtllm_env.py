@@ -1,7 +1,8 @@
-"""Cheap probes of the two facts a TensorRT-LLM engine depends on: the GPU and the TensorRT-LLM install.
+"""Cheap probes of the two facts a TensorRT-LLM engine depends on: the GPU (qbuild.core.hardware) and the
+TensorRT-LLM install.
 
 Neither probe imports tensorrt_llm (its import needs libcuda and takes seconds):
-  gpu()        `nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader`
+  gpu()        qbuild.core.hardware.gpu(): `nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader`
   trtllm(py)   versions read from package metadata, in qbuild's own Python (find_spec) or in a
                configured one (recipe `python:` or QBUILD_TRTLLM_PYTHON, e.g. a wrapper that runs
                python inside NVIDIA's release container with the same paths mounted)
@@ -18,27 +19,18 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from qbuild.core import hardware
+
+# the machine facts an engine is keyed on come from the core's probe (one nvidia-smi call per process)
+from qbuild.core.hardware import FAKE_ARCH, FAKE_GPU, GPU, gpu, host_arch, sm_tag  # noqa: F401
+
 ENV_PYTHON = "QBUILD_TRTLLM_PYTHON"
-FAKE_GPU = "QBUILD_FAKE_GPU"
 FAKE_TRTLLM = "QBUILD_FAKE_TRTLLM"
-FAKE_ARCH = "QBUILD_FAKE_ARCH"
-
-
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    sm: str          # compute capability, "9.0"
-    driver: str
-    count: int = 1
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -50,38 +42,6 @@ class TrtllmEnv:
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def parse_nvidia_smi(text: str) -> GPU | None:
-    """First GPU of `nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader`."""
-    rows = [r for r in (line.strip() for line in text.splitlines()) if r]
-    if not rows:
-        return None
-    name, sm, driver = (c.strip() for c in rows[0].rsplit(",", 2))
-    return GPU(name, sm, driver, len(rows))
-
-
-def gpu() -> GPU | None:
-    fake = os.environ.get(FAKE_GPU)
-    if fake is not None:
-        if fake.strip().lower() in ("", "none"):
-            return None
-        name, sm, driver = fake.rsplit(":", 2)
-        return GPU(name, sm, driver)
-    return _probe_gpu()
-
-
-@lru_cache(maxsize=1)
-def _probe_gpu() -> GPU | None:
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_nvidia_smi(out.stdout) if out.returncode == 0 else None
 
 
 # Runs in the TensorRT-LLM environment's interpreter: stdlib only, never imports tensorrt_llm or torch.
@@ -148,18 +108,6 @@ def _probe_trtllm(python: str) -> TrtllmEnv | None:
     return TrtllmEnv(python, data.get("tensorrt_llm") or None, data.get("tensorrt") or None, data.get("cuda") or None)
 
 
-def host_arch() -> str:
-    """The CPU architecture engines are built on and for (x86_64, aarch64 on GH200/GB200 hosts)."""
-    import platform
-
-    return os.environ.get(FAKE_ARCH) or platform.machine()
-
-
-def sm_tag(sm: str) -> str:
-    """'9.0' -> 'sm90' (the usual spelling in refs and messages)."""
-    return "sm" + sm.replace(".", "")
-
-
 def clear_cache() -> None:
-    _probe_gpu.cache_clear()
+    hardware.clear_cache()
     _probe_trtllm.cache_clear()

@@ -9,13 +9,13 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from qbuild.artifacts.remote.config import RegisterSpec, RemoteSpec
-from qbuild.data_sources import DataSource
+from qbuild.core.data_sources import DataSource
+from qbuild.core.names import NAME_PATTERN
+from qbuild.core.schema_base import StrictModel
+from qbuild.core.yamlio import Loc, line_for, load_yaml_file
 from qbuild.errors import RecipeError, quoted
-from qbuild.names import NAME_PATTERN
-from qbuild.schema_base import StrictModel
-from qbuild.yamlio import Loc, line_for, load_yaml_file
 
-NAME_RE = NAME_PATTERN   # the one name grammar (qbuild/names.py)
+NAME_RE = NAME_PATTERN   # the one name grammar (qbuild/core/names.py)
 
 
 # --- model sources -----------------------------------------------------------------------------

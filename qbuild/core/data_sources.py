@@ -6,7 +6,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator
 
-from qbuild.schema_base import StrictModel
+from qbuild.core.schema_base import StrictModel
 
 
 class _SourceBase(StrictModel):

@@ -1,0 +1,1 @@
+"""The pipeline: recipe → plan → steps → executor → worker → store."""

@@ -1,0 +1,1 @@
+"""What happens after a run: summary, report, diff, selection, publish, tracking, JUnit, rebuild checks."""
