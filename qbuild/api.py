@@ -390,6 +390,7 @@ def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store
 
 
 def pull(name: str, *, store=None, out: str | Path | None = None, need: dict | None = None, remote=None,
+         machine: dict | None = None,
          verify_with: str | Path | None = None, tracking_uri: str | None = None, progress=None,
          force: bool = False) -> tuple[str, Path]:
     """Fetch NAME, every file verified against its manifest; returns (digest, path).
@@ -415,11 +416,11 @@ def pull(name: str, *, store=None, out: str | Path | None = None, need: dict | N
         elif remote is None:
             remote = _remote_named_by_registry(store_url)
     if remote is not None:
-        return _pull_remote(name, remote, out, need, verify_with, progress)
+        return _pull_remote(name, remote, out, need, verify_with, progress, machine)
     if verify_with is not None:
         raise UserError("--verify-with checks the signature pushed with an artifact: pull it from its remote "
                         "(--from REMOTE) or by registry name (models:/NAME@ALIAS)")
-    return _pull_local(name, open_store(store), out, need, progress, force)
+    return _pull_local(name, open_store(store), out, need, progress, force, machine)
 
 
 def _remote_named_by_registry(url: str):
@@ -436,54 +437,113 @@ def _remote_named_by_registry(url: str):
     return open_remote(url, env_credentials=bool(netloc(url)) and netloc(url) in configured)
 
 
-def _pull_remote(name, remote, out, need, verify_with, progress) -> tuple[str, Path]:
+def machine_bound_targets() -> list:
+    """Targets whose builds load only on the machine they were built for (TensorRT-LLM engines)."""
+    from qbuild.plugins import targets
+
+    return [t for t in targets.all() if t.machine_bound_kind]
+
+
+def pull_options() -> list[dict]:
+    """The `qbuild pull` flags targets declare to pick a machine-bound build for another machine."""
+    seen: dict[str, dict] = {}
+    for t in machine_bound_targets():
+        for o in t.pull_options:
+            seen.setdefault(o.flag, {"flag": o.flag, "key": o.key, "help": o.help})
+    return list(seen.values())
+
+
+def _builds_of(manifests, target, recipe: str, variant: str) -> list[dict]:
+    """The manifests among `manifests` that are builds of recipe/variant by `target`, newest first."""
+    found = [m for m in manifests if isinstance(m, dict) and m.get("kind") == target.machine_bound_kind
+             and m.get("variant") == variant and (m.get("recipe") or {}).get("name") == recipe]
+    return sorted(found, key=lambda m: m.get("created", ""), reverse=True)
+
+
+def _local_manifests(st: Store):
+    import json
+
+    for obj in st.objects():
+        try:
+            yield json.loads((obj / "manifest.json").read_text())
+        except (OSError, ValueError):
+            continue
+
+
+def _remote_manifests(remote):
+    for digest in remote.list_objects():
+        yield remote.get_manifest(digest)
+
+
+def _machine_bound_family(name: str, manifest: dict | None, all_manifests):
+    """(target, builds newest first) when NAME names a machine-bound build, or a family of them that no ref names
+    (builds are found by recipe/variant); (None, []) otherwise."""
+    from qbuild.artifacts.store import REF_RE
+
+    bound = machine_bound_targets()
+    target = next((t for t in bound if manifest is not None and t.machine_bound_kind == manifest.get("kind")), None)
+    if manifest is not None and target is None:
+        return None, []
+    m = REF_RE.match(name)
+    family: list[dict] = []
+    if m:
+        manifests = list(all_manifests())
+        for t in [target] if target else bound:
+            family = _builds_of(manifests, t, m.group("recipe"), m.group("variant"))
+            if family:
+                target = t
+                break
+    if target is not None and manifest is not None and manifest not in family:
+        family = [manifest, *family]
+    return (target, family) if family else (None, [])
+
+
+def _choose_build(target, family: list[dict], need: dict | None, machine: dict | None, where: str) -> str:
+    need = need or target.machine_needs(dict(machine or {}))
+    return target.select_build(family, need, where)["digest"]
+
+
+def _pull_remote(name, remote, out, need, verify_with, progress, machine=None) -> tuple[str, Path]:
     from qbuild.artifacts.remote import RemoteError, open_remote
     from qbuild.artifacts.remote.cache import pull as pull_from
     from qbuild.artifacts.remote.cache import resolve
-    from qbuild.build.tensorrt_llm import ENGINE_KIND
-    from qbuild.build.trtllm_select import local_needs
 
     r = open_remote(remote) if isinstance(remote, str) else remote
     if out is None:
         raise UserError(f"pulling from {r.display} needs a destination: --out DIR")
+    where = f"{name} on {r.display}"
     try:
-        is_engine = (r.get_manifest(resolve(r, name)) or {}).get("kind") == ENGINE_KIND
+        digest = resolve(r, name)
+        target, family = _machine_bound_family(name, r.get_manifest(digest) or {}, lambda: _remote_manifests(r))
     except RemoteError as exc:
         if not exc.reason.startswith(("no ref", "no object")):
             raise
-        try:  # engine builds are found by recipe/variant even where no ref names them
-            need = need or local_needs()
+        target, family = _machine_bound_family(name, None, lambda: _remote_manifests(r))
+        if target is None:
+            raise
+        try:   # this machine's facts cannot be read: the name's own error says more
+            need = need or target.machine_needs(dict(machine or {}))
         except UserError:
             raise exc from None
-        is_engine = True
-    manifest = pull_from(r, name, Path(out), need=(need or local_needs()) if is_engine else None,
-                         progress=progress, verify_with=verify_with)
+    if target is not None:
+        digest = _choose_build(target, family, need, machine, where)
+    manifest = pull_from(r, digest, Path(out), progress=progress, verify_with=verify_with)
     return manifest["digest"], Path(out)
 
 
-def _pull_local(name: str, st: Store, out, need, progress, force: bool = False) -> tuple[str, Path]:
-    from qbuild.artifacts.store import REF_RE
-    from qbuild.build.tensorrt_llm import ENGINE_KIND
-    from qbuild.build.trtllm_select import engine_manifests, local_needs, select_engine
-
-    m = REF_RE.match(name)
+def _pull_local(name: str, st: Store, out, need, progress, force: bool = False, machine=None) -> tuple[str, Path]:
     try:
         digest = st.resolve(name)
     except UserError:
-        # engine builds are found by recipe/variant even where no ref was set for them
-        family = engine_manifests(st, m.group("recipe"), m.group("variant")) if m else []
-        if not family:
+        target, family = _machine_bound_family(name, None, lambda: _local_manifests(st))
+        if target is None:
             raise
         digest = family[0]["digest"]
     if not (st.object_dir(digest) / "manifest.json").is_file():
         _fetch_missing(st, digest, progress)  # a ref set by a run that hit a remote: read through now
-    manifest = st.manifest(digest)
-    if manifest.get("kind") == ENGINE_KIND:
-        need = need or local_needs()
-        family = engine_manifests(st, m.group("recipe"), m.group("variant")) if m else [manifest]
-        if m is None or manifest not in family:
-            family = [manifest] + family
-        digest = select_engine(family, need, name)["digest"]
+    target, family = _machine_bound_family(name, st.manifest(digest), lambda: _local_manifests(st))
+    if target is not None:
+        digest = _choose_build(target, family, need, machine, name)
     rows = st.verify([digest])
     if not rows[0]["ok"]:
         raise QBuildError(f"{name}: object {digest[:12]} is damaged: " + "; ".join(rows[0]["problems"])
@@ -598,3 +658,256 @@ def find_run(name: str | None = None, *, store=None) -> dict[str, Any]:
     from qbuild.results.report import find_run as _find
 
     return _find(open_store(store), name)
+
+
+# --- reading and keeping the store (what `ls`, `show`, `verify`, `tag`, `gc` print) -------------------------------
+def _reader(store=None, remote: str | None = None):
+    """The local store, or the remote at URL `remote`: both answer the same reading calls below."""
+    if remote:
+        from qbuild.artifacts.remote import open_remote
+
+        return open_remote(remote)
+    return open_store(store)
+
+
+def refs(*, store=None, remote: str | None = None) -> tuple[str, list[dict]]:
+    """(where, rows): every ref of the local store (or of `remote`) with its digest, kind, format, size and dates; a
+    ref whose object or manifest is missing or unreadable says so in `problem`."""
+    from qbuild.artifacts.store import valid_files
+
+    src = _reader(store, remote)
+    listed = src.list_refs() if remote else src.refs()
+    rows = []
+    for ref in listed:
+        try:
+            m = (src.get_manifest(ref["digest"]) if remote else src.manifest(ref["digest"])) or {}
+        except (OSError, ValueError, QBuildError):
+            m = {}
+        if not isinstance(m, dict):
+            m = {}
+        files = m.get("files") if valid_files(m.get("files")) else []
+        rows.append({**ref, "kind": _text(m.get("kind")), "format": _text(m.get("format")),
+                     "size_bytes": sum(f["size"] for f in files), "created": _text(m.get("created")),
+                     **({} if m else {"problem": "object or manifest missing"})})
+    return (f"remote {src.display}" if remote else f"store {src.root}"), rows
+
+
+def _text(value) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def show(name: str, *, store=None) -> dict:
+    """The manifest of a ref, digest or step key, with its path, its last rebuild check, the engines that load it and,
+    when its files no longer match, `damaged`."""
+    from qbuild.core.names import redact_tree
+    from qbuild.formats import manifest_loads_in
+    from qbuild.results.rebuild import last_check
+
+    st = open_store(store)
+    digest = st.resolve(name)
+    manifest = st.manifest(digest)
+    manifest["path"] = str(st.object_dir(digest))
+    manifest["rebuild_check"] = last_check(st, digest) or "never (qbuild verify --rebuild)"
+    if "loads_in" not in manifest:   # built before manifests recorded it: the same table answers now
+        engines = manifest_loads_in(str(manifest.get("format") or ""), manifest.get("scheme"), manifest.get("info"))
+        if engines is not None:
+            manifest["loads_in"] = engines
+    problems = st.check_object(digest)
+    if problems:
+        manifest["damaged"] = problems
+    return redact_tree({**manifest, "digest": manifest.get("digest") or digest})
+
+
+def verify(names=(), *, store=None, remote: str | None = None, deep: bool = False, repair: bool = False) -> list[dict]:
+    """Re-hash stored objects (all, or the named refs/digests) against their manifests: one row per object, `ok`
+    and its `problems`. `repair` quarantines the damaged ones (local store); `deep` streams a remote's files."""
+    if remote:
+        from qbuild.artifacts.remote.cache import resolve
+
+        r = _reader(remote=remote)
+        return r.verify([resolve(r, n) for n in names] if names else None, deep=deep)
+    st = open_store(store)
+    if repair:
+        st.require_writable("verify --repair")
+    return st.verify([st.resolve(n) for n in names] if names else None, repair=repair)
+
+
+def rebuild_check(names, *, store=None, progress=None, log=None) -> dict:
+    """Re-execute the stored steps of a recipe (or of the named refs/digests) in scratch and compare each with the
+    stored object. Returns {"steps": [...], "identical": bool, ...}; records each result beside its object."""
+    from qbuild.results.rebuild import check_steps, summarize_checks
+
+    names = tuple(names)
+    if not names:
+        raise UserError("verify --rebuild needs a RECIPE file or refs/digests to re-execute")
+    recipe_file = len(names) == 1 and Path(names[0]).suffix in (".yaml", ".yml") and Path(names[0]).is_file()
+    st = open_store(store, load(names[0])[0] if recipe_file else None)   # a recipe names its own store
+    st.require_writable("verify --rebuild (it records the result beside each object)")
+    rows = []
+    for the_plan, checked in _plans_to_recheck(names, st):
+        rows += check_steps(st, the_plan, checked, progress=progress, log=log)
+    return summarize_checks(rows, st)
+
+
+def _plans_to_recheck(names: tuple[str, ...], st: Store):
+    """(plan, [planned steps to check]) for a recipe file, or for refs/digests (through the recipe each manifest
+    names: the step's runtime paths come from planning it again)."""
+    if len(names) == 1 and Path(names[0]).suffix in (".yaml", ".yml") and Path(names[0]).is_file():
+        the_plan = plan(names[0], store=st)
+        return [(the_plan, list(the_plan.steps))]
+    wanted: dict[str, list[str]] = {}   # recipe path → keys
+    for name in names:
+        digest = st.resolve(name)
+        manifest = st.manifest(digest)
+        path = (manifest.get("recipe") or {}).get("path")
+        if not path or not Path(path).is_file():
+            raise UserError(f"{name}: the recipe it was built from ({path or 'not recorded'}) is not here; "
+                            "give the recipe file instead")
+        wanted.setdefault(path, []).append(manifest["key"])
+    out = []
+    for path, keys in wanted.items():
+        the_plan = plan(path, store=st)
+        found = {p.step.key: p for p in the_plan.steps}
+        missing = [k[:12] for k in keys if k not in found]
+        if missing:
+            raise UserError(f"{path} no longer plans step(s) {', '.join(missing)} (the recipe or the tools changed); "
+                            "nothing to re-execute them from")
+        out.append((the_plan, [found[k] for k in keys]))
+    return out
+
+
+def tag(source: str, target: str, *, store=None, remote: str | None = None) -> str:
+    """Point the ref TARGET (recipe/variant:tag) at SOURCE (a ref or a digest) in the local store or `remote`;
+    returns the digest."""
+    from qbuild.artifacts.store import REF_RE
+
+    m = REF_RE.match(target)
+    if not m or not m.group("tag") or any(v in (".", "..") for v in m.groups()):
+        raise UserError(f"{target!r}: expected recipe/variant:tag (letters, digits, '.', '_', '-')")
+    if remote:
+        from qbuild.artifacts.remote.cache import resolve
+
+        r = _reader(remote=remote)
+        digest = resolve(r, source)
+        r.set_ref(m.group("recipe"), m.group("variant"), m.group("tag"), digest, (r.get_manifest(digest) or {}).get("key"))
+        return digest
+    st = open_store(store)
+    digest = st.resolve(source)
+    st.set_ref(m.group("recipe"), m.group("variant"), m.group("tag"), digest, st.manifest(digest).get("key"))
+    return digest
+
+
+def gc(*, store=None, remote: str | None = None, keep_last: int | None = None, older_than: str | None = None,
+       dry_run: bool = False, mlflow_uri: str | None = None) -> dict:
+    """Collect garbage. Local store: stale scratch, unheld locks, and logs, run records and quarantined objects older
+    than `older_than` (default 30d; the `keep_last` newest runs, default 20, stay). A remote: objects no ref, tag or
+    registry alias reaches. Returns {"removed": [...], "bytes_freed", "dry_run", "scope": "local" | "remote"}."""
+    import os
+
+    from qbuild.artifacts.remote.gc import gc_remote, parse_age
+
+    if not remote:
+        rows = open_store(store).gc_housekeeping(parse_age(older_than or "30d"),
+                                                 keep_runs=20 if keep_last is None else keep_last, dry_run=dry_run)
+        return {"removed": rows, "bytes_freed": sum(r["bytes"] for r in rows), "dry_run": dry_run, "scope": "local"}
+    roots: set[str] = set()
+    uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        from qbuild.artifacts.mlflow_registry import alias_digests
+
+        roots = alias_digests(uri)
+    rows = gc_remote(_reader(remote=remote), roots, keep_last, older_than, dry_run)
+    return {"removed": rows, "bytes_freed": sum(r.get("bytes", 0) for r in rows), "dry_run": dry_run,
+            "scope": "remote"}
+
+
+def register_model(name: str, model_name: str, *, alias: str | None = None, mlflow_uri: str | None = None,
+                   remote: str | None = None, store=None) -> str:
+    """Register the artifact NAME as a new version of an MLflow registered model; returns the version."""
+    import os
+
+    from qbuild.artifacts import mlflow_registry
+
+    uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise UserError("register needs --mlflow URI or MLFLOW_TRACKING_URI")
+    st = open_store(store)
+    digest = st.resolve(name)
+    manifest = {**st.manifest(digest), "digest": digest}
+    store_url = _reader(remote=remote).url if remote else f"qbuild-file://{st.root}"
+    return mlflow_registry.register(uri, model_name, manifest, store_url, manifest.get("metrics"),
+                                    gates_passed=True if alias else None, alias=alias)
+
+
+def keygen(path) -> tuple[Path, Path]:
+    """Write an EC P-256 signing key to PATH and its public key to PATH.pub."""
+    from qbuild.artifacts.signing import keygen as make_key
+
+    return make_key(path)
+
+
+# --- what is installed ----------------------------------------------------------------------------------------------
+def plugins() -> dict:
+    """Every registered plugin (methods, targets, runtimes, servers, remote stores) and every model format: who
+    evaluates it and which engines load it."""
+    from qbuild.artifacts.remote import remotes
+    from qbuild.formats import FORMATS, engines_for_format
+    from qbuild.plugins import Runtime, Server, Target, methods, runtimes, runtimes_for, servers, targets
+
+    rows = []
+    for kind, registry in (("method", methods), ("target", targets), ("runtime", runtimes), ("server", servers)):
+        for p in registry.all():
+            row = {"kind": kind, "name": p.name, "origin": p.origin, "extra": p.extra, "installed": not p.missing()}
+            if isinstance(p, Runtime):
+                row["formats"] = [f for f in FORMATS if p in runtimes_for(f)]
+            if isinstance(p, Server):
+                row["engine"] = p.engine
+            if isinstance(p, Target):
+                row["accepts"] = {f: list(s) if s else "any" for f, s in p.accepts.items()}
+            rows.append(row)
+    for cls in remotes.classes():   # remote stores are opened per URL: listed by class
+        rows.append({"kind": "remote store", "name": cls.name, "origin": cls.origin, "extra": cls.extra,
+                     "installed": not cls.missing(), "schemes": list(cls.schemes)})
+    formats = [{"format": f.name, "description": f.description, "loads_in": list(engines_for_format(f.name)),
+                "evaluated_by": [r.name for r in runtimes_for(f.name)]} for f in FORMATS.values() if f.model]
+    return {"plugins": rows, "formats": formats}
+
+
+def recipe_schema() -> dict:
+    """The recipe's JSON Schema, with the methods and targets of installed plugins."""
+    from qbuild.core.recipe import Recipe
+
+    return Recipe.model_json_schema()
+
+
+# --- backend environments -------------------------------------------------------------------------------------------
+def environments() -> dict:
+    """Built-in backends and the environments created on this machine."""
+    from qbuild.core import envs
+
+    return {"root": str(envs.envs_root()), "builtin": {k: list(v) for k, v in envs.BACKENDS.items()},
+            "environments": envs.installed()}
+
+
+def create_environments(names=(), *, recipe=None, log=None) -> list[dict]:
+    """Resolve and create the environments NAMES (built-in backends) and those RECIPE's steps run in."""
+    from qbuild.core import envs
+
+    if not names and not recipe:
+        raise UserError(f"name an environment ({', '.join(envs.BACKENDS)}) or give --recipe")
+    wanted = [envs.backend(n) for n in names] + (backend_envs(recipe) if recipe else [])
+    done = []
+    for e in dict.fromkeys(wanted):
+        t0 = time.perf_counter()
+        existed = e.exists()
+        python = envs.ensure(e, log=log or (lambda m: None))
+        done.append({"name": e.name, "lock_hash": e.lock_hash, "python": python, "created": not existed,
+                     "seconds": round(time.perf_counter() - t0, 2)})
+    return done
+
+
+def remove_environments(name: str | None) -> list:
+    """Remove the environment NAME (every version of it), or every environment with None."""
+    from qbuild.core import envs
+
+    return envs.remove(name)

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import click
 
-from qbuild.core.names import check_name, redact_url
-from qbuild.errors import EXIT_STEP_FAILED, QBuildError, UserError
+from qbuild.errors import EXIT_GATE_FAILED, EXIT_STEP_FAILED, QBuildError, UserError
 
 STORE_OPTION = click.option(
     "--store", "store_path", envvar="QBUILD_STORE", type=click.Path(file_okay=False),
@@ -36,6 +35,8 @@ class DefaultToRun(click.Group):
 def _fail(exc: BaseException) -> None:
     code = exc.exit_code if isinstance(exc, QBuildError) else EXIT_STEP_FAILED
     msg = str(exc) if isinstance(exc, QBuildError) else f"internal error: {type(exc).__name__}: {exc}"
+    from qbuild.output import redact_url
+
     msg = " ".join(redact_url(msg).split("\n"))
     click.echo(f"qbuild: error: {msg}", err=True)
     if os.environ.get("QBUILD_DEBUG"):
@@ -132,6 +133,8 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         if tag is not None:
+            from qbuild.output import check_name
+
             check_name(tag, "tag")
         files = api.recipe_files(recipes)
         if dry_run:
@@ -144,6 +147,8 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
                                     executor, address, verify)
     except QBuildError as exc:
         if as_json:   # a script reading --json gets JSON whatever happened (a full disk too), then the exit code
+            from qbuild.output import redact_url
+
             click.echo(json.dumps({"error": " ".join(redact_url(str(exc)).split()), "exit_code": exc.exit_code}))
         _fail(exc)
     except KeyboardInterrupt:
@@ -158,25 +163,21 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
         signal.signal(signal.SIGTERM, previous)
     summaries = [r.summary for r in result.results]
     if junit_path:
-        from qbuild.results.junit import write_junit
+        from qbuild.output import write_junit
 
         write_junit(junit_path, summaries)
     if as_json:
         data = summaries[0] if len(summaries) == 1 else {"recipes": summaries, "exit_code": result.exit_code}
         click.echo(json.dumps(data, indent=2, default=str))
     else:
-        from qbuild.results.summary import render_table
+        from qbuild.output import render_gates, render_selection, render_table
 
         console = _console()
         for r in result.results:
             render_table(r.summary, console)
             if r.gates:
-                from qbuild.evaluate.gates import render_gates
-
                 render_gates(list(r.gates), console)
             if r.summary.get("selection"):
-                from qbuild.results.summary import render_selection
-
                 render_selection(r.summary["selection"], console)
     if result.exit_code:
         sys.exit(result.exit_code)
@@ -197,7 +198,7 @@ def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote
 
 
 def _print_plan(the_plan, as_json):
-    from qbuild.core.names import redact_tree
+    from qbuild.output import redact_tree
 
     data = redact_tree(the_plan.as_dict())
     if as_json:
@@ -231,7 +232,7 @@ def _print_plan(the_plan, as_json):
     remote = sum(r["status"] == "hit-remote" for r in data["steps"])
     console.print(f"{data['to_build']} step(s) to build, {hits} cached" + (f", {remote} in a remote" if remote else ""))
     if the_plan.estimate is not None:
-        from qbuild.core.estimate import history_note
+        from qbuild.output import history_note
 
         console.print(history_note(the_plan.estimate))
 
@@ -241,7 +242,7 @@ def _estimate_cell(row: dict) -> str:
         return ""
     if row["estimate_s"] is None:
         return "[dim]no history[/]"
-    from qbuild.core.estimate import human_seconds
+    from qbuild.output import human_seconds
 
     return human_seconds(row["estimate_s"])
 
@@ -287,7 +288,6 @@ def select(recipe, store_path, as_json):
       qbuild select recipes/serving.yaml --json   # {"selected": {"variant", "config", ...}, "rejected": [...]}
     """
     from qbuild import api
-    from qbuild.errors import EXIT_GATE_FAILED
 
     try:
         result = api.select(recipe, store=store_path)
@@ -296,7 +296,7 @@ def select(recipe, store_path, as_json):
     if as_json:
         click.echo(json.dumps(result, indent=2, default=str))
     else:
-        from qbuild.results.summary import render_selection
+        from qbuild.output import render_selection
 
         render_selection(result, _console())
     if not result["passed"]:
@@ -322,28 +322,27 @@ def schema():
     """Print the recipe's JSON Schema (point your editor's YAML plugin at it).
 
     Methods and targets from installed plugins (entry points) are part of it."""
+    from qbuild import api
+
     try:
-        from qbuild.core.recipe import Recipe
+        click.echo(json.dumps(api.recipe_schema(), indent=2))
     except QBuildError as exc:
         _fail(exc)
-    click.echo(json.dumps(Recipe.model_json_schema(), indent=2))
 
 
 @cli.command()
 @JSON_OPTION
 def plugins(as_json):
     """List the installed methods, targets and runtimes (built-in and from entry points), and formats."""
-    from qbuild.formats import FORMATS, engines_for_format
-    from qbuild.plugins import plugin_table, runtimes_for
+    from qbuild import api
 
     try:
-        rows = plugin_table()
+        data = api.plugins()
     except QBuildError as exc:
         _fail(exc)
-    formats = [{"format": f.name, "description": f.description, "loads_in": list(engines_for_format(f.name)),
-                "evaluated_by": [r.name for r in runtimes_for(f.name)]} for f in FORMATS.values() if f.model]
+    rows, formats = data["plugins"], data["formats"]
     if as_json:
-        click.echo(json.dumps({"plugins": rows, "formats": formats}, indent=2))
+        click.echo(json.dumps(data, indent=2))
         return
     from rich.table import Table
 
@@ -371,27 +370,12 @@ def plugins(as_json):
 def ls_cmd(store_path, as_json, remote_url):
     """List refs (recipe/variant:tag) in the store (or a remote) with their digests."""
     from qbuild import api
-    from qbuild.results.summary import human_size
+    from qbuild.output import human_size
 
     try:
-        store = _open_remote(remote_url) if remote_url else api.open_store(store_path)
-        refs = store.list_refs() if remote_url else store.refs()
+        where, rows = api.refs(store=store_path, remote=remote_url)
     except QBuildError as exc:
         _fail(exc)
-    from qbuild.artifacts.store import valid_files
-
-    rows = []
-    for ref in refs:
-        try:
-            m = (store.get_manifest(ref["digest"]) if remote_url else store.manifest(ref["digest"])) or {}
-        except (OSError, ValueError, QBuildError):
-            m = {}
-        if not isinstance(m, dict):
-            m = {}
-        files = m.get("files") if valid_files(m.get("files")) else []
-        rows.append({**ref, "kind": _text(m.get("kind")), "format": _text(m.get("format")),
-                     "size_bytes": sum(f["size"] for f in files), "created": _text(m.get("created")),
-                     **({} if m else {"problem": "object or manifest missing"})})
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
@@ -402,7 +386,7 @@ def ls_cmd(store_path, as_json, remote_url):
         return
     from rich.table import Table
 
-    table = Table(title=f"remote {store.display}" if remote_url else f"store {store.root}", title_justify="left")
+    table = Table(title=where, title_justify="left")
     for col in ("ref", "digest", "format", "size", "updated"):
         table.add_column(col, overflow="fold")
     for r in rows:
@@ -413,10 +397,6 @@ def ls_cmd(store_path, as_json, remote_url):
         click.echo("(no refs yet: run `qbuild RECIPE` to build some)")
 
 
-def _text(value) -> str | None:
-    return value if isinstance(value, str) else None
-
-
 @cli.command()
 @click.argument("name")
 @STORE_OPTION
@@ -424,29 +404,12 @@ def show(name, store_path):
     """Show the manifest (provenance) of a ref, digest or step key."""
     from qbuild import api
 
-    store = api.open_store(store_path)
     try:
-        digest = store.resolve(name)
-        manifest = store.manifest(digest)
+        manifest = api.show(name, store=store_path)
     except QBuildError as exc:
         _fail(exc)
-    manifest["path"] = str(store.object_dir(digest))
-    from qbuild.results.rebuild import last_check
-
-    check = last_check(store, digest)   # a mutable record beside the object (the manifest itself is immutable)
-    manifest["rebuild_check"] = check or "never (qbuild verify --rebuild)"
-    if "loads_in" not in manifest:   # built before manifests recorded it: the same table answers now
-        from qbuild.formats import manifest_loads_in
-
-        engines = manifest_loads_in(str(manifest.get("format") or ""), manifest.get("scheme"), manifest.get("info"))
-        if engines is not None:
-            manifest["loads_in"] = engines
-    problems = store.check_object(digest)
-    if problems:
-        manifest["damaged"] = problems
-    from qbuild.core.names import redact_tree
-
-    click.echo(json.dumps(redact_tree(manifest), indent=2, sort_keys=True, default=str))
+    click.echo(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+    problems, digest = manifest.get("damaged"), manifest["digest"]
     if problems:
         click.echo(f"qbuild: error: object {digest[:12]} is damaged: {'; '.join(problems)} "
                    "(run `qbuild verify --repair`)", err=True)
@@ -478,16 +441,7 @@ def verify(names, store_path, as_json, remote_url, deep, repair, rebuild):
         _verify_rebuild(names, store_path, as_json)
         return
     try:
-        if remote_url:
-            from qbuild.artifacts.remote.cache import resolve
-
-            remote = _open_remote(remote_url)
-            rows = remote.verify([resolve(remote, n) for n in names] if names else None, deep=deep)
-        else:
-            store = api.open_store(store_path)
-            if repair:
-                store.require_writable("verify --repair")
-            rows = store.verify([store.resolve(n) for n in names] if names else None, repair=repair)
+        rows = api.verify(names, store=store_path, remote=remote_url, deep=deep, repair=repair)
     except QBuildError as exc:
         _fail(exc)
     bad = [r for r in rows if not r["ok"]]
@@ -504,12 +458,10 @@ def verify(names, store_path, as_json, remote_url, deep, repair, rebuild):
 
 
 def _verify_rebuild(names, store_path, as_json) -> None:
-    from qbuild.results.rebuild import rebuild_check
+    from qbuild import api
 
-    if not names:
-        _fail(UserError("verify --rebuild needs a RECIPE file or refs/digests to re-execute"))
     try:
-        result = rebuild_check(tuple(names), store=store_path,
+        result = api.rebuild_check(names, store=store_path,
                                log=None if as_json else (lambda m: click.echo(f"qbuild: {m}", err=True)))
     except QBuildError as exc:
         _fail(exc)
@@ -545,7 +497,7 @@ def report(name, store_path, out_path, markdown):
     perplexity protocol and the hardware.
     """
     from qbuild import api
-    from qbuild.results.report import render_html, render_markdown
+    from qbuild.output import check_name, render_html, render_markdown
 
     try:
         record = api.find_run(name, store=store_path)
@@ -590,12 +542,26 @@ def diff(runs, last, store_path, as_json):
     if as_json:
         click.echo(json.dumps(data, indent=2, default=str))
     else:
-        from qbuild.results.diff import render
+        from qbuild.output import render_diff
 
-        render(data, _console())
+        render_diff(data, _console())
 
 
-@cli.command(name="pull")
+class _WithTargetPullOptions(click.Command):
+    """`qbuild pull` plus the flags build targets declare to select a machine-bound build (TensorRT-LLM's
+    --tensorrt-llm/--tensorrt), asked of the API when the command is parsed."""
+
+    def get_params(self, ctx):
+        from qbuild import api
+
+        params = super().get_params(ctx)
+        known = {p.name for p in params}
+        extra = [click.Option([f"--{o['flag']}", o["key"]], help=o["help"]) for o in api.pull_options()
+                 if o["key"] not in known]
+        return params[:-1] + extra + params[-1:]    # --help stays last
+
+
+@cli.command(name="pull", cls=_WithTargetPullOptions)
 @click.argument("name")
 @STORE_OPTION
 @click.option("-o", "--out", "output", type=click.Path(file_okay=False), help="Copy the verified files here.")
@@ -604,16 +570,14 @@ def diff(runs, last, store_path, as_json):
 @click.option("--verify-with", "pubkey", type=click.Path(dir_okay=False, exists=True),
               help="Public key (qbuild keygen): refuse unsigned or tampered artifacts.")
 @click.option("--mlflow", "mlflow_uri", metavar="URI", help="Tracking URI for models:/ names [env MLFLOW_TRACKING_URI].")
-@click.option("--sm", help="Select engines for this compute capability (e.g. 9.0) instead of the local GPU's.")
-@click.option("--tensorrt-llm", "trtllm_version", help="Select engines built with this TensorRT-LLM version.")
-@click.option("--tensorrt", "trt_version", help="Select engines built with this TensorRT version.")
+@click.option("--sm", help="Select machine-bound builds (engines) for this compute capability (e.g. 9.0) instead of the "
+              "local GPU's.")
 @click.option("--gpu", "gpu_name", help="Select engines built on this GPU model, as nvidia-smi names it "
               "(e.g. 'NVIDIA H200'), instead of the local GPU's.")
 @click.option("--arch", help="Select engines built on this CPU architecture (x86_64, aarch64) instead of this host's.")
 @click.option("--force", is_flag=True, help="Write into a non-empty --out (local store): files of the artifact's names "
               "are replaced, a link there is replaced and never written through, nothing else is touched.")
-def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trtllm_version, trt_version, gpu_name,
-                 arch, force):
+def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, gpu_name, arch, force, **target_options):
     """Fetch NAME verified file by file: a ref, a digest, or models:/NAME@ALIAS from the MLflow registry.
 
     \b
@@ -625,13 +589,11 @@ def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, trt
     TensorRT, CUDA major).
     """
     from qbuild import api
-    from qbuild.build.trtllm_select import local_needs
 
+    machine = {"gpu.sm": sm, "gpu.name": gpu_name, "host.arch": arch, **target_options}
     try:
-        chosen = (sm, trtllm_version, trt_version, gpu_name, arch)
-        need = local_needs(sm, trtllm_version, trt_version, gpu_name=gpu_name, arch=arch) if any(chosen) else None
         with _transfer_progress(f"pulling {name}") as progress:
-            digest, path = api.pull(name, store=store_path, out=output, need=need, remote=from_url,
+            digest, path = api.pull(name, store=store_path, out=output, remote=from_url, machine=machine,
                                     verify_with=pubkey, tracking_uri=mlflow_uri, progress=progress, force=force)
     except QBuildError as exc:
         _fail(exc)
@@ -677,23 +639,9 @@ def tag(source, target, store_path, remote_url):
       qbuild tag demo/q4km:nightly-2026-11-23 demo/q4km:prod
     """
     from qbuild import api
-    from qbuild.artifacts.store import REF_RE
 
-    m = REF_RE.match(target)
-    if not m or not m.group("tag") or any(v in (".", "..") for v in m.groups()):
-        _fail(UserError(f"{target!r}: expected recipe/variant:tag (letters, digits, '.', '_', '-')"))
     try:
-        if remote_url:
-            from qbuild.artifacts.remote.cache import resolve
-
-            remote = _open_remote(remote_url)
-            digest = resolve(remote, source)
-            key = (remote.get_manifest(digest) or {}).get("key")
-            remote.set_ref(m.group("recipe"), m.group("variant"), m.group("tag"), digest, key)
-        else:
-            store = api.open_store(store_path)
-            digest = store.resolve(source)
-            store.set_ref(m.group("recipe"), m.group("variant"), m.group("tag"), digest, store.manifest(digest).get("key"))
+        digest = api.tag(source, target, store=store_path, remote=remote_url)
     except QBuildError as exc:
         _fail(exc)
     click.echo(f"{target} -> {digest[:12]}")
@@ -714,48 +662,27 @@ def gc(remote_url, keep_last, older_than, dry_run, mlflow_uri, store_path, as_js
     On the local store: stale scratch (tmp/) and unheld lock files, and logs, run records and quarantined
     objects older than --older-than (default 30d; the --keep-last newest runs, default 20, always stay).
     Local objects are not collected yet."""
-    import os
+    from qbuild import api
+    from qbuild.output import human_size
 
-    from qbuild.results.summary import human_size
-
-    if not remote_url:
-        from qbuild import api
-        from qbuild.artifacts.remote.gc import parse_age
-
-        try:
-            store = api.open_store(store_path)
-            rows = store.gc_housekeeping(parse_age(older_than or "30d"), keep_runs=20 if keep_last is None
-                                         else keep_last, dry_run=dry_run)
-        except QBuildError as exc:
-            _fail(exc)
-        freed = sum(r["bytes"] for r in rows)
-        if as_json:
-            click.echo(json.dumps({"removed": rows, "bytes_freed": freed, "dry_run": dry_run}, indent=2))
-            return
-        for r in rows:
-            click.echo(f"{'would remove' if dry_run else 'removed'} {r['kind']} {r['path']} {human_size(r['bytes'])}")
-        click.echo(f"{len(rows)} item(s), {human_size(freed)} {'would be ' if dry_run else ''}freed")
-        return
     try:
-        roots: set[str] = set()
-        uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        if uri:
-            from qbuild.artifacts.mlflow_registry import alias_digests
-
-            roots = alias_digests(uri)
-        from qbuild.artifacts.remote.gc import gc_remote
-
-        rows = gc_remote(_open_remote(remote_url), roots, keep_last, older_than, dry_run)
+        result = api.gc(store=store_path, remote=remote_url, keep_last=keep_last, older_than=older_than,
+                        dry_run=dry_run, mlflow_uri=mlflow_uri)
     except QBuildError as exc:
         _fail(exc)
-    freed = sum(r.get("bytes", 0) for r in rows)
+    rows, freed = result["removed"], result["bytes_freed"]
     if as_json:
-        click.echo(json.dumps({"removed": rows, "bytes_freed": freed, "dry_run": dry_run}, indent=2))
+        click.echo(json.dumps({k: result[k] for k in ("removed", "bytes_freed", "dry_run")}, indent=2))
         return
+    verb = "would remove" if dry_run else "removed"
     for r in rows:
-        click.echo(f"{'would remove' if dry_run else 'removed'} {r['digest'][:12]} {r.get('kind') or '?'} "
-                   f"{r.get('name') or ''} {human_size(r.get('bytes'))}")
-    click.echo(f"{len(rows)} object(s), {human_size(freed)} {'would be ' if dry_run else ''}freed")
+        if result["scope"] == "local":
+            click.echo(f"{verb} {r['kind']} {r['path']} {human_size(r['bytes'])}")
+        else:
+            click.echo(f"{verb} {r['digest'][:12]} {r.get('kind') or '?'} {r.get('name') or ''} "
+                       f"{human_size(r.get('bytes'))}")
+    what = "item(s)" if result["scope"] == "local" else "object(s)"
+    click.echo(f"{len(rows)} {what}, {human_size(freed)} {'would be ' if dry_run else ''}freed")
 
 
 @cli.command()
@@ -767,21 +694,11 @@ def gc(remote_url, keep_last, older_than, dry_run, mlflow_uri, store_path, as_js
 @STORE_OPTION
 def register(name, model_name, alias, mlflow_uri, remote_url, store_path):
     """Register the artifact NAME (ref or digest) as a new version of an MLflow registered model."""
-    import os
-
     from qbuild import api
-    from qbuild.artifacts import mlflow_registry
 
     try:
-        uri = mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:
-            raise UserError("register needs --mlflow URI or MLFLOW_TRACKING_URI")
-        store = api.open_store(store_path)
-        digest = store.resolve(name)
-        manifest = {**store.manifest(digest), "digest": digest}
-        store_url = _open_remote(remote_url).url if remote_url else f"qbuild-file://{store.root}"
-        version = mlflow_registry.register(uri, model_name, manifest, store_url, manifest.get("metrics"),
-                                           gates_passed=True if alias else None, alias=alias)
+        version = api.register_model(name, model_name, alias=alias, mlflow_uri=mlflow_uri, remote=remote_url,
+                                     store=store_path)
     except QBuildError as exc:
         _fail(exc)
     click.echo(f"models:/{model_name}/{version}" + (f" (alias {alias})" if alias else ""))
@@ -791,19 +708,13 @@ def register(name, model_name, alias, mlflow_uri, remote_url, store_path):
 @click.argument("path", type=click.Path(dir_okay=False))
 def keygen(path):
     """Write an EC P-256 signing key to PATH and its public key to PATH.pub (set QBUILD_SIGNING_KEY=PATH)."""
-    from qbuild.artifacts.signing import keygen as make_key
+    from qbuild import api
 
     try:
-        private, public = make_key(path)
+        private, public = api.keygen(path)
     except QBuildError as exc:
         _fail(exc)
     click.echo(f"private key {private} (keep it secret), public key {public}")
-
-
-def _open_remote(url: str):
-    from qbuild.artifacts.remote import open_remote
-
-    return open_remote(url)
 
 
 class _transfer_progress:
@@ -847,26 +758,26 @@ def env():
 @JSON_OPTION
 def env_list(as_json):
     """Built-in backends and the environments created on this machine."""
-    from qbuild.core import envs
-    from qbuild.results.summary import human_size
+    from qbuild import api
+    from qbuild.output import human_size
 
-    rows = envs.installed()
+    data = api.environments()
+    rows = data["environments"]
     if as_json:
-        click.echo(json.dumps({"root": str(envs.envs_root()), "builtin": {k: list(v) for k, v in envs.BACKENDS.items()},
-                               "environments": rows}, indent=2))
+        click.echo(json.dumps(data, indent=2))
         return
     console = _console()
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"environments · {escape(str(envs.envs_root()))}", title_justify="left")
+    table = Table(title=f"environments · {escape(data['root'])}", title_justify="left")
     for col in ("name", "lock", "state", "size", "created", "packages"):
         table.add_column(col, overflow="fold")
     made = {r["name"] for r in rows}
     for r in rows:
         table.add_row(escape(r["name"]), r["lock_hash"][:12], "ready" if r["complete"] else "incomplete",
                       human_size(r["size_bytes"]), r["created"] or "-", escape(", ".join(r["packages"])))
-    for name, packages in envs.BACKENDS.items():
+    for name, packages in data["builtin"].items():
         if name not in made:
             table.add_row(escape(name), "-", "not created", "-", "-", escape(", ".join(packages)))
     console.print(table)
@@ -880,29 +791,15 @@ def env_list(as_json):
 @JSON_OPTION
 def env_create(names, recipe, find_links, offline, as_json):
     """Resolve and create environments NAMES (built-in backends) and/or those RECIPE needs."""
-    import time
-
-    from qbuild.core import envs
+    from qbuild import api
 
     if find_links:
         os.environ["UV_FIND_LINKS"] = find_links
     if offline:
         os.environ["UV_OFFLINE"] = "1"
-    if not names and not recipe:
-        _fail(UserError(f"name an environment ({', '.join(envs.BACKENDS)}) or give --recipe"))
     try:
-        wanted = [envs.backend(n) for n in names]
-        if recipe:
-            from qbuild import api
-
-            wanted += api.backend_envs(recipe)
-        done = []
-        for e in dict.fromkeys(wanted):
-            t0 = time.perf_counter()
-            existed = e.exists()
-            python = envs.ensure(e, log=lambda m: None if as_json else click.echo(m, err=True))
-            done.append({"name": e.name, "lock_hash": e.lock_hash, "python": python, "created": not existed,
-                         "seconds": round(time.perf_counter() - t0, 2)})
+        done = api.create_environments(names, recipe=recipe,
+                                       log=None if as_json else (lambda m: click.echo(m, err=True)))
     except QBuildError as exc:
         _fail(exc)
     if as_json:
@@ -918,11 +815,11 @@ def env_create(names, recipe, find_links, offline, as_json):
 @click.option("--all", "everything", is_flag=True, help="Remove every environment.")
 def env_rm(name, everything):
     """Remove the environment NAME (every version of it), or all with --all."""
-    from qbuild.core import envs
+    from qbuild import api
 
     if not name and not everything:
         _fail(UserError("name an environment to remove, or --all"))
-    removed = envs.remove(None if everything else name)
+    removed = api.remove_environments(None if everything else name)
     for d in removed:
         click.echo(f"removed {d}")
     if not removed:
@@ -932,9 +829,10 @@ def env_rm(name, everything):
 def main():
     import logging
 
-    from qbuild.core import process
+    from qbuild import output
+    from qbuild.output import redact_url
 
-    process.guard_interrupts()   # already so under `python -m qbuild` and the `qbuild` script (qbuild/__main__.py)
+    output.guard_interrupts()   # already so under `python -m qbuild` and the `qbuild` script (qbuild/__main__.py)
 
     class _Redact(logging.Filter):
         """Every warning line goes through the one URL redaction, and stays one line."""
@@ -957,11 +855,11 @@ def main():
         if not isinstance(exc.code, int | None):
             click.echo(str(exc.code), err=True)
     except BaseException:
-        if not process.interrupted():
+        if not output.interrupted():
             raise   # a bug in qbuild: Python's traceback, as always
         click.echo("qbuild: interrupted", err=True)   # a library turned the interrupt into another error
-        code = process.EXIT_INTERRUPTED
-    process.finish(code)
+        code = output.EXIT_INTERRUPTED
+    output.finish(code)
 
 
 def _main() -> int:

@@ -28,9 +28,10 @@ import pkgutil
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, TypeVar
 
 from pydantic import Field
 
@@ -41,7 +42,14 @@ if TYPE_CHECKING:
     import numpy as np
 
     from qbuild.core.step import Step, StepContext
-    from qbuild.evaluate.protocol import Window
+
+
+@dataclass(frozen=True)
+class Window:
+    """One evaluation window a runtime scores (qbuild.evaluate.protocol makes them)."""
+
+    tokens: list[int]   # what the runtime is fed
+    first_scored: int   # positions >= first_scored are scored, each predicted from the positions before it
 
 
 class Plugin:
@@ -91,6 +99,15 @@ class TargetOptions(StrictModel):
     variants: list[str] | Literal["all"] = Field("all", description="Which variants to build this target for.")
 
 
+@dataclass(frozen=True)
+class PullOption:
+    """A `qbuild pull` flag a target declares, to pick a machine-bound build for another machine than this one."""
+
+    flag: str       # "tensorrt-llm" → --tensorrt-llm
+    key: str        # the key of machine_needs' `chosen` it sets ("tensorrt_llm")
+    help: str
+
+
 class Target(Plugin, ABC):
     """A build target: recipe `targets[i].type: NAME`, applied to variant artifacts.
 
@@ -101,6 +118,19 @@ class Target(Plugin, ABC):
     accepts: ClassVar[dict[str, tuple[str, ...] | None]] = {}
     hints: ClassVar[dict[str, str]] = {}     # format → what to do instead, for the refusal message
     purpose: ClassVar[str] = ""              # "be built into a TensorRT-LLM engine": completes the refusal message
+    # Outputs that load only on the machine they were built for (a TensorRT engine: GPU model, CPU architecture,
+    # toolchain): `qbuild pull` picks, among every stored build of a recipe/variant, the one that fits the machine.
+    machine_bound_kind: ClassVar[str | None] = None     # the manifest `kind` of those builds
+    pull_options: ClassVar[tuple[PullOption, ...]] = ()  # extra `qbuild pull` flags that select another machine
+
+    def machine_needs(self, chosen: dict[str, str | None]) -> dict:
+        """What a build must have been made for to load on this machine; `chosen` overrides probed facts ("gpu.sm",
+        "gpu.name", "host.arch" and the keys of `pull_options`). Raises UserError where a fact cannot be told."""
+        raise NotImplementedError(f"target {self.name} declares no machine-bound builds")
+
+    def select_build(self, builds: list[dict], need: dict, ref: str) -> dict:
+        """The manifest among `builds` (newest first) that fits `need`; UserError says what exists and why none fits."""
+        raise NotImplementedError(f"target {self.name} declares no machine-bound builds")
 
     def refusal(self, artifact: Step) -> str | None:
         """None if this target takes the artifact, else why not (and what would work)."""
@@ -160,7 +190,6 @@ class RuntimeSession:
 
         Default: the growing sequence re-run through `window_logits` for each token, which needs nothing but
         logits and is fine for the few tokens a load check asks for; runtimes with a decoder override it."""
-        from qbuild.evaluate.protocol import Window
 
         sequence = [int(t) for t in prompt_tokens]
         for _ in range(n):
@@ -353,25 +382,3 @@ def runtimes_for(fmt: str) -> list[Runtime]:
     otherwise)."""
     found = [r for r in runtimes.all() if fmt in r.formats]
     return sorted(found, key=lambda r: (bool(r.missing()), r.fallback))
-
-
-def plugin_table() -> list[dict[str, Any]]:
-    """Every registered plugin, for `qbuild plugins`."""
-    from qbuild.artifacts.remote import remotes
-
-    rows = []
-    for kind, registry in (("method", methods), ("target", targets), ("runtime", runtimes), ("server", servers)):
-        for p in registry.all():
-            row = {"kind": kind, "name": p.name, "origin": p.origin, "extra": p.extra,
-                   "installed": not p.missing()}
-            if isinstance(p, Runtime):
-                row["formats"] = list(p.formats)
-            if isinstance(p, Server):
-                row["engine"] = p.engine
-            if isinstance(p, Target):
-                row["accepts"] = {f: list(s) if s else "any" for f, s in p.accepts.items()}
-            rows.append(row)
-    for cls in remotes.classes():   # remote stores are opened per URL: listed by class
-        rows.append({"kind": "remote store", "name": cls.name, "origin": cls.origin, "extra": cls.extra,
-                     "installed": not cls.missing(), "schemes": list(cls.schemes)})
-    return rows

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from remote_common import make_object, model_files, run_child
 
+from qbuild import api
 from qbuild.artifacts.remote import RemoteError, cache, open_remote
 from qbuild.artifacts.remote.gc import gc_remote, parse_age, plan_gc, plan_store_gc
 from qbuild.artifacts.store import Store
@@ -350,11 +351,11 @@ def test_pull_picks_the_engine_for_this_gpu(remote_url, tmp_path, monkeypatch):
     remote.set_ref("trt", "fp8.trtllm", "latest", l4.digest, l4.key)  # the newest build (L4)
     monkeypatch.setenv(trtllm_env.FAKE_GPU, "NVIDIA H100 80GB HBM3:9.0:550.54.15")
     monkeypatch.setenv(trtllm_env.FAKE_TRTLLM, "1.2.1:10.13.3.9:13.0")
-    manifest = cache.pull(remote, "trt/fp8.trtllm", tmp_path / "out", need=local_needs())
-    assert manifest["digest"] == h100.digest and (tmp_path / "out" / "rank0.engine").read_text() == "engine for sm9.0"
+    digest, _ = api.pull("trt/fp8.trtllm", remote=remote, out=tmp_path / "out", need=local_needs())
+    assert digest == h100.digest and (tmp_path / "out" / "rank0.engine").read_text() == "engine for sm9.0"
     monkeypatch.setenv(trtllm_env.FAKE_GPU, "NVIDIA B200:10.0:570.00")
     with pytest.raises(UserError) as exc:
-        cache.pull(remote, "trt/fp8.trtllm", tmp_path / "out2", need=local_needs())
+        api.pull("trt/fp8.trtllm", remote=remote, out=tmp_path / "out2")   # this machine's facts, probed
     msg = str(exc.value)
     assert "needs: SM 10.0" in msg and "SM 9.0" in msg and "SM 8.9" in msg and remote.display in msg
     assert not (tmp_path / "out2").exists()

@@ -17,8 +17,8 @@ from click.testing import CliRunner
 from qbuild.build import tensorrt_llm as trt
 from qbuild.build import trtllm_env
 from qbuild.build import trtllm_pytorch as trtpt
-from qbuild.core import hardware
 from qbuild.build.trtllm_select import engine_manifests, select_engine
+from qbuild.core import hardware
 from qbuild.core.step import Step
 from qbuild.errors import RecipeError, UserError
 from qbuild.models.checkpoint import CheckpointError, validate_hf_export, validate_trtllm_checkpoint

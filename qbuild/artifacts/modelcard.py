@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import yaml
 
-from qbuild.results.summary import human_size
+from qbuild.core.units import human_size
 
 METRIC_COLUMNS = (("ppl", "PPL", "{:.3f}"), ("delta_ppl", "ΔPPL", "{:+.3f}"), ("delta_ppl_pct", "ΔPPL %", "{:+.2f}"),
                   ("kld", "KLD", "{:.4f}"), ("top1", "top-1", "{:.1%}"), ("decode_tok_s", "decode tok/s", "{:.1f}"),

@@ -31,15 +31,15 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from qbuild.build import trtllm_env
+from qbuild.build.trtllm_select import ENGINE_KIND
 from qbuild.core.schema_base import StrictModel
 from qbuild.core.step import OnUnavailable, Step, StepContext
 from qbuild.errors import RecipeError, UserError
 from qbuild.formats import Format
 from qbuild.models.checkpoint import QUANT_ALGO
-from qbuild.plugins import Target, TargetOptions, targets
+from qbuild.plugins import PullOption, Target, TargetOptions, targets
 
 ENGINE_LINE = (1, 2)                 # the last TensorRT-LLM line with the TensorRT engine builder
-ENGINE_KIND = "trtllm-engine"
 BUILD_INFO = "qbuild-engine.json"
 # what enters the key besides settings (see select.MATCH_KEYS for the pull-time match)
 ENV_KEYS = ("gpu.sm", "gpu.name", "host.arch", "tensorrt_llm", "tensorrt", "cuda")
@@ -283,6 +283,21 @@ class TensorRTLLMEngine(Target):
     hints = {Format.HF_MODELOPT: "trtllm-build needs a TensorRT-LLM checkpoint: set export: trtllm-checkpoint on it"}
     default_hint = ("trtllm-build needs a TensorRT-LLM checkpoint: quantize it with method: modelopt "
                     "(fp8, int8-sq, int4-awq, w4a8-awq, or scheme: none for FP16/BF16)")
+    # an engine loads only on the GPU model, CPU architecture and TensorRT version it was built with
+    machine_bound_kind = ENGINE_KIND
+    pull_options = (PullOption("tensorrt-llm", "tensorrt_llm", "Select engines built with this TensorRT-LLM version."),
+                    PullOption("tensorrt", "tensorrt", "Select engines built with this TensorRT version."))
+
+    def machine_needs(self, chosen: dict[str, str | None]) -> dict:
+        from qbuild.build.trtllm_select import local_needs
+
+        return local_needs(chosen.get("gpu.sm"), chosen.get("tensorrt_llm"), chosen.get("tensorrt"),
+                           gpu_name=chosen.get("gpu.name"), arch=chosen.get("host.arch"))
+
+    def select_build(self, builds: list[dict], need: dict, ref: str) -> dict:
+        from qbuild.build.trtllm_select import select_engine
+
+        return select_engine(builds, need, ref)
 
     def refusal(self, artifact: Step) -> str | None:
         why = super().refusal(artifact)

@@ -14,6 +14,8 @@ import json
 
 from qbuild.errors import UserError
 
+ENGINE_KIND = "trtllm-engine"   # the step kind (and manifest `kind`) of an engine build
+
 MATCH_KEYS = (("gpu.sm", "SM"), ("gpu.name", "GPU"), ("host.arch", "CPU arch"), ("tensorrt_llm", "TensorRT-LLM"),
               ("tensorrt", "TensorRT"), ("cuda", "CUDA"))
 EXACT = ("gpu.sm", "gpu.name", "host.arch", "tensorrt_llm", "tensorrt")   # must be equal; CUDA: same major
@@ -29,8 +31,6 @@ def describe(facts: dict) -> str:
 
 def is_engine_of(m: dict, recipe: str, variant: str) -> bool:
     """Whether manifest m is a TensorRT-LLM engine build of recipe/variant (local store or remote)."""
-    from qbuild.build.tensorrt_llm import ENGINE_KIND
-
     return m.get("kind") == ENGINE_KIND and m.get("variant") == variant and (m.get("recipe") or {}).get("name") == recipe
 
 

@@ -312,9 +312,7 @@ def ensure(env: BackendEnv, log=print) -> str:
 
 def worker_environ(env: BackendEnv, base: dict[str, str]) -> dict[str, str]:
     """A worker's environment variables in `env`: qbuild's package reachable, nothing else of qbuild's Python."""
-    import qbuild
-
-    package = Path(qbuild.__file__).resolve().parent
+    package = Path(__file__).resolve().parents[1]   # the qbuild package this module belongs to
     link_dir = envs_root() / "qbuild-src" / hashlib.sha256(str(package).encode()).hexdigest()[:16]
     link = link_dir / "qbuild"
     if not link.is_symlink() or link.resolve() != package:

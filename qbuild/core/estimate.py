@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qbuild.artifacts.store import MANIFEST, Store, read_json
+from qbuild.core.units import human_seconds
 
 
 @dataclass(frozen=True)
@@ -184,16 +185,6 @@ def history_note(estimate: PlanEstimate) -> str:
     if estimate.unknown:
         line += f"; {estimate.unknown} step(s) have no history yet (not counted)"
     return line
-
-
-def human_seconds(seconds: float) -> str:
-    if seconds < 10:
-        return f"{seconds:.1f} s"
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 __all__ = ["estimate_plan", "PlanEstimate", "StepEstimate", "history_note", "human_seconds"]

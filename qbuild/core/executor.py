@@ -37,13 +37,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import NO_SPACE, Hit, Store, free_bytes, now_iso, store_full
-from qbuild.core.hardware import gpu_devices
+from qbuild.core.hardware import gpu_devices, machine_facts
 from qbuild.core.plan import PlannedStep
 from qbuild.core.step import OnUnavailable, Outcome, PlanStatus, Step
 from qbuild.errors import StepFailed, UserError
 from qbuild.formats import manifest_loads_in
 from qbuild.formats import spec as format_spec
-from qbuild.results.rebuild import machine_facts
 
 log = logging.getLogger("qbuild")
 

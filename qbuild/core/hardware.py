@@ -85,5 +85,15 @@ def sm_tag(sm: str) -> str:
     return "sm" + sm.replace(".", "")
 
 
+def machine_facts() -> dict:
+    """Facts about the machine and environment a step ran in that its key does not hold (recorded in manifests)."""
+    import platform
+
+    from qbuild.core.fingerprint import cpu_model
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(), "os": platform.platform(),
+            "python": platform.python_version()}
+
+
 def clear_cache() -> None:
     _probe_gpu.cache_clear()

@@ -10,17 +10,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 
+from qbuild.plugins import Window
+
 PROTOCOLS = ("fixed-window", "sliding-window", "llama.cpp")
-
-
-@dataclass(frozen=True)
-class Window:
-    tokens: list[int]   # what the runtime is fed
-    first_scored: int   # positions >= first_scored are scored, each predicted from the positions before it
 
 
 def windows(ids: np.ndarray, protocol: str, context_length: int, add_bos: bool, bos_id: int | None,

@@ -133,7 +133,7 @@ def render(data: dict, console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from qbuild.results.summary import human_size
+    from qbuild.core.units import human_size
 
     table = Table(title=f"diff · {data['recipe']} · {data['a']} → {data['b']}", title_justify="left")
     for col, just in (("variant", "left"), ("PPL", "right"), ("ΔPPL", "right"), ("ΔKLD", "right"),

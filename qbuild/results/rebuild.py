@@ -17,8 +17,6 @@ reported as "not checked" with that reason.
 
 from __future__ import annotations
 
-import os
-import platform
 import socket
 import sys
 import tempfile
@@ -26,18 +24,10 @@ import time
 from pathlib import Path
 
 from qbuild.artifacts.store import Store, now_iso, read_json
-from qbuild.errors import UserError
+from qbuild.core.hardware import machine_facts
 
 KEEP_HISTORY = 10          # earlier checks kept in the record, newest first
 NOT_CHECKED_KINDS = {"throughput": "a timing: its output is a measurement of this machine, never bit-identical"}
-
-
-def machine_facts() -> dict:
-    """Facts about the machine and environment a step ran in that its key does not hold (recorded in manifests)."""
-    from qbuild.core.fingerprint import cpu_model
-
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(), "os": platform.platform(),
-            "python": platform.python_version()}
 
 
 def record_file(store: Store, digest: str) -> Path:
@@ -107,35 +97,6 @@ def compare_environment(stored: dict, rebuilt: dict) -> dict:
     return out
 
 
-def _steps_for(names: tuple[str, ...], store: Store):
-    """(plan, [planned steps to check]) for a recipe file, or for refs/digests (through the recipe each manifest
-    names: the step's runtime paths come from planning it again)."""
-    from qbuild import api
-
-    if len(names) == 1 and Path(names[0]).suffix in (".yaml", ".yml") and Path(names[0]).is_file():
-        plan = api.plan(names[0], store=store)
-        return [(plan, [p for p in plan.steps])]
-    wanted: dict[str, list[str]] = {}   # recipe path → keys
-    for name in names:
-        digest = store.resolve(name)
-        manifest = store.manifest(digest)
-        path = (manifest.get("recipe") or {}).get("path")
-        if not path or not Path(path).is_file():
-            raise UserError(f"{name}: the recipe it was built from ({path or 'not recorded'}) is not here; "
-                            "give the recipe file instead")
-        wanted.setdefault(path, []).append(manifest["key"])
-    out = []
-    for path, keys in wanted.items():
-        plan = api.plan(path, store=store)
-        found = {p.step.key: p for p in plan.steps}
-        missing = [k[:12] for k in keys if k not in found]
-        if missing:
-            raise UserError(f"{path} no longer plans step(s) {', '.join(missing)} (the recipe or the tools changed); "
-                            "nothing to re-execute them from")
-        out.append((plan, [found[k] for k in keys]))
-    return out
-
-
 def _closure(plan, step) -> list:
     """The planned steps `step` reads, transitively, in plan order (all stored: they are served as hits)."""
     need, stack = set(), list(step.inputs.values())
@@ -147,21 +108,7 @@ def _closure(plan, step) -> list:
     return [p for p in plan.steps if p.step.key in need]
 
 
-def rebuild_check(names: tuple[str, ...], *, store=None, progress=None, log=None) -> dict:
-    """Re-execute the stored steps of a recipe (or of the named refs/digests) in scratch and compare each with the
-    stored object. Returns {"steps": [...], "identical": bool, ...}; records each result beside its object."""
-    from qbuild import api
-
-    recipe_file = len(names) == 1 and Path(names[0]).suffix in (".yaml", ".yml") and Path(names[0]).is_file()
-    st = api.open_store(store, api.load(names[0])[0] if recipe_file else None)   # a recipe names its own store
-    st.require_writable("verify --rebuild (it records the result beside each object)")
-    rows = []
-    for plan, checked in _steps_for(tuple(names), st):
-        rows += check_steps(st, plan, checked, progress=progress, log=log)
-    return _result(rows, st)
-
-
-def _result(rows: list[dict], st: Store) -> dict:
+def summarize_checks(rows: list[dict], st: Store) -> dict:
     checked = [r for r in rows if r["status"] in ("identical", "different", "failed")]
     return {"steps": rows, "checked": len(checked), "identical": all(r["status"] == "identical" for r in checked),
             "where": socket.gethostname(), "when": now_iso(), "store": str(st.root)}
@@ -204,7 +151,7 @@ def after_run(st: Store, the_plan, wanted: list[str], progress=None) -> tuple[di
               "metric": "bit-identical rebuild", "value": float(r["status"] == "identical"), "bound": 1.0,
               "passed": r["status"] == "identical", "by": None if r["status"] == "identical" else 1.0}
              for r in rows if r["status"] != "not checked"]
-    return _result(rows, st), gates
+    return summarize_checks(rows, st), gates
 
 
 def _check_one(st: Store, plan, ps, Executor, PlannedStep, Outcome, PlanStatus, progress) -> dict:

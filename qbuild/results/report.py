@@ -9,8 +9,8 @@ import html
 import json
 from pathlib import Path
 
+from qbuild.core.units import human_size
 from qbuild.errors import UserError
-from qbuild.results.summary import human_size
 
 
 def _well_formed(record: dict | None) -> bool:

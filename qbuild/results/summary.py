@@ -5,22 +5,13 @@ from __future__ import annotations
 from qbuild.core.executor import StepOutcome
 from qbuild.core.plan import Artifact, Plan
 from qbuild.core.step import Outcome
+from qbuild.core.units import human_size
 from qbuild.evaluate.tasks import add_deltas as add_task_deltas
 from qbuild.evaluate.tasks import summary_rows as task_rows
 
 # "reference" is the baseline's one pass with KLD on (its perplexity + reference log-probs); a variant's
 # "perplexity" step carries its KLD and top-1 agreement when KLD is on
 EVAL_KINDS = {"perplexity": "ppl", "reference": "ppl", "throughput": "speed"}
-
-
-def human_size(n: int | None) -> str:
-    if not n:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _evaluations(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutcome]:

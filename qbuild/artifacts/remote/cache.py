@@ -3,7 +3,6 @@
     hit = lookup(remotes, key)                 # plan: local miss -> first remote with the action record
     materialize(store, hit.remote, hit.digest) # only when a step that must run (or the user) needs the files
     push_hit(remote, store, key, digest, ...)  # run: files, sidecars, manifest, then the action record
-    manifest = pull_engine(remote, "demo/q4.trtllm", need)   # the engine build that fits this GPU
 """
 
 from __future__ import annotations
@@ -124,50 +123,15 @@ def resolve(remote: RemoteStore, name: str) -> str:
     raise remote.error(f"no object {name} (give a ref recipe/variant:tag or a full 64-character digest)")
 
 
-def remote_engine_manifests(remote: RemoteStore, recipe: str, variant: str) -> list[dict]:
-    """Every TensorRT-LLM engine build of recipe/variant on the remote (newest first): manifests only."""
-    from qbuild.build.trtllm_select import is_engine_of, newest_first
-
-    found = []
-    for digest in remote.list_objects():
-        m = remote.get_manifest(digest)
-        if m and is_engine_of(m, recipe, variant):
-            found.append(m)
-    return newest_first(found)
-
-
-def pull_engine(remote: RemoteStore, name: str, need: dict) -> dict:
-    """The engine manifest for NAME (recipe/variant[:tag]) that fits `need` (SM, TensorRT-LLM, TensorRT, CUDA),
-    chosen by qbuild.build.trtllm_select.select_engine; its UserError lists what exists and why none fits."""
-    from qbuild.build.trtllm_select import select_engine
-
-    m = REF_RE.match(name)
-    if not m:
-        raise remote.error(f"{name!r} is not an engine ref (recipe/variant[:tag])")
-    family = remote_engine_manifests(remote, m.group("recipe"), m.group("variant"))
-    return select_engine(family, need, f"{name} on {remote.display}")
-
-
 SIDECARS = ("README.md", "provenance.intoto.json", "signature.sig")
 
 
-def pull(remote: RemoteStore, name: str, out: Path, need: dict | None = None, progress: Progress | None = None,
-         jobs: int | None = None, verify_with: str | os.PathLike | None = None,
-         sidecars: Iterable[str] = SIDECARS) -> dict:
+def pull(remote: RemoteStore, name: str, out: Path, progress: Progress | None = None, jobs: int | None = None,
+         verify_with: str | os.PathLike | None = None, sidecars: Iterable[str] = SIDECARS) -> dict:
     """`qbuild pull NAME --from REMOTE --out DIR [--verify-with PUBKEY]` without a local store: resolve the
-    name (an engine ref picks the build that fits `need`), fetch every file verified, add the model card and
-    signature sidecars, check the signature when asked, and only then make DIR appear (one rename)."""
-    from qbuild.build.tensorrt_llm import ENGINE_KIND
-
-    try:
-        digest = resolve(remote, name)
-    except Exception:
-        if need is None:
-            raise
-        digest = pull_engine(remote, name, need)["digest"]
-    else:
-        if need is not None and (remote.get_manifest(digest) or {}).get("kind") == ENGINE_KIND:
-            digest = pull_engine(remote, name, need)["digest"]
+    name (a ref or a digest: qbuild.api picks a machine-bound build first), fetch every file verified, add the model
+    card and signature sidecars, check the signature when asked, and only then make DIR appear (one rename)."""
+    digest = resolve(remote, name)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         from qbuild.errors import UserError
