@@ -696,9 +696,9 @@ def _text(value) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def show(name: str, *, store=None) -> dict:
-    """The manifest of a ref, digest or step key, with its path, its last rebuild check, the engines that load it and,
-    when its files no longer match, `damaged`."""
+def show(name: str, *, store=None) -> tuple[str, dict]:
+    """(digest, manifest) of a ref, digest or step key: the manifest with its path, its last rebuild check, the engines
+    that load it and, when its files no longer match, `damaged`."""
     from qbuild.core.names import redact_tree
     from qbuild.formats import manifest_loads_in
     from qbuild.results.rebuild import last_check
@@ -715,7 +715,7 @@ def show(name: str, *, store=None) -> dict:
     problems = st.check_object(digest)
     if problems:
         manifest["damaged"] = problems
-    return redact_tree({**manifest, "digest": manifest.get("digest") or digest})
+    return digest, redact_tree(manifest)
 
 
 def verify(names=(), *, store=None, remote: str | None = None, deep: bool = False, repair: bool = False) -> list[dict]:

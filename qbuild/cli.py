@@ -405,11 +405,11 @@ def show(name, store_path):
     from qbuild import api
 
     try:
-        manifest = api.show(name, store=store_path)
+        digest, manifest = api.show(name, store=store_path)
     except QBuildError as exc:
         _fail(exc)
     click.echo(json.dumps(manifest, indent=2, sort_keys=True, default=str))
-    problems, digest = manifest.get("damaged"), manifest["digest"]
+    problems = manifest.get("damaged")
     if problems:
         click.echo(f"qbuild: error: object {digest[:12]} is damaged: {'; '.join(problems)} "
                    "(run `qbuild verify --repair`)", err=True)

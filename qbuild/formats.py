@@ -1,9 +1,11 @@
-"""Artifact formats, declared once: what each one is and which serving engines load it.
+"""Artifact formats, declared once: what each one is, which runtimes evaluate it, which serving engines load it
+and with what command.
 
-Which runtime can *evaluate* a format is declared by the runtimes themselves (`Runtime.formats`,
-qbuild/plugins.py); `runtimes_for()` asks them. Evaluation planning, the summary and `qbuild plan`
-use this module only, so a new format (from a plugin: `register_format`) is evaluated, summarised
-and reported like the built-in ones, or shown as "not evaluated: no runtime for FORMAT".
+A format's declaration names the runtimes that read it (`evaluated_by`, in order of preference;
+qbuild.plugins.runtimes_for asks it), so a method that writes a new format transformers or llama.cpp
+can read declares it in its own module (`register_format`) and is evaluated, summarised and reported
+like the built-in ones, with no runtime of its own; a format nothing reads is shown as "not evaluated:
+no runtime for FORMAT". `load_commands` gives the model card's command per engine.
 
 Which engines load an artifact depends on its quantization, not only its format (vLLM reads 4- and
 8-bit compressed-tensors, not 3-bit; TensorRT-LLM's PyTorch backend reads dynamic FP8, not static):
@@ -46,6 +48,10 @@ class FormatSpec:
     loads_in: tuple[str, ...] = ()     # a plugin format's engines, for any scheme (becomes its LOADS_IN row)
     load_tools: tuple[str, ...] = ()   # distributions a runtime needs to read it: they enter evaluation keys
     eval_env: str | None = None        # backend environment (qbuild.core.envs) its evaluation runs in; None: qbuild's
+    evaluated_by: tuple[str, ...] = ()  # runtimes (qbuild.plugins) that read it, preferred first
+    # engine → how to load it, for the model card: `{dir}` the artifact's folder, `{file}` its model file. Engines not
+    # named here use HF_LOAD_COMMANDS (a Hugging Face checkpoint folder)
+    load_commands: tuple[tuple[str, str], ...] = ()
 
 
 FORMATS: dict[str, FormatSpec] = {}
@@ -118,23 +124,50 @@ LOADS_IN: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
+# How each engine loads a Hugging Face checkpoint folder; a format's own `load_commands` take precedence.
+HF_LOAD_COMMANDS: dict[str, str] = {
+    "vllm": "`vllm serve {dir}`",
+    "sglang": "`python -m sglang.launch_server --model-path {dir}`",
+    "tgi": "`text-generation-launcher --model-id {dir}`",
+    "lmdeploy": "`lmdeploy serve api_server {dir}`",
+    "transformers": "`AutoModelForCausalLM.from_pretrained('{dir}')`",
+    "trtllm-pytorch": "`trtllm-serve {dir}` (PyTorch backend)",
+    "exllamav2": "load `{dir}` with ExLlamaV2's model loader (GPTQ format)",
+}
+# transformers and vLLM read every HF-folder format here (vLLM: on a GPU, where transformers cannot)
+_HF_RUNTIMES = ("transformers", "vllm")
+
 for _spec in (
-    FormatSpec(Format.HF, "Hugging Face checkpoint (safetensors + config.json)"),
+    FormatSpec(Format.HF, "Hugging Face checkpoint (safetensors + config.json)", evaluated_by=_HF_RUNTIMES),
     FormatSpec(Format.COMPRESSED_TENSORS, "HF checkpoint with compressed-tensors quantization (llm-compressor)",
-               load_tools=("compressed-tensors",)),
+               load_tools=("compressed-tensors",), evaluated_by=_HF_RUNTIMES),
     FormatSpec(Format.GPTQ, "GPTQ-format HF checkpoint (quantize_config.json, v1 packing; gptqmodel)",
-               load_tools=("gptqmodel", "optimum"), eval_env="gptqmodel"),
+               load_tools=("gptqmodel", "optimum"), eval_env="gptqmodel", evaluated_by=_HF_RUNTIMES,
+               load_commands=(("lmdeploy", "`lmdeploy serve api_server {dir} --model-format gptq`"),)),
     FormatSpec(Format.AWQ, "HF checkpoint in AutoAWQ's GEMM layout (4-bit, grouped, zero points; quant_method awq)",
-               load_tools=("gptqmodel",), eval_env="gptqmodel"),   # transformers 5 reads AWQ through gptqmodel
-    FormatSpec(Format.HF_MODELOPT, "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)"),
-    FormatSpec(Format.GGUF, "llama.cpp GGUF file"),
-    FormatSpec(Format.TRTLLM_CHECKPOINT, "TensorRT-LLM checkpoint (input of trtllm-build)"),
-    FormatSpec(Format.TRTLLM_ENGINE, "TensorRT-LLM engine (TensorRT backend, 1.2.x)"),
-    FormatSpec(Format.TRTLLM_PYTORCH, "checkpoint packaged for TensorRT-LLM's PyTorch backend"),
+               load_tools=("gptqmodel",), eval_env="gptqmodel",   # transformers 5 reads AWQ through gptqmodel
+               evaluated_by=_HF_RUNTIMES,
+               load_commands=(("lmdeploy", "`lmdeploy serve api_server {dir} --model-format awq`"),)),
+    FormatSpec(Format.HF_MODELOPT, "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)",
+               evaluated_by=("vllm",),
+               load_commands=(("vllm", "`vllm serve {dir} --quantization modelopt`"),
+                              ("sglang", "`python -m sglang.launch_server --model-path {dir} --quantization modelopt`"))),
+    FormatSpec(Format.GGUF, "llama.cpp GGUF file", evaluated_by=("llama.cpp",),
+               load_commands=(("llama.cpp", "`llama-server -m {dir}/{file}`"),
+                              ("vllm", "`vllm serve {dir}/{file} --tokenizer BASE_MODEL` (experimental GGUF loader)"),
+                              ("transformers", "`AutoModelForCausalLM.from_pretrained('{dir}', gguf_file='{file}')` "
+                                               "(dequantizes to full precision)"))),
+    FormatSpec(Format.TRTLLM_CHECKPOINT, "TensorRT-LLM checkpoint (input of trtllm-build)",
+               load_commands=(("trtllm-build", "build an engine first: `trtllm-build --checkpoint_dir {dir}`"),)),
+    FormatSpec(Format.TRTLLM_ENGINE, "TensorRT-LLM engine (TensorRT backend, 1.2.x)", evaluated_by=("tensorrt-llm",),
+               load_commands=(("tensorrt-llm", "`trtllm-serve {dir} --tokenizer BASE_MODEL`"),)),
+    FormatSpec(Format.TRTLLM_PYTORCH, "checkpoint packaged for TensorRT-LLM's PyTorch backend",
+               load_commands=(("trtllm-pytorch",
+                               "`trtllm-serve {dir} --extra_llm_api_options {dir}/extra_llm_api_options.yaml`"),)),
     FormatSpec(Format.BITSANDBYTES, "HF checkpoint with serialized bitsandbytes weights (NF4/FP4 or LLM.int8)",
-               load_tools=("bitsandbytes",)),
+               load_tools=("bitsandbytes",), evaluated_by=_HF_RUNTIMES),
     FormatSpec(Format.AUTO_ROUND, "HF checkpoint in AutoRound's format (quant_method auto-round)",
-               load_tools=("auto-round",)),
+               load_tools=("auto-round",), evaluated_by=_HF_RUNTIMES),
     FormatSpec(Format.CALIBRATION, "tokenized calibration set", model=False),
     FormatSpec(Format.TOKENS, "tokenized evaluation text", model=False),
     FormatSpec(Format.METRICS, "evaluation results", model=False),
@@ -143,6 +176,19 @@ for _spec in (
 ):
     register_format(_spec)
 
+
+
+def load_command(fmt: str, engine: str, directory: str, file: str = "") -> str | None:
+    """How `engine` loads an artifact of `fmt` in `directory` (model file `file`), for the model card; None where
+    nothing is declared."""
+    s = spec(fmt)
+    template = dict(s.load_commands).get(engine) or HF_LOAD_COMMANDS.get(engine)
+    if template is None:
+        return None
+    command = template.format(dir=directory, file=file)
+    if engine == "transformers" and s.load_tools and "{file}" not in template:
+        command += f" (needs the {s.load_tools[0]} package)"
+    return command
 
 
 def _row(fmt: str, scheme: str | None) -> tuple[str, ...]:

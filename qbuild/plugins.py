@@ -202,8 +202,10 @@ class RuntimeSession:
 
 
 class Runtime(Plugin, ABC):
-    """Evaluates model artifacts of the formats it declares: perplexity, KLD and throughput."""
+    """Evaluates model artifacts (perplexity, KLD, throughput) of the formats whose declaration names it."""
 
+    # formats it reads besides those whose declaration names it (qbuild.formats `evaluated_by`): an out-of-tree
+    # runtime that reads an existing format lists it here
     formats: ClassVar[tuple[str, ...]] = ()
     tools: ClassVar[tuple[str, ...]] = ()        # distributions whose versions enter evaluation keys
     max_batch_size: ClassVar[int | None] = None  # largest throughput batch it measures (None: any)
@@ -378,7 +380,11 @@ def open_session(runtime: str, model: Path, ctx: StepContext, n_ctx: int) -> Run
 
 
 def runtimes_for(fmt: str) -> list[Runtime]:
-    """Registered runtimes that evaluate `fmt`: installed ones first, fallbacks after the others (registration order
+    """Registered runtimes that evaluate `fmt`: those its declaration names (qbuild.formats, `evaluated_by`), then any
+    runtime that names it in its own `formats`; installed ones first, fallbacks after the others (declaration order
     otherwise)."""
-    found = [r for r in runtimes.all() if fmt in r.formats]
+    from qbuild.formats import spec
+
+    declared = [runtimes.get(n) for n in spec(fmt).evaluated_by if n in runtimes]
+    found = declared + [r for r in runtimes.all() if fmt in r.formats and r not in declared]
     return sorted(found, key=lambda r: (bool(r.missing()), r.fallback))

@@ -1,6 +1,7 @@
 """The plugin contract end to end: examples/qbuild-plugin-example installed as a real distribution
-(pip, entry points), then used through the CLI like a built-in method and runtime; and a format no
-runtime reads is reported, not dropped."""
+(pip, entry points), then used through the CLI like a built-in method: its own format is evaluated by the
+built-in transformers runtime, which the plugin names in the format's declaration; and a format no runtime
+reads is reported, not dropped."""
 
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def test_entry_point_plugins_are_listed_and_in_the_schema(example_env):
     data = json.loads(res.stdout)
     rows = {(r["kind"], r["name"]): r for r in data["plugins"]}
     assert rows[("method", "int8-rtn")]["origin"] == "qbuild-plugin-example"
-    assert rows[("runtime", "int8-dequant")]["formats"] == ["int8-safetensors"]
-    fmt = {f["format"]: f for f in data["formats"]}["int8-safetensors"]
-    assert fmt["evaluated_by"] == ["int8-dequant"] and fmt["loads_in"] == ["qbuild-example"]
+    assert not [r for r in data["plugins"] if r["origin"] == "qbuild-plugin-example" and r["kind"] != "method"]
+    assert "hf-int8-simulated" in rows[("runtime", "transformers")]["formats"]
+    fmt = {f["format"]: f for f in data["formats"]}["hf-int8-simulated"]
+    assert fmt["evaluated_by"] == ["transformers"] and fmt["loads_in"] == ["vllm", "sglang", "tgi", "transformers"]
     schema = json.loads(qbuild("schema", env=example_env).stdout)
     assert "Int8RTNVariant" in schema["$defs"]
 
@@ -51,7 +53,7 @@ def test_entry_point_method_in_validation_errors(tmp_path, example_env):
     assert res.returncode == 2 and "int8-rtn" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_method_and_runtime_from_entry_points_run_end_to_end(tmp_path, tiny_model_dir, example_env):
+def test_method_from_an_entry_point_is_evaluated_by_the_builtin_runtime_end_to_end(tmp_path, tiny_model_dir, example_env):
     recipe = {"name": "ext", "model": {"source": "local", "path": str(tiny_model_dir)},
               "variants": [{"name": "int8", "method": "int8-rtn"}],
               "evaluation": {"baseline": True, "kld": True, "perplexity": {"context_length": 64, "max_windows": 2}},
@@ -66,7 +68,7 @@ def test_method_and_runtime_from_entry_points_run_end_to_end(tmp_path, tiny_mode
     assert "kld[int8]" not in steps and "perplexity[baseline]" not in steps
     rows = {r["variant"]: r for r in summary["variants"]}
     int8, base = rows["int8"], rows["baseline"]
-    assert int8["format"] == "int8-safetensors" and int8["scheme"] == "w8a16" and int8["not_evaluated"] is None
+    assert int8["format"] == "hf-int8-simulated" and int8["scheme"] == "w8a16" and int8["not_evaluated"] is None
     # INT8 per-channel weights are nearly lossless: close to the baseline, but not identical
     assert 0 < abs(int8["ppl"] - base["ppl"]) / base["ppl"] < 0.02
     assert 0 < int8["kld"] < 0.01 and int8["top1"] > 0.95

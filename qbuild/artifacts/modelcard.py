@@ -43,7 +43,7 @@ def _gguf_file(manifest: dict) -> str:
 
 def load_table(manifest: dict, name: str = "MODEL_DIR") -> list[tuple[str, bool, str]]:
     """(engine, loads it, how) for every engine. Which engines load it is the manifest's `loads_in` (the one
-    table in qbuild/formats.py, worked out for manifests older than it); this adds the command for each."""
+    table in qbuild/formats.py, worked out for manifests older than it); the command is the format's declared one."""
     from qbuild.formats import manifest_loads_in
 
     fmt = manifest.get("format") or ""
@@ -53,46 +53,25 @@ def load_table(manifest: dict, name: str = "MODEL_DIR") -> list[tuple[str, bool,
     engines = manifest.get("loads_in")
     if engines is None:
         engines = manifest_loads_in(fmt, manifest.get("scheme"), info) or []
-    loads = {ENGINE_NAMES[e] for e in engines if e in ENGINE_NAMES}
-    rows = {e: (True, _how(e, fmt, manifest, name)) if e in loads else (False, _why_not(e, fmt)) for e in ENGINES}
+    by_card: dict[str, str] = {}      # the card's engine → the first engine (as manifests name it) that loads it
+    for e in engines:
+        if e in ENGINE_NAMES:
+            by_card.setdefault(ENGINE_NAMES[e], e)
+    rows = {e: (True, _how(by_card[e], fmt, manifest, name)) if e in by_card else (False, _why_not(e, fmt))
+            for e in ENGINES}
     if fmt == "hf":
         rows["llama.cpp"] = (True, f"convert first: `python convert_hf_to_gguf.py {name}`")
     return [(e, ok, how) for e, (ok, how) in rows.items()]
 
 
 def _how(engine: str, fmt: str, manifest: dict, name: str) -> str:
-    gguf = _gguf_file(manifest)
-    needs = {"compressed-tensors": "compressed-tensors", "gptq": "gptqmodel", "awq": "gptqmodel",
-             "bitsandbytes": "bitsandbytes", "auto-round": "auto-round"}.get(fmt)
-    if engine == "llama.cpp":
-        return f"`llama-server -m {name}/{gguf}`"
-    if engine == "vLLM":
-        if fmt == "gguf":
-            return f"`vllm serve {name}/{gguf} --tokenizer BASE_MODEL` (experimental GGUF loader)"
-        return f"`vllm serve {name}`" + (" --quantization modelopt" if fmt == "hf-modelopt" else "")
-    if engine == "SGLang":
-        return (f"`python -m sglang.launch_server --model-path {name}"
-                + (" --quantization modelopt`" if fmt == "hf-modelopt" else "`"))
-    if engine == "TGI":
-        return f"`text-generation-launcher --model-id {name}`"
-    if engine == "LMDeploy":
-        return f"`lmdeploy serve api_server {name}`" + (f" --model-format {fmt}" if fmt in ("awq", "gptq") else "")
-    if engine == "transformers":
-        if fmt == "gguf":
-            return f"`AutoModelForCausalLM.from_pretrained('{name}', gguf_file='{gguf}')` (dequantizes to full precision)"
-        return f"`AutoModelForCausalLM.from_pretrained('{name}')`" + (f" (needs the {needs} package)" if needs else "")
-    if engine == "ExLlamaV2":
-        return f"load `{name}` with ExLlamaV2's model loader (GPTQ format)"
-    if fmt == "trtllm-pytorch":
-        return f"`trtllm-serve {name} --extra_llm_api_options {name}/extra_llm_api_options.yaml`"
-    if fmt == "trtllm-engine":
-        tc = manifest.get("toolchain") or {}
-        sm = tc.get("gpu.sm")
-        return (f"`trtllm-serve {name} --tokenizer BASE_MODEL`"
-                + (f" (only on SM {sm} GPUs, TensorRT-LLM {tc.get('tensorrt_llm')})" if sm else ""))
-    if fmt == "trtllm-checkpoint":
-        return f"build an engine first: `trtllm-build --checkpoint_dir {name}`"
-    return f"`trtllm-serve {name}` (PyTorch backend)"
+    from qbuild.formats import load_command
+
+    how = load_command(fmt, engine, name, _gguf_file(manifest)) or f"load `{name}` with {ENGINE_NAMES[engine]}"
+    tc = manifest.get("toolchain") or {}
+    if engine == "tensorrt-llm" and tc.get("gpu.sm"):   # an engine runs only where it was built
+        how += f" (only on SM {tc['gpu.sm']} GPUs, TensorRT-LLM {tc.get('tensorrt_llm')})"
+    return how
 
 
 def _why_not(engine: str, fmt: str) -> str:

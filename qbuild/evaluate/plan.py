@@ -150,7 +150,7 @@ def load_check_runtimes(ctx, check, fmt: str) -> list[Runtime]:
             raise RecipeError(f"evaluation.load_check.runtimes[{i}]",
                               f"{name!r} is not a runtime; known runtimes: {', '.join(runtimes.names())}")
         rt = runtimes.get(name)
-        if fmt in rt.formats:
+        if rt in runtimes_for(fmt):
             if rt.missing():
                 ctx.warn(f"load check: runtime {name} is not installed (pip install 'qbuild[{rt.extra}]'); "
                          f"{fmt} artifacts are not loaded with it")

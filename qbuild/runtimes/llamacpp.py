@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 from qbuild.core.step import StepContext
-from qbuild.formats import Format
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
 
 
@@ -107,7 +106,6 @@ class LlamaCppSession(RuntimeSession):
 @runtimes.register
 class LlamaCppRuntime(Runtime):
     name = "llama.cpp"
-    formats = (Format.GGUF,)
     tools = ("llama-cpp-python",)
     extra = "gguf"
     requires = ("llama_cpp",)

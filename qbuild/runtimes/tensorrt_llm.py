@@ -30,7 +30,6 @@ from qbuild.build import tensorrt_llm as trt
 from qbuild.core.fingerprint import cpu_model
 from qbuild.core.step import StepContext
 from qbuild.errors import RecipeError
-from qbuild.formats import Format
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
 
 SHIM = Path(__file__).with_name("_shim.py")
@@ -115,7 +114,6 @@ class EngineSession(RuntimeSession):
 @runtimes.register
 class EngineRuntime(Runtime):
     name = "tensorrt-llm"
-    formats = (Format.TRTLLM_ENGINE,)
     extra = "tensorrt-llm"   # runs in the TensorRT-LLM interpreter, never imported here
 
     def plan_fields(self, label: str, artifact, ctx, measure: str) -> dict:

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from qbuild.core.step import HF_PRELOAD, StepContext
-from qbuild.formats import Format
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
 
 
@@ -120,7 +119,6 @@ class TransformersSession(RuntimeSession):
 class TransformersRuntime(Runtime):
     name = "transformers"
     # GPTQ, AWQ: in the gptqmodel env; bitsandbytes and auto-round: in qbuild's own (their libraries are extras)
-    formats = (Format.HF, Format.COMPRESSED_TENSORS, Format.GPTQ, Format.AWQ, Format.BITSANDBYTES, Format.AUTO_ROUND)
     tools = ("torch", "transformers")
     extra = "hf"
     requires = ("torch", "transformers")

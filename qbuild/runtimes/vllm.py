@@ -40,7 +40,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from qbuild.core.step import OnUnavailable, StepContext
-from qbuild.formats import Format, loads_in
+from qbuild.formats import loads_in
 from qbuild.plugins import Runtime, RuntimeSession, runtimes
 
 ENV_PYTHON = "QBUILD_VLLM_PYTHON"
@@ -206,9 +206,6 @@ class VllmSession(RuntimeSession):
 @runtimes.register
 class VllmRuntime(Runtime):
     name = "vllm"
-    # every format some artifact of which vLLM loads (qbuild.formats.LOADS_IN); the scheme is checked per artifact
-    formats = (Format.HF, Format.COMPRESSED_TENSORS, Format.GPTQ, Format.AWQ, Format.HF_MODELOPT,
-               Format.BITSANDBYTES, Format.AUTO_ROUND)
     extra = "vllm"   # runs in the vLLM interpreter ($QBUILD_VLLM_PYTHON), never imported here
     fallback = True  # transformers evaluates what both read (on CPU too); vLLM what only it reads
 

@@ -1,7 +1,11 @@
-"""Method `int8-rtn`: round-to-nearest INT8 weights with one scale per output channel, in numpy.
+"""Method `int8-rtn`: round-to-nearest INT8 weights with one scale per output channel, in numpy, written as a
+simulated-quantization checkpoint (format `hf-int8-simulated`).
 
-Every 2-D `*.weight` tensor of the model's linear layers is stored as int8 plus a float32 scale
-(`<name>.scale`); everything else is copied as it is.
+Every 2-D `*.weight` tensor of the model's linear layers is rounded to the INT8 grid of its row and stored
+dequantized (scale × integer, in float32), with the scales beside it in `int8_scales.safetensors`; everything else is
+copied as it is. Any engine that reads a Hugging Face checkpoint loads it, and it scores exactly what an INT8 kernel
+would compute, so the format is declared below as evaluated by qbuild's built-in `transformers` runtime: this plugin
+needs no runtime of its own.
 """
 
 from __future__ import annotations
@@ -14,9 +18,18 @@ from typing import Literal
 from pydantic import Field
 
 from qbuild.core.step import Step, StepContext
+from qbuild.formats import FormatSpec, register_format
 from qbuild.plugins import Method
 from qbuild.quantize.base import VariantBase
-from qbuild_example import FORMAT, WEIGHTS
+
+FORMAT = "hf-int8-simulated"
+SCALES = "int8_scales.safetensors"
+
+# A new format is declared once: who evaluates it, which engines load it (at full-precision memory: the weights are
+# stored dequantized) and how the model card tells people to load it.
+register_format(FormatSpec(FORMAT, "HF checkpoint with INT8-grid weights stored dequantized (per-channel scales beside "
+                                   "them), example plugin",
+                           evaluated_by=("transformers",), loads_in=("transformers", "vllm", "sglang", "tgi")))
 
 
 class Int8RTNVariant(VariantBase):
@@ -27,7 +40,7 @@ class Int8RTNVariant(VariantBase):
                             description="Tensors whose name contains one of these stay in full precision.")
 
     def describe(self) -> str:
-        return "INT8 per-channel RTN"
+        return "INT8 per-channel RTN (simulated)"
 
 
 class Int8RTN(Method):
@@ -48,23 +61,23 @@ def run(ctx: StepContext) -> dict:
     from safetensors.numpy import load_file, save_file
 
     src = Path(ctx.inputs["model"])
-    tensors: dict = {}
+    out, scales, quantized = {}, {}, 0
     for f in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(str(f)))
-    out, quantized = {}, 0
-    for name, w in tensors.items():
-        if w.ndim == 2 and name.endswith(".weight") and not any(s in name for s in ctx.params["skip"]):
-            w32 = w.astype(np.float32)
-            scale = np.maximum(np.abs(w32).max(axis=1, keepdims=True), 1e-12) / 127.0
-            out[name] = np.clip(np.rint(w32 / scale), -127, 127).astype(np.int8)
-            out[name + ".scale"] = scale.astype(np.float32)
-            quantized += 1
-        else:
-            out[name] = w
-    save_file(out, str(ctx.out / WEIGHTS))
+        for name, w in load_file(str(f)).items():
+            if w.ndim == 2 and name.endswith(".weight") and not any(s in name for s in ctx.params["skip"]):
+                w32 = w.astype(np.float32)
+                scale = np.maximum(np.abs(w32).max(axis=1, keepdims=True), 1e-12) / 127.0
+                out[name] = (np.clip(np.rint(w32 / scale), -127, 127) * scale).astype(np.float32)
+                scales[name + ".scale"] = scale.astype(np.float32)
+                quantized += 1
+            else:
+                out[name] = w
+    save_file(out, str(ctx.out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(scales, str(ctx.out / SCALES))
     for f in src.iterdir():  # config and tokenizer travel with the weights
-        if f.is_file() and f.suffix != ".safetensors" and f.name != "manifest.json":
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("manifest.json", "model.safetensors.index.json"):
             shutil.copyfile(f, ctx.out / f.name)
-    (ctx.out / "int8.json").write_text(json.dumps({"quantized_tensors": quantized, "scheme": "w8a16 per-channel"}))
-    return {"format": FORMAT, "metrics": {"size_bytes": (ctx.out / WEIGHTS).stat().st_size,
+    (ctx.out / "int8.json").write_text(json.dumps({"quantized_tensors": quantized, "scheme": "w8a16 per-channel",
+                                                   "stored": "dequantized (simulated)"}))
+    return {"format": FORMAT, "metrics": {"size_bytes": (ctx.out / "model.safetensors").stat().st_size,
                                           "quantized_tensors": quantized}}
