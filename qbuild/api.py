@@ -42,7 +42,9 @@ class RunResult:
 
     @property
     def failed(self) -> list[StepOutcome]:
-        return [o for o in self.outcomes if o.status == "failed"]
+        from qbuild.core.step import Outcome
+
+        return [o for o in self.outcomes if o.status == Outcome.FAILED]
 
     @property
     def selected(self) -> bool:
@@ -290,6 +292,7 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
             tag: str | None, mlflow: str | None) -> RunResult:
     """After the build: summary, refs, gates, write-through, registry, tracking, run record."""
     from qbuild.core.fingerprint import cpu_model
+    from qbuild.core.step import Outcome
     from qbuild.results.summary import summarize
 
     r = the_plan.recipe
@@ -305,7 +308,7 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
         gate_rows = check_gates(r.evaluation.gates, summary, previous)
         summary["gates"] = {"passed": all(g["passed"] for g in gate_rows), "checks": gate_rows,
                             "compared_with": previous.get("run_id") if previous else None}
-    failed = any(o.status == "failed" for o in outcomes)
+    failed = any(o.status == Outcome.FAILED for o in outcomes)
     if r.runtime.rebuild_check and not failed:   # a nightly job's reproducibility check of chosen steps
         from qbuild.results.rebuild import after_run
 
@@ -340,6 +343,8 @@ def set_refs(store: Store, the_plan: Plan, outcomes: list[StepOutcome], tag: str
     """recipe/<artifact>:latest (+ tags) for every named artifact this run has, built or cached; returns the tags.
 
     A remote hit gets its local ref too: the name resolves, and `pull` fetches the object when asked."""
+    from qbuild.core.step import Outcome
+
     recipe = the_plan.recipe
     by_key = {o.step.key: o for o in outcomes}
     # artifacts (incl. identical variants sharing a step), the imported base model, and target outputs
@@ -347,7 +352,7 @@ def set_refs(store: Store, the_plan: Plan, outcomes: list[StepOutcome], tag: str
     tags = ["latest"] + ([tag] if tag else []) + ([recipe.store.tag] if recipe.store.tag else [])
     for label, step in named.items():
         o = by_key.get(step.key)
-        if o and o.digest and o.status in ("built", "cached"):
+        if o and o.digest and o.status in (Outcome.BUILT, Outcome.CACHED):
             for t in tags:
                 if not store.writable:  # a read-only store serves hits; its refs stay as they are
                     if (store.get_ref(recipe.name, label, t) or {}).get("digest") != o.digest:

@@ -28,7 +28,7 @@ import pkgutil
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Generic, Literal, TypeVar
@@ -41,7 +41,7 @@ from qbuild.errors import MissingBackendError, RecipeError, UserError
 if TYPE_CHECKING:
     import numpy as np
 
-    from qbuild.core.step import Step, StepContext
+    from qbuild.core.step import OnUnavailable, Step, StepContext
 
 
 @dataclass(frozen=True)
@@ -167,8 +167,20 @@ class Target(Plugin, ABC):
 class RuntimeSession:
     """An opened model: logits for token windows, greedy and timed generation. Made by Runtime.open in a worker.
 
-    A session may also define `throughput(ctx, params) -> step result` to measure speed its own way
-    (the TensorRT-LLM runtime runs trtllm-bench); otherwise qbuild times `generate_timed`."""
+    Two optional members, used where the session's flags say so: `scored_logits` (only the rows a window scores:
+    llama.cpp) and `throughput` (its own speed benchmark: the TensorRT-LLM runtime runs trtllm-bench); otherwise rows
+    are cut from `window_logits` and qbuild times `generate_timed`."""
+
+    scores_rows: ClassVar[bool] = False        # implements scored_logits
+    own_throughput: ClassVar[bool] = False     # implements throughput
+
+    def scored_logits(self, tokens: list[int], first_scored: int) -> np.ndarray:
+        """The logit rows that predict tokens[first_scored:] (Runtime.scores_rows)."""
+        raise NotImplementedError
+
+    def throughput(self, ctx: StepContext, params: dict) -> dict:
+        """A throughput step's result measured the runtime's own way (Runtime.own_throughput)."""
+        raise NotImplementedError
 
     def logits(self, tokens: list[int]) -> np.ndarray:
         raise NotImplementedError
@@ -201,6 +213,18 @@ class RuntimeSession:
         return {}
 
 
+@dataclass(frozen=True)
+class EvalStepFields:
+    """What a runtime adds to each of its evaluation steps (Runtime.plan_fields)."""
+
+    extra_inputs: dict = field(default_factory=dict)      # role → Step: more stored inputs (the engine's tokenizer)
+    runtime_args: dict = field(default_factory=dict)      # given to the runner, not hashed (an interpreter path)
+    env_toolchain: dict = field(default_factory=dict)     # facts outside qbuild's Python that enter the key
+    requires_gpu: bool = False
+    unavailable: str = ""                                 # why this machine cannot run it ("" = it can)
+    on_unavailable: OnUnavailable | None = None           # None: the step's default (fail)
+
+
 class Runtime(Plugin, ABC):
     """Evaluates model artifacts (perplexity, KLD, throughput) of the formats whose declaration names it."""
 
@@ -216,9 +240,9 @@ class Runtime(Plugin, ABC):
     thread_invariant: ClassVar[bool] = False
     fallback: ClassVar[bool] = False             # evaluates a format only where no other installed runtime reads it
 
-    def plan_fields(self, label: str, artifact: Step, ctx, measure: str) -> dict:
-        """Extra Step fields of an evaluation step of `artifact` (inputs, env_toolchain, availability ...)."""
-        return {}
+    def plan_fields(self, label: str, artifact: Step, ctx, measure: str) -> EvalStepFields:
+        """What this runtime adds to an evaluation step of `artifact` (inputs, toolchain facts, availability)."""
+        return EvalStepFields()
 
     def cannot_measure(self, label: str, artifact: Step, evaluation) -> dict[str, str]:
         """Measures ("perplexity", "kld", "throughput") it cannot take for this artifact → why; bad settings

@@ -134,6 +134,20 @@ class Standby:
 
 
 @dataclass
+@dataclass
+class Claim:
+    """What a running step holds of the machine (Budget.claim); elastic steps' `cpus` grows and shrinks."""
+
+    cpus: int
+    memory_mb: float
+    gpu: str | None
+    alone: bool
+    key: str = ""
+    base: int = 0                      # the threads the step asked for (what an elastic step returns to)
+    elastic: bool = False
+    standby: Standby | None = None     # a worker started ahead for this step, if one was
+
+
 class Budget:
     """What the machine can give running steps; a step takes a claim and gives it back when it ends."""
 
@@ -147,7 +161,7 @@ class Budget:
     def __post_init__(self):
         self.cores = self.cpus
 
-    def claim(self, step: Step, memory_mb: float, alone: bool) -> dict | None:
+    def claim(self, step: Step, memory_mb: float, alone: bool) -> Claim | None:
         threads = min(max(step.threads, 1), self.cores)  # a step wanting more cores than exist gets them all
         if self.exclusive or (alone and self.running) or self.running >= self.jobs:
             return None
@@ -155,8 +169,8 @@ class Budget:
             return None
         if step.requires_gpu and not self.gpus and self.running:
             return None
-        claim = {"cpus": threads, "memory_mb": memory_mb, "gpu": self.gpus.pop(0) if step.requires_gpu and self.gpus
-                 else None, "alone": alone, "key": step.key, "base": threads, "elastic": step.elastic_threads}
+        claim = Claim(cpus=threads, memory_mb=memory_mb, gpu=self.gpus.pop(0) if step.requires_gpu and self.gpus
+                      else None, alone=alone, key=step.key, base=threads, elastic=step.elastic_threads)
         self.cpus -= threads
         self.memory_mb -= memory_mb
         self.running += 1
@@ -166,26 +180,26 @@ class Budget:
     def take_back_idle_share(self, claims) -> None:
         """Every elastic step returns to its own threads, so a step about to start finds its cores free."""
         for c in claims:
-            extra = c["cpus"] - c["base"]
+            extra = c.cpus - c.base
             if extra > 0:
                 self.cpus += extra
-                c["cpus"] -= extra
+                c.cpus -= extra
 
     def share_idle(self, claims) -> None:
         """Hand cores no step could take to the running elastic steps, one at a time to the one with fewest."""
-        elastic = [c for c in claims if c["elastic"]]
+        elastic = [c for c in claims if c.elastic]
         while self.cpus > 0 and elastic and not self.exclusive:
-            c = min(elastic, key=lambda c: c["cpus"])
-            if c["cpus"] >= self.cores:
+            c = min(elastic, key=lambda c: c.cpus)
+            if c.cpus >= self.cores:
                 break
-            c["cpus"] += 1
+            c.cpus += 1
             self.cpus -= 1
 
-    def release(self, claim: dict) -> None:
-        self.cpus += claim["cpus"]
-        self.memory_mb += claim["memory_mb"]
-        if claim["gpu"] is not None:
-            self.gpus.append(claim["gpu"])
+    def release(self, claim: Claim) -> None:
+        self.cpus += claim.cpus
+        self.memory_mb += claim.memory_mb
+        if claim.gpu is not None:
+            self.gpus.append(claim.gpu)
         self.running -= 1
         self.exclusive = False
 
@@ -228,7 +242,7 @@ class Executor:
         pool = ThreadPoolExecutor(max_workers=self.jobs, thread_name_prefix="qbuild-step")
         try:
             while pending or running:
-                before = {id(c): c["cpus"] for _, c in running.values()}
+                before = {id(c): c.cpus for _, c in running.values()}
                 budget.take_back_idle_share([c for _, c in running.values()])
                 for ps in list(pending):
                     inputs = [outcomes.get(s.key) for s in ps.step.inputs.values()]
@@ -243,8 +257,8 @@ class Executor:
                     if claim is None:
                         continue
                     pending.remove(ps)
-                    claim["standby"] = self._take_standby(ps.step, claim)   # here, before _prestart looks again
-                    if claim["alone"] and claim["standby"] is None:
+                    claim.standby = self._take_standby(ps.step, claim)   # here, before _prestart looks again
+                    if claim.alone and claim.standby is None:
                         self._retire_standby()   # nothing may run beside a timing step, a standby's imports neither
                     running[pool.submit(self._build, ps.step, outcomes, claim)] = (ps, claim)
                 # the waiting steps, nearest to ready first (fewest inputs still to build)
@@ -253,7 +267,7 @@ class Executor:
                                           key=lambda s: sum(outcomes.get(i.key) is None for i in s.inputs.values())))
                 budget.share_idle([c for _, c in running.values()])
                 for _, c in running.values():
-                    if c["elastic"] and before.get(id(c), c["cpus"]) != c["cpus"]:
+                    if c.elastic and before.get(id(c), c.cpus) != c.cpus:
                         self._tell_threads(c)
                 if not running:
                     if pending:  # nothing runs and nothing can start: inputs missing from the plan (a bug)
@@ -309,14 +323,14 @@ class Executor:
                 total += sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file())
         return MEMORY_FACTOR * total / 2**20
 
-    def _tell_threads(self, claim: dict) -> None:
+    def _tell_threads(self, claim: Claim) -> None:
         """Write an elastic step's current thread allowance where its worker reads it (replaced atomically)."""
         with self._lock:
-            tmp = self._scratch.get(claim["key"])
+            tmp = self._scratch.get(claim.key)
             if tmp is None:   # not started yet: _run_in writes it
                 return
             part = tmp / "threads.part"
-            part.write_text(str(claim["cpus"]))
+            part.write_text(str(claim.cpus))
             os.replace(part, tmp / "threads")
 
     # --- standby workers ----------------------------------------------------------------------------
@@ -348,10 +362,10 @@ class Executor:
                                     {s.key for s in wanting if set(s.preload) <= set(preload)})
         os.close(write_fd)
 
-    def _take_standby(self, step: Step, claim: dict) -> Standby | None:
+    def _take_standby(self, step: Step, claim: Claim) -> Standby | None:
         with self._lock:
             sb = self._standby
-            if sb is None or step.key not in sb.for_keys or claim["gpu"] is not None:
+            if sb is None or step.key not in sb.for_keys or claim.gpu is not None:
                 return None
             self._standby = None
         if sb.proc.poll() is not None:   # it died (killed from outside): the step starts a fresh worker
@@ -437,7 +451,7 @@ class Executor:
                 "key": step.key, "params": redact_tree(step.params), "inputs": step.input_keys(),
                 "toolchain": step.toolchain(), "impl": step.impl_version, "when": now_iso()})
 
-    def _build(self, step: Step, outcomes: dict[str, StepOutcome], claim: dict) -> StepOutcome:
+    def _build(self, step: Step, outcomes: dict[str, StepOutcome], claim: Claim) -> StepOutcome:
         task = self.progress.add_task(escape(step.name), total=None, step=escape(step.name)) if self.progress else None
         t0, started = time.perf_counter(), time.time()
         try:
@@ -454,7 +468,8 @@ class Executor:
                                started=started, ended=time.time())
         finally:
             if claim.get("standby") is not None:   # the step did not start a worker (a hit, an error): stop it
-                self._discard(claim.pop("standby"))
+                self._discard(claim.standby)
+                claim.standby = None
             if self.progress and task is not None:
                 self.progress.update(task, visible=False)
 
@@ -471,7 +486,7 @@ class Executor:
                 total = max(total, sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file()))
         return total // 4
 
-    def _run_worker(self, step: Step, outcomes: dict[str, StepOutcome], task, claim: dict) -> Hit:
+    def _run_worker(self, step: Step, outcomes: dict[str, StepOutcome], task, claim: Claim) -> Hit:
         needed = self._output_estimate(step, outcomes)
         free = free_bytes(self.store.root)
         if needed and free is not None and free < needed:
@@ -501,7 +516,7 @@ class Executor:
             with self._lock:
                 self._scratch.pop(step.key, None)
 
-    def _run_in(self, tmp: Path, step: Step, outcomes: dict[str, StepOutcome], task, claim: dict) -> Hit:
+    def _run_in(self, tmp: Path, step: Step, outcomes: dict[str, StepOutcome], task, claim: Claim) -> Hit:
         out = tmp / "out"
         out.mkdir()
         log_path = self.store.log_path(self.run_id, step.name)
@@ -517,7 +532,7 @@ class Executor:
             "threads": step.threads, "device": self.device, "runtime_args": step.runtime_args,
             "result": str(tmp / "result.json"), "store_root": str(self.store.root),
         }
-        if claim.get("elastic"):
+        if claim.elastic:
             spec["threads_file"] = str(tmp / "threads")
             self._tell_threads(claim)
         (tmp / "spec.json").write_text(json.dumps(spec, default=str))
@@ -590,18 +605,18 @@ class Executor:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         return env
 
-    def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: dict,
+    def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: Claim,
                python: str = sys.executable) -> tuple[dict, int]:
-        sb = claim.pop("standby", None)
+        sb, claim.standby = claim.standby, None
         if sb is not None and python != sys.executable:   # not for this interpreter after all: let it go
             self._discard(sb)
             sb = None
         if sb is None:
             read_fd, write_fd = os.pipe()
-            env = self._worker_env(step.backend_env, write_fd, step.threads, claim["gpu"], step.kind)
+            env = self._worker_env(step.backend_env, write_fd, step.threads, claim.gpu, step.kind)
         else:
             read_fd, write_fd = sb.read_fd, None
-            env = self._worker_env(None, int(sb.env["QBUILD_PROGRESS_FD"]), step.threads, claim["gpu"], step.kind)
+            env = self._worker_env(None, int(sb.env["QBUILD_PROGRESS_FD"]), step.threads, claim.gpu, step.kind)
         t0 = time.perf_counter()
         with self._lock:
             if self._cancelled.is_set():

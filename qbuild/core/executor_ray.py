@@ -28,7 +28,7 @@ from pathlib import Path
 
 from qbuild.artifacts.remote.cache import RemoteHit, push_hit
 from qbuild.artifacts.store import Store
-from qbuild.core.executor import UNBUILDABLE, Executor, Origin, StepOutcome, escape
+from qbuild.core.executor import UNBUILDABLE, Claim, Executor, Origin, StepOutcome, escape
 from qbuild.core.plan import PlannedStep
 from qbuild.core.step import Outcome, Step
 from qbuild.errors import UserError, first_line
@@ -135,7 +135,8 @@ def build_on_node(step: Step, origin: Origin | None, run_id: str, device: str, r
     ex = _NodeExecutor(store, run_id, {step.key: origin} if origin else {}, device=device, jobs=1, remotes=(),
                        queue=queue)
     ex._step_key = step.key
-    claim = {"cpus": step.threads, "memory_mb": 0, "gpu": None, "alone": False}   # Ray placed it: CUDA_VISIBLE_DEVICES is set
+    # Ray placed it (CUDA_VISIBLE_DEVICES is set): the claim only carries its threads
+    claim = Claim(cpus=step.threads, memory_mb=0, gpu=None, alone=False, key=step.key, base=step.threads)
     try:
         out = ex._build(step, outcomes, claim)
     except BaseException:   # ray.cancel: KeyboardInterrupt here; stop the worker process, remove its scratch

@@ -63,8 +63,11 @@ IMPL_VERSIONS = {"reference": 2, "perplexity": 2, "load-check": 2}
 def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, artifact: Step, inputs: dict, tools,
           ctx, **kw) -> Step:
     fields = runtime.plan_fields(label, artifact, ctx, kind)
-    extra_inputs = fields.pop("extra_inputs", {})
-    runtime_args = {**fields.pop("runtime_args", {}), **kw.pop("runtime_args", {})}
+    runtime_args = {**fields.runtime_args, **kw.pop("runtime_args", {})}
+    extra = {"env_toolchain": fields.env_toolchain, "requires_gpu": fields.requires_gpu,
+             "unavailable": fields.unavailable}
+    if fields.on_unavailable is not None:
+        extra["on_unavailable"] = fields.on_unavailable
     fmt = spec(artifact.format)
     tools = tuple(sorted(set(tools) | set(runtime.tools) | set(fmt.load_tools)))
     kw.setdefault("format", "metrics")
@@ -72,10 +75,10 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
     env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
     kw.setdefault("impl_version", IMPL_VERSIONS.get(kind, 1))
     elastic = ctx.elastic_threads and kind in ELASTIC_KINDS and runtime.thread_invariant
-    return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **extra_inputs}, tools=tools,
+    return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **fields.extra_inputs}, tools=tools,
                         threads=ctx.threads, elastic_threads=elastic,
                         preload=runtime.preload if env is None else (),
-                        backend_env=env, runtime_args=runtime_args, **fields, **kw))
+                        backend_env=env, runtime_args=runtime_args, **extra, **kw))
 
 
 def evaluation_steps(ctx) -> None:

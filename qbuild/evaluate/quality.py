@@ -69,11 +69,10 @@ def scored_rows(rt, wins, ctx: StepContext):
             rt.set_threads(now)
             threads = now
 
-    fast = getattr(rt, "scored_logits", None)
-    if fast is not None:
+    if rt.scores_rows:
         for w in wins:
             follow_allowance()
-            yield fast(w.tokens, w.first_scored)
+            yield rt.scored_logits(w.tokens, w.first_scored)
     else:
         follow_allowance()
         for w, logits in zip(wins, rt.window_logits(wins), strict=True):

@@ -15,8 +15,9 @@ from qbuild.plugins import open_session
 def run(ctx: StepContext) -> dict:
     p = ctx.params
     session = open_session(p["runtime"], ctx.inputs["model"], ctx, p["input_len"] + p["output_len"] + 1)
-    own = getattr(session, "throughput", None)   # a runtime with its own benchmark tool (trtllm-bench)
-    return own(ctx, p) if own else measure(session, ctx, p)
+    if session.own_throughput:   # a runtime with its own benchmark tool (trtllm-bench)
+        return session.throughput(ctx, p)
+    return measure(session, ctx, p)
 
 
 def measure(rt, ctx: StepContext, p: dict) -> dict:

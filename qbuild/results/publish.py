@@ -20,6 +20,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.remote.cache import SIDECARS, build_sidecars, push_hit, should_push
+from qbuild.core.step import Outcome
 from qbuild.formats import spec as format_spec
 
 if TYPE_CHECKING:
@@ -67,13 +68,13 @@ def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary
         for o in outcomes:
             label = named.get(o.step.key)
             ref_label = label or named_data.get(o.step.key)
-            if o.path is None and o.status == "built" and ref_label and o.remote and o.remote.remote.url == remote.url:
+            if o.path is None and o.status == Outcome.BUILT and ref_label and o.remote and o.remote.remote.url == remote.url:
                 for t in tags:   # built on a Ray node, pushed there already: the run's refs point at it
                     remote.set_ref(plan.recipe.name, ref_label, t, o.digest, o.step.key,
                                    annotations=serve_annotations(summary, label))
                     refs += 1
                 continue
-            if o.digest is None or o.path is None or o.status not in ("built", "cached"):
+            if o.digest is None or o.path is None or o.status not in (Outcome.BUILT, Outcome.CACHED):
                 continue  # sources, failures, and remote hits not fetched here (the remote has them)
             sidecars = None
             if label is not None:

@@ -35,6 +35,8 @@ class LlamaCppSession(RuntimeSession):
         self.llm.eval(tokens)
         return np.array(self.llm.scores[: len(tokens)], dtype=np.float32)
 
+    scores_rows = True
+
     def scored_logits(self, tokens: list[int], first_scored: int):
         """Logit rows first_scored-1 .. len-2 (those that predict scored tokens), as llama-perplexity takes them:
         one llama_decode that outputs only those rows, read through a numpy view over llama.cpp's own logits

@@ -30,7 +30,7 @@ from qbuild.build import tensorrt_llm as trt
 from qbuild.core.fingerprint import cpu_model
 from qbuild.core.step import StepContext
 from qbuild.errors import RecipeError
-from qbuild.plugins import Runtime, RuntimeSession, runtimes
+from qbuild.plugins import EvalStepFields, Runtime, RuntimeSession, runtimes
 
 SHIM = Path(__file__).with_name("_shim.py")
 
@@ -104,6 +104,8 @@ class EngineSession(RuntimeSession):
                 path.unlink()  # full-vocabulary logits are large: one window on disk at a time
                 yield logits
 
+    own_throughput = True
+
     def throughput(self, ctx: StepContext, params: dict) -> dict:
         return bench_throughput(self, ctx, params)
 
@@ -116,12 +118,12 @@ class EngineRuntime(Runtime):
     name = "tensorrt-llm"
     extra = "tensorrt-llm"   # runs in the TensorRT-LLM interpreter, never imported here
 
-    def plan_fields(self, label: str, artifact, ctx, measure: str) -> dict:
+    def plan_fields(self, label: str, artifact, ctx, measure: str) -> EvalStepFields:
         env = dict(artifact.env_toolchain)   # the engine's facts, GPU model and CPU architecture included
         # the source model's HF config + tokenizer: the LLM API and trtllm-bench read them, the engine has neither
-        return {"extra_inputs": {"tokenizer": ctx.model()}, "env_toolchain": env, "requires_gpu": True,
-                "unavailable": artifact.unavailable, "on_unavailable": artifact.on_unavailable,
-                "runtime_args": dict(artifact.runtime_args)}
+        return EvalStepFields(extra_inputs={"tokenizer": ctx.model()}, env_toolchain=env, requires_gpu=True,
+                              unavailable=artifact.unavailable, on_unavailable=artifact.on_unavailable,
+                              runtime_args=dict(artifact.runtime_args))
 
     def cannot_measure(self, label: str, artifact, evaluation) -> dict[str, str]:
         """Evaluation settings the engine cannot serve: RecipeError. Returns what to leave out, with why."""

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from qbuild.core.step import OnUnavailable, StepContext
 from qbuild.formats import loads_in
-from qbuild.plugins import Runtime, RuntimeSession, runtimes
+from qbuild.plugins import EvalStepFields, Runtime, RuntimeSession, runtimes
 
 ENV_PYTHON = "QBUILD_VLLM_PYTHON"
 SHIM = Path(__file__).with_name("_vllm_shim.py")
@@ -209,11 +209,10 @@ class VllmRuntime(Runtime):
     extra = "vllm"   # runs in the vLLM interpreter ($QBUILD_VLLM_PYTHON), never imported here
     fallback = True  # transformers evaluates what both read (on CPU too); vLLM what only it reads
 
-    def plan_fields(self, label: str, artifact, ctx, measure: str) -> dict:
+    def plan_fields(self, label: str, artifact, ctx, measure: str) -> EvalStepFields:
         facts, reasons, python = availability()
-        return {"env_toolchain": facts, "requires_gpu": True, "unavailable": "; ".join(reasons),
-                "on_unavailable": OnUnavailable.SKIP,
-                "runtime_args": {"python": python, "expected": facts}}
+        return EvalStepFields(env_toolchain=facts, requires_gpu=True, unavailable="; ".join(reasons),
+                              on_unavailable=OnUnavailable.SKIP, runtime_args={"python": python, "expected": facts})
 
     def cannot_measure(self, label: str, artifact, evaluation) -> dict[str, str]:
         if "vllm" not in loads_in(artifact.format, artifact.scheme):
