@@ -10,7 +10,7 @@ Each is a class that declares everything the core needs, registered by name:
         options = MyVariant           # pydantic model of the recipe entry (method: Literal["my-method"])
         extra = "my-extra"            # pip install 'qbuild[my-extra]' (or your package) provides...
         requires = ("mylib",)         # ...these import names, checked at plan time (never imported then)
-        def plan(self, variant, ctx) -> Step: ...
+        def plan(self, variant, ctx: PlanningContext) -> Step: ...
 
 In-tree plugins are the modules of qbuild.quantize, qbuild.build and qbuild.runtimes (every module
 there is imported when a registry is first used: adding one is adding a file). Out-of-tree plugins
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar
 
 from pydantic import Field
 
@@ -41,6 +41,8 @@ from qbuild.errors import MissingBackendError, RecipeError, UserError
 if TYPE_CHECKING:
     import numpy as np
 
+    from qbuild.core.envs import BackendEnv
+    from qbuild.core.recipe import Recipe
     from qbuild.core.step import OnUnavailable, Step, StepContext
 
 
@@ -50,6 +52,32 @@ class Window:
 
     tokens: list[int]   # what the runtime is fed
     first_scored: int   # positions >= first_scored are scored, each predicted from the positions before it
+
+
+class PlanningContext(Protocol):
+    """What a plugin's plan-time code may use of the plan being built (qbuild.core.plan.PlanContext is the one)."""
+
+    recipe: Recipe
+
+    @property
+    def threads(self) -> int: ...                      # threads each step may use (recipe `runtime.threads`)
+
+    @property
+    def device(self) -> str: ...                       # "cpu", "cuda" or "auto"
+
+    def add(self, step: Step) -> Step: ...             # add a step (an equal key returns the one already planned)
+
+    def model(self) -> Step: ...                       # the source model's step (an HF checkpoint)
+
+    def model_info(self) -> dict: ...                  # its config: shapes, architecture, tensor names
+
+    def calibration(self) -> Step: ...                 # the shared tokenized calibration set
+
+    def backend_env(self, variant, method: Method) -> BackendEnv | None: ...   # where a variant's step runs
+
+    def named_env(self, option, field: str, explicit: bool = True) -> BackendEnv | None: ...
+
+    def warn(self, message: str) -> None: ...          # shown with the plan and logged
 
 
 class Plugin:
@@ -81,7 +109,7 @@ class Method(Plugin, ABC):
     runs_in_env: ClassVar[bool] = False
     default_env: ClassVar[str | None] = None
 
-    def check(self, variant, ctx, field: str) -> None:
+    def check(self, variant, ctx: PlanningContext, field: str) -> None:
         """Plan-time validation beyond the schema (shapes, unsupported combinations): raise RecipeError."""
 
     @abstractmethod
@@ -157,7 +185,7 @@ class Target(Plugin, ABC):
         return output.format
 
     @abstractmethod
-    def plan(self, target, artifact: Step, ctx, field: str) -> Step:
+    def plan(self, target, artifact: Step, ctx: PlanningContext, field: str) -> Step:
         """Add the build of `artifact` for this target; return the step producing the output.
 
         Its `variant` is "<variant>.<target name>" (its ref), its `format` says what runtimes evaluate it."""
@@ -240,7 +268,7 @@ class Runtime(Plugin, ABC):
     thread_invariant: ClassVar[bool] = False
     fallback: ClassVar[bool] = False             # evaluates a format only where no other installed runtime reads it
 
-    def plan_fields(self, label: str, artifact: Step, ctx, measure: str) -> EvalStepFields:
+    def plan_fields(self, label: str, artifact: Step, ctx: PlanningContext, measure: str) -> EvalStepFields:
         """What this runtime adds to an evaluation step of `artifact` (inputs, toolchain facts, availability)."""
         return EvalStepFields()
 
