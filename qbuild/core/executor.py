@@ -134,7 +134,6 @@ class Standby:
 
 
 @dataclass
-@dataclass
 class Claim:
     """What a running step holds of the machine (Budget.claim); elastic steps' `cpus` grows and shrinks."""
 
@@ -148,6 +147,7 @@ class Claim:
     standby: Standby | None = None     # a worker started ahead for this step, if one was
 
 
+@dataclass
 class Budget:
     """What the machine can give running steps; a step takes a claim and gives it back when it ends."""
 
