@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.core.executor import cpu_count
+from qbuild.core.budget import cpu_count
 
 from helpers import fake_recipe, qbuild, run_api, write_recipe
 

@@ -18,17 +18,15 @@ steps to start is handed to it instead of a fresh process. Still one process per
 Cancellation. Ctrl-C / SIGTERM (the CLI turns SIGTERM into the same path) kills every running worker's
 process group, removes their scratch, and re-raises; what finished stays stored, so the next run resumes.
 Workers run in their own session (a terminal's Ctrl-C reaches qbuild only) and die with their parent.
+
+Where the parts live: the scheduling loop, hits and outputs here; the machine's budget in budget.py; standby
+workers in standby.py; starting, feeding and reaping one step's worker process in worker_launch.py.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import select
-import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -37,39 +35,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import NO_SPACE, Hit, Store, free_bytes, now_iso, store_full
-from qbuild.core.hardware import gpu_devices, machine_facts
+from qbuild.core.budget import Budget, Claim, available_memory_mb, cpu_count
+from qbuild.core.hardware import gpu_devices
 from qbuild.core.plan import PlannedStep
+from qbuild.core.standby import Standby, StandbyWorkers
 from qbuild.core.step import OnUnavailable, Outcome, PlanStatus, Step
+from qbuild.core.worker_launch import WorkerLaunch, escape
 from qbuild.errors import StepFailed, UserError
-from qbuild.formats import manifest_loads_in
 from qbuild.formats import spec as format_spec
-
-log = logging.getLogger("qbuild")
 
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.cache import RemoteHit
 
+log = logging.getLogger("qbuild")
+
 UNBUILDABLE = (PlanStatus.NEEDS_GPU, PlanStatus.UNAVAILABLE)
+
 MEMORY_FACTOR = 2.5   # peak RSS of a step that loads a model ≈ this × the model's size on disk (measured: 1.9-2.4)
-
-
-def escape(text: str) -> str:
-    from rich.markup import escape as _escape
-
-    return _escape(text)
-
-
-def model_link_roots(inputs, step: Step) -> tuple[Path, ...]:
-    """Where a link in a step's output may point besides its scratch and the store: its model files outside the
-    store (a local checkpoint, a GGUF file, a hub snapshot with the blobs its links point at)."""
-    roots = []
-    for o in inputs:
-        if o.path is not None:
-            p = Path(o.path)
-            roots.append(p.parent.parent if p.parent.name == "snapshots" else p)   # hub cache: snapshots -> ../../blobs
-    if step.runtime_args.get("gguf_path"):
-        roots.append(Path(step.runtime_args["gguf_path"]))
-    return tuple(roots)
 
 
 @dataclass
@@ -105,106 +87,7 @@ class Origin:
     sha256: str | None = None
 
 
-def cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def available_memory_mb() -> float:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return float("inf")
-
-
-@dataclass
-class Standby:
-    """A worker started ahead of its step: it imports `preload` and waits on stdin for a step."""
-
-    proc: subprocess.Popen
-    read_fd: int     # its progress pipe (the worker writes to the other end)
-    env: dict        # the variables it was started with; a step sends only those it needs changed
-    preload: tuple[str, ...]
-    for_keys: set[str]   # the waiting steps it was started for (a step started at once never needed it)
-
-
-@dataclass
-class Claim:
-    """What a running step holds of the machine (Budget.claim); elastic steps' `cpus` grows and shrinks."""
-
-    cpus: int
-    memory_mb: float
-    gpu: str | None
-    alone: bool
-    key: str = ""
-    base: int = 0                      # the threads the step asked for (what an elastic step returns to)
-    elastic: bool = False
-    standby: Standby | None = None     # a worker started ahead for this step, if one was
-
-
-@dataclass
-class Budget:
-    """What the machine can give running steps; a step takes a claim and gives it back when it ends."""
-
-    cpus: int            # free cores
-    jobs: int
-    memory_mb: float     # free memory
-    gpus: list[str]      # free devices
-    running: int = 0
-    exclusive: bool = False
-
-    def __post_init__(self):
-        self.cores = self.cpus
-
-    def claim(self, step: Step, memory_mb: float, alone: bool) -> Claim | None:
-        threads = min(max(step.threads, 1), self.cores)  # a step wanting more cores than exist gets them all
-        if self.exclusive or (alone and self.running) or self.running >= self.jobs:
-            return None
-        if self.running and (threads > self.cpus or memory_mb > self.memory_mb):
-            return None
-        if step.requires_gpu and not self.gpus and self.running:
-            return None
-        claim = Claim(cpus=threads, memory_mb=memory_mb, gpu=self.gpus.pop(0) if step.requires_gpu and self.gpus
-                      else None, alone=alone, key=step.key, base=threads, elastic=step.elastic_threads)
-        self.cpus -= threads
-        self.memory_mb -= memory_mb
-        self.running += 1
-        self.exclusive = alone
-        return claim
-
-    def take_back_idle_share(self, claims) -> None:
-        """Every elastic step returns to its own threads, so a step about to start finds its cores free."""
-        for c in claims:
-            extra = c.cpus - c.base
-            if extra > 0:
-                self.cpus += extra
-                c.cpus -= extra
-
-    def share_idle(self, claims) -> None:
-        """Hand cores no step could take to the running elastic steps, one at a time to the one with fewest."""
-        elastic = [c for c in claims if c.elastic]
-        while self.cpus > 0 and elastic and not self.exclusive:
-            c = min(elastic, key=lambda c: c.cpus)
-            if c.cpus >= self.cores:
-                break
-            c.cpus += 1
-            self.cpus -= 1
-
-    def release(self, claim: Claim) -> None:
-        self.cpus += claim.cpus
-        self.memory_mb += claim.memory_mb
-        if claim.gpu is not None:
-            self.gpus.append(claim.gpu)
-        self.running -= 1
-        self.exclusive = False
-
-
-class Executor:
+class Executor(StandbyWorkers, WorkerLaunch):
     def __init__(self, store: Store, run_id: str, origins: dict[str, Origin], *, progress=None, device: str = "auto",
                  jobs: int | None = None, remotes: tuple = (), materialize: bool = False, verify: str = "fast"):
         self.store = store
@@ -323,77 +206,6 @@ class Executor:
                 total += sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file())
         return MEMORY_FACTOR * total / 2**20
 
-    def _tell_threads(self, claim: Claim) -> None:
-        """Write an elastic step's current thread allowance where its worker reads it (replaced atomically)."""
-        with self._lock:
-            tmp = self._scratch.get(claim.key)
-            if tmp is None:   # not started yet: _run_in writes it
-                return
-            part = tmp / "threads.part"
-            part.write_text(str(claim.cpus))
-            os.replace(part, tmp / "threads")
-
-    # --- standby workers ----------------------------------------------------------------------------
-    def _may_use_standby(self, step: Step) -> bool:
-        return self.jobs > 1 and bool(step.preload) and step.backend_env is None and not step.requires_gpu
-
-    def _prestart(self, waiting: list[Step]) -> None:
-        """Keep one standby worker for the steps that wait: it imports what the first of them preloads."""
-        wanting = [s for s in waiting if self._may_use_standby(s)]
-        keys = {s.key for s in wanting}
-        if self._standby is not None:
-            if self._standby.for_keys & keys:
-                return
-            self._retire_standby()   # every step it was for has started (or been skipped) without it
-        if not wanting:
-            return
-        preload = wanting[0].preload
-        read_fd, write_fd = os.pipe()
-        # its threads: those of the step it most likely runs (OpenBLAS reads them once, when numpy loads)
-        env = self._worker_env(None, write_fd, wanting[0].threads, None)
-        with self._lock:
-            if self._cancelled.is_set():
-                os.close(read_fd), os.close(write_fd)
-                return
-            proc = subprocess.Popen([sys.executable, "-m", "qbuild.core.worker", "--standby", *preload],
-                                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    pass_fds=(write_fd,), env=env, start_new_session=True)
-            self._standby = Standby(proc, read_fd, env, preload,
-                                    {s.key for s in wanting if set(s.preload) <= set(preload)})
-        os.close(write_fd)
-
-    def _take_standby(self, step: Step, claim: Claim) -> Standby | None:
-        with self._lock:
-            sb = self._standby
-            if sb is None or step.key not in sb.for_keys or claim.gpu is not None:
-                return None
-            self._standby = None
-        if sb.proc.poll() is not None:   # it died (killed from outside): the step starts a fresh worker
-            os.close(sb.read_fd)
-            return None
-        return sb
-
-    def _retire_standby(self) -> None:
-        """An unused standby (end of the run, or no waiting step needs it) gets end of input and exits."""
-        with self._lock:
-            sb, self._standby = self._standby, None
-        if sb is not None:
-            self._discard(sb)
-
-    def _discard(self, sb: Standby) -> None:
-        """It has only imported modules: stop it at once."""
-        self._kill_group(sb.proc)
-        sb.proc.wait()
-        sb.proc.stdin.close()
-        os.close(sb.read_fd)
-
-    @staticmethod
-    def _kill_group(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
     def cancel(self) -> None:
         """Kill every running worker (its whole process group) and remove its scratch."""
         self._cancelled.set()
@@ -406,16 +218,6 @@ class Executor:
             self._kill_group(proc)
         for tmp in scratch.values():
             self._drop_scratch(tmp)
-
-    def _drop_scratch(self, tmp: Path) -> None:
-        # a worker just killed may still have files in flight: retry (rmtree stops at its first error, where the
-        # old ignore_errors=True went on and left what it could not remove)
-        for attempt in range(10):
-            try:
-                self.store.owned.remove(tmp, within=self.store.root / "tmp")
-                return
-            except OSError:
-                time.sleep(0.05 * (attempt + 1))
 
     # --- one step ---------------------------------------------------------------------------------------
     def materialize(self, outcome: StepOutcome, task=None) -> Path:
@@ -515,166 +317,3 @@ class Executor:
             self._drop_scratch(tmp)
             with self._lock:
                 self._scratch.pop(step.key, None)
-
-    def _run_in(self, tmp: Path, step: Step, outcomes: dict[str, StepOutcome], task, claim: Claim) -> Hit:
-        out = tmp / "out"
-        out.mkdir()
-        log_path = self.store.log_path(self.run_id, step.name)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        inputs = {role: outcomes[s.key] for role, s in step.inputs.items()}
-        for o in inputs.values():
-            if o.path is None and o.remote is not None:  # read through: fetch what this step reads, no more
-                self.materialize(o, task)
-        spec = {
-            "name": step.name, "runner": step.runner, "params": step.params, "out": str(out),
-            "inputs": {r: str(o.path) for r, o in inputs.items()},
-            "input_manifests": {r: o.record for r, o in inputs.items()},
-            "threads": step.threads, "device": self.device, "runtime_args": step.runtime_args,
-            "result": str(tmp / "result.json"), "store_root": str(self.store.root),
-        }
-        if claim.elastic:
-            spec["threads_file"] = str(tmp / "threads")
-            self._tell_threads(claim)
-        (tmp / "spec.json").write_text(json.dumps(spec, default=str))
-        python = self._interpreter(step, task)
-        rusage, rc = self._spawn(tmp / "spec.json", log_path, step, task, claim, python)
-        if self._cancelled.is_set():
-            raise StepFailed(step.name, "cancelled", str(log_path))
-        try:
-            result = json.loads((tmp / "result.json").read_text())
-        except (OSError, ValueError):
-            free = free_bytes(tmp)
-            result = {"error": "[Errno 28] No space left on device" if rc != 0 and free is not None and free < 1 << 20
-                      else f"worker exited with code {rc} (killed? out of memory?)"}
-        if rc != 0 or "error" in result:
-            reason = result.get("error", f"exit code {rc}")
-            if step.backend_env is not None:   # an import error there is the environment's, not qbuild's
-                reason += f" (in environment {step.backend_env.label}, {step.backend_env.python})"
-            raise StepFailed(step.name, reason, str(log_path))
-        origin = self.origins.get(step.key)
-        # only `out` becomes the object: spec/result/log stay private
-        provenance = {
-            "kind": step.kind, "name": step.name, "variant": step.variant, "format": result.get("format", step.format),
-            "scheme": step.scheme or None,
-            "params": step.params, "toolchain": step.toolchain(), "runner": step.runner, "impl": step.impl_version,
-            "inputs": {r: {"key": s.key, "digest": inputs[r].digest, "step": s.name} for r, s in step.inputs.items()},
-            "metrics": result.get("metrics", {}), "info": result.get("info", {}),
-            "timings": {"seconds": round(rusage["wall"], 3), "cpu_seconds": round(rusage["cpu"], 3),
-                        "peak_rss_mb": rusage["peak_rss_mb"]},
-            "recipe": {"name": origin.recipe, "path": origin.path, "sha256": origin.sha256} if origin else None,
-            "run_id": self.run_id, "machine": machine_facts(),   # not in the key: `verify --rebuild` compares it
-        }
-        engines = manifest_loads_in(provenance["format"], step.scheme, provenance["info"])
-        if engines is not None:   # which engines load it: one table (qbuild.formats.LOADS_IN), not a guess per run
-            provenance["loads_in"] = engines
-        from qbuild.core.names import redact_tree
-
-        return self.store.publish(step.key, out, redact_tree(provenance),   # no URL password in a manifest
-                                  link_roots=model_link_roots(inputs.values(), step))
-
-    def _interpreter(self, step: Step, task) -> str:
-        """The Python that runs `step`'s worker: qbuild's own, or its backend environment (created on first use)."""
-        if step.backend_env is None:
-            return sys.executable
-        from qbuild.core.envs import EnvError, ensure
-
-        def note(message: str) -> None:
-            log.info(message)
-            if self.progress and task is not None:
-                self.progress.update(task, description=f"{escape(step.name)}: {escape(message)}")
-
-        try:
-            return ensure(step.backend_env, log=note)
-        except EnvError as exc:
-            raise StepFailed(step.name, f"{exc} (variant {step.variant or '-'})") from None
-
-    def _worker_env(self, backend_env, progress_fd: int, threads: int, gpu: str | None, kind: str | None = None) -> dict:
-        from qbuild.core.worker_env import step_environ
-
-        env = step_environ(kind, os.environ)   # an allow-list per step kind: no worker gets AWS_*, *_PASSWORD, ...
-        if backend_env is not None:
-            from qbuild.core.envs import worker_environ
-
-            env = worker_environ(backend_env, env)
-        env.update({"QBUILD_PROGRESS_FD": str(progress_fd), "OMP_NUM_THREADS": str(threads),
-                    "MKL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
-                    "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
-                    "HF_DATASETS_OFFLINE": env.get("HF_DATASETS_OFFLINE", "1"), "PYTHONUNBUFFERED": "1",
-                    "QBUILD_PARENT_PID": str(os.getpid())})
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
-        return env
-
-    def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: Claim,
-               python: str = sys.executable) -> tuple[dict, int]:
-        sb, claim.standby = claim.standby, None
-        if sb is not None and python != sys.executable:   # not for this interpreter after all: let it go
-            self._discard(sb)
-            sb = None
-        if sb is None:
-            read_fd, write_fd = os.pipe()
-            env = self._worker_env(step.backend_env, write_fd, step.threads, claim.gpu, step.kind)
-        else:
-            read_fd, write_fd = sb.read_fd, None
-            env = self._worker_env(None, int(sb.env["QBUILD_PROGRESS_FD"]), step.threads, claim.gpu, step.kind)
-        t0 = time.perf_counter()
-        with self._lock:
-            if self._cancelled.is_set():
-                os.close(read_fd)
-                if write_fd is not None:
-                    os.close(write_fd)
-                if sb is not None:
-                    self._kill_group(sb.proc)
-                return {"wall": 0.0, "cpu": 0.0, "peak_rss_mb": 0.0}, -signal.SIGKILL
-            if sb is not None:
-                proc = sb.proc
-                job = {"spec": str(spec), "log": str(log_path), "cwd": str(spec.parent),
-                       "env": {k: v for k, v in env.items() if sb.env.get(k) != v}}
-                try:
-                    proc.stdin.write((json.dumps(job) + "\n").encode())
-                    proc.stdin.close()
-                except OSError:   # it died since: the step sees a crashed worker, as with a fresh one
-                    pass
-            else:
-                with open(log_path, "ab") as log:
-                    # its own session: a terminal's Ctrl-C reaches qbuild, which cancels workers (and their
-                    # children). cwd: the step's scratch, so what a library writes to its working directory
-                    # (gptqmodel's logs/) stays out of the user's directory and goes with the scratch
-                    proc = subprocess.Popen([python, "-m", "qbuild.core.worker", str(spec)], stdout=log,
-                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
-                                            env=env, start_new_session=True, cwd=spec.parent)
-            self._procs[step.key] = proc
-        if write_fd is not None:
-            os.close(write_fd)
-        buf = b""
-        try:
-            with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-                while True:
-                    ready, _, _ = select.select([pipe], [], [], 0.5)
-                    if ready:
-                        chunk = pipe.read(65536)
-                        if not chunk:
-                            break
-                        buf += chunk
-                        *lines, buf = buf.split(b"\n")
-                        for line in lines:
-                            self._on_progress(task, line)
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            with self._lock:
-                self._procs.pop(step.key, None)
-        rc = os.waitstatus_to_exitcode(status)
-        proc.returncode = rc
-        return {"wall": time.perf_counter() - t0, "cpu": usage.ru_utime + usage.ru_stime,
-                "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}, rc
-
-    def _on_progress(self, task, line: bytes) -> None:
-        if not self.progress or task is None:
-            return
-        try:
-            p = json.loads(line)
-        except ValueError:
-            return
-        desc = f"{self.progress.tasks[task].fields.get('step', '')}"
-        self.progress.update(task, completed=p["done"], total=p["total"] or None,
-                             description=f"{desc}{': ' if desc else ''}{escape(str(p.get('desc', '')))}")

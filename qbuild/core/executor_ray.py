@@ -28,9 +28,11 @@ from pathlib import Path
 
 from qbuild.artifacts.remote.cache import RemoteHit, push_hit
 from qbuild.artifacts.store import Store
-from qbuild.core.executor import UNBUILDABLE, Claim, Executor, Origin, StepOutcome, escape
+from qbuild.core.budget import Claim
+from qbuild.core.executor import UNBUILDABLE, Executor, Origin, StepOutcome
 from qbuild.core.plan import PlannedStep
 from qbuild.core.step import Outcome, Step
+from qbuild.core.worker_launch import escape
 from qbuild.errors import UserError, first_line
 
 MAX_RETRIES = 3          # a step whose node (or worker process) dies is run again, up to this many times
