@@ -465,19 +465,10 @@ def _builds_of(manifests, target, recipe: str, variant: str) -> list[dict]:
     return sorted(found, key=lambda m: m.get("created", ""), reverse=True)
 
 
-def _local_manifests(st: Store):
-    import json
-
-    for obj in st.objects():
-        try:
-            yield json.loads((obj / "manifest.json").read_text())
-        except (OSError, ValueError):
-            continue
-
-
-def _remote_manifests(remote):
-    for digest in remote.list_objects():
-        yield remote.get_manifest(digest)
+def _manifests(src):
+    """Every readable manifest of a store or remote (the shared reading interface, qbuild.artifacts.StoreReader)."""
+    for digest in src.list_objects():
+        yield src.get_manifest(digest)
 
 
 def _machine_bound_family(name: str, manifest: dict | None, all_manifests):
@@ -519,11 +510,11 @@ def _pull_remote(name, remote, out, need, verify_with, progress, machine=None) -
     where = f"{name} on {r.display}"
     try:
         digest = resolve(r, name)
-        target, family = _machine_bound_family(name, r.get_manifest(digest) or {}, lambda: _remote_manifests(r))
+        target, family = _machine_bound_family(name, r.get_manifest(digest) or {}, lambda: _manifests(r))
     except RemoteError as exc:
         if not exc.reason.startswith(("no ref", "no object")):
             raise
-        target, family = _machine_bound_family(name, None, lambda: _remote_manifests(r))
+        target, family = _machine_bound_family(name, None, lambda: _manifests(r))
         if target is None:
             raise
         try:   # this machine's facts cannot be read: the name's own error says more
@@ -540,13 +531,13 @@ def _pull_local(name: str, st: Store, out, need, progress, force: bool = False, 
     try:
         digest = st.resolve(name)
     except UserError:
-        target, family = _machine_bound_family(name, None, lambda: _local_manifests(st))
+        target, family = _machine_bound_family(name, None, lambda: _manifests(st))
         if target is None:
             raise
         digest = family[0]["digest"]
     if not (st.object_dir(digest) / "manifest.json").is_file():
         _fetch_missing(st, digest, progress)  # a ref set by a run that hit a remote: read through now
-    target, family = _machine_bound_family(name, st.manifest(digest), lambda: _local_manifests(st))
+    target, family = _machine_bound_family(name, st.manifest(digest), lambda: _manifests(st))
     if target is not None:
         digest = _choose_build(target, family, need, machine, name)
     rows = st.verify([digest])
@@ -681,11 +672,10 @@ def refs(*, store=None, remote: str | None = None) -> tuple[str, list[dict]]:
     from qbuild.artifacts.store import valid_files
 
     src = _reader(store, remote)
-    listed = src.list_refs() if remote else src.refs()
     rows = []
-    for ref in listed:
+    for ref in src.list_refs():
         try:
-            m = (src.get_manifest(ref["digest"]) if remote else src.manifest(ref["digest"])) or {}
+            m = src.get_manifest(ref["digest"]) or {}
         except (OSError, ValueError, QBuildError):
             m = {}
         if not isinstance(m, dict):
@@ -694,7 +684,7 @@ def refs(*, store=None, remote: str | None = None) -> tuple[str, list[dict]]:
         rows.append({**ref, "kind": _text(m.get("kind")), "format": _text(m.get("format")),
                      "size_bytes": sum(f["size"] for f in files), "created": _text(m.get("created")),
                      **({} if m else {"problem": "object or manifest missing"})})
-    return (f"remote {src.display}" if remote else f"store {src.root}"), rows
+    return f"{'remote' if remote else 'store'} {src.display}", rows
 
 
 def _text(value) -> str | None:

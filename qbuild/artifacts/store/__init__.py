@@ -56,6 +56,10 @@ class Store(ObjectsMixin, IntegrityMixin, RefsMixin, RunsMixin, HousekeepingMixi
         self.repair = True                  # False for a plan (a dry run): a damaged object misses, nothing moves
         self.quarantined: list[dict] = []   # what this process moved to quarantine/ (digest, reason, where)
 
+    @property
+    def display(self) -> str:
+        return str(self.root)
+
     # --- ownership -------------------------------------------------------------------------------
     @property
     def owned(self) -> OwnedRoot:

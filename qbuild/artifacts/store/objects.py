@@ -151,6 +151,14 @@ class ObjectsMixin:
     def objects(self) -> Iterator[Path]:
         yield from sorted(p for p in (self.root / "objects").glob("*/*") if p.is_dir())
 
+    # --- the reading interface the local store shares with remotes (qbuild.artifacts.StoreReader) -----------------
+    def list_objects(self) -> list[str]:
+        return [p.name for p in self.objects() if DIGEST_RE.match(p.name)]
+
+    def get_manifest(self, digest: str) -> dict | None:
+        """The object's manifest, or None where it is missing or unreadable."""
+        return read_json(self.object_dir(digest) / MANIFEST)
+
     @contextmanager
     def lock(self, key: str, timeout: float = -1) -> Iterator[None]:
         """Per-key lock: concurrent runs build a step once; the others wait, then hit."""

@@ -53,6 +53,9 @@ class RefsMixin:
             out.append({"ref": f"{recipe}/{variant}:{tag}", **data})
         return out
 
+    def list_refs(self) -> list[dict]:   # the reading interface shared with remotes
+        return self.refs()
+
     def resolve(self, name: str) -> str:
         """Ref (recipe/variant[:tag]), full digest, 'sha256:'-prefixed digest, or a unique prefix (≥ 8)."""
         m = REF_RE.match(name)
