@@ -25,7 +25,7 @@ from qbuild.errors import EXIT_GATE_FAILED, EXIT_STEP_FAILED, QBuildError, UserE
 
 if TYPE_CHECKING:
     from qbuild.artifacts.store import Store
-    from qbuild.core.executor import StepOutcome
+    from qbuild.core.outcome import StepOutcome
     from qbuild.core.plan import Plan
     from qbuild.core.recipe import Recipe
 
@@ -145,7 +145,7 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
 def select(recipe, *, store=None, threads: int | None = None) -> dict:
     """The `selection:` of RECIPE judged from the store, building nothing: {selected: {variant, config, ...} | None,
     rejected: [{variant, config, why}], passed}. Every step the selection reads must be stored (run RECIPE first)."""
-    from qbuild.core.executor import StepOutcome
+    from qbuild.core.outcome import StepOutcome
     from qbuild.core.plan import make_plan
     from qbuild.core.step import Outcome, PlanStatus
     from qbuild.results.summary import summarize
@@ -230,9 +230,10 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     """Several recipes as one deduplicated graph: a shared model, calibration set or evaluation is built once.
 
     Every recipe still gets its own summary, refs, gates, run record and registration."""
-    from qbuild.core.executor import Executor, Origin
+    from qbuild.core.executor import Executor
     from qbuild.core.hashing import sha256_text
     from qbuild.core.names import check_name
+    from qbuild.core.outcome import Origin
     from qbuild.core.plan import make_plan
 
     if executor not in ("local", "ray"):

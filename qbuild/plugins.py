@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
 
 from pydantic import Field
 
@@ -42,7 +42,6 @@ if TYPE_CHECKING:
     import numpy as np
 
     from qbuild.core.envs import BackendEnv
-    from qbuild.core.recipe import Recipe
     from qbuild.core.step import OnUnavailable, Step, StepContext
 
 
@@ -57,7 +56,7 @@ class Window:
 class PlanningContext(Protocol):
     """What a plugin's plan-time code may use of the plan being built (qbuild.core.plan.PlanContext is the one)."""
 
-    recipe: Recipe
+    recipe: Any                                        # the qbuild.core.recipe.Recipe being planned
 
     @property
     def threads(self) -> int: ...                      # threads each step may use (recipe `runtime.threads`)

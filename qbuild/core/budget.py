@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from qbuild.core.step import Step
-
-if TYPE_CHECKING:
-    from qbuild.core.standby import Standby
 
 
 def cpu_count() -> int:
@@ -28,6 +25,17 @@ def available_memory_mb() -> float:
     except OSError:
         pass
     return float("inf")
+
+
+@dataclass
+class Standby:
+    """A worker started ahead of its step: it imports `preload` and waits on stdin for a step."""
+
+    proc: subprocess.Popen
+    read_fd: int     # its progress pipe (the worker writes to the other end)
+    env: dict        # the variables it was started with; a step sends only those it needs changed
+    preload: tuple[str, ...]
+    for_keys: set[str]   # the waiting steps it was started for (a step started at once never needed it)
 
 
 @dataclass

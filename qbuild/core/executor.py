@@ -30,13 +30,13 @@ import subprocess
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import NO_SPACE, Hit, Store, free_bytes, now_iso, store_full
 from qbuild.core.budget import Budget, Claim, available_memory_mb, cpu_count
 from qbuild.core.hardware import gpu_devices
+from qbuild.core.outcome import Origin, StepOutcome
 from qbuild.core.plan import PlannedStep
 from qbuild.core.standby import Standby, StandbyWorkers
 from qbuild.core.step import OnUnavailable, Outcome, PlanStatus, Step
@@ -45,46 +45,13 @@ from qbuild.errors import StepFailed, UserError
 from qbuild.formats import spec as format_spec
 
 if TYPE_CHECKING:
-    from qbuild.artifacts.remote.cache import RemoteHit
+    pass
 
 log = logging.getLogger("qbuild")
 
 UNBUILDABLE = (PlanStatus.NEEDS_GPU, PlanStatus.UNAVAILABLE)
 
 MEMORY_FACTOR = 2.5   # peak RSS of a step that loads a model ≈ this × the model's size on disk (measured: 1.9-2.4)
-
-
-@dataclass
-class StepOutcome:
-    step: Step
-    status: Outcome
-    path: Path | None = None
-    digest: str | None = None
-    seconds: float = 0.0
-    record: dict = field(default_factory=dict)
-    error: str | None = None
-    log: str | None = None
-    remote: RemoteHit | None = None   # a remote hit not (yet) fetched: path is None until materialized
-    started: float | None = None      # wall-clock start/end of a build (time.time()), for `--json` and tests
-    ended: float | None = None
-    worker: str | None = None         # where it was built (the Ray executor: the node), None for this machine
-
-    @property
-    def metrics(self) -> dict:
-        return self.record.get("metrics", {}) if self.record else {}
-
-    @property
-    def size(self) -> int:
-        return sum(f["size"] for f in self.record.get("files", [])) if self.record else 0
-
-
-@dataclass(frozen=True)
-class Origin:
-    """The recipe a step is built for: its provenance and its `plan` history."""
-
-    recipe: str
-    path: str
-    sha256: str | None = None
 
 
 class Executor(StandbyWorkers, WorkerLaunch):
@@ -269,7 +236,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
             return StepOutcome(step, Outcome.FAILED, seconds=time.perf_counter() - t0, error=exc.reason, log=exc.log,
                                started=started, ended=time.time())
         finally:
-            if claim.get("standby") is not None:   # the step did not start a worker (a hit, an error): stop it
+            if claim.standby is not None:   # the step did not start a worker (a hit, an error): stop it
                 self._discard(claim.standby)
                 claim.standby = None
             if self.progress and task is not None:

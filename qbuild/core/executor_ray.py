@@ -29,7 +29,8 @@ from pathlib import Path
 from qbuild.artifacts.remote.cache import RemoteHit, push_hit
 from qbuild.artifacts.store import Store
 from qbuild.core.budget import Claim
-from qbuild.core.executor import UNBUILDABLE, Executor, Origin, StepOutcome
+from qbuild.core.executor import UNBUILDABLE, Executor
+from qbuild.core.outcome import Origin, StepOutcome
 from qbuild.core.plan import PlannedStep
 from qbuild.core.step import Outcome, Step
 from qbuild.core.worker_launch import escape

@@ -8,26 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from qbuild.core.budget import Claim, Standby
 from qbuild.core.step import Step
 
-if TYPE_CHECKING:
-    from qbuild.core.budget import Claim
-
 log = logging.getLogger("qbuild")
-
-
-@dataclass
-class Standby:
-    """A worker started ahead of its step: it imports `preload` and waits on stdin for a step."""
-
-    proc: subprocess.Popen
-    read_fd: int     # its progress pipe (the worker writes to the other end)
-    env: dict        # the variables it was started with; a step sends only those it needs changed
-    preload: tuple[str, ...]
-    for_keys: set[str]   # the waiting steps it was started for (a step started at once never needed it)
 
 
 class StandbyWorkers:

@@ -22,7 +22,7 @@ from qbuild.formats import manifest_loads_in
 
 if TYPE_CHECKING:
     from qbuild.core.budget import Claim
-    from qbuild.core.executor import StepOutcome
+    from qbuild.core.outcome import StepOutcome
 
 log = logging.getLogger("qbuild")
 

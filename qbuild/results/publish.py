@@ -26,7 +26,7 @@ from qbuild.formats import spec as format_spec
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.base import RemoteStore
     from qbuild.artifacts.store import Store
-    from qbuild.core.executor import StepOutcome
+    from qbuild.core.outcome import StepOutcome
     from qbuild.core.plan import Plan
 
 log = logging.getLogger("qbuild")

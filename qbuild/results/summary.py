@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qbuild.core.executor import StepOutcome
+from qbuild.core.outcome import StepOutcome
 from qbuild.core.plan import Artifact, Plan
 from qbuild.core.step import Outcome
 from qbuild.core.units import human_size
