@@ -129,7 +129,8 @@ def _infos(store_dir: Path) -> dict[str, dict]:
 
 
 def _standbys() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "qbuild.core.worker --standby"], capture_output=True, text=True)
+    """Standby workers these tests start (they preload the test module fake_heavy: a real run's preload torch)."""
+    out = subprocess.run(["pgrep", "-f", "qbuild.core.worker --standby fake_heavy"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
