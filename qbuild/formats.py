@@ -15,6 +15,7 @@ manifest records `loads_in` from it when the artifact is built, and `qbuild show
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -30,8 +31,6 @@ class Format(StrEnum):
     TRTLLM_CHECKPOINT = "trtllm-checkpoint"     # config.json + rank<N>.safetensors, input of trtllm-build
     TRTLLM_ENGINE = "trtllm-engine"             # a TensorRT engine dir (TensorRT-LLM 1.2.x)
     TRTLLM_PYTORCH = "trtllm-pytorch"           # checkpoint + extra_llm_api_options.yaml (PyTorch backend)
-    BITSANDBYTES = "bitsandbytes"               # HF dir, quant_method bitsandbytes (NF4/FP4 or LLM.int8)
-    AUTO_ROUND = "auto-round"                   # HF dir, quant_method auto-round (AutoRound's own export)
     # data, not models: never evaluated or summarised as a variant
     CALIBRATION = "calibration"
     TOKENS = "tokens"
@@ -67,8 +66,22 @@ def register_format(spec: FormatSpec) -> FormatSpec:
     return spec
 
 
+_plugins_loaded = False
+
+
+def _load_plugin_formats() -> None:
+    """Methods declare their own formats in their modules: load the plugin modules once, by name, as the registries
+    do (this module sits below the plugin contract and never imports it)."""
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        importlib.import_module("qbuild.plugins").load_all()
+
+
 def spec(name: str) -> FormatSpec:
     """The declaration of a format; an undeclared one is a model format nothing is known about."""
+    if name not in FORMATS:
+        _load_plugin_formats()
     return FORMATS.get(name) or FormatSpec(name, "undeclared format")
 
 
@@ -118,9 +131,6 @@ LOADS_IN: dict[tuple[str, str], tuple[str, ...]] = {
     (Format.TRTLLM_CHECKPOINT, ANY): ("trtllm-build",),
     (Format.TRTLLM_ENGINE, ANY): ("tensorrt-llm",),              # on the SM and TensorRT-LLM version it was built for
     (Format.TRTLLM_PYTORCH, ANY): ("trtllm-pytorch",),
-    # serialized bitsandbytes (NF4/FP4, LLM.int8) and AutoRound's own format: as their methods declared them
-    (Format.BITSANDBYTES, ANY): ("transformers", "vllm"),
-    (Format.AUTO_ROUND, ANY): ("transformers", "vllm", "sglang"),
 }
 
 
@@ -134,8 +144,10 @@ HF_LOAD_COMMANDS: dict[str, str] = {
     "trtllm-pytorch": "`trtllm-serve {dir}` (PyTorch backend)",
     "exllamav2": "load `{dir}` with ExLlamaV2's model loader (GPTQ format)",
 }
-# transformers and vLLM read every HF-folder format here (vLLM: on a GPU, where transformers cannot)
-_HF_RUNTIMES = ("transformers", "vllm")
+# transformers and vLLM read every HF-folder format here (vLLM: on a GPU, where transformers cannot); a method
+# module that declares its own HF-folder format (bitsandbytes, auto-round) names them too
+HF_RUNTIMES = ("transformers", "vllm")
+_HF_RUNTIMES = HF_RUNTIMES
 
 for _spec in (
     FormatSpec(Format.HF, "Hugging Face checkpoint (safetensors + config.json)", evaluated_by=_HF_RUNTIMES),
@@ -164,10 +176,6 @@ for _spec in (
     FormatSpec(Format.TRTLLM_PYTORCH, "checkpoint packaged for TensorRT-LLM's PyTorch backend",
                load_commands=(("trtllm-pytorch",
                                "`trtllm-serve {dir} --extra_llm_api_options {dir}/extra_llm_api_options.yaml`"),)),
-    FormatSpec(Format.BITSANDBYTES, "HF checkpoint with serialized bitsandbytes weights (NF4/FP4 or LLM.int8)",
-               load_tools=("bitsandbytes",), evaluated_by=_HF_RUNTIMES),
-    FormatSpec(Format.AUTO_ROUND, "HF checkpoint in AutoRound's format (quant_method auto-round)",
-               load_tools=("auto-round",), evaluated_by=_HF_RUNTIMES),
     FormatSpec(Format.CALIBRATION, "tokenized calibration set", model=False),
     FormatSpec(Format.TOKENS, "tokenized evaluation text", model=False),
     FormatSpec(Format.METRICS, "evaluation results", model=False),
@@ -192,6 +200,7 @@ def load_command(fmt: str, engine: str, directory: str, file: str = "") -> str |
 
 
 def _row(fmt: str, scheme: str | None) -> tuple[str, ...]:
+    spec(fmt)   # a format a plugin module declares: its row exists once the module is loaded
     return LOADS_IN.get((fmt, scheme or ANY), LOADS_IN.get((fmt, ANY), ()))
 
 

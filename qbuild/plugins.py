@@ -425,6 +425,13 @@ runtimes: Registry[Runtime] = Registry("qbuild.runtimes", Runtime, "runtime")
 servers: Registry[Server] = Registry("qbuild.servers", Server, "server", packages=("qbuild.serving.engines",))
 
 
+def load_all() -> None:
+    """Import every plugin module (in-tree and entry points), once: what they declare (formats too) is known after."""
+    for registry in (methods, targets, runtimes, servers):
+        registry.names()
+
+
+
 def open_session(runtime: str, model: Path, ctx: StepContext, n_ctx: int) -> RuntimeSession:
     """A session of the registered runtime `runtime` (recorded in the step's params) on `model`."""
     return runtimes.get(runtime).open(model, ctx, n_ctx)

@@ -24,14 +24,18 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from qbuild.core.step import Step, StepContext
-from qbuild.formats import Format
+from qbuild.formats import HF_RUNTIMES, Format, FormatSpec, register_format
 from qbuild.plugins import Method, methods
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.base import dir_size
 from qbuild.quantize.shapes import is_ignored
 
 TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")
-FORMATS = {"auto_round": Format.AUTO_ROUND, "llm_compressor": Format.COMPRESSED_TENSORS,
+# AutoRound's own export (quant_method auto-round), declared here: transformers, vLLM and SGLang load it
+AUTO_ROUND = register_format(FormatSpec("auto-round", "HF checkpoint in AutoRound's format (quant_method auto-round)",
+                                        load_tools=("auto-round",), evaluated_by=HF_RUNTIMES,
+                                        loads_in=("transformers", "vllm", "sglang"))).name
+FORMATS = {"auto_round": AUTO_ROUND, "llm_compressor": Format.COMPRESSED_TENSORS,
            "auto_gptq": Format.GPTQ, "auto_awq": Format.AWQ}
 
 

@@ -19,11 +19,15 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from qbuild.core.step import Step, StepContext
-from qbuild.formats import Format
+from qbuild.formats import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.plugins import Method, methods
 from qbuild.quantize.base import VariantBase, dir_size
 
 TOOLS = ("bitsandbytes", "torch", "transformers", "accelerate", "safetensors")
+# the method's own format: an HF folder with serialized bitsandbytes weights, which transformers and vLLM load
+FORMAT = register_format(FormatSpec("bitsandbytes", "HF checkpoint with serialized bitsandbytes weights (NF4/FP4 or "
+                                    "LLM.int8)", load_tools=("bitsandbytes",), evaluated_by=HF_RUNTIMES,
+                                    loads_in=("transformers", "vllm"))).name
 FOUR_BIT = ("nf4", "fp4")
 
 
@@ -80,7 +84,7 @@ class BitsAndBytes(Method):
     def plan(self, variant: BitsAndBytesVariant, ctx) -> Step:
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.bitsandbytes:run", inputs={"model": ctx.model()}, tools=TOOLS,
-                            threads=ctx.threads, variant=variant.name, format=Format.BITSANDBYTES,
+                            threads=ctx.threads, variant=variant.name, format=FORMAT,
                             scheme=variant.scheme))
 
 
@@ -121,6 +125,6 @@ def run(ctx: StepContext) -> dict:
     ctx.progress(2, 2, "done")
     from importlib.metadata import version
 
-    return {"format": Format.BITSANDBYTES, "metrics": {"size_bytes": dir_size(ctx.out)},
+    return {"format": FORMAT, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"quantized_linear_layers": quantized, "device": device, "bitsandbytes": version("bitsandbytes"),
                      "threads": ctx.threads}}
