@@ -152,3 +152,17 @@ def test_cli_imports_only_the_api_and_output_helpers():
 @pytest.mark.parametrize("cycle_graph, expected", [({"a": {"b"}, "b": {"a"}}, True), ({"a": {"b"}, "b": set()}, False)])
 def test_the_cycle_finder_finds_cycles(cycle_graph, expected):
     assert (find_cycle(cycle_graph) is not None) == expected
+
+
+def test_the_package_api_is_not_shadowed_by_module_names():
+    """`qbuild.plan(...)` is the API's function even after the pipeline's modules were imported (they live in
+    qbuild.core and qbuild.results, not beside the API's names)."""
+    import importlib
+
+    import qbuild
+
+    for module in ("qbuild.core.plan", "qbuild.results.report", "qbuild.results.selection"):
+        importlib.import_module(module)
+    for name in qbuild.__all__:
+        assert not isinstance(getattr(qbuild, name), type(qbuild)), f"qbuild.{name} is a module"
+    assert callable(qbuild.plan) and callable(qbuild.select) and callable(qbuild.report)
