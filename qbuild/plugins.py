@@ -43,14 +43,7 @@ if TYPE_CHECKING:
 
     from qbuild.core.envs import BackendEnv
     from qbuild.core.step import OnUnavailable, Step, StepContext
-
-
-@dataclass(frozen=True)
-class Window:
-    """One evaluation window a runtime scores (qbuild.evaluate.protocol makes them)."""
-
-    tokens: list[int]   # what the runtime is fed
-    first_scored: int   # positions >= first_scored are scored, each predicted from the positions before it
+    from qbuild.evaluate.protocol import Window
 
 
 class PlanningContext(Protocol):
@@ -229,6 +222,8 @@ class RuntimeSession:
 
         Default: the growing sequence re-run through `window_logits` for each token, which needs nothing but
         logits and is fine for the few tokens a load check asks for; runtimes with a decoder override it."""
+
+        from qbuild.evaluate.protocol import Window
 
         sequence = [int(t) for t in prompt_tokens]
         for _ in range(n):

@@ -17,8 +17,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utilities", ("qbuild.errors", "qbuild.core", "qbuild.core.hashing", "qbuild.core.names",
                    "qbuild.core.yamlio", "qbuild.core.owned", "qbuild.core.process", "qbuild.core.worker_env",
                    "qbuild.core.schema_base", "qbuild.core.hardware", "qbuild.core.fingerprint", "qbuild.core.units")),
+    # evaluate/protocol.py is self-contained (a copy of it runs in the TensorRT-LLM interpreter): the contract's Window
     ("contract", ("qbuild.formats", "qbuild.plugins", "qbuild.core.step", "qbuild.core.data_sources",
-                  "qbuild.core.envs", "qbuild.core.contract")),
+                  "qbuild.core.envs", "qbuild.evaluate.protocol")),
     ("services", ("qbuild.artifacts", "qbuild.calibration", "qbuild.evaluate", "qbuild.models", "qbuild.serving",
                   "qbuild.quantize.base", "qbuild.quantize.shapes", "qbuild.quantize.llamacpp_tools")),
     # the recipe and the planner of each of its sections (they turn recipe entries into steps)
@@ -166,3 +167,8 @@ def test_the_package_api_is_not_shadowed_by_module_names():
     for name in qbuild.__all__:
         assert not isinstance(getattr(qbuild, name), type(qbuild)), f"qbuild.{name} is a module"
     assert callable(qbuild.plan) and callable(qbuild.select) and callable(qbuild.report)
+
+
+def test_the_protocol_module_is_self_contained():
+    """The TensorRT-LLM shim loads a copy of evaluate/protocol.py in an interpreter without qbuild."""
+    assert G["qbuild.evaluate.protocol"] == set()

@@ -10,10 +10,20 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
-from qbuild.plugins import Window
+# Self-contained (numpy and the standard library only): runtimes that score in another interpreter (the TensorRT-LLM
+# shim) load a copy of this file there, where qbuild is not installed.
+
+
+@dataclass(frozen=True)
+class Window:
+    """One evaluation window a runtime scores."""
+
+    tokens: list[int]   # what the runtime is fed
+    first_scored: int   # positions >= first_scored are scored, each predicted from the positions before it
 
 PROTOCOLS = ("fixed-window", "sliding-window", "llama.cpp")
 

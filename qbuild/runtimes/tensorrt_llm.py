@@ -4,7 +4,7 @@ It runs in qbuild's worker but never imports tensorrt_llm: TensorRT-LLM code run
 TensorRT-LLM interpreter (the target's `python:` / $QBUILD_TRTLLM_PYTHON, as for the build).
 
 - logits: qbuild cuts the windows (protocol.windows) and writes them to a JSON request in the
-  step's private dir inside the store; _shim.py, run there, loads the engine with the LLM API and
+  step's private dir inside the store; _trtllm_shim.py, run there, loads the engine with the LLM API and
   saves each window's context logits; the generic runners (qbuild/evaluate/quality.py) score them
   exactly as they score every other runtime's.
 - throughput: `trtllm-bench throughput --backend tensorrt --streaming` per batch size (the command
@@ -32,7 +32,7 @@ from qbuild.core.step import StepContext
 from qbuild.errors import RecipeError
 from qbuild.plugins import EvalStepFields, Runtime, RuntimeSession, runtimes
 
-SHIM = Path(__file__).with_name("_shim.py")
+SHIM = Path(__file__).with_name("_trtllm_shim.py")
 
 
 def source_vocab(model_dir: Path) -> int:
