@@ -117,11 +117,13 @@ def test_second_run_is_all_hits(demo_runs):
 # The demo's full evaluation (fixed-window, 8 × 512 tokens), as README's table shows it. One pass per model
 # (reference log-probs for the baseline, PPL + KLD + top-1 per variant in one step) must give exactly the
 # numbers the two-pass evaluation gave before it.
+F16_KLD_REL = 2e-3
 DEMO_NUMBERS = {
     "baseline": {"ppl": 17.841689624871226},
-    # f16's KLD: 5.6076e-06 was quoted when this test was written; old main (two passes, kld[...] steps) run on
-    # this machine the same day gives 5.615825357649642e-06, and so does the one-pass evaluation
-    "f16": {"ppl": 17.841235119031776, "kld": 5.615825357649642e-06, "top1": 0.99829},
+    # f16's KLD is a difference in the baseline's last bits: this machine has given 5.607553781111337e-06 (when this
+    # test was written, and on 2026-11-25 for main and the restructured tree alike) and 5.615825357649642e-06 (other
+    # days); both are 0.15 % apart, so it is pinned to 0.2 % (F16_KLD_REL), every other number to 1e-4
+    "f16": {"ppl": 17.841235119031776, "kld": 5.61e-06, "top1": 0.99829},
     "q8_0": {"ppl": 17.983722417896495, "kld": 0.004362, "top1": 0.96037},
     "q4km": {"ppl": 19.084052613298418, "kld": 0.057916, "top1": 0.87280},
 }
@@ -142,7 +144,8 @@ def test_demo_numbers_are_pinned(tmp_path):
         for metric, value in expected.items():
             # 1e-4 relative; q8_0's KLD is given to 4 digits only: half a unit of its last digit
             tol = 5e-7 if (variant, metric) == ("q8_0", "kld") else 0
-            assert rows[variant][metric] == pytest.approx(value, rel=1e-4, abs=tol), (variant, metric)
+            rel = F16_KLD_REL if (variant, metric) == ("f16", "kld") else 1e-4
+            assert rows[variant][metric] == pytest.approx(value, rel=rel, abs=tol), (variant, metric)
     steps = {s["name"] for s in summary["steps"]}
     assert "reference[baseline]" in steps and not any(n.startswith("kld[") for n in steps)
     for variant, (acc, right_to_wrong, wrong_to_right) in DEMO_TASK.items():
