@@ -5,13 +5,15 @@
 
 It builds RECIPE once (cold), then changes one setting (default: the evaluation's max_windows 8 → 6, which makes
 every evaluation step miss and keeps every model), asks `qbuild plan --json` for its estimate, runs the changed
-recipe, and prints estimate / measured wall time of that run.
+recipe, and prints estimate / measured wall time of that run, with the machine's load average while each ran: the
+history's times hold whatever else the machine was doing then, so a busier re-run takes longer than estimated.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,10 @@ def qbuild(*args) -> tuple[float, subprocess.CompletedProcess]:
     if res.returncode != 0:
         sys.exit(f"qbuild {' '.join(map(str, args))} failed:\n{res.stderr[-2000:]}")
     return time.perf_counter() - t0, res
+
+
+def load() -> str:
+    return "load average " + "/".join(f"{x:.1f}" for x in os.getloadavg()) + f" on {os.cpu_count()} cores"
 
 
 def change(data: dict, assignment: str) -> None:
@@ -50,7 +56,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Path(args.store) if args.store else Path(tmp) / "store"
         cold, _ = qbuild(recipe, "--store", store, "--json")
-        print(f"first build: {cold:.1f} s")
+        print(f"first build: {cold:.1f} s (after it: {load()})")
         data = yaml.safe_load(recipe.read_text())
         change(data, args.change)
         changed = recipe.with_name(f".{recipe.stem}.estimate-bench.yaml")   # beside it: relative paths still resolve
@@ -58,7 +64,9 @@ def main() -> None:
         try:
             _, plan = qbuild("plan", changed, "--store", store, "--json")
             est = json.loads(plan.stdout).get("estimate") or {}
+            print(f"planned the change ({load()})")
             wall, _ = qbuild(changed, "--store", store, "--json")
+            print(f"re-ran it ({load()})")
         finally:
             changed.unlink()
     total = est.get("total_s", 0.0)
