@@ -101,16 +101,11 @@ def evaluation_steps(ctx) -> None:
         data = ctx.eval_data(ev.perplexity)
         reference = _kld_base_reference(ctx, ev, data)
     elif ev.kld:
-        baseline_rt, why = pick_runtime(ctx.model().format)
-        if baseline_rt is None:
+        reference, why = reference_step(ctx, ev.perplexity)
+        if reference is None:
             ctx.note_not_evaluated("baseline", f"KLD needs the baseline's logits: {why}")
         else:
-            params = {**ev.perplexity.canonical(), "runtime": baseline_rt.name}
-            params.pop("dataset")  # identified by the eval-data input
-            params.pop("kv_cache_dtype", None)   # the reference keeps the full-precision KV cache
-            data = ctx.eval_data(ev.perplexity)
-            reference = _step("reference", "reference[baseline]", params, baseline_rt, "baseline", ctx.model(),
-                              {"model": ctx.model(), "data": data}, (), ctx, format="logprobs")
+            data = reference.inputs["data"]
     for art, rt in evaluable_artifacts(ctx):
         skipped = rt.cannot_measure(art.label, art.step, ev)
         for reason in dict.fromkeys(skipped.values()):
@@ -137,6 +132,40 @@ def evaluation_steps(ctx) -> None:
             # timings belong to a machine: the hardware is part of the key, so another machine never hits
             _step("throughput", f"throughput[{art.label}]", params, rt, art.label, art.step, {"model": art.step}, (),
                   ctx, per_hardware=True)
+
+
+def reference_step(ctx, perplexity, name: str = "reference[baseline]") -> tuple[Step | None, str]:
+    """(the baseline's one pass with its log-probs stored, "") or (None, why it cannot be made)."""
+    baseline_rt, why = pick_runtime(ctx.model().format)
+    if baseline_rt is None:
+        return None, why
+    params = {**perplexity.canonical(), "runtime": baseline_rt.name}
+    params.pop("dataset")  # identified by the eval-data input
+    params.pop("kv_cache_dtype", None)   # the reference keeps the full-precision KV cache
+    data = ctx.eval_data(perplexity)
+    return _step("reference", name, params, baseline_rt, "baseline", ctx.model(), {"model": ctx.model(), "data": data},
+                 (), ctx, format="logprobs"), ""
+
+
+def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
+    """A `perplexity[label]` step of an intermediate model (a method's own measurement, e.g. a search's): its PPL,
+    KLD and top-1 against the baseline's stored log-probs, on the recipe's evaluation text, on its first
+    `max_windows` windows (None: the recipe's). Shares the recipe's reference where the windows are the same."""
+    from qbuild.errors import RecipeError
+
+    perplexity = ctx.recipe.evaluation.perplexity
+    name = "reference[baseline]"
+    if max_windows is not None and max_windows != perplexity.max_windows:
+        perplexity = perplexity.model_copy(update={"max_windows": max_windows})
+        name = f"reference[baseline~{max_windows}w]"
+    reference, why = reference_step(ctx, perplexity, name)
+    rt, why_not = pick_runtime(artifact.format)
+    if reference is None or rt is None:
+        raise RecipeError("evaluation.kld", f"{label} cannot be measured: {why or why_not}")
+    params = {**perplexity.canonical(), "runtime": rt.name}
+    params.pop("dataset")
+    return _step("perplexity", f"perplexity[{label}]", params, rt, label, artifact,
+                 {"model": artifact, "data": reference.inputs["data"], "reference": reference}, (), ctx)
 
 
 def load_check_runtimes(ctx, check, fmt: str) -> list[Runtime]:
