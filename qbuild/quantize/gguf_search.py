@@ -160,19 +160,41 @@ def allocate(options: list[list[tuple[int, float]]], capacity: int, unit: int = 
     index, or None when no choice fits."""
     import numpy as np
 
-    lows = [min(c for c, _ in opts) for opts in options]
-    room = capacity - sum(lows)
+    room = capacity - sum(min(c for c, _ in opts) for opts in options)
     if room < 0:
         return None
-    width = room // unit
+    best, picks = _table(options, room // unit, unit)
+    return _backtrack(options, picks, room // unit, unit) if np.isfinite(best[-1]) else None
+
+
+def smallest_within(options: list[list[tuple[int, float]]], max_value: float, unit: int = 1) -> list[int] | None:
+    """The choice of least summed cost whose summed value is ≤ max_value (min_size under a KLD budget), from the same
+    table: its least capacity whose optimum is within the value budget. None when no choice is."""
+    import numpy as np
+
+    width = sum(-(-(max(c for c, _ in o) - min(c for c, _ in o)) // unit) for o in options)
+    best, picks = _table(options, width, unit)
+    within = np.nonzero(best <= max_value)[0]
+    return _backtrack(options, picks, int(within[0]), unit) if len(within) else None
+
+
+def _units(cost: int, low: int, unit: int) -> int:
+    return -(-(cost - low) // unit)   # ceil: a choice's real size never exceeds what the table counts
+
+
+def _table(options, width: int, unit: int):
+    """best[j]: least summed value using at most j units over all groups; picks[g][j]: group g's option there."""
+    import numpy as np
+
     inf = float("inf")
-    best = np.zeros(width + 1)        # best[j]: least value using at most j units (no group yet: 0)
+    best = np.zeros(width + 1)        # no group yet: nothing spent, nothing added
     picks = []
-    for opts, low in zip(options, lows, strict=True):
+    for opts in options:
+        low = min(c for c, _ in opts)
         new = np.full(width + 1, inf)
         pick = np.full(width + 1, -1, dtype=np.int64)
         for i, (cost, value) in enumerate(opts):
-            w = -(-(cost - low) // unit)   # ceil: a choice's real size never exceeds what the table counts
+            w = _units(cost, low, unit)
             if w > width:
                 continue
             cand = np.full(width + 1, inf)
@@ -181,33 +203,16 @@ def allocate(options: list[list[tuple[int, float]]], capacity: int, unit: int = 
             new[better], pick[better] = cand[better], i
         best = new
         picks.append(pick)
-    if not np.isfinite(best[width]):
-        return None
-    choice, j = [], width
+    return best, picks
+
+
+def _backtrack(options, picks, j: int, unit: int) -> list[int]:
+    choice = []
     for g in range(len(options) - 1, -1, -1):
         i = int(picks[g][j])
         choice.append(i)
-        j -= -(-(options[g][i][0] - lows[g]) // unit)
+        j -= _units(options[g][i][0], min(c for c, _ in options[g]), unit)
     return choice[::-1]
-
-
-def smallest_within(options: list[list[tuple[int, float]]], max_value: float, unit: int) -> list[int] | None:
-    """The choice of least summed cost whose summed value is ≤ max_value (min_size under a KLD budget), by the same
-    table: the smallest capacity whose optimum is within the value budget. None when no choice is."""
-    top = sum(max(c for c, _ in opts) for opts in options)
-    low = sum(min(c for c, _ in opts) for opts in options)
-    lo, hi = low, top
-    best = allocate(options, hi, unit)
-    if best is None or _total(options, best)[1] > max_value:
-        return None
-    while hi - lo > unit:   # the optimum's value only falls as the capacity grows: bisect on it
-        mid = (lo + hi) // 2
-        got = allocate(options, mid, unit)
-        if got is not None and _total(options, got)[1] <= max_value:
-            hi, best = mid, got
-        else:
-            lo = mid
-    return best
 
 
 def _total(options, choice) -> tuple[int, float]:
