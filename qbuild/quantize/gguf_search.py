@@ -221,14 +221,12 @@ def _total(options, choice) -> tuple[int, float]:
 
 # --- planning ----------------------------------------------------------------------------------------------------
 def check_search(variant, ctx, field: str) -> None:
-    """A search needs the baseline's log-probs (evaluation.kld) to measure against."""
+    """A search needs the baseline's log-probs (evaluation.kld, or a llama-perplexity kld_base file) to measure
+    against."""
     ev = ctx.recipe.evaluation
     if not (ev.kld and ev.perplexity):
         raise RecipeError(f"{field}.search", "a search measures KL divergence against the baseline: set "
                                              "evaluation.kld: true and evaluation.perplexity")
-    if ev.kld_base:
-        raise RecipeError(f"{field}.search", "a search measures against the baseline's own log-probs; "
-                                             "evaluation.kld_base is not supported with it")
 
 
 def plan_search(variant, ctx, inputs: dict[str, Step], quantize_step, block_size, names, cols) -> Step:
