@@ -189,9 +189,12 @@ def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
     st = Store(store)
     obj = st.object_dir(row["digest"])
     manifest = json.loads((obj / "manifest.json").read_text())
-    record = json.loads((obj / "search.json").read_text())
+    record = manifest["info"]["search"]
     assert manifest["info"]["tensor_types"] == record["tensor_types"] and record["tensor_types"]
-    assert manifest["metrics"]["size_bytes"] == (obj / "model.gguf").stat().st_size == record["size_bytes"]
+    assert manifest["metrics"]["gguf_bytes"] == (obj / "model.gguf").stat().st_size
+    assert manifest["metrics"]["size_bytes"] == record["size_bytes"] == row["size_bytes"]   # .gguf + search.json
+    assert sorted(f["path"] for f in manifest["files"]) == ["model.gguf", "search.json"]
+    assert json.loads((obj / "search.json").read_text())["tensor_types"] == record["tensor_types"]
     assert record["kld"] == pytest.approx(row["kld"], abs=1e-9)   # the finalist's measurement is the variant's
     assert record["command"].startswith("llama-quantize --imatrix") and "--tensor-type" in record["command"]
     # the file holds the chosen types, as llama.cpp wrote them
@@ -203,6 +206,11 @@ def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
     for t in record["tensor_types"]:
         hit = [n for n in written if re.search(t["pattern"], n)]
         assert hit and all(written[n] == t["type"] for n in hit)
+    # the report plots KLD vs size with every measured candidate beside the stock type
+    from qbuild import api
+
+    page = api.report("gsearch", store=store)
+    assert "KLD vs size" in page and "mix~cand0" in page and ">q4km<" in page
     # the same recipe again: nothing runs
     rc, again = run_api(recipe)
     assert rc == 0 and again["counts"]["built"] == 0
@@ -213,7 +221,5 @@ def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
     built = sorted(s["name"] for s in other["steps"] if s["status"] == "built")
     assert not any("@" in n or "~base" in n for n in built), built
     assert {v["variant"]: v for v in other["variants"]}["mix"]["size_bytes"] <= 35.5e6
-    from qbuild import api
-
     _, shown = api.show("gsearch/mix", store=store)
     assert shown["rebuild_command"].startswith("llama-quantize --imatrix imatrix.gguf --tensor-type")

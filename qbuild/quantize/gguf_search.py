@@ -13,8 +13,8 @@ keyed, cached and spread by the executor like any other (docs/mixed-precision.md
    writes `max_candidates` allocations (the optimum under the budget and under slightly tighter ones, since real
    sizes and KLDs are not exactly additive).
 4. Each candidate is quantized (`quantize[V~cand<i>]`) and measured on the full evaluation windows.
-5. `gguf-search-select[V]`: the best candidate that meets the budget becomes the variant's artifact (its manifest
-   holds the chosen tensor types, the budget, size, bpw, KLD and the whole search record).
+5. `quantize[V]` (kind gguf-search-select): the best candidate that meets the budget becomes the variant's artifact
+   (its manifest holds the chosen tensor types, the budget, size, bpw, KLD and the whole search record).
 
 Nothing here imports llama.cpp at plan time; the runners import numpy and gguf only.
 """
@@ -35,8 +35,9 @@ from qbuild.core.step import Step, StepContext
 from qbuild.errors import RecipeError
 
 OUTPUT_FILE = "model.gguf"   # qbuild.quantize.gguf's file name (a quantize step's one file)
-SEARCH_FILE = "search.json"
 ALLOCATION_FILE = "allocation.json"
+SEARCH_FILE = "search.json"   # the artifact's own short record (budget, chosen types, command) beside the .gguf
+RECORD_RESERVE = 8192         # bytes of the budget kept for search.json, so the whole artifact meets it
 MB = 1_000_000               # max_size_mb is in decimal megabytes, as file sizes are usually quoted
 
 # Candidate types, most precise first. The default for a group is those whose blocks fit its rows (no fallback:
@@ -272,6 +273,7 @@ def plan_search(variant, ctx, inputs: dict[str, Step], quantize_step, block_size
     return ctx.add(Step("gguf-search-select", f"quantize[{label}]", {"budget": search.budget(), "imatrix": imatrix,
                                                                       "objective": search.objective},
                         "qbuild.quantize.gguf_search:run_select", inputs=select_inputs, threads=1,
+                        impl_version=2,   # 2: search.json beside the .gguf
                         variant=label, format="gguf", scheme=search.base_type))
 
 
@@ -293,9 +295,9 @@ def gguf_weights(path: Path) -> int:
 
 def size_budget(budget: dict, weights: int) -> int | None:
     if "max_size_mb" in budget:
-        return int(budget["max_size_mb"] * MB)
+        return int(budget["max_size_mb"] * MB) - RECORD_RESERVE
     if "max_bpw" in budget:
-        return int(budget["max_bpw"] * weights / 8)
+        return int(budget["max_bpw"] * weights / 8) - RECORD_RESERVE
     return None
 
 
@@ -357,38 +359,44 @@ def candidate_overrides(allocation_dir: Path, index: int) -> list[dict]:
 
 
 def run_select(ctx: StepContext) -> dict:
-    """The best measured candidate that meets the budget becomes the artifact; every candidate is in the record."""
+    """The best measured candidate that meets the budget becomes the artifact: its .gguf and a short search.json
+    (which makes it an object of its own: the winning candidate's .gguf alone is already stored, under the
+    candidate's manifest; and it travels with the file on `qbuild pull`). A size budget counts both files."""
     p = ctx.params
     alloc = json.loads((Path(ctx.inputs["allocation"]) / ALLOCATION_FILE).read_text())
-    limit, weights = alloc["size_limit_bytes"], alloc["weights"]
-    rows = []
+    weights, base_type = alloc["weights"], alloc["base"]["type"]
+    limit = size_budget(p["budget"], weights)
+    budget_bytes = None if limit is None else limit + RECORD_RESERVE
+    rows, shorts = [], []
     for i, cand in enumerate(alloc["candidates"]):
         m = _metrics(ctx, f"m:{i}")
         size = _size(ctx, f"q:{i}")
-        ok = size <= limit if limit is not None else m["kld"] <= p["budget"]["max_kld"]
-        rows.append({"candidate": i, "size_bytes": size, "bpw": size * 8 / weights, "kld": m["kld"],
-                     "top1": m.get("top1"), "ppl": m.get("ppl"), "meets_budget": ok, **cand})
+        short = {"budget": p["budget"], "objective": p["objective"], "base_type": base_type,
+                 "tensor_types": cand["tensor_types"], "gguf_bytes": size, "bpw": size * 8 / weights, "kld": m["kld"],
+                 "command": llama_quantize_command(base_type, cand["tensor_types"], p.get("imatrix", False))}
+        text = json.dumps(short, indent=2)
+        total = size + len(text.encode())
+        ok = total <= budget_bytes if budget_bytes is not None else m["kld"] <= p["budget"]["max_kld"]
+        rows.append({"candidate": i, "size_bytes": total, "gguf_bytes": size, "bpw": size * 8 / weights,
+                     "kld": m["kld"], "top1": m.get("top1"), "ppl": m.get("ppl"), "meets_budget": ok, **cand})
+        shorts.append(text)
     fits = [r for r in rows if r["meets_budget"]]
     if not fits:
         (name, value), = p["budget"].items()
         raise RuntimeError(f"no candidate met {name} {value}: measured " + ", ".join(
-            f"{r['size_bytes'] / MB:.2f} MB / KLD {r['kld']:.5f}" for r in rows))
+            f"{r['size_bytes'] / MB:.3f} MB / KLD {r['kld']:.5f}" for r in rows))
     order = (lambda r: (r["kld"], r["size_bytes"])) if p["objective"] == "min_kld" else \
         (lambda r: (r["size_bytes"], r["kld"]))
     best = min(fits, key=order)
     shutil.copyfile(Path(ctx.inputs[f"q:{best['candidate']}"]) / OUTPUT_FILE, ctx.out / OUTPUT_FILE)
-    record = {"budget": p["budget"], "objective": p["objective"], "chosen": best["candidate"],
-              "tensor_types": best["tensor_types"], "base_type": alloc["base"]["type"],
-              "size_bytes": best["size_bytes"], "bpw": best["bpw"], "kld": best["kld"],
-              "command": llama_quantize_command(alloc["base"]["type"], best["tensor_types"], p.get("imatrix", False)),
+    (ctx.out / SEARCH_FILE).write_text(shorts[best["candidate"]])
+    record = {**json.loads(shorts[best["candidate"]]), "chosen": best["candidate"], "size_bytes": best["size_bytes"],
               "candidates": rows, "base": alloc["base"], "sensitivity": alloc["sensitivity"],
               "method": alloc["method"]}
-    (ctx.out / SEARCH_FILE).write_text(json.dumps(record, indent=2))
-    types = sorted({t["type"] for t in best["tensor_types"]} | {alloc["base"]["type"]})
-    info = {"gguf_type": alloc["base"]["type"], "part_types": types, "tensor_types": best["tensor_types"],
-            "search": {k: v for k, v in record.items() if k not in ("sensitivity",)}}
-    return {"format": "gguf", "metrics": {"size_bytes": best["size_bytes"], "bpw": round(best["bpw"], 4),
-                                          "search_kld": best["kld"]}, "info": info}
+    types = sorted({t["type"] for t in best["tensor_types"]} | {base_type})
+    info = {"gguf_type": base_type, "part_types": types, "tensor_types": best["tensor_types"], "search": record}
+    return {"format": "gguf", "metrics": {"size_bytes": best["size_bytes"], "gguf_bytes": best["gguf_bytes"],
+                                          "bpw": round(best["bpw"], 4), "search_kld": best["kld"]}, "info": info}
 
 
 def llama_quantize_command(base_type: str, tensor_types: list[dict], imatrix: bool = False) -> str:
