@@ -223,3 +223,24 @@ def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
     assert {v["variant"]: v for v in other["variants"]}["mix"]["size_bytes"] <= 35.5e6
     _, shown = api.show("gsearch/mix", store=store)
     assert shown["rebuild_command"].startswith("llama-quantize --imatrix imatrix.gguf --tensor-type")
+
+
+@needs_llama
+def test_plan_with_a_llama_perplexity_base_file(tiny_model_dir, tmp_path):
+    """With evaluation.kld_base the search measures against the file (its tokens are the windows), on its first
+    sensitivity_windows chunks for the sensitivity and on all of them for the finalists."""
+    import numpy as np
+
+    from qbuild.evaluate.llamacpp_kld import write_kld_base
+
+    n_ctx, chunks = 256, 4
+    write_kld_base(tmp_path / "base.kld", np.zeros(chunks * n_ctx, dtype=np.int32), n_ctx,
+                   [np.zeros((n_ctx - 1 - n_ctx // 2, 16), dtype=np.float32)] * chunks)
+    data = recipe_for(tiny_model_dir, tmp_path / "s", {"max_size_mb": 36, "types": ["Q4_0"]})
+    data["evaluation"] = {"baseline": True, "kld": True, "kld_base": str(tmp_path / "base.kld"),
+                          "perplexity": {"protocol": "llama.cpp", "context_length": n_ctx, "max_windows": chunks}}
+    steps = plan_steps(tmp_path, data)
+    sens, final = steps["perplexity[mix~attn_q@Q4_0]"], steps["perplexity[mix~cand0]"]
+    assert sens.inputs["kld_base"].name == final.inputs["kld_base"].name == "kld-base"
+    assert sens.inputs["reference"].runner.endswith("reference_from_kld_base") and sens.params["max_windows"] == 2
+    assert final.inputs["reference"].key == steps["perplexity[q4km]"].inputs["reference"].key
