@@ -708,6 +708,9 @@ def show(name: str, *, store=None) -> tuple[str, dict]:
         engines = manifest_loads_in(str(manifest.get("format") or ""), manifest.get("scheme"), manifest.get("info"))
         if engines is not None:
             manifest["loads_in"] = engines
+    search = (manifest.get("info") or {}).get("search") or {}
+    if search.get("command"):   # a searched mix: the llama-quantize line that rebuilds it without qbuild
+        manifest["rebuild_command"] = search["command"]
     problems = st.check_object(digest)
     if problems:
         manifest["damaged"] = problems

@@ -206,6 +206,7 @@ def test_llama_cpp_has_no_size_target_and_the_option_says_so(tmp_path):
         with pytest.raises(RecipeError) as exc:
             parse_recipe(recipe(fake_model(tmp_path), [{"name": "v", "method": "gguf", "type": "Q4_K_M", option: 4.5}]))
         assert exc.value.field == f"variants[0].{option}" and "no size or bits-per-weight target" in exc.value.message
+        assert "search: {max_size_mb" in exc.value.message   # where to go instead
 
 
 @needs_gguf

@@ -42,7 +42,7 @@ def test_pareto_front():
 
 def test_html_report_is_self_contained_and_complete():
     page = render_html(RUN)
-    assert page.count("<svg") == 2 and "<script" not in page and "http://" not in page.replace(
+    assert page.count("<svg") == 3 and "KLD vs size" in page and "<script" not in page and "http://" not in page.replace(
         'xmlns="http://www.w3.org/2000/svg"', "")
     for text in ("q4km", "19.080", "+1.240", "87.3%", "fixed-window", "test-cpu", "Quality gates: FAILED",
                  "Pareto front"):

@@ -88,29 +88,18 @@ def evaluation_steps(ctx) -> None:
         load_check_steps(ctx, ev.load_check)
     if not (ev.perplexity or ev.throughput):
         return
-    if ev.kld_base and "add_bos" not in ev.perplexity.model_fields_set:
-        # a llama-perplexity base file was scored with the model's own BOS rule: follow it unless the recipe says
-        from qbuild.models.resolve import model_adds_bos
-
-        adds = model_adds_bos(ctx.model())
-        if adds is not None and adds != ev.perplexity.add_bos:
-            ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": adds})})
+    ev = effective_evaluation(ctx)
     data = None  # the tokenized evaluation text, planned on first use: no step builds data that nothing reads
     reference = None
     if ev.kld and ev.kld_base:
         data = ctx.eval_data(ev.perplexity)
         reference = _kld_base_reference(ctx, ev, data)
     elif ev.kld:
-        baseline_rt, why = pick_runtime(ctx.model().format)
-        if baseline_rt is None:
+        reference, why = reference_step(ctx, ev.perplexity)
+        if reference is None:
             ctx.note_not_evaluated("baseline", f"KLD needs the baseline's logits: {why}")
         else:
-            params = {**ev.perplexity.canonical(), "runtime": baseline_rt.name}
-            params.pop("dataset")  # identified by the eval-data input
-            params.pop("kv_cache_dtype", None)   # the reference keeps the full-precision KV cache
-            data = ctx.eval_data(ev.perplexity)
-            reference = _step("reference", "reference[baseline]", params, baseline_rt, "baseline", ctx.model(),
-                              {"model": ctx.model(), "data": data}, (), ctx, format="logprobs")
+            data = reference.inputs["data"]
     for art, rt in evaluable_artifacts(ctx):
         skipped = rt.cannot_measure(art.label, art.step, ev)
         for reason in dict.fromkeys(skipped.values()):
@@ -137,6 +126,60 @@ def evaluation_steps(ctx) -> None:
             # timings belong to a machine: the hardware is part of the key, so another machine never hits
             _step("throughput", f"throughput[{art.label}]", params, rt, art.label, art.step, {"model": art.step}, (),
                   ctx, per_hardware=True)
+
+
+def effective_evaluation(ctx):
+    """The recipe's evaluation with what a kld_base file decides: a llama-perplexity base file was scored with the
+    model's own BOS rule, which is followed unless the recipe says otherwise."""
+    ev = ctx.recipe.evaluation
+    if ev.kld_base and ev.perplexity and "add_bos" not in ev.perplexity.model_fields_set:
+        from qbuild.models.resolve import model_adds_bos
+
+        adds = model_adds_bos(ctx.model())
+        if adds is not None and adds != ev.perplexity.add_bos:
+            ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": adds})})
+    return ev
+
+
+def reference_step(ctx, perplexity, name: str = "reference[baseline]") -> tuple[Step | None, str]:
+    """(the baseline's one pass with its log-probs stored, "") or (None, why it cannot be made)."""
+    baseline_rt, why = pick_runtime(ctx.model().format)
+    if baseline_rt is None:
+        return None, why
+    params = {**perplexity.canonical(), "runtime": baseline_rt.name}
+    params.pop("dataset")  # identified by the eval-data input
+    params.pop("kv_cache_dtype", None)   # the reference keeps the full-precision KV cache
+    data = ctx.eval_data(perplexity)
+    return _step("reference", name, params, baseline_rt, "baseline", ctx.model(), {"model": ctx.model(), "data": data},
+                 (), ctx, format="logprobs"), ""
+
+
+def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
+    """A `perplexity[label]` step of an intermediate model (a method's own measurement, e.g. a search's): its PPL,
+    KLD and top-1 against the baseline's stored log-probs, on the recipe's evaluation text, on its first
+    `max_windows` windows (None: the recipe's). Shares the recipe's reference where the windows are the same."""
+    from qbuild.errors import RecipeError
+
+    ev = effective_evaluation(ctx)
+    perplexity = ev.perplexity
+    name = "reference[baseline]"
+    if max_windows is not None and max_windows != perplexity.max_windows:
+        perplexity = perplexity.model_copy(update={"max_windows": max_windows})
+        name = f"reference[baseline~{max_windows}w]"
+    if ev.kld_base:   # a llama-perplexity base file is the reference: its tokens are the windows
+        ev = ev.model_copy(update={"perplexity": perplexity})
+        reference, why = _kld_base_reference(ctx, ev, ctx.eval_data(perplexity), name), ""
+    else:
+        reference, why = reference_step(ctx, perplexity, name)
+    rt, why_not = pick_runtime(artifact.format)
+    if reference is None or rt is None:
+        raise RecipeError("evaluation.kld", f"{label} cannot be measured: {why or why_not}")
+    params = {**perplexity.canonical(), "runtime": rt.name}
+    params.pop("dataset")
+    inputs = {"model": artifact, "data": reference.inputs["data"], "reference": reference}
+    if ev.kld_base:
+        inputs["kld_base"] = reference.inputs["kld_base"]
+    return _step("perplexity", f"perplexity[{label}]", params, rt, label, artifact, inputs, (), ctx)
 
 
 def load_check_runtimes(ctx, check, fmt: str) -> list[Runtime]:
@@ -191,7 +234,7 @@ def load_check_steps(ctx, check) -> None:
                 baseline_checks.setdefault(rt.name, step)
 
 
-def _kld_base_reference(ctx, ev, data: Step) -> Step:
+def _kld_base_reference(ctx, ev, data: Step, name: str = "reference[baseline]") -> Step:
     """A user's llama-perplexity KL-divergence base file as the reference: a source (fingerprinted, never built),
     and a `reference[baseline]` step that reads the baseline's PPL off it (no model runs)."""
     from qbuild.core.fingerprint import dir_fingerprint
@@ -212,5 +255,5 @@ def _kld_base_reference(ctx, ev, data: Step) -> Step:
                        source_digest=sha256_text("kld-base:" + dir_fingerprint(path)), format="logprobs"))
     params = {**ev.perplexity.canonical(), "runtime": "llama-perplexity-file"}
     params.pop("dataset")
-    return ctx.add(Step("reference", "reference[baseline]", params, "qbuild.evaluate.quality:reference_from_kld_base",
+    return ctx.add(Step("reference", name, params, "qbuild.evaluate.quality:reference_from_kld_base",
                         inputs={"model": ctx.model(), "kld_base": src, "data": data}, threads=1, format="logprobs"))

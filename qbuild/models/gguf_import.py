@@ -41,6 +41,8 @@ def gguf_config(path: Path) -> dict:
     add_bos = value("tokenizer.ggml.add_bos_token")
     if add_bos is not None:
         config["add_bos_token"] = bool(add_bos)
+    # llama.cpp writes no output.weight for a model whose output matrix is its token embedding
+    config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
         config["vocab_size"] = len(tokens.data)

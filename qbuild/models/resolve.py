@@ -88,7 +88,7 @@ def model_info(step: Step) -> dict:
     if step.source_path is not None:
         return json.loads((step.source_path / "config.json").read_text())
     # Parsing a GGUF's metadata (vocab, merges) takes seconds: memoize by the file's content hash.
-    memo = fingerprint_cache() / "model-info" / f"{step.params['gguf_sha256']}.json"
+    memo = fingerprint_cache() / "model-info" / f"{step.params['gguf_sha256']}.v2.json"   # v2: tie_word_embeddings
     try:
         return json.loads(memo.read_text())
     except (OSError, ValueError):

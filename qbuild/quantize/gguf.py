@@ -23,6 +23,7 @@ from qbuild.errors import RecipeError
 from qbuild.formats import Format
 from qbuild.plugins import Method, methods
 from qbuild.quantize.base import VariantBase
+from qbuild.quantize.gguf_search import GGUFSearch, check_search, plan_search
 from qbuild.quantize.shapes import check_patterns, checkpoint_weight_names, config_linear_names
 
 TOOLS = ("llama-cpp-python",)
@@ -53,13 +54,12 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
                 "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
 TENSOR_NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S")
 # The fields of the pinned llama.cpp's llama_model_quantize_params: none targets a file size or bits per weight
-# (dry_run only reports the size a type would give), so qbuild refuses such targets instead of guessing.
+# (dry_run only reports the size a type would give), so a size target is qbuild's own search (gguf_search.py).
 QUANTIZE_PARAMS = ("nthread", "ftype", "output_tensor_type", "token_embedding_type", "allow_requantize",
                    "quantize_output_tensor", "only_copy", "pure", "keep_split", "dry_run", "imatrix", "kv_overrides",
                    "tt_overrides", "prune_layers", "max_buf_size")
-NO_SIZE_TARGET = ("the pinned llama.cpp (llama-cpp-python 0.3.36) has no size or bits-per-weight target: "
-                  "llama_model_quantize_params has " + ", ".join(QUANTIZE_PARAMS) + "; choose a type, and use "
-                  "tensor_types / output_type / embedding_type to move the size")
+NO_SIZE_TARGET = ("llama.cpp has no size or bits-per-weight target; use search: {max_size_mb: N} or "
+                  "search: {max_bpw: N} (and no type): qbuild picks per-tensor types by measured KL divergence")
 
 # The type each llama_ftype quantizes to by default (llama.cpp src/llama-quant.cpp, llama_ftype_get_default_type)
 # and what a tensor whose row does not fit that type's blocks gets instead (tensor_type_fallback): llama.cpp
@@ -108,10 +108,14 @@ class TensorType(StrictModel):
 
 
 class GGUFVariant(VariantBase):
-    """A GGUF file of one llama.cpp quantization type."""
+    """A GGUF file of one llama.cpp quantization type, or per-tensor types searched for a budget (`search:`)."""
 
     method: Literal["gguf"]
-    type: str = Field(description="llama.cpp quantization type, e.g. F16, Q8_0, Q4_K_M, IQ4_XS.")
+    type: str | None = Field(None, description="llama.cpp quantization type, e.g. F16, Q8_0, Q4_K_M, IQ4_XS "
+                                                "(required unless `search` is given).")
+    search: GGUFSearch | None = Field(
+        None, description="Reach a size, bits-per-weight or KLD budget with per-tensor types chosen from measured KL "
+                          "divergence (docs/mixed-precision.md); replaces `type`.")
     convert_type: Literal["f32", "f16", "bf16"] = Field(
         "f16", description="Type of the intermediate GGUF written by convert_hf_to_gguf.py before quantizing."
     )
@@ -129,6 +133,7 @@ class GGUFVariant(VariantBase):
         if self.imatrix is not None:
             return self.imatrix
         overrides = [t.type for t in self.tensor_types] + [self.output_type, self.embedding_type]
+        overrides += (self.search.types or []) if self.search else []
         return self.type in NEEDS_IMATRIX or any(t in TENSOR_NEEDS_IMATRIX for t in overrides)
 
     def needs_calibration(self) -> bool:
@@ -140,7 +145,8 @@ class GGUFVariant(VariantBase):
             extra.append(f"output={self.output_type}")
         if self.embedding_type:
             extra.append(f"embd={self.embedding_type}")
-        return " ".join([self.type + (" imatrix" if self.uses_imatrix() else "")] + extra)
+        head = self.search.describe() if self.search else self.type
+        return " ".join([head + (" imatrix" if self.uses_imatrix() else "")] + extra)
 
     def quant_params(self) -> dict:
         data = super().quant_params()
@@ -154,7 +160,9 @@ class GGUFVariant(VariantBase):
 
     @field_validator("type")
     @classmethod
-    def _known_type(cls, v: str) -> str:
+    def _known_type(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
         up = v.upper()
         up = TYPE_ALIASES.get(up, up)   # Q4_K is Q4_K_M: the same file, so the same key
         if up not in TYPES:
@@ -172,6 +180,19 @@ class GGUFVariant(VariantBase):
     @classmethod
     def _known_tensor_type(cls, v):
         return _tensor_type(v)
+
+    @model_validator(mode="after")
+    def _type_or_search(self):
+        if (self.type is None) == (self.search is None):
+            raise ValueError("give either type (one llama.cpp type) or search (a budget the types are searched for)"
+                             if self.type is None else "give type or search, not both")
+        if self.search is not None:
+            for t in self.search.types or []:
+                _tensor_type(t)
+            if self.tensor_types or self.output_type or self.embedding_type:
+                raise ValueError("search chooses every tensor's type: remove tensor_types / output_type / "
+                                 "embedding_type (or give search.types)")
+        return self
 
     @model_validator(mode="after")
     def _imatrix_when_required(self):
@@ -277,6 +298,8 @@ class GGUF(Method):
         import re
 
         info = ctx.model_info()
+        if variant.search is not None:
+            check_search(variant, ctx, field)
         if variant.tensor_types:
             names = gguf_weight_names(ctx.model().source_path, info)
             if names:
@@ -289,7 +312,7 @@ class GGUF(Method):
                     raise RecipeError(f"variants[{i}].name", f"{ref!r} is the ref of the importance matrix this recipe "
                                       "builds (RECIPE/imatrix:TAG); rename this variant")
         cols = gguf_tensor_columns(info)
-        if not cols:
+        if not cols or variant.search is not None:
             return
         self._check_main_type(variant, cols, ctx, field)
         requests = [("output_type", variant.output_type, r"^output\.weight$"),
@@ -342,6 +365,18 @@ class GGUF(Method):
                                              tools=IMATRIX_TOOLS, threads=ctx.threads, format=Format.IMATRIX,
                                              variant=imatrix_ref(variant.convert_type), impl_version=IMATRIX_IMPL,
                                              env_toolchain=imatrix_toolchain()))
+        if variant.search is not None:
+            def quantize_step(name: str, params: dict, extra: dict) -> Step:
+                return ctx.add(Step("quantize", name, params, "qbuild.quantize.gguf:run_quantize",
+                                    inputs={**inputs, **extra}, tools=TOOLS, threads=ctx.threads, format=Format.GGUF,
+                                    scheme=params["type"]))
+
+            names = gguf_weight_names(model.source_path, ctx.model_info()) or []
+            if not names:
+                raise RecipeError(f"variants[{ctx.recipe.variants.index(variant)}].search",
+                                  "the model's tensor names are unknown (not a llama-style checkpoint)")
+            return plan_search(variant, ctx, inputs, quantize_step, block_size, names,
+                               gguf_tensor_columns(ctx.model_info()))
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.gguf:run_quantize", inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.GGUF,
@@ -473,6 +508,10 @@ def run_quantize(ctx: StepContext) -> dict:
         params.token_embedding_type = ggml_type_id(llama_cpp, p["embedding_type"])
     keep = []  # ctypes buffers must outlive the call
     overrides = p.get("tensor_types") or []
+    if "allocation" in ctx.inputs:   # a search's candidate: its types come from the allocation step's output
+        from qbuild.quantize.gguf_search import candidate_overrides
+
+        overrides = candidate_overrides(Path(ctx.inputs["allocation"]), p["candidate"])
     if overrides:
         arr = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()  # zeroed terminator
         for i, o in enumerate(overrides):

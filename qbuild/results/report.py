@@ -304,6 +304,16 @@ def _points(rows, field):
             if r.get(field) is not None and r.get("size_bytes")]
 
 
+def _kld_points(rows):
+    """Every artifact with a KLD, and each search's measured candidates beside the artifact it chose."""
+    points = _points(rows, "kld")
+    for r in rows:
+        for c in (r.get("search") or {}).get("candidates", []):
+            if c.get("kld") is not None and c.get("size_bytes"):
+                points.append((c["size_bytes"] / 2**20, c["kld"], f"{r['variant']}~cand{c['candidate']}"))
+    return points
+
+
 def _gates_html(gates: dict | None) -> str:
     if not gates:
         return ""
@@ -353,6 +363,9 @@ tr.bad td{{background:#fde2e2}} pre{{background:#f7f7f7;padding:1em}}
 <div class="plots">
 <figure><figcaption>Perplexity vs size (lower-left is better; red: Pareto front)</figcaption>
 {svg_scatter(_points(rows, 'ppl'), 'size (MiB)', 'perplexity', True)}</figure>
+<figure><figcaption>KLD vs size, with every measured candidate of a search (lower-left is better; red: Pareto
+front)</figcaption>
+{svg_scatter(_kld_points(rows), 'size (MiB)', 'KLD', True)}</figure>
 <figure><figcaption>Decode speed vs size (upper-left is better; red: Pareto front)</figcaption>
 {svg_scatter(_points(rows, 'decode_tok_s'), 'size (MiB)', 'decode tokens/s', False)}</figure>
 </div>

@@ -123,7 +123,18 @@ def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated
         "ttft_ms": metric(speed, "ttft_ms"),
         "load": load_label(load_checks or []), "load_check": load_checks or None, "tasks": tasks or [],
         **({"serving": serving} if serving is not None else {}),
+        **({"search": _search_points(artifact.record)} if artifact and _search_points(artifact.record) else {}),
     }
+
+
+def _search_points(record: dict | None) -> dict | None:
+    """A searched artifact's measured candidates (size, KLD) and budget, for the report's KLD-vs-size plot."""
+    search = ((record or {}).get("info") or {}).get("search")
+    if not isinstance(search, dict) or not isinstance(search.get("candidates"), list):
+        return None
+    return {"budget": search.get("budget"), "chosen": search.get("chosen"),
+            "candidates": [{"candidate": c.get("candidate"), "size_bytes": c.get("size_bytes"), "kld": c.get("kld"),
+                            "meets_budget": c.get("meets_budget")} for c in search["candidates"]]}
 
 
 def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:

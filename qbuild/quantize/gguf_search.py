@@ -1,0 +1,409 @@
+"""Per-tensor mixed precision for a `gguf` variant, searched by measured KL divergence (`search:`).
+
+A `gguf` variant with `search: {max_size_mb | max_bpw | max_kld, ...}` and no `type` is planned as ordinary steps, all
+keyed, cached and spread by the executor like any other (docs/mixed-precision.md):
+
+1. `quantize[V~base]`: the whole model at `base_type` (Q8_0), and its KLD against the baseline's stored log-probs.
+2. Sensitivity: for each tensor group (one tensor kind, attn_q .. ffn_down, token_embd, output, within one band of
+   layers) × each candidate type, `quantize[V~G@T]` (only that group at T, the rest at the base type, through
+   llama.cpp's per-tensor overrides) and `perplexity[V~G@T]` (its KLD on `sensitivity_windows` windows). These
+   params name no budget: a second budget on the same model reuses every one of them.
+3. `gguf-search-allocate[V]`: assumes the groups' KLD increments add up and solves the budgeted choice exactly
+   (a multiple-choice knapsack by dynamic programming over bytes, sizes measured from the sensitivity files); it
+   writes `max_candidates` allocations (the optimum under the budget and under slightly tighter ones, since real
+   sizes and KLDs are not exactly additive).
+4. Each candidate is quantized (`quantize[V~cand<i>]`) and measured on the full evaluation windows.
+5. `quantize[V]` (kind gguf-search-select): the best candidate that meets the budget becomes the variant's artifact
+   (its manifest holds the chosen tensor types, the budget, size, bpw, KLD and the whole search record).
+
+Nothing here imports llama.cpp at plan time; the runners import numpy and gguf only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from qbuild.core.schema_base import StrictModel
+from qbuild.core.step import Step, StepContext
+from qbuild.errors import RecipeError
+
+OUTPUT_FILE = "model.gguf"   # qbuild.quantize.gguf's file name (a quantize step's one file)
+ALLOCATION_FILE = "allocation.json"
+SEARCH_FILE = "search.json"   # the artifact's own short record (budget, chosen types, command) beside the .gguf
+RECORD_RESERVE = 8192         # bytes of the budget kept for search.json, so the whole artifact meets it
+MB = 1_000_000               # max_size_mb is in decimal megabytes, as file sizes are usually quoted
+
+# Candidate types, most precise first. The default for a group is those whose blocks fit its rows (no fallback:
+# llama.cpp would silently store another type), below the base type; IQ types below 4 bits need an importance matrix.
+DEFAULT_TYPES = ("Q6_K", "Q5_K", "Q5_1", "Q5_0", "IQ4_NL", "Q4_K", "IQ4_XS", "Q4_1", "Q4_0", "Q3_K", "IQ3_S", "Q2_K")
+NEEDS_IMATRIX = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+# bits per weight of each ggml type (block bytes × 8 / block columns): ranks types and estimates sizes at plan time
+BPW = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6.0, "Q5_0": 5.5,
+       "IQ4_NL": 4.5, "Q4_K": 4.5, "IQ4_XS": 4.25, "Q4_1": 5.0, "Q4_0": 4.5, "Q3_K": 3.4375, "IQ3_S": 3.4375,
+       "IQ3_XXS": 3.0625, "Q2_K": 2.625, "IQ2_S": 2.5625, "IQ2_XS": 2.3125, "IQ2_XXS": 2.0625}
+
+
+class GGUFSearch(StrictModel):
+    """Reach a size or KLD budget with per-tensor types chosen from measured KL divergence."""
+
+    max_size_mb: float | None = Field(None, gt=0, description="File size budget in MB (10^6 bytes); objective min_kld.")
+    max_bpw: float | None = Field(None, gt=0, description="Bits-per-weight budget (file bits / weights); min_kld.")
+    max_kld: float | None = Field(None, gt=0, description="Mean KLD budget against the baseline; objective min_size.")
+    objective: Literal["min_kld", "min_size"] | None = Field(
+        None, description="min_kld under a size budget, min_size under a KLD budget (default: the budget's).")
+    types: list[str] | None = Field(
+        None, description="Candidate ggml tensor types. Default: those of " + ", ".join(DEFAULT_TYPES) + " whose "
+                          "blocks fit each group's rows (IQ3_S only with an importance matrix).")
+    base_type: str = Field("Q8_0", description="Type of every tensor a group does not move (and of the sensitivity "
+                                               "models' other tensors).")
+    layer_bands: int = Field(1, ge=1, description="Split the layers into this many contiguous bands; each tensor kind "
+                                                  "in each band is one group (1: one group per tensor kind).")
+    sensitivity_windows: int | None = Field(
+        2, ge=1, description="Evaluation windows for each sensitivity measurement (null: all of them); the finalists "
+                             "are measured on every window.")
+    max_candidates: int = Field(3, ge=1, le=16, description="Allocations built and measured for real.")
+
+    @field_validator("types")
+    @classmethod
+    def _types(cls, v):
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("give at least one type")
+        out = [t.upper() for t in v]   # each checked against the ggml types by the gguf variant
+        return sorted(set(out), key=out.index)
+
+    @field_validator("base_type")
+    @classmethod
+    def _base(cls, v):
+        up = v.upper()
+        if up not in ("Q8_0", "F16", "BF16", "F32"):
+            raise ValueError(f"{v!r}: the base type is a high-precision one (Q8_0, F16, BF16, F32)")
+        return up
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_budget(cls, data):
+        if not isinstance(data, dict):
+            return data
+        given = [k for k in ("max_size_mb", "max_bpw", "max_kld") if data.get(k) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one budget: max_size_mb, max_bpw or max_kld"
+                             + (f" (got {', '.join(given)})" if given else ""))
+        implied = "min_size" if given[0] == "max_kld" else "min_kld"
+        if data.get("objective") is None:
+            data = {**data, "objective": implied}   # resolved here: the key holds the objective, never null
+        elif data["objective"] != implied:
+            raise ValueError(f"objective {data['objective']} does not go with {given[0]}: use {implied}")
+        return data
+
+    def budget(self) -> dict:
+        return {k: getattr(self, k) for k in ("max_size_mb", "max_bpw", "max_kld") if getattr(self, k) is not None}
+
+    def describe(self) -> str:
+        (name, value), = self.budget().items()
+        return f"search {name.removeprefix('max_')}≤{value:g} {self.objective}"
+
+
+@dataclass(frozen=True)
+class Group:
+    """Tensors whose type is chosen together: one tensor kind within one band of layers."""
+
+    name: str          # e.g. ffn_down, ffn_down.b0-9, token_embd
+    pattern: str       # regex llama.cpp's --tensor-type matches (searched) against tensor names
+    tensors: tuple[str, ...]
+    columns: tuple[int, ...]
+
+
+def tensor_groups(names: list[str], cols: dict[str, int], layers: int, bands: int) -> list[Group]:
+    """The search's groups over the model's quantizable weights `names` (GGUF names)."""
+    by: dict[tuple[str, int], list[str]] = {}
+    for n in names:
+        m = re.match(r"blk\.(\d+)\.(.+)\.weight$", n)
+        if m:
+            layer, kind = int(m.group(1)), m.group(2)
+            band = layer * bands // max(layers, 1)
+        else:
+            kind, band = n.removesuffix(".weight"), -1
+        by.setdefault((kind, band), []).append(n)
+    groups = []
+    for (kind, band), tensors in sorted(by.items()):
+        tensors = sorted(tensors, key=lambda s: [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)])
+        if band < 0:
+            name, pattern = kind, rf"^{re.escape(kind)}\.weight$"
+        else:
+            idx = sorted({int(t.split(".")[1]) for t in tensors})
+            name = kind if bands == 1 else f"{kind}.b{idx[0]}-{idx[-1]}"
+            pattern = rf"^blk\.({'|'.join(map(str, idx))})\.{re.escape(kind)}\.weight$"
+        groups.append(Group(name, pattern, tuple(tensors), tuple(cols.get(t, 0) for t in tensors)))
+    return groups
+
+
+def group_types(group: Group, search: GGUFSearch, imatrix: bool, block_size) -> list[str]:
+    """The candidate types of a group: those asked for (or the defaults) whose blocks fit every row of the group."""
+    wanted = search.types or [t for t in DEFAULT_TYPES if imatrix or t not in NEEDS_IMATRIX]
+    return [t for t in wanted if t != search.base_type and all(c and c % block_size(t) == 0 for c in group.columns)]
+
+
+# --- allocation: a multiple-choice knapsack, solved exactly by dynamic programming -----------------------------
+def allocate(options: list[list[tuple[int, float]]], capacity: int, unit: int = 1) -> list[int] | None:
+    """Pick one option per group, minimizing the summed value (ΔKLD) with summed cost (Δbytes) ≤ capacity.
+
+    options[g] = [(cost, value), ...]; costs may be negative (an option smaller than the base). Costs are counted in
+    `unit`-byte steps rounded up, so a returned choice never exceeds the capacity. Returns each group's option
+    index, or None when no choice fits."""
+    import numpy as np
+
+    room = capacity - sum(min(c for c, _ in opts) for opts in options)
+    if room < 0:
+        return None
+    best, picks = _table(options, room // unit, unit)
+    return _backtrack(options, picks, room // unit, unit) if np.isfinite(best[-1]) else None
+
+
+def smallest_within(options: list[list[tuple[int, float]]], max_value: float, unit: int = 1) -> list[int] | None:
+    """The choice of least summed cost whose summed value is ≤ max_value (min_size under a KLD budget), from the same
+    table: its least capacity whose optimum is within the value budget. None when no choice is."""
+    import numpy as np
+
+    width = sum(-(-(max(c for c, _ in o) - min(c for c, _ in o)) // unit) for o in options)
+    best, picks = _table(options, width, unit)
+    within = np.nonzero(best <= max_value)[0]
+    return _backtrack(options, picks, int(within[0]), unit) if len(within) else None
+
+
+def _units(cost: int, low: int, unit: int) -> int:
+    return -(-(cost - low) // unit)   # ceil: a choice's real size never exceeds what the table counts
+
+
+def _table(options, width: int, unit: int):
+    """best[j]: least summed value using at most j units over all groups; picks[g][j]: group g's option there."""
+    import numpy as np
+
+    inf = float("inf")
+    best = np.zeros(width + 1)        # no group yet: nothing spent, nothing added
+    picks = []
+    for opts in options:
+        low = min(c for c, _ in opts)
+        new = np.full(width + 1, inf)
+        pick = np.full(width + 1, -1, dtype=np.int64)
+        for i, (cost, value) in enumerate(opts):
+            w = _units(cost, low, unit)
+            if w > width:
+                continue
+            cand = np.full(width + 1, inf)
+            cand[w:] = best[: width + 1 - w] + value
+            better = cand < new
+            new[better], pick[better] = cand[better], i
+        best = new
+        picks.append(pick)
+    return best, picks
+
+
+def _backtrack(options, picks, j: int, unit: int) -> list[int]:
+    choice = []
+    for g in range(len(options) - 1, -1, -1):
+        i = int(picks[g][j])
+        choice.append(i)
+        j -= _units(options[g][i][0], min(c for c, _ in options[g]), unit)
+    return choice[::-1]
+
+
+def _total(options, choice) -> tuple[int, float]:
+    return (sum(options[g][i][0] for g, i in enumerate(choice)), sum(options[g][i][1] for g, i in enumerate(choice)))
+
+
+# --- planning ----------------------------------------------------------------------------------------------------
+def check_search(variant, ctx, field: str) -> None:
+    """A search needs the baseline's log-probs (evaluation.kld, or a llama-perplexity kld_base file) to measure
+    against."""
+    ev = ctx.recipe.evaluation
+    if not (ev.kld and ev.perplexity):
+        raise RecipeError(f"{field}.search", "a search measures KL divergence against the baseline: set "
+                                             "evaluation.kld: true and evaluation.perplexity")
+
+
+def plan_search(variant, ctx, inputs: dict[str, Step], quantize_step, block_size, names, cols) -> Step:
+    """The search's steps (module docstring); returns the step whose output is the variant's artifact.
+    `quantize_step(name, params, extra_inputs)` makes a quantize step like the variant's own."""
+    from qbuild.evaluate.plan import kld_step
+
+    search = variant.search
+    imatrix = "imatrix" in inputs
+    info = ctx.model_info()
+    cfg = info.get("text_config") or info
+    groups = tensor_groups(names, cols, int(cfg.get("num_hidden_layers") or 0), search.layer_bands)
+    common = {"method": "gguf", "type": search.base_type, "convert_type": variant.convert_type, "imatrix": imatrix}
+    if not imatrix:
+        common.pop("imatrix")
+    label = variant.name
+    base = quantize_step(f"quantize[{label}~base]", dict(common), {})
+    alloc_inputs = {"base": base,
+                    "base_kld": kld_step(ctx, f"{label}~base", base, search.sensitivity_windows)}
+    table = []
+    for g in groups:
+        types = group_types(g, search, imatrix, block_size)
+        table.append({"group": g.name, "pattern": g.pattern, "tensors": list(g.tensors), "types": types})
+        for t in types:
+            tag = f"{g.name}@{t}"
+            q = quantize_step(f"quantize[{label}~{tag}]", {**common, "tensor_types": [{"pattern": g.pattern, "type": t}]},
+                              {})
+            alloc_inputs[f"q:{tag}"] = q
+            alloc_inputs[f"m:{tag}"] = kld_step(ctx, f"{label}~{tag}", q, search.sensitivity_windows)
+    if not any(row["types"] for row in table):
+        raise RecipeError(f"variants[{ctx.recipe.variants.index(variant)}].search.types",
+                          "no candidate type fits any tensor group's rows")
+    allocation = ctx.add(Step("gguf-search-allocate", f"gguf-search-allocate[{label}]",
+                              {"budget": search.budget(), "objective": search.objective, "groups": table,
+                               "base_type": search.base_type, "candidates": search.max_candidates},
+                              "qbuild.quantize.gguf_search:run_allocate", inputs={**alloc_inputs, "gguf": inputs["gguf"]},
+                              tools=("gguf", "numpy"), threads=1, format="metrics"))
+    select_inputs = {"allocation": allocation}
+    for i in range(search.max_candidates):
+        q = quantize_step(f"quantize[{label}~cand{i}]", {**common, "candidate": i}, {"allocation": allocation})
+        select_inputs[f"q:{i}"] = q
+        select_inputs[f"m:{i}"] = kld_step(ctx, f"{label}~cand{i}", q, None)
+    return ctx.add(Step("gguf-search-select", f"quantize[{label}]", {"budget": search.budget(), "imatrix": imatrix,
+                                                                      "objective": search.objective},
+                        "qbuild.quantize.gguf_search:run_select", inputs=select_inputs, threads=1,
+                        impl_version=2,   # 2: search.json beside the .gguf
+                        variant=label, format="gguf", scheme=search.base_type))
+
+
+# --- runners -----------------------------------------------------------------------------------------------------
+def _metrics(ctx: StepContext, role: str) -> dict:
+    return ctx.input_manifests.get(role, {}).get("metrics", {})
+
+
+def _size(ctx: StepContext, role: str) -> int:
+    return (Path(ctx.inputs[role]) / OUTPUT_FILE).stat().st_size
+
+
+def gguf_weights(path: Path) -> int:
+    """Number of weights (elements of every tensor) in a GGUF file: the denominator of bits per weight."""
+    import gguf
+
+    return int(sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors))
+
+
+def size_budget(budget: dict, weights: int) -> int | None:
+    if "max_size_mb" in budget:
+        return int(budget["max_size_mb"] * MB) - RECORD_RESERVE
+    if "max_bpw" in budget:
+        return int(budget["max_bpw"] * weights / 8) - RECORD_RESERVE
+    return None
+
+
+def run_allocate(ctx: StepContext) -> dict:
+    """Measured sizes and KLDs → allocations under the budget (additive model), as candidates to build."""
+    p = ctx.params
+    base_size, base_kld = _size(ctx, "base"), float(_metrics(ctx, "base_kld")["kld"])
+    weights = gguf_weights(Path(ctx.inputs["gguf"]) / OUTPUT_FILE)
+    options, measured = [], []
+    for row in p["groups"]:
+        opts = [(0, 0.0, p["base_type"])]
+        for t in row["types"]:
+            tag = f"{row['group']}@{t}"
+            size, kld = _size(ctx, f"q:{tag}"), float(_metrics(ctx, f"m:{tag}")["kld"])
+            opts.append((size - base_size, kld - base_kld, t))
+            measured.append({"group": row["group"], "type": t, "size_bytes": size, "kld": kld})
+        options.append(opts)
+    pairs = [[(c, v) for c, v, _ in opts] for opts in options]
+    span = sum(max(c for c, _ in o) - min(c for c, _ in o) for o in pairs)
+    unit = max(1, span // 4000)   # a few thousand columns: exact to well under 0.1 % of the range
+    limit = size_budget(p["budget"], weights)
+    choices = []
+    for i in range(p["candidates"] * 4):   # tighter budgets until enough distinct allocations
+        if limit is not None:
+            choice = allocate(pairs, int(limit * (1 - 0.004 * i)) - base_size, unit)
+        else:
+            choice = smallest_within(pairs, p["budget"]["max_kld"] * (1 - 0.1 * i) - base_kld, unit)
+        if choice is not None and choice not in choices:
+            choices.append(choice)
+        if len(choices) == p["candidates"]:
+            break
+    if not choices:
+        smallest = base_size + sum(min(c for c, _ in o) for o in pairs)
+        (name, value), = p["budget"].items()
+        raise RuntimeError(f"no allocation meets {name} {value}: the smallest mix of these types is "
+                           f"{smallest / MB:.2f} MB, the base model's KLD {base_kld:.5f}")
+    candidates = []
+    for choice in choices:
+        size, dkld = _total(pairs, choice)
+        types = [{"pattern": row["pattern"], "type": options[g][i][2], "group": row["group"]}
+                 for g, (row, i) in enumerate(zip(p["groups"], choice, strict=True)) if i]
+        candidates.append({"tensor_types": [{"pattern": t["pattern"], "type": t["type"]} for t in types],
+                           "groups": {t["group"]: t["type"] for t in types},
+                           "predicted_size_bytes": base_size + size, "predicted_kld": base_kld + dkld})
+    while len(candidates) < p["candidates"]:   # fewer distinct allocations than slots: repeat the best
+        candidates.append(candidates[0])
+    record = {"base": {"type": p["base_type"], "size_bytes": base_size, "kld": base_kld}, "weights": weights,
+              "budget": p["budget"], "objective": p["objective"], "size_limit_bytes": limit, "unit_bytes": unit,
+              "method": "multiple-choice knapsack, exact DP over bytes, additive KLD increments",
+              "sensitivity": measured, "candidates": candidates}
+    (ctx.out / ALLOCATION_FILE).write_text(json.dumps(record, indent=2))
+    return {"format": "metrics", "metrics": {"candidates": len(choices), "measurements": len(measured)}}
+
+
+def candidate_overrides(allocation_dir: Path, index: int) -> list[dict]:
+    """The tensor_types of allocation candidate `index` (what its quantize step passes to llama.cpp)."""
+    record = json.loads((Path(allocation_dir) / ALLOCATION_FILE).read_text())
+    return record["candidates"][index]["tensor_types"]
+
+
+def run_select(ctx: StepContext) -> dict:
+    """The best measured candidate that meets the budget becomes the artifact: its .gguf and a short search.json
+    (which makes it an object of its own: the winning candidate's .gguf alone is already stored, under the
+    candidate's manifest; and it travels with the file on `qbuild pull`). A size budget counts both files."""
+    p = ctx.params
+    alloc = json.loads((Path(ctx.inputs["allocation"]) / ALLOCATION_FILE).read_text())
+    weights, base_type = alloc["weights"], alloc["base"]["type"]
+    limit = size_budget(p["budget"], weights)
+    budget_bytes = None if limit is None else limit + RECORD_RESERVE
+    rows, shorts = [], []
+    for i, cand in enumerate(alloc["candidates"]):
+        m = _metrics(ctx, f"m:{i}")
+        size = _size(ctx, f"q:{i}")
+        short = {"budget": p["budget"], "objective": p["objective"], "base_type": base_type,
+                 "tensor_types": cand["tensor_types"], "gguf_bytes": size, "bpw": size * 8 / weights, "kld": m["kld"],
+                 "command": llama_quantize_command(base_type, cand["tensor_types"], p.get("imatrix", False))}
+        text = json.dumps(short, indent=2)
+        total = size + len(text.encode())
+        ok = total <= budget_bytes if budget_bytes is not None else m["kld"] <= p["budget"]["max_kld"]
+        rows.append({"candidate": i, "size_bytes": total, "gguf_bytes": size, "bpw": size * 8 / weights,
+                     "kld": m["kld"], "top1": m.get("top1"), "ppl": m.get("ppl"), "meets_budget": ok, **cand})
+        shorts.append(text)
+    fits = [r for r in rows if r["meets_budget"]]
+    if not fits:
+        (name, value), = p["budget"].items()
+        raise RuntimeError(f"no candidate met {name} {value}: measured " + ", ".join(
+            f"{r['size_bytes'] / MB:.3f} MB / KLD {r['kld']:.5f}" for r in rows))
+    order = (lambda r: (r["kld"], r["size_bytes"])) if p["objective"] == "min_kld" else \
+        (lambda r: (r["size_bytes"], r["kld"]))
+    best = min(fits, key=order)
+    shutil.copyfile(Path(ctx.inputs[f"q:{best['candidate']}"]) / OUTPUT_FILE, ctx.out / OUTPUT_FILE)
+    (ctx.out / SEARCH_FILE).write_text(shorts[best["candidate"]])
+    record = {**json.loads(shorts[best["candidate"]]), "chosen": best["candidate"], "size_bytes": best["size_bytes"],
+              "candidates": rows, "base": alloc["base"], "sensitivity": alloc["sensitivity"],
+              "method": alloc["method"]}
+    types = sorted({t["type"] for t in best["tensor_types"]} | {base_type})
+    info = {"gguf_type": base_type, "part_types": types, "tensor_types": best["tensor_types"], "search": record}
+    return {"format": "gguf", "metrics": {"size_bytes": best["size_bytes"], "gguf_bytes": best["gguf_bytes"],
+                                          "bpw": round(best["bpw"], 4), "search_kld": best["kld"]}, "info": info}
+
+
+def llama_quantize_command(base_type: str, tensor_types: list[dict], imatrix: bool = False) -> str:
+    """The llama-quantize command line that builds the same file from the converted GGUF."""
+    import shlex
+
+    parts = ["llama-quantize"] + (["--imatrix", "imatrix.gguf"] if imatrix else [])
+    for t in tensor_types:
+        parts += ["--tensor-type", shlex.quote(f"{t['pattern']}={t['type'].lower()}")]
+    return " ".join(parts + ["model-f16.gguf", "model-mixed.gguf", base_type])

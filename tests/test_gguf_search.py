@@ -1,0 +1,246 @@
+"""`search:` on a gguf variant (qbuild/quantize/gguf_search.py): the allocation against brute force, the schema, the
+plan's steps and keys, and a real search on the 2-layer SmolLM2 through llama.cpp."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import random
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from qbuild.artifacts.store import Store
+from qbuild.core.plan import build_steps
+from qbuild.core.recipe import parse_recipe
+from qbuild.quantize.gguf import GGUFVariant
+from qbuild.quantize.gguf_search import allocate, smallest_within, tensor_groups
+
+from helpers import run_api, write_recipe
+
+
+# --- allocation ----------------------------------------------------------------------------------------------
+def brute(options, ok):
+    """Every choice, the best (least value, then least cost) that `ok(cost, value)` accepts."""
+    best = None
+    for choice in itertools.product(*(range(len(o)) for o in options)):
+        cost = sum(options[g][i][0] for g, i in enumerate(choice))
+        value = sum(options[g][i][1] for g, i in enumerate(choice))
+        if ok(cost, value) and (best is None or (value, cost) < best[:2]):
+            best = (value, cost, list(choice))
+    return best
+
+
+def totals(options, choice):
+    return (sum(options[g][i][0] for g, i in enumerate(choice)), sum(options[g][i][1] for g, i in enumerate(choice)))
+
+
+def random_options(rng, groups=4, types=3):
+    """Group options like a search's: the base (0, 0) and cheaper types that add KLD (some noise below zero)."""
+    return [[(0, 0.0)] + [(-rng.randint(1, 60), rng.uniform(-0.001, 0.05)) for _ in range(types)]
+            for _ in range(groups)]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_allocation_is_the_exact_optimum_on_small_cases(seed):
+    rng = random.Random(seed)
+    options = random_options(rng, groups=rng.randint(1, 5), types=rng.randint(1, 4))
+    capacity = -rng.randint(0, sum(-min(c for c, _ in o) for o in options))
+    found = allocate(options, capacity, unit=1)
+    expected = brute(options, lambda c, v: c <= capacity)
+    assert found is not None and expected is not None
+    cost, value = totals(options, found)
+    assert cost <= capacity
+    assert value == pytest.approx(expected[0], abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_coarse_units_never_exceed_the_budget(seed):
+    rng = random.Random(100 + seed)
+    options = random_options(rng, groups=5, types=3)
+    capacity = -rng.randint(10, 120)
+    found = allocate(options, capacity, unit=7)
+    exact = brute(options, lambda c, v: c <= capacity)
+    if found is None:   # rounding costs up may lose a choice that fits exactly, never admit one that does not
+        return
+    cost, value = totals(options, found)
+    assert cost <= capacity and value >= exact[0] - 1e-12
+
+
+def test_no_choice_fits():
+    assert allocate([[(0, 0.0), (-5, 0.1)], [(0, 0.0), (-3, 0.2)]], -9) is None
+
+
+def test_upgrades_cost_bytes_and_lower_kld():
+    """An option above the base (F16 over Q8_0): positive cost, negative value; taken only where room allows."""
+    options = [[(0, 0.0), (10, -0.01)], [(0, 0.0), (-8, 0.002)]]
+    assert allocate(options, 2, unit=1) == [1, 1]
+    assert allocate(options, 1, unit=1) == [0, 0]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_min_size_under_a_kld_budget(seed):
+    rng = random.Random(200 + seed)
+    options = random_options(rng, groups=4, types=3)
+    budget = rng.uniform(0.0, 0.1)
+    found = smallest_within(options, budget, unit=1)
+    best = min(((totals(options, c)[0], c) for c in itertools.product(*(range(len(o)) for o in options))
+                if totals(options, c)[1] <= budget), default=None)
+    if best is None:
+        assert found is None
+        return
+    cost, value = totals(options, found)
+    assert value <= budget + 1e-12 and cost == best[0]
+
+
+def test_groups_by_kind_and_band():
+    names = [f"blk.{i}.{k}.weight" for i in range(4) for k in ("attn_q", "ffn_down")] + ["token_embd.weight"]
+    cols = dict.fromkeys(names, 64) | {f"blk.{i}.ffn_down.weight": 256 for i in range(4)}
+    one = tensor_groups(names, cols, 4, 1)
+    assert [g.name for g in one] == ["attn_q", "ffn_down", "token_embd"]
+    assert one[1].columns == (256,) * 4 and len(one[0].tensors) == 4
+    two = tensor_groups(names, cols, 4, 2)
+    assert [g.name for g in two] == ["attn_q.b0-1", "attn_q.b2-3", "ffn_down.b0-1", "ffn_down.b2-3", "token_embd"]
+    import re
+
+    assert [n for n in names if re.search(two[1].pattern, n)] == ["blk.2.attn_q.weight", "blk.3.attn_q.weight"]
+
+
+# --- schema --------------------------------------------------------------------------------------------------
+def variant(**kw):
+    return GGUFVariant.model_validate({"name": "v", "method": "gguf", **kw})
+
+
+def test_schema():
+    v = variant(search={"max_size_mb": 100.6})
+    assert v.type is None and v.search.objective == "min_kld"
+    assert variant(search={"max_kld": 0.01}).search.objective == "min_size"
+    assert variant(search={"max_bpw": 5, "types": ["q4_0", "Q5_0"]}).search.types == ["Q4_0", "Q5_0"]
+    for bad, words in [({}, "give either type"),
+                       ({"type": "Q4_0", "search": {"max_size_mb": 1}}, "not both"),
+                       ({"search": {"max_size_mb": 1, "max_kld": 0.1}}, "exactly one budget"),
+                       ({"search": {"objective": "min_kld"}}, "exactly one budget"),
+                       ({"search": {"max_kld": 0.1, "objective": "min_kld"}}, "use min_size"),
+                       ({"search": {"max_size_mb": 1, "types": ["Q9_9"]}}, "not a ggml tensor type"),
+                       ({"search": {"max_size_mb": 1}, "tensor_types": [{"pattern": "x", "type": "Q8_0"}]},
+                        "search chooses every tensor"),
+                       ({"type": "Q4_0", "target_size_mb": 90}, "search: {max_size_mb")]:
+        with pytest.raises(ValidationError, match=words):
+            variant(**bad)
+
+
+# --- plan ----------------------------------------------------------------------------------------------------
+def recipe_for(model: Path, store: Path, search: dict, imatrix=True) -> dict:
+    return {"name": "gsearch", "model": {"source": "local", "path": str(model)},
+            "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 8, "seq_len": 128},
+            "variants": [{"name": "q4km", "method": "gguf", "type": "Q4_K_M", "imatrix": imatrix},
+                         {"name": "mix", "method": "gguf", "imatrix": imatrix, "search": search}],
+            "evaluation": {"baseline": True, "kld": True, "perplexity": {"context_length": 256, "max_windows": 2}},
+            "runtime": {"threads": 1}, "store": {"path": str(store)}}
+
+
+def plan_steps(tmp_path, data) -> dict:
+    return {s.name: s for s in build_steps(parse_recipe(data), tmp_path).steps}
+
+
+needs_llama = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="needs qbuild[gguf]")
+
+
+@needs_llama
+def test_plan_sensitivity_is_shared_across_budgets(tiny_model_dir, tmp_path):
+    search = {"max_size_mb": 36, "types": ["Q4_0", "Q2_K"], "max_candidates": 2}
+    a = plan_steps(tmp_path, recipe_for(tiny_model_dir, tmp_path / "s", search))
+    b = plan_steps(tmp_path, recipe_for(tiny_model_dir, tmp_path / "s", {**search, "max_size_mb": 33}))
+    sens = sorted(n for n in a if n.startswith("quantize[mix~") and "cand" not in n and "base" not in n)
+    # 2-layer SmolLM2: 8 groups (7 kinds + token_embd, tied output); Q2_K fits only ffn_down's 1536 columns
+    assert len(sens) == 9 and "quantize[mix~ffn_down@Q2_K]" in sens and "quantize[mix~attn_q@Q2_K]" not in sens
+    for name in sens + [n.replace("quantize", "perplexity") for n in sens] + ["quantize[mix~base]"]:
+        assert a[name].key == b[name].key, name          # a second budget reuses every measurement
+    for name in ("gguf-search-allocate[mix]", "quantize[mix~cand0]", "quantize[mix]"):
+        assert a[name].key != b[name].key
+    assert a["quantize[mix]"].variant == "mix" and a["quantize[mix]"].format == "gguf"
+    assert a["perplexity[mix~attn_q@Q4_0]"].inputs["reference"].name == "reference[baseline]"
+    assert a["perplexity[mix~cand0]"].inputs["reference"].name == "reference[baseline]"
+
+
+@needs_llama
+def test_plan_refuses_a_search_without_kld(tiny_model_dir, tmp_path):
+    from qbuild.errors import RecipeError
+
+    data = recipe_for(tiny_model_dir, tmp_path / "s", {"max_size_mb": 36})
+    data["evaluation"]["kld"] = False
+    with pytest.raises(RecipeError, match="evaluation.kld: true"):
+        plan_steps(tmp_path, data)
+
+
+# --- a real search ---------------------------------------------------------------------------------------------
+@needs_llama
+@pytest.mark.slow
+def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
+    store = tmp_path / "store"
+    search = {"max_size_mb": 36.6, "types": ["Q4_0", "Q5_0", "Q2_K"], "max_candidates": 2}
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_for(tiny_model_dir, store, search))
+    rc, summary = run_api(recipe)
+    assert rc == 0, summary["steps"]
+    row = {v["variant"]: v for v in summary["variants"]}["mix"]
+    assert row["size_bytes"] <= 36.6e6 and row["kld"] is not None and row["ppl"] is not None
+    st = Store(store)
+    obj = st.object_dir(row["digest"])
+    manifest = json.loads((obj / "manifest.json").read_text())
+    record = manifest["info"]["search"]
+    assert manifest["info"]["tensor_types"] == record["tensor_types"] and record["tensor_types"]
+    assert manifest["metrics"]["gguf_bytes"] == (obj / "model.gguf").stat().st_size
+    assert manifest["metrics"]["size_bytes"] == record["size_bytes"] == row["size_bytes"]   # .gguf + search.json
+    assert sorted(f["path"] for f in manifest["files"]) == ["model.gguf", "search.json"]
+    assert json.loads((obj / "search.json").read_text())["tensor_types"] == record["tensor_types"]
+    assert record["kld"] == pytest.approx(row["kld"], abs=1e-9)   # the finalist's measurement is the variant's
+    assert record["command"].startswith("llama-quantize --imatrix") and "--tensor-type" in record["command"]
+    # the file holds the chosen types, as llama.cpp wrote them
+    import re
+
+    import gguf
+
+    written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(obj / "model.gguf")).tensors}
+    for t in record["tensor_types"]:
+        hit = [n for n in written if re.search(t["pattern"], n)]
+        assert hit and all(written[n] == t["type"] for n in hit)
+    # the report plots KLD vs size with every measured candidate beside the stock type
+    from qbuild import api
+
+    page = api.report("gsearch", store=store)
+    assert "KLD vs size" in page and "mix~cand0" in page and ">q4km<" in page
+    # the same recipe again: nothing runs
+    rc, again = run_api(recipe)
+    assert rc == 0 and again["counts"]["built"] == 0
+    # another budget: only allocation, candidates, selection and the variant's own evaluation run
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_for(tiny_model_dir, store, {**search, "max_size_mb": 35.5}))
+    rc, other = run_api(recipe)
+    assert rc == 0
+    built = sorted(s["name"] for s in other["steps"] if s["status"] == "built")
+    assert not any("@" in n or "~base" in n for n in built), built
+    assert {v["variant"]: v for v in other["variants"]}["mix"]["size_bytes"] <= 35.5e6
+    _, shown = api.show("gsearch/mix", store=store)
+    assert shown["rebuild_command"].startswith("llama-quantize --imatrix imatrix.gguf --tensor-type")
+
+
+@needs_llama
+def test_plan_with_a_llama_perplexity_base_file(tiny_model_dir, tmp_path):
+    """With evaluation.kld_base the search measures against the file (its tokens are the windows), on its first
+    sensitivity_windows chunks for the sensitivity and on all of them for the finalists."""
+    import numpy as np
+
+    from qbuild.evaluate.llamacpp_kld import write_kld_base
+
+    n_ctx, chunks = 256, 4
+    write_kld_base(tmp_path / "base.kld", np.zeros(chunks * n_ctx, dtype=np.int32), n_ctx,
+                   [np.zeros((n_ctx - 1 - n_ctx // 2, 16), dtype=np.float32)] * chunks)
+    data = recipe_for(tiny_model_dir, tmp_path / "s", {"max_size_mb": 36, "types": ["Q4_0"]})
+    data["evaluation"] = {"baseline": True, "kld": True, "kld_base": str(tmp_path / "base.kld"),
+                          "perplexity": {"protocol": "llama.cpp", "context_length": n_ctx, "max_windows": chunks}}
+    steps = plan_steps(tmp_path, data)
+    sens, final = steps["perplexity[mix~attn_q@Q4_0]"], steps["perplexity[mix~cand0]"]
+    assert sens.inputs["kld_base"].name == final.inputs["kld_base"].name == "kld-base"
+    assert sens.inputs["reference"].runner.endswith("reference_from_kld_base") and sens.params["max_windows"] == 2
+    assert final.inputs["reference"].key == steps["perplexity[q4km]"].inputs["reference"].key
