@@ -244,3 +244,11 @@ def test_plan_with_a_llama_perplexity_base_file(tiny_model_dir, tmp_path):
     assert sens.inputs["kld_base"].name == final.inputs["kld_base"].name == "kld-base"
     assert sens.inputs["reference"].runner.endswith("reference_from_kld_base") and sens.params["max_windows"] == 2
     assert final.inputs["reference"].key == steps["perplexity[q4km]"].inputs["reference"].key
+
+
+def test_a_variant_without_search_keeps_its_earlier_key():
+    """`search:` left out is not in the step's params: stock GGUF variants built before the search existed stay hits."""
+    from qbuild.quantize.gguf import GGUFVariant
+
+    params = GGUFVariant(name="q4km", method="gguf", type="Q4_K_M").quant_params()
+    assert "search" not in params and params["type"] == "Q4_K_M"

@@ -153,7 +153,7 @@ class GGUFVariant(VariantBase):
         data["imatrix"] = self.uses_imatrix()  # resolved: the implied default is part of the key, not None
         # options at their defaults are left out, so variants that use none of them keep their earlier keys
         for key, default in (("imatrix", False), ("output_type", None), ("embedding_type", None), ("tensor_types", []),
-                             ("target_bpw", None), ("target_size_mb", None)):
+                             ("target_bpw", None), ("target_size_mb", None), ("search", None)):
             if data.get(key) == default:
                 data.pop(key, None)
         return data
