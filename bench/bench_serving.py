@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -31,6 +32,13 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDELLM = REPO / ".venv-guidellm" / "bin" / "guidellm"
+WARMUP = 2   # requests per point left out of both tools' numbers
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of pid onto cpus: the server gets a core the clients never run on."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
 
 
 def server_cpu(pid: int) -> float:
@@ -51,24 +59,35 @@ def find_artifacts(store: Path, ref: str) -> tuple[Path, Path]:
     raise SystemExit(f"no HF checkpoint (step `model`) in {store}: run `qbuild recipes/demo.yaml` first")
 
 
-def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len: int, seed: int) -> dict:
+def server_prompt_eval_ms(log: Path, offset: int) -> tuple[list[float], int]:
+    """llama-server's own prompt-eval times (ms) of the requests it logged after byte `offset`, and the new offset."""
+    text = log.read_bytes()[offset:].decode(errors="replace")
+    return [float(m) for m in re.findall(r"prompt eval time =\s+([\d.]+) ms", text)], offset + len(text.encode())
+
+
+def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len: int, seed: int,
+               rampup: float) -> dict:
     from qbuild.serving.client import Workload, sweep
 
     rng = np.random.default_rng(seed)
     prompts = rng.integers(100, 20000, size=(n + 2, input_len)).tolist()
-    work = Workload(prompts=prompts, output_len=output_len, requests=n, warmup=2, timeout_s=300, model=model)
+    work = Workload(prompts=prompts, output_len=output_len, requests=n, warmup=WARMUP, timeout_s=300, model=model,
+                    rampup_s=rampup)
     cpu0 = time.process_time()
     [point] = sweep(url, work, [c])
     return {"output_tok_s": point["output_tok_s"], "ttft_ms_p50": point["ttft_ms_p50"], "errors": point["errors"],
-            "client_cpu_s": time.process_time() - cpu0}
+            "client_cpu_s": time.process_time() - cpu0, "ttft_ms": point["samples"]["ttft_ms"]}
 
 
 def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_len: int, output_len: int,
-                 out: Path, seed: int) -> dict:
+                 out: Path, seed: int, rampup: float) -> dict:
     backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
                "extras": {"body": {"ignore_eos": True}}}
     cmd = [str(GUIDELLM), "run", "--backend", json.dumps(backend),
-           "--profile", json.dumps({"kind": "concurrent", "streams": [c]}),
+           # the same 2 warm-up requests qbuild's client leaves out of its numbers
+           "--profile", json.dumps({"kind": "concurrent", "streams": [c],
+                                    "warmup": {"mode": "requests", "value": WARMUP},
+                                    "rampup_duration": rampup}),
            "--constraint", json.dumps({"kind": "max_requests", "count": n + 2}),
            "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": input_len, "output_tokens": output_len}),
            "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": str(tokenizer)}),
@@ -77,11 +96,14 @@ def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_le
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
+    bench = json.loads(out.read_text())["benchmarks"][0]
+    m = bench["metrics"]
+    done = sorted(bench["requests"]["successful"], key=lambda q: q["request_start_time"])
     return {"output_tok_s": m["output_tokens_per_second"]["successful"]["mean"],
             "ttft_ms_p50": m["time_to_first_token_ms"]["successful"]["median"],
             "errors": m["request_totals"]["errored"],
-            "client_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)}
+            "client_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+            "ttft_ms": [round(q["time_to_first_token_ms"], 2) for q in done]}
 
 
 def main() -> None:
@@ -91,6 +113,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--rampup", type=float, default=4.0,
+                    help="seconds over which both tools start their streams at concurrency > 1 (guidellm's "
+                         "rampup_duration, qbuild's rampup_s); 0: all at once")
     args = ap.parse_args()
     if not GUIDELLM.is_file():
         raise SystemExit(f"{GUIDELLM} missing: bash scripts/install.sh dev")
@@ -107,36 +132,62 @@ def main() -> None:
                                   slots=max(args.concurrency),
                                   context=input_len + output_len + 8, workdir=tmp)
     results: dict = {c: {"qbuild": [], "guidellm": []} for c in args.concurrency}
-    with running(launch, tmp / "server.log", args.ref) as srv:
+    cores = sorted(os.sched_getaffinity(0))
+    server_cores = set(cores[:threads])
+    client_cores = set(cores[threads:]) or server_cores
+    os.sched_setaffinity(0, client_cores)   # this process, its client and guidellm's (a child) stay off the server's
+    log = tmp / "server.log"
+    with running(launch, log, args.ref) as srv:
+        pin(srv.pid, server_cores)
         print(f"llama-server {srv.url} pid {srv.pid}, {threads} thread(s), --parallel {max(args.concurrency)}; "
-              f"{args.requests} requests of {input_len}+{output_len} tokens per point", flush=True)
+              f"{args.requests} requests of {input_len}+{output_len} tokens per point, ramp-up {args.rampup} s at "
+              f"concurrency > 1; server on CPU {sorted(server_cores)}, clients on {sorted(client_cores)}", flush=True)
+        offset = log.stat().st_size
         for r in range(args.rounds):
             for c in args.concurrency:
-                for tool in ("qbuild", "guidellm"):
+                rampup = args.rampup if c > 1 else 0.0
+                for tool in ("qbuild", "guidellm") if r % 2 == 0 else ("guidellm", "qbuild"):
                     s0 = server_cpu(srv.pid)
                     if tool == "qbuild":
                         res = run_qbuild(srv.url, launch.model_name, c, args.requests, input_len, output_len,
-                                         seed=1000 * r + c)
+                                         seed=1000 * r + c, rampup=rampup)
                     else:
                         res = run_guidellm(srv.url, launch.model_name, tokenizer, c, args.requests, input_len,
-                                           output_len, tmp / f"guidellm-{c}-{r}.json", seed=1000 * r + c + 500)
+                                           output_len, tmp / f"guidellm-{c}-{r}.json", seed=1000 * r + c + 500,
+                                           rampup=rampup)
                     res["server_cpu_s"] = server_cpu(srv.pid) - s0
+                    # the server's own prompt-eval times of the same measured requests: what TTFT is made of
+                    evals, offset = server_prompt_eval_ms(log, offset)
+                    res["server_prompt_eval_ms_p50"] = statistics.median(evals[WARMUP:]) if evals[WARMUP:] else None
+                    res["round"] = r
                     results[c][tool].append(res)
                     print(f"round {r} c={c} {tool:8} {res['output_tok_s']:7.2f} tok/s  TTFT p50 "
-                          f"{res['ttft_ms_p50']:8.1f} ms  client CPU {res['client_cpu_s']:6.2f} s  server CPU "
-                          f"{res['server_cpu_s']:6.2f} s  errors {res['errors']}", flush=True)
+                          f"{res['ttft_ms_p50']:8.1f} ms (server's prompt eval p50 "
+                          f"{res['server_prompt_eval_ms_p50'] or 0:6.1f} ms)  client CPU {res['client_cpu_s']:6.2f} s  "
+                          f"server CPU {res['server_cpu_s']:6.2f} s  errors {res['errors']}", flush=True)
     print(f"\n{'conc.':>5} {'qbuild tok/s':>13} {'guidellm':>9} {'ratio':>6} {'qbuild TTFT':>12} {'guidellm':>9} "
-          f"{'ratio':>6} {'qbuild CPU/server':>18} {'guidellm CPU/server':>20}")
+          f"{'ratio':>6} {'paired ratios':>14} {'TTFT-eval q/g':>14} {'qbuild CPU/server':>18} "
+          f"{'guidellm CPU/server':>20}")
     summary = {}
     for c, by in results.items():
-        med = {t: {k: statistics.median(x[k] for x in by[t]) for k in by[t][0]} for t in by}
+        keys = [k for k in by["qbuild"][0] if k not in ("ttft_ms", "round")]
+        med = {t: {k: statistics.median(x[k] for x in by[t] if x[k] is not None) for k in keys} for t in by}
         q, g = med["qbuild"], med["guidellm"]
+        # each round's two runs are back to back: their ratio is free of the server's drift between rounds
+        pairs = list(zip(by["qbuild"], by["guidellm"], strict=True))
+        paired_tok = statistics.median(a["output_tok_s"] / b["output_tok_s"] for a, b in pairs)
+        paired_ttft = statistics.median(a["ttft_ms_p50"] / b["ttft_ms_p50"] for a, b in pairs)
         row = {"tok_s_ratio": q["output_tok_s"] / g["output_tok_s"], "ttft_ratio": q["ttft_ms_p50"] / g["ttft_ms_p50"],
+               "paired_tok_s_ratio": paired_tok, "paired_ttft_ratio": paired_ttft,
+               "qbuild_ttft_over_server_eval_ms": q["ttft_ms_p50"] - q["server_prompt_eval_ms_p50"],
+               "guidellm_ttft_over_server_eval_ms": g["ttft_ms_p50"] - g["server_prompt_eval_ms_p50"],
                "qbuild_cpu_share": q["client_cpu_s"] / q["server_cpu_s"],
                "guidellm_cpu_share": g["client_cpu_s"] / g["server_cpu_s"], "qbuild": q, "guidellm": g}
         summary[c] = row
         print(f"{c:5d} {q['output_tok_s']:13.2f} {g['output_tok_s']:9.2f} {row['tok_s_ratio']:6.3f} "
               f"{q['ttft_ms_p50']:10.1f}ms {g['ttft_ms_p50']:7.1f}ms {row['ttft_ratio']:6.3f} "
+              f"{paired_tok:6.3f}/{paired_ttft:6.3f} "
+              f"{row['qbuild_ttft_over_server_eval_ms']:5.1f}/{row['guidellm_ttft_over_server_eval_ms']:5.1f}ms "
               f"{row['qbuild_cpu_share']:17.1%} {row['guidellm_cpu_share']:19.1%}")
     out = REPO / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)

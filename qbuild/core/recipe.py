@@ -138,7 +138,12 @@ class Serving(StrictModel):
     request_rates: list[float] | None = Field(
         None, description="Open-loop points: Poisson arrivals at these requests/s (seeded), after the concurrency ones.")
     requests: int = Field(16, ge=1, le=100_000, description="Requests measured per point (after the warm-up).")
-    warmup: int = Field(2, ge=0, description="Requests sent before each point and not counted.")
+    warmup: int = Field(2, ge=0, description="Requests sent first at each point and not counted; the measured ones "
+                        "follow them without a pause (steady state).")
+    rampup_s: float = Field(0.0, ge=0, description="Start the concurrent streams this many seconds apart in all "
+                            "(stream k at k/C of it), as guidellm's rampup_duration. With fixed lengths, streams that "
+                            "start together prefill together for the whole run; spread them to measure staggered "
+                            "traffic (about one request's duration is enough).")
     input_len: int = Field(128, ge=1, description="Prompt tokens per request (windows of the evaluation corpus).")
     output_len: int = Field(32, ge=2, description="Tokens generated per request (ignore_eos where the engine has it).")
     seed: int = Field(0, description="Which corpus windows become prompts, and the Poisson arrivals.")

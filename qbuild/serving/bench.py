@@ -58,7 +58,8 @@ def run(ctx: StepContext) -> dict:
     launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
                            workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
     work = Workload(prompts=prompts, output_len=w["output_len"], requests=w["requests"], warmup=w["warmup"],
-                    timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos, model=launch.model_name)
+                    timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos, model=launch.model_name,
+                    rampup_s=w.get("rampup_s", 0.0))
     log = ctx.out / SERVER_LOG
     ctx.log(f"starting {launch.engine} for {label}: {shlex.join(launch.argv(0)).replace(' 0 ', ' PORT ', 1)}")
     started = time.monotonic()

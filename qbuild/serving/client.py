@@ -1,7 +1,16 @@
 """The load generator: streaming `/v1/completions` requests from an asyncio client (httpx), as users hit a server.
 
-Closed loop: at concurrency C, C requests are in flight until `requests` have completed (each point after a
-warm-up that is not counted). Open loop (`request_rates`): requests start at Poisson arrival times of the given
+Closed loop: at concurrency C, C streams each send their next request as soon as the last one ends, until
+`warmup + requests` have been sent. The first `warmup` requests are left out of the latencies, and the ones
+measured follow them without a pause, so the point is measured in steady state (not from an idle server). Its
+rates (output tok/s, requests/s) count what the server delivered while every stream was busy: from the first
+measured request sent to the first stream left without a request, every streamed token and every request that
+ended in between, in proportion to the share of its tokens streamed then (as guidellm counts token timestamps
+within its measurement window), so neither the
+warm-up's start nor the last requests' tail, with fewer streams busy, bends them. With
+`rampup_s` the streams start that many seconds apart in all (stream k at k/C of it), as guidellm's `rampup_duration`
+does: with fixed lengths, streams that start together stay in step and prefill together, so the time to first
+token of the whole run depends on that first instant. Open loop (`request_rates`): requests start at Poisson arrival times of the given
 rate (seeded), however many are in flight. Per request: time to first token (TTFT), the gaps between streamed
 tokens (ITL), time per output token after the first (TPOT = (e2e - TTFT) / (tokens - 1)) and end-to-end latency.
 Per point: p50/p90/p99 of each, requests/s, output tok/s, errors.
@@ -13,7 +22,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -23,6 +32,9 @@ PERCENTILES = (50, 90, 99)
 @dataclass
 class RequestResult:
     ok: bool
+    start: float = 0.0       # perf_counter when the request was sent, and when its stream ended
+    end: float = 0.0
+    token_times: list[float] = field(default_factory=list)   # perf_counter of each streamed chunk
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
@@ -43,6 +55,7 @@ class Workload:
     timeout_s: float = 120.0
     ignore_eos: bool = True
     model: str = "model"
+    rampup_s: float = 0.0
 
 
 async def one_request(client, url: str, prompt, work: Workload) -> RequestResult:
@@ -51,13 +64,14 @@ async def one_request(client, url: str, prompt, work: Workload) -> RequestResult
     if work.ignore_eos:
         body["ignore_eos"] = True
     start = time.perf_counter()
+    failed = RequestResult(False, start=start)
     stamps: list[float] = []
     usage_tokens = None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                return RequestResult(False, error=f"HTTP {resp.status_code}: {text[:200]}")
+                return replace(failed, end=time.perf_counter(), error=f"HTTP {resp.status_code}: {text[:200]}")
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -66,38 +80,44 @@ async def one_request(client, url: str, prompt, work: Workload) -> RequestResult
                     break
                 chunk = json.loads(data)
                 if chunk.get("error"):
-                    return RequestResult(False, error=str(chunk["error"])[:200])
+                    return replace(failed, end=time.perf_counter(), error=str(chunk["error"])[:200])
                 if (chunk.get("usage") or {}).get("completion_tokens") is not None:
                     usage_tokens = chunk["usage"]["completion_tokens"]
                 choices = chunk.get("choices") or []
                 if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
                     stamps.append(time.perf_counter())
     except Exception as exc:   # connection refused/reset, timeout, bad JSON: counted as an error of this request
-        return RequestResult(False, error=f"{type(exc).__name__}: {exc}"[:200])
+        return replace(failed, end=time.perf_counter(), error=f"{type(exc).__name__}: {exc}"[:200])
     end = time.perf_counter()
     if not stamps:
-        return RequestResult(False, error="no token streamed")
+        return replace(failed, end=end, error="no token streamed")
     tokens = usage_tokens if usage_tokens is not None else len(stamps)
-    result = RequestResult(True, ttft_s=stamps[0] - start, e2e_s=end - start, itl_s=list(np.diff(stamps)),
-                           output_tokens=tokens)
+    result = RequestResult(True, start=start, end=end, ttft_s=stamps[0] - start, e2e_s=end - start,
+                           itl_s=list(np.diff(stamps)), output_tokens=tokens, token_times=stamps)
     if work.ignore_eos and tokens < work.output_len:
         result.ok, result.error = False, f"{tokens} of {work.output_len} tokens"
     return result
 
 
 async def _closed_loop(client, url: str, work: Workload, concurrency: int, first: int, count: int,
-                       done: Callable[[], None]) -> list[RequestResult]:
+                       done: Callable[[], None], rampup_s: float = 0.0) -> tuple[list[RequestResult], float]:
+    """`count` requests over `concurrency` streams: their results in the order they were sent, and when the first
+    stream found no request left (from then on fewer streams are busy)."""
     queue = list(range(first, first + count))
-    results: list[RequestResult] = []
+    results: dict[int, RequestResult] = {}
+    idle_at: list[float] = []
 
-    async def worker():
+    async def stream(k: int):
+        if rampup_s:
+            await asyncio.sleep(rampup_s * k / concurrency)
         while queue:
             i = queue.pop(0)
-            results.append(await one_request(client, url, work.prompts[i % len(work.prompts)], work))
+            results[i] = await one_request(client, url, work.prompts[i % len(work.prompts)], work)
             done()
+        idle_at.append(time.perf_counter())
 
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
-    return results
+    await asyncio.gather(*(stream(k) for k in range(min(concurrency, count))))
+    return [results[i] for i in sorted(results)], min(idle_at, default=time.perf_counter())
 
 
 async def _open_loop(client, url: str, work: Workload, rate: float, first: int, count: int, seed: int,
@@ -114,8 +134,22 @@ async def _open_loop(client, url: str, work: Workload, rate: float, first: int, 
     return list(await asyncio.gather(*tasks))
 
 
-def summarize_point(results: list[RequestResult], seconds: float) -> dict:
+def summarize_point(results: list[RequestResult], seconds: float | None = None,
+                    window: tuple[float, float] | None = None, around: list[RequestResult] = ()) -> dict:
+    """Numbers of one point. Rates: over `seconds` from the results alone, or over `window` (perf_counter times)
+    from every token and request end of `results` and `around` (the warm-up) that falls inside it."""
     ok = [r for r in results if r.ok]
+    if window is not None:
+        t0, t1 = window
+        seconds = t1 - t0
+        everything = [r for r in (*around, *results) if r.ok]
+        # each request counts for the share of its tokens streamed inside the window (a request that ends just
+        # after the window, as the streams finishing the same wave do, still counts for what it delivered)
+        shares = [(r.output_tokens, sum(1 for t in r.token_times if t0 <= t <= t1) / len(r.token_times))
+                  for r in everything if r.token_times]
+        tokens, ended = sum(n * share for n, share in shares), sum(share for _, share in shares)
+    else:
+        tokens, ended = sum(r.output_tokens for r in ok), len(ok)
 
     def pcts(name: str, values: list[float]) -> dict:
         if not values:
@@ -125,8 +159,8 @@ def summarize_point(results: list[RequestResult], seconds: float) -> dict:
 
     out = {"requests": len(results), "completed": len(ok), "errors": len(results) - len(ok),
            "seconds": round(seconds, 4),
-           "requests_s": round(len(ok) / seconds, 4) if seconds > 0 else None,
-           "output_tok_s": round(sum(r.output_tokens for r in ok) / seconds, 3) if seconds > 0 else None,
+           "requests_s": round(ended / seconds, 4) if seconds > 0 else None,
+           "output_tok_s": round(tokens / seconds, 3) if seconds > 0 else None,
            **pcts("ttft_ms", [r.ttft_s for r in ok]),
            **pcts("tpot_ms", [r.tpot_s for r in ok if r.tpot_s is not None]),
            **pcts("itl_ms", [g for r in ok for g in r.itl_s]),
@@ -178,11 +212,12 @@ async def _sweep(url, work, concurrency, rates, seed, between, progress) -> list
                                  trust_env=False) as client:   # trust_env off: no proxy between us and 127.0.0.1
         offset = 0
         for c in concurrency:
-            await _closed_loop(client, url, work, c, offset, work.warmup, tick(f"warm-up, concurrency {c}"))
-            start = time.perf_counter()
-            results = await _closed_loop(client, url, work, c, offset + work.warmup, work.requests,
-                                         tick(f"concurrency {c}"))
-            points.append({"concurrency": c, **summarize_point(results, time.perf_counter() - start)})
+            results, idle_at = await _closed_loop(client, url, work, c, offset, work.warmup + work.requests,
+                                                  tick(f"concurrency {c}"), work.rampup_s)
+            measured = results[work.warmup:]
+            window = (min(r.start for r in measured), idle_at)
+            points.append({"concurrency": c, **summarize_point(measured, window=window,
+                                                                around=results[:work.warmup])})
             offset += work.warmup + work.requests
             between()
         for k, rate in enumerate(rates):

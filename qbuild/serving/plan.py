@@ -18,7 +18,8 @@ from qbuild.formats import loads_in, spec
 from qbuild.plugins import Server, servers
 
 RUNNER = "qbuild.serving.bench:run"
-IMPL_VERSION = 2   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
+IMPL_VERSION = 3   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
+# 3: a point's warm-up requests lead into the measured ones without a pause (it was measured from an idle server)
 WORKLOAD_FIELDS = ("concurrency", "request_rates", "requests", "warmup", "input_len", "output_len", "seed", "timeout_s")
 
 
@@ -58,6 +59,8 @@ def serving_steps(ctx) -> None:
             continue
         unavailable = server.unavailable()
         workload = {k: getattr(serving, k) for k in WORKLOAD_FIELDS}
+        if serving.rampup_s:   # left out at its default, like other new switches
+            workload["rampup_s"] = serving.rampup_s
         for i, config in enumerate(serving.configs):
             refusal = server.refusal(config)
             if refusal:
