@@ -1,16 +1,17 @@
 """The load generator: streaming `/v1/completions` requests from an asyncio client (httpx), as users hit a server.
 
 Closed loop: at concurrency C, C streams each send their next request as soon as the last one ends, until
-`warmup + requests` have been sent. The first `warmup` requests are left out of the latencies, and the ones
-measured follow them without a pause, so the point is measured in steady state (not from an idle server). Its
-rates (output tok/s, requests/s) count what the server delivered while every stream was busy: from the first
-measured request sent to the first stream left without a request, every streamed token and every request that
-ended in between, in proportion to the share of its tokens streamed then (as guidellm counts token timestamps
-within its measurement window), so neither the
-warm-up's start nor the last requests' tail, with fewer streams busy, bends them. With
-`rampup_s` the streams start that many seconds apart in all (stream k at k/C of it), as guidellm's `rampup_duration`
-does: with fixed lengths, streams that start together stay in step and prefill together, so the time to first
-token of the whole run depends on that first instant. Open loop (`request_rates`): requests start at Poisson arrival times of the given
+`warmup + requests` have been sent. The first `warmup` requests are left out of the latencies, and the measured
+ones follow them without a pause, so the point is measured in steady state (not from an idle server). Its rates
+(output tok/s, requests/s) count what the server delivered while every stream was busy, from the first measured
+request sent (and every stream started) to the first stream left without a request: every streamed token in that
+window, and every request for the share of its tokens streamed in it (guidellm also counts token timestamps
+within its measurement window). So neither the ramp at the start nor the tail, with fewer streams busy, bends
+them. With `rampup_s` the streams start that many seconds apart in all (stream k at k/C of it), as guidellm's
+`rampup_duration` does: with fixed lengths, streams that start together stay in step and prefill together, so
+the time to first token of the whole run depends on that first instant.
+
+Open loop (`request_rates`): requests start at Poisson arrival times of the given
 rate (seeded), however many are in flight. Per request: time to first token (TTFT), the gaps between streamed
 tokens (ITL), time per output token after the first (TPOT = (e2e - TTFT) / (tokens - 1)) and end-to-end latency.
 Per point: p50/p90/p99 of each, requests/s, output tok/s, errors.
@@ -100,16 +101,19 @@ async def one_request(client, url: str, prompt, work: Workload) -> RequestResult
 
 
 async def _closed_loop(client, url: str, work: Workload, concurrency: int, first: int, count: int,
-                       done: Callable[[], None], rampup_s: float = 0.0) -> tuple[list[RequestResult], float]:
-    """`count` requests over `concurrency` streams: their results in the order they were sent, and when the first
-    stream found no request left (from then on fewer streams are busy)."""
+                       done: Callable[[], None], rampup_s: float = 0.0
+                       ) -> tuple[list[RequestResult], tuple[float, float]]:
+    """`count` requests over `concurrency` streams: their results in the order they were sent, and the time in which
+    every stream was busy (from the last stream's first request to the first stream that found none left)."""
     queue = list(range(first, first + count))
     results: dict[int, RequestResult] = {}
+    busy_at: list[float] = []
     idle_at: list[float] = []
 
     async def stream(k: int):
         if rampup_s:
             await asyncio.sleep(rampup_s * k / concurrency)
+        busy_at.append(time.perf_counter())
         while queue:
             i = queue.pop(0)
             results[i] = await one_request(client, url, work.prompts[i % len(work.prompts)], work)
@@ -117,7 +121,8 @@ async def _closed_loop(client, url: str, work: Workload, concurrency: int, first
         idle_at.append(time.perf_counter())
 
     await asyncio.gather(*(stream(k) for k in range(min(concurrency, count))))
-    return [results[i] for i in sorted(results)], min(idle_at, default=time.perf_counter())
+    now = time.perf_counter()
+    return [results[i] for i in sorted(results)], (max(busy_at, default=now), min(idle_at, default=now))
 
 
 async def _open_loop(client, url: str, work: Workload, rate: float, first: int, count: int, seed: int,
@@ -212,10 +217,13 @@ async def _sweep(url, work, concurrency, rates, seed, between, progress) -> list
                                  trust_env=False) as client:   # trust_env off: no proxy between us and 127.0.0.1
         offset = 0
         for c in concurrency:
-            results, idle_at = await _closed_loop(client, url, work, c, offset, work.warmup + work.requests,
-                                                  tick(f"concurrency {c}"), work.rampup_s)
+            results, (all_busy, first_idle) = await _closed_loop(
+                client, url, work, c, offset, work.warmup + work.requests, tick(f"concurrency {c}"), work.rampup_s)
             measured = results[work.warmup:]
-            window = (min(r.start for r in measured), idle_at)
+            # the rates' window: the warm-up sent and every stream busy, until the first stream runs out of requests
+            window = (max(min(r.start for r in measured), all_busy), first_idle)
+            if window[1] <= window[0]:   # never all busy at once (a ramp-up longer than the run): the whole span
+                window = (min(r.start for r in measured), max(r.end for r in measured))
             points.append({"concurrency": c, **summarize_point(measured, window=window,
                                                                 around=results[:work.warmup])})
             offset += work.warmup + work.requests
