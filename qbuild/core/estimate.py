@@ -86,8 +86,10 @@ def _param_overlap(a: dict, b: dict) -> tuple[int, int]:
     return sum(a.get(k) == b.get(k) for k in keys), len(keys)
 
 
-def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = None) -> PlanEstimate:
-    """Estimates for the misses of `planned` (PlannedStep rows of a Plan) and the plan's total."""
+def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = None,
+                  fallback: dict[str, float] | None = None) -> PlanEstimate:
+    """Estimates for the misses of `planned` (PlannedStep rows of a Plan) and the plan's total. `fallback`: step key
+    → seconds to use where the store has no history of it (a planner's own size-based guess); counted as known."""
     from qbuild.core.step import PlanStatus
 
     cores = max(1, cores or os.cpu_count() or 1)
@@ -121,7 +123,8 @@ def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = N
                 equal, total = _param_overlap(dict(s.params), best["params"])
                 basis = f"similar step ({equal}/{total} params equal)"
         if best is None:
-            out[s.key] = StepEstimate(None, "no history")
+            guess = (fallback or {}).get(s.key)
+            out[s.key] = StepEstimate(guess, "no history" if guess is None else "no history: size-based guess")
             continue
         seconds = best["seconds"]
         mine, theirs = model_size(s), _object_size(store, best["model_digest"], sizes)
