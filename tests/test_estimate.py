@@ -70,3 +70,23 @@ def test_estimate_plan_without_misses_reads_nothing(tmp_path, store_dir):
     assert run_api(recipe, store_dir)[0] == 0
     plan = api.plan(recipe, store=store_dir, estimate=False)
     assert estimate_plan(plan.steps, None, "t").steps == {}   # no store access at all (None would fail)
+
+
+def test_a_similar_evaluation_is_scaled_by_the_tokens_it_scores(store_dir):
+    """A search's 2-window sensitivity pass estimated from an 8-window pass of another recipe: a quarter of it."""
+    from qbuild.core.plan import PlannedStep
+    from qbuild.core.step import PlanStatus
+
+    st = Store(store_dir)
+    old = Step("perplexity", "perplexity[a]", {"max_windows": 8, "context_length": 512, "runtime": "llama.cpp"}, "m:f")
+    assert st.owned is not None   # claims the new store (its marker) before anything is written into it
+    tmp = st.root / "tmp" / "old"
+    tmp.mkdir(parents=True)
+    (tmp / "perplexity.json").write_text("{}")
+    st.publish(old.key, tmp, {"kind": "perplexity", "name": old.name, "runner": "m:f", "params": dict(old.params),
+                              "recipe": {"name": "other"}, "timings": {"seconds": 40.0}})
+    new = Step("perplexity", "perplexity[b~attn_q@Q4_0]", {**old.params, "max_windows": 2}, "m:f")
+    est = estimate_plan([PlannedStep(new, PlanStatus.MISS)], st, "search").steps[new.key]
+    assert est.seconds == 10.0 and est.basis.endswith("scaled by evaluated tokens x0.25"), est
+    same = Step("perplexity", "perplexity[c]", dict(old.params), "m:f")   # the same windows: not scaled
+    assert estimate_plan([PlannedStep(same, PlanStatus.MISS)], st, "search").steps[same.key].seconds == 40.0

@@ -163,6 +163,19 @@ def test_plan_sensitivity_is_shared_across_budgets(tiny_model_dir, tmp_path):
     assert a["quantize[mix]"].variant == "mix" and a["quantize[mix]"].format == "gguf"
     assert a["perplexity[mix~attn_q@Q4_0]"].inputs["reference"].name == "reference[baseline]"
     assert a["perplexity[mix~cand0]"].inputs["reference"].name == "reference[baseline]"
+    # the variant's own evaluation is its chosen finalist's measurement (same windows): planned over the finalists'
+    # measurements, not as another pass; a stock variant's evaluation is the ordinary one
+    own = a["perplexity[mix]"]
+    assert own.runner.endswith(":perplexity_of_a_measured_file") and own.inputs["model"] is a["quantize[mix]"]
+    assert {r: s.name for r, s in own.inputs.items() if r.startswith("measured:")} == {
+        "measured:q:0": "perplexity[mix~cand0]", "measured:q:1": "perplexity[mix~cand1]"}
+    stock = a["perplexity[q4km]"]
+    assert stock.runner.endswith(":perplexity") and not any(":" in r for r in stock.inputs)
+    assert dict(own.params) == {**stock.params, "reuses": "candidate measurement"}
+    assert "reference" not in own.inputs and "data" not in own.inputs   # nothing to fetch that it does not read
+    alone = recipe_for(tiny_model_dir, tmp_path / "s", search)
+    alone["variants"] = alone["variants"][:1]
+    assert plan_steps(tmp_path, alone)["perplexity[q4km]"].key == stock.key
 
 
 @needs_llama
@@ -173,6 +186,29 @@ def test_plan_refuses_a_search_without_kld(tiny_model_dir, tmp_path):
     data["evaluation"]["kld"] = False
     with pytest.raises(RecipeError, match="evaluation.kld: true"):
         plan_steps(tmp_path, data)
+
+
+@needs_llama
+def test_max_minutes_refuses_a_search_estimated_longer(tiny_model_dir, tmp_path):
+    """max_minutes is checked against the estimate of the search's steps still to build (an empty store: the
+    model-size guess) before anything runs; it is in no key, so a search within it plans the same steps."""
+    from qbuild.core.plan import make_plan
+    from qbuild.errors import RecipeError
+
+    search = {"max_size_mb": 36, "types": ["Q4_0", "Q2_K"], "max_candidates": 2}
+    store = Store(tmp_path / "s")
+
+    def plan(extra):
+        return make_plan(parse_recipe(recipe_for(tiny_model_dir, tmp_path / "s", {**search, **extra})), tmp_path, store)
+
+    with pytest.raises(RecipeError, match=r"variants\[1\]\.search\.max_minutes.*the search for mix is estimated at "
+                                          r"[\d.]+ min \(\d+ steps to build on \d+ cores, from the model's size\), "
+                                          r"over max_minutes 0\.001: lower types, layer_bands, max_candidates or "
+                                          r"sensitivity_windows, or raise max_minutes") as err:
+        plan({"max_minutes": 0.001})
+    assert "\n" not in str(err.value)
+    within, unlimited = plan({"max_minutes": 600}), plan({})
+    assert [p.step.key for p in within.steps] == [p.step.key for p in unlimited.steps]
 
 
 # --- a real search ---------------------------------------------------------------------------------------------
@@ -196,6 +232,13 @@ def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
     assert sorted(f["path"] for f in manifest["files"]) == ["model.gguf", "search.json"]
     assert json.loads((obj / "search.json").read_text())["tensor_types"] == record["tensor_types"]
     assert record["kld"] == pytest.approx(row["kld"], abs=1e-9)   # the finalist's measurement is the variant's
+    # ... taken, not measured again: the variant's perplexity step holds the chosen finalist's files and metrics
+    steps = {s["name"]: s for s in summary["steps"]}
+    own = st.lookup(steps["perplexity[mix]"]["key"]).record
+    finalist = steps[f"perplexity[mix~cand{record['chosen']}]"]
+    measured = st.lookup(finalist["key"]).record
+    assert own["info"]["measurement_of"] == f"q:{record['chosen']}" and own["metrics"] == measured["metrics"]
+    assert own["digest"] == measured["digest"] and own["metrics"]["kld"] == row["kld"]   # the same object
     assert record["command"].startswith("llama-quantize --imatrix") and "--tensor-type" in record["command"]
     # the file holds the chosen types, as llama.cpp wrote them
     import re
@@ -223,6 +266,43 @@ def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
     assert {v["variant"]: v for v in other["variants"]}["mix"]["size_bytes"] <= 35.5e6
     _, shown = api.show("gsearch/mix", store=store)
     assert shown["rebuild_command"].startswith("llama-quantize --imatrix imatrix.gguf --tensor-type")
+
+
+@needs_llama
+@pytest.mark.slow
+def test_a_budget_no_mix_reaches_fails_in_one_line(tiny_model_dir, tmp_path):
+    """A size budget below what the smallest candidate types reach: the run (the CLI, as a user runs it) exits
+    non-zero with one line naming the variant, the budget and the smallest reachable size, and no traceback; the
+    sensitivity measurements stay stored, so a larger budget reuses them."""
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    data = recipe_for(tiny_model_dir, store, {"max_size_mb": 5, "types": ["Q4_0"], "max_candidates": 1},
+                      imatrix=False)
+    data["variants"] = data["variants"][1:]   # the search alone
+    recipe = write_recipe(tmp_path / "r.yaml", data)
+    done = subprocess.run([sys.executable, "-m", "qbuild", "run", str(recipe)], capture_output=True, text=True,
+                          timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "Traceback" not in out, out
+    st = Store(store)
+    rc, summary = run_api(recipe)
+    assert rc != 0
+    steps = {s["name"]: s for s in summary["steps"]}
+    error = steps["gguf-search-allocate[mix]"]["error"]
+    assert "\n" not in error and " ".join(error.split()) in " ".join(out.split()), (error, out)   # what the CLI said
+    import re
+
+    m = re.search(r"search for mix: no mix of its types meets max_size_mb 5: the smallest they reach is ([\d.]+) MB "
+                  r"\(([\d.]+) bpw, KLD ([\d.]+) predicted\); raise max_size_mb or add smaller types", error)
+    assert m, error
+    smallest = float(m.group(1))
+    # every group at Q4_0 (~4.5 bpw) but the norms: well above the budget, well below the Q8_0 base
+    base = st.lookup(steps["quantize[mix~base]"]["key"])
+    base_mb = (base.path / "model.gguf").stat().st_size / 1e6
+    assert 5 < smallest < base_mb * 0.75, (smallest, base_mb)
+    assert steps["quantize[mix~attn_q@Q4_0]"]["status"] == "cached"   # measured once, kept
 
 
 @needs_llama

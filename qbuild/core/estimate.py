@@ -86,8 +86,22 @@ def _param_overlap(a: dict, b: dict) -> tuple[int, int]:
     return sum(a.get(k) == b.get(k) for k in keys), len(keys)
 
 
-def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = None) -> PlanEstimate:
-    """Estimates for the misses of `planned` (PlannedStep rows of a Plan) and the plan's total."""
+def _tokens_ratio(mine: dict, theirs: dict) -> float:
+    """How many more tokens an evaluation step scores than a historical one (max_windows × context_length, where both
+    give them as numbers): an evaluation pass is about linear in them. 1.0 where either does not say."""
+    def tokens(p: dict) -> float | None:
+        windows, length = p.get("max_windows"), p.get("context_length")
+        ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (windows, length))
+        return float(windows * length) if ok else None
+
+    a, b = tokens(mine), tokens(theirs)
+    return a / b if a and b else 1.0
+
+
+def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = None,
+                  fallback: dict[str, float] | None = None) -> PlanEstimate:
+    """Estimates for the misses of `planned` (PlannedStep rows of a Plan) and the plan's total. `fallback`: step key
+    → seconds to use where the store has no history of it (a planner's own size-based guess); counted as known."""
     from qbuild.core.step import PlanStatus
 
     cores = max(1, cores or os.cpu_count() or 1)
@@ -121,13 +135,18 @@ def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = N
                 equal, total = _param_overlap(dict(s.params), best["params"])
                 basis = f"similar step ({equal}/{total} params equal)"
         if best is None:
-            out[s.key] = StepEstimate(None, "no history")
+            guess = (fallback or {}).get(s.key)
+            out[s.key] = StepEstimate(guess, "no history" if guess is None else "no history: size-based guess")
             continue
         seconds = best["seconds"]
         mine, theirs = model_size(s), _object_size(store, best["model_digest"], sizes)
         if mine and theirs and mine != theirs:
             seconds *= mine / theirs
             basis += f", scaled by model size x{mine / theirs:.2f}"
+        tokens = _tokens_ratio(dict(s.params), best["params"])
+        if tokens != 1.0:   # an evaluation of 2 windows is not as long as one of 8 (a search's sensitivity passes)
+            seconds *= tokens
+            basis += f", scaled by evaluated tokens x{tokens:.2f}"
         out[s.key] = StepEstimate(seconds, basis, best["name"])
     total = _schedule([p.step for p in misses], out, cores)
     serial = sum(e.seconds for e in out.values() if e.seconds is not None)

@@ -92,6 +92,19 @@ class Plan:
         return out
 
 
+@dataclass(frozen=True)
+class TimeLimit:
+    """A planner's wall-time limit on a set of its steps (a search's `max_minutes`): checked against the estimate of
+    their misses once the store has been looked up; over it, planning refuses in one line naming `field`."""
+
+    field: str                    # the recipe field, e.g. variants[1].search.max_minutes
+    minutes: float
+    what: str                     # e.g. "the search for mix-q4km"
+    steps: tuple[Step, ...]
+    fallback: dict[str, float]    # step key → seconds where the store has no history of the step
+    advice: str                   # what to lower
+
+
 @dataclass
 class PlanContext:
     """What plugins get while planning: the recipe, shared upstream steps, and a way to add steps."""
@@ -108,6 +121,7 @@ class PlanContext:
     _calibration: Step | None = None
     _model_info: dict | None = None
     _envs: dict[str, BackendEnv] = field(default_factory=dict)
+    time_limits: list[TimeLimit] = field(default_factory=list)
 
     @property
     def threads(self) -> int:
@@ -137,6 +151,10 @@ class PlanContext:
         if message not in self.warnings:
             self.warnings.append(message)
             log.warning(message)
+
+    def limit_time(self, field: str, minutes: float, what: str, steps, fallback: dict[str, float], advice: str) -> None:
+        """Refuse the plan if `steps`' misses are estimated at more than `minutes` (TimeLimit, check_time_limit)."""
+        self.time_limits.append(TimeLimit(field, minutes, what, tuple(steps), dict(fallback), advice))
 
     def note_not_evaluated(self, label: str, reason: str) -> None:
         self.not_evaluated[label] = reason
@@ -325,5 +343,31 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (
     Every local hit is checked first (verify="fast": file set, sizes, memoized hashes; "full": re-hash)."""
     ctx = build_steps(recipe, recipe_dir)
     steps = tuple(_status(s, store, recipe.name, tuple(remotes), verify) for s in ctx.steps)
+    for limit in ctx.time_limits:
+        try:
+            check_time_limit(limit, steps, store, recipe.name)
+        except RecipeError as err:
+            raise locate(err, recipe) from None
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
                 tuple(remotes), overlap=ctx.overlap)
+
+
+def check_time_limit(limit: TimeLimit, planned: tuple[PlannedStep, ...], store: Store, recipe_name: str) -> None:
+    """Refuse (RecipeError on limit.field) when the limit's steps still to build are estimated to take longer than
+    its minutes: the store's history of the same or similar steps (qbuild.core.estimate), else the planner's
+    size-based guess. A limit on wall time decides only whether to start; it never changes a step or its key."""
+    from qbuild.core.estimate import estimate_plan
+
+    own = {s.key for s in limit.steps}
+    misses = [p for p in planned if p.step.key in own and p.status == PlanStatus.MISS]
+    if not misses:
+        return
+    estimate = estimate_plan(misses, store, recipe_name, fallback=limit.fallback)
+    minutes = estimate.total_seconds / 60
+    if minutes > limit.minutes:
+        guessed = sum(e.basis.startswith("no history") for e in estimate.steps.values())
+        basis = ("this store's history" if not guessed else
+                 "the model's size" if guessed == len(misses) else "this store's history and the model's size")
+        raise RecipeError(limit.field, f"{limit.what} is estimated at {minutes:.1f} min ({len(misses)} steps to build "
+                                       f"on {estimate.cores} cores, from {basis}), over max_minutes {limit.minutes:g}: "
+                                       f"{limit.advice}, or raise max_minutes")

@@ -24,7 +24,9 @@ from qbuild.plugins import Runtime, runtimes_for
 
 log = logging.getLogger("qbuild")
 
-RUNNERS = {"perplexity": "qbuild.evaluate.quality:perplexity", "reference": "qbuild.evaluate.quality:reference",
+RUNNERS = {"perplexity": "qbuild.evaluate.quality:perplexity",
+           "perplexity-reuse": "qbuild.evaluate.quality:perplexity_of_a_measured_file",
+           "reference": "qbuild.evaluate.quality:reference",
            "throughput": "qbuild.evaluate.throughput:run", "load-check": "qbuild.evaluate.loadcheck:run",
            "task": "qbuild.evaluate.tasks:run"}
 
@@ -75,7 +77,8 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
     env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
     kw.setdefault("impl_version", IMPL_VERSIONS.get(kind, 1))
     elastic = ctx.elastic_threads and kind in ELASTIC_KINDS and runtime.thread_invariant
-    return ctx.add(Step(kind, name, params, RUNNERS[kind], inputs={**inputs, **fields.extra_inputs}, tools=tools,
+    runner = RUNNERS[kw.pop("runner", kind)]
+    return ctx.add(Step(kind, name, params, runner, inputs={**inputs, **fields.extra_inputs}, tools=tools,
                         threads=ctx.threads, elastic_threads=elastic,
                         preload=runtime.preload if env is None else (),
                         backend_env=env, runtime_args=runtime_args, **extra, **kw))
@@ -120,12 +123,43 @@ def evaluation_steps(ctx) -> None:
                     inputs["reference"] = reference  # KLD + top-1 from the same pass
                     if ev.kld_base:
                         inputs["kld_base"] = reference.inputs["kld_base"]  # windows are the file's tokens
-                _step("perplexity", f"perplexity[{art.label}]", params, rt, art.label, art.step, inputs, (), ctx)
+                measured = measured_candidates(art.step, params, inputs)
+                if measured:
+                    # only what it reads (no evaluation text or reference log-probs to fetch on another node)
+                    _step("perplexity", f"perplexity[{art.label}]", {**params, "reuses": "candidate measurement"}, rt,
+                          art.label, art.step, {"model": art.step, **measured}, (), ctx, runner="perplexity-reuse")
+                else:
+                    _step("perplexity", f"perplexity[{art.label}]", params, rt, art.label, art.step, inputs, (), ctx)
         if ev.throughput and "throughput" not in skipped:
             params = {**ev.throughput.canonical(), "runtime": rt.name, "device": ctx.device}
             # timings belong to a machine: the hardware is part of the key, so another machine never hits
             _step("throughput", f"throughput[{art.label}]", params, rt, art.label, art.step, {"model": art.step}, (),
                   ctx, per_hardware=True)
+
+
+def measured_candidates(artifact: Step, params: dict, inputs: dict) -> dict[str, Step]:
+    """The candidate files an artifact step chooses among and their measurements, when every candidate was measured
+    exactly as this evaluation would measure the artifact (same params: windows, protocol, runtime; same data,
+    reference and base-file inputs): {"candidate:<role>": model step, "measured:<role>": its perplexity step}.
+    Empty when the artifact step has no such candidates (every ordinary variant) or one was measured otherwise.
+
+    A search's selection (gguf-search-select) copies one finalist's file, byte for byte, and every finalist was
+    measured on the full evaluation windows: measuring the chosen file again gives the same numbers from the same
+    bytes. Which finalist wins is only known at run time, so the variant's evaluation cannot be planned as that
+    finalist's step; it is planned with every finalist's measurement as an input, and its runner returns the one whose
+    file has the artifact's sha256 (qbuild.evaluate.quality.perplexity_of_a_measured_file). Its key is still a
+    function of hashed inputs only, and an ordinary variant's evaluation (no measured candidates) keeps its key."""
+    candidates = {role: s for role, s in artifact.inputs.items() if spec(s.format).model}
+    measurements = {s.inputs["model"].key: s for s in artifact.inputs.values()
+                    if s.kind == "perplexity" and "model" in s.inputs}
+    rest = {role: s.key for role, s in inputs.items() if role != "model"}
+    found = {}
+    for role, candidate in candidates.items():
+        m = measurements.get(candidate.key)
+        if m is None or dict(m.params) != params or {r: s.key for r, s in m.inputs.items() if r != "model"} != rest:
+            return {}
+        found[f"candidate:{role}"], found[f"measured:{role}"] = candidate, m
+    return found
 
 
 def effective_evaluation(ctx):

@@ -190,6 +190,30 @@ def perplexity(ctx: StepContext) -> dict:
     return {"format": "metrics", "metrics": metrics, "info": {"seconds": seconds}}
 
 
+def perplexity_of_a_measured_file(ctx: StepContext) -> dict:
+    """A `perplexity` step of an artifact that is, byte for byte, one of its measured candidates (a search's chosen
+    finalist; qbuild.evaluate.plan.measured_candidates): that candidate's measurement, same params and inputs, is
+    this step's result, so its files and metrics are copied instead of running the model again. Which candidate it is
+    is decided by content: the one whose files all appear in the artifact with the same sha256; none is an error
+    (the planner paired an artifact that is not one of its candidates)."""
+    import shutil
+
+    own = {(f["path"], f["sha256"]) for f in ctx.input_manifests["model"].get("files", [])}
+    for role in sorted(r for r in ctx.inputs if r.startswith("candidate:")):
+        files = {(f["path"], f["sha256"]) for f in ctx.input_manifests[role].get("files", [])}
+        if not files or not files <= own:
+            continue
+        measured = "measured:" + role.removeprefix("candidate:")
+        src, manifest = Path(ctx.inputs[measured]), ctx.input_manifests[measured]
+        for f in manifest.get("files", []):
+            shutil.copyfile(src / f["path"], ctx.out / f["path"])
+        return {"format": "metrics", "metrics": dict(manifest.get("metrics", {})),
+                "info": {"seconds": 0.0, "measurement_of": role.removeprefix("candidate:"),
+                         "measurement_key": manifest.get("key")}}
+    raise RuntimeError(f"{ctx.step_name}: the artifact's files are none of its measured candidates' (sha256 differs); "
+                       "its measurements cannot stand for it")
+
+
 def write_divergence(ctx: StepContext, klds: list, top1: list, record: dict) -> dict:
     """Summarize per-position KLD / top-1 agreement, write divergence.json, return the step result."""
     kld, same = np.concatenate(klds), np.concatenate(top1)

@@ -69,6 +69,10 @@ class GGUFSearch(StrictModel):
         2, ge=1, description="Evaluation windows for each sensitivity measurement (null: all of them); the finalists "
                              "are measured on every window.")
     max_candidates: int = Field(3, ge=1, le=16, description="Allocations built and measured for real.")
+    max_minutes: float | None = Field(
+        None, gt=0, description="Refuse to start a search whose steps still to build are estimated (from the store's "
+                                "history of the same or similar steps, else from the model's size) to take longer. "
+                                "Never part of a key: results do not depend on wall time.")
 
     @field_validator("types")
     @classmethod
@@ -247,6 +251,7 @@ def plan_search(variant, ctx, inputs: dict[str, Step], quantize_step, block_size
     base = quantize_step(f"quantize[{label}~base]", dict(common), {})
     alloc_inputs = {"base": base,
                     "base_kld": kld_step(ctx, f"{label}~base", base, search.sensitivity_windows)}
+    sensitivity_reference = alloc_inputs["base_kld"].inputs["reference"]   # its own over the first windows (or shared)
     table = []
     for g in groups:
         types = group_types(g, search, imatrix, block_size)
@@ -264,17 +269,58 @@ def plan_search(variant, ctx, inputs: dict[str, Step], quantize_step, block_size
                               {"budget": search.budget(), "objective": search.objective, "groups": table,
                                "base_type": search.base_type, "candidates": search.max_candidates},
                               "qbuild.quantize.gguf_search:run_allocate", inputs={**alloc_inputs, "gguf": inputs["gguf"]},
-                              tools=("gguf", "numpy"), threads=1, format="metrics"))
+                              tools=("gguf", "numpy"), threads=1, format="metrics",
+                              runtime_args={"variant": label}))   # for its messages; not hashed
     select_inputs = {"allocation": allocation}
     for i in range(search.max_candidates):
         q = quantize_step(f"quantize[{label}~cand{i}]", {**common, "candidate": i}, {"allocation": allocation})
         select_inputs[f"q:{i}"] = q
         select_inputs[f"m:{i}"] = kld_step(ctx, f"{label}~cand{i}", q, None)
-    return ctx.add(Step("gguf-search-select", f"quantize[{label}]", {"budget": search.budget(), "imatrix": imatrix,
-                                                                      "objective": search.objective},
-                        "qbuild.quantize.gguf_search:run_select", inputs=select_inputs, threads=1,
-                        impl_version=2,   # 2: search.json beside the .gguf
-                        variant=label, format="gguf", scheme=search.base_type))
+    select = ctx.add(Step("gguf-search-select", f"quantize[{label}]", {"budget": search.budget(), "imatrix": imatrix,
+                                                                        "objective": search.objective},
+                          "qbuild.quantize.gguf_search:run_select", inputs=select_inputs, threads=1,
+                          runtime_args={"variant": label}, impl_version=2,   # 2: search.json beside the .gguf
+                          variant=label, format="gguf", scheme=search.base_type))
+    if search.max_minutes is not None:
+        steps = [*alloc_inputs.values(), allocation, *select_inputs.values(), select]
+        if "~" in sensitivity_reference.name:
+            steps.append(sensitivity_reference)   # reference[baseline~Nw]: made for the search alone
+        index = ctx.recipe.variants.index(variant)
+        ctx.limit_time(f"variants[{index}].search.max_minutes", search.max_minutes, f"the search for {label}", steps,
+                       {s.key: guessed_seconds(s, estimated_weights(info)) for s in steps},
+                       "lower types, layer_bands, max_candidates or sensitivity_windows")
+    return select
+
+
+# what a search step takes on one core of this project's 2-core machine, per weight of the model (the demo's
+# SmolLM2-135M under load 5-10, docs/mixed-precision.md): a guess for a store with no history of such steps
+SECONDS_PER_WEIGHT = {"sensitivity-quantize": 3.3e-8, "candidate-quantize": 2.2e-7}
+SECONDS_PER_WEIGHT_TOKEN = 1.4e-10     # a perplexity pass: ~10 s per 512-token window at 135M weights
+WINDOWS_IF_ALL = 16                    # max_windows null: the text's windows, unknown at plan time
+
+
+def estimated_weights(info: dict) -> int:
+    """The weights of a llama-style model from its config (no checkpoint read): embeddings, attention, MLP."""
+    cfg = info.get("text_config") or info
+    hidden, layers = int(cfg.get("hidden_size") or 0), int(cfg.get("num_hidden_layers") or 0)
+    heads = int(cfg.get("num_attention_heads") or 1)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    kv = int(cfg.get("num_key_value_heads") or heads) * head_dim
+    tied = cfg.get("tie_word_embeddings", info.get("tie_word_embeddings", True))
+    vocab = int(cfg.get("vocab_size") or 0) * hidden * (1 if tied else 2)
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv + 3 * hidden * int(cfg.get("intermediate_size") or 0)
+    return vocab + layers * per_layer
+
+
+def guessed_seconds(step: Step, weights: int) -> float:
+    """A search step's time from the model's size alone (SECONDS_PER_WEIGHT*): used where the store has no history."""
+    if step.kind in ("perplexity", "reference"):
+        windows = step.params.get("max_windows") or WINDOWS_IF_ALL
+        return SECONDS_PER_WEIGHT_TOKEN * weights * windows * int(step.params.get("context_length") or 512)
+    if step.kind == "quantize":
+        kind = "candidate-quantize" if "allocation" in step.inputs else "sensitivity-quantize"
+        return SECONDS_PER_WEIGHT[kind] * weights
+    return 5.0   # allocation, selection: reading manifests and a small DP
 
 
 # --- runners -----------------------------------------------------------------------------------------------------
@@ -330,10 +376,8 @@ def run_allocate(ctx: StepContext) -> dict:
         if len(choices) == p["candidates"]:
             break
     if not choices:
-        smallest = base_size + sum(min(c for c, _ in o) for o in pairs)
-        (name, value), = p["budget"].items()
-        raise RuntimeError(f"no allocation meets {name} {value}: the smallest mix of these types is "
-                           f"{smallest / MB:.2f} MB, the base model's KLD {base_kld:.5f}")
+        raise RuntimeError(unreachable_budget(ctx.runtime_args.get("variant", "?"), p["budget"], pairs, base_size,
+                                              base_kld, weights))
     candidates = []
     for choice in choices:
         size, dkld = _total(pairs, choice)
@@ -350,6 +394,22 @@ def run_allocate(ctx: StepContext) -> dict:
               "sensitivity": measured, "candidates": candidates}
     (ctx.out / ALLOCATION_FILE).write_text(json.dumps(record, indent=2))
     return {"format": "metrics", "metrics": {"candidates": len(choices), "measurements": len(measured)}}
+
+
+def unreachable_budget(variant: str, budget: dict, pairs, base_size: int, base_kld: float, weights: int) -> str:
+    """One line: no mix of the candidate types meets the budget, and what the types can reach (by the measured,
+    additive sensitivity): the smallest file for a size budget, the least KLD for a KLD budget."""
+    (name, value), = budget.items()
+    head = f"search for {variant}: no mix of its types meets {name} {value:g}"
+    if name == "max_kld":
+        least = base_kld + sum(min(v for _, v in o) for o in pairs)
+        return (f"{head}: the least KLD they reach is {least:.5f} (the base type alone: {base_kld:.5f}); raise "
+                "max_kld or use a more precise base_type")
+    pick = [min(range(len(o)), key=lambda i, o=o: (o[i][0], o[i][1])) for o in pairs]
+    size, dkld = _total(pairs, pick)
+    smallest = base_size + size + RECORD_RESERVE
+    return (f"{head}: the smallest they reach is {smallest / MB:.2f} MB ({smallest * 8 / weights:.2f} bpw, KLD "
+            f"{base_kld + dkld:.5f} predicted); raise {name} or add smaller types")
 
 
 def candidate_overrides(allocation_dir: Path, index: int) -> list[dict]:
@@ -383,7 +443,8 @@ def run_select(ctx: StepContext) -> dict:
     fits = [r for r in rows if r["meets_budget"]]
     if not fits:
         (name, value), = p["budget"].items()
-        raise RuntimeError(f"no candidate met {name} {value}: measured " + ", ".join(
+        raise RuntimeError(f"search for {ctx.runtime_args.get('variant', '?')}: no candidate met {name} {value}: "
+                           "measured " + ", ".join(
             f"{r['size_bytes'] / MB:.3f} MB / KLD {r['kld']:.5f}" for r in rows))
     order = (lambda r: (r["kld"], r["size_bytes"])) if p["objective"] == "min_kld" else \
         (lambda r: (r["size_bytes"], r["kld"]))
