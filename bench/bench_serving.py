@@ -65,13 +65,15 @@ def server_prompt_eval_ms(log: Path, offset: int) -> tuple[list[float], int]:
     return [float(m) for m in re.findall(r"prompt eval time =\s+([\d.]+) ms", text)], offset + len(text.encode())
 
 
-def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len: int, seed: int,
+def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len: int | dict, seed: int,
                rampup: float) -> dict:
+    from qbuild.serving.bench import drawn_lengths
     from qbuild.serving.client import Workload, sweep
 
     rng = np.random.default_rng(seed)
     prompts = rng.integers(100, 20000, size=(n + 2, input_len)).tolist()
-    work = Workload(prompts=prompts, output_len=output_len, requests=n, warmup=WARMUP, timeout_s=300, model=model,
+    lengths = drawn_lengths(output_len, n + WARMUP, seed) if isinstance(output_len, dict) else output_len
+    work = Workload(prompts=prompts, output_len=lengths, requests=n, warmup=WARMUP, timeout_s=300, model=model,
                     rampup_s=rampup)
     cpu0 = time.process_time()
     [point] = sweep(url, work, [c])
@@ -79,7 +81,15 @@ def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len:
             "client_cpu_s": time.process_time() - cpu0, "ttft_ms": point["samples"]["ttft_ms"]}
 
 
-def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_len: int, output_len: int,
+def guidellm_lengths(output_len: int | dict) -> dict:
+    """guidellm's synthetic output lengths: fixed, or uniform over min..max (its sampler without a stdev)."""
+    if not isinstance(output_len, dict):
+        return {"output_tokens": output_len}
+    return {"output_tokens": (output_len["min"] + output_len["max"]) // 2, "output_tokens_min": output_len["min"],
+            "output_tokens_max": output_len["max"]}
+
+
+def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_len: int, output_len: int | dict,
                  out: Path, seed: int, rampup: float) -> dict:
     backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
                "extras": {"body": {"ignore_eos": True}}}
@@ -89,7 +99,7 @@ def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_le
                                     "warmup": {"mode": "requests", "value": WARMUP},
                                     "rampup_duration": rampup}),
            "--constraint", json.dumps({"kind": "max_requests", "count": n + 2}),
-           "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": input_len, "output_tokens": output_len}),
+           "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": input_len, **guidellm_lengths(output_len)}),
            "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": str(tokenizer)}),
            "--seed", json.dumps({"kind": "static", "value": seed}),
            "--output", json.dumps({"kind": "json", "path": str(out)}), "--disable-progress", "--disable-console"]
@@ -116,6 +126,8 @@ def main() -> None:
     ap.add_argument("--rampup", type=float, default=4.0,
                     help="seconds over which both tools start their streams at concurrency > 1 (guidellm's "
                          "rampup_duration, qbuild's rampup_s); 0: all at once")
+    ap.add_argument("--output-len", type=int, nargs="+", default=[32], metavar="N",
+                    help="tokens per request: one number, or MIN MAX to draw each request's uniformly (both tools)")
     args = ap.parse_args()
     if not GUIDELLM.is_file():
         raise SystemExit(f"{GUIDELLM} missing: bash scripts/install.sh dev")
@@ -124,13 +136,16 @@ def main() -> None:
     from qbuild.serving.server import running
 
     gguf, tokenizer = find_artifacts(args.store, args.ref)
-    input_len, output_len = 128, 32
+    input_len = 128
+    output_len = args.output_len[0] if len(args.output_len) == 1 else {"min": args.output_len[0],
+                                                                        "max": args.output_len[1]}
+    longest = output_len["max"] if isinstance(output_len, dict) else output_len
     threads = max(1, (os.cpu_count() or 2) // 2)
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
     # no prompt cache: every prompt is new anyway (distinct seeds), and no run may profit from another's
     launch = LlamaServer().launch(gguf, ServingConfig(name="nocache", prefix_caching=False), threads=threads,
                                   slots=max(args.concurrency),
-                                  context=input_len + output_len + 8, workdir=tmp)
+                                  context=input_len + longest + 8, workdir=tmp)
     results: dict = {c: {"qbuild": [], "guidellm": []} for c in args.concurrency}
     cores = sorted(os.sched_getaffinity(0))
     server_cores = set(cores[:threads])

@@ -82,6 +82,19 @@ def test_rampup_spreads_the_first_requests_and_the_warm_up_leads_into_the_measur
         assert 0 <= nxt.start - first.end < 0.05
 
 
+def test_each_request_asks_for_its_own_output_length(mock_server):
+    from dataclasses import replace
+
+    from qbuild.serving.client import sweep
+
+    lengths = [3, 9, 5, 12, 7, 4, 10, 6, 8]   # warm-up's first, then the 8 measured ones, by index
+    [p] = sweep(mock_server.url, replace(work(8), output_len=lengths), [2])
+    assert p["errors"] == 0 and p["completed"] == 8
+    # every request streamed exactly what it asked for (ignore_eos): the tokens add up to the measured ones' lengths
+    assert p["output_tok_s"] * p["seconds"] == pytest.approx(sum(lengths[1:]), rel=0.25)
+    assert p["output_tok_s"] / p["requests_s"] == pytest.approx(sum(lengths[1:]) / 8, rel=0.25)
+
+
 def test_poisson_arrivals_follow_the_rate(mock_server):
     from qbuild.serving.client import sweep
 

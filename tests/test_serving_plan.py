@@ -169,3 +169,31 @@ def test_gpu_servers_refuse_llamacpp_settings(server):
     assert "q8_0" in s.refusal(ServingConfig(name="c", kv_cache_dtype="q8_0"))
     assert "llama.cpp setting" in s.refusal(ServingConfig(name="c", flash_attn=True))
     assert s.refusal(ServingConfig(name="c", kv_cache_dtype="fp8")) is None
+
+
+def test_lengths_drawn_from_a_range(tmp_path, no_gpu):
+    from qbuild.serving.bench import drawn_lengths, prompts_from
+
+    fixed = steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"]}), tmp_path)
+    work = fixed["serving[q8_0@default]"].params["workload"]
+    assert work["input_len"] == 128 and work["output_len"] == 32 and "rampup_s" not in work   # the keys they had
+    ranged = steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"],
+                                             "input_len": {"min": 64, "max": 256}, "output_len": {"min": 16, "max": 48},
+                                             "rampup_s": 2}), tmp_path)["serving[q8_0@default]"]
+    assert ranged.params["workload"]["output_len"] == {"min": 16, "max": 48} and ranged.params["workload"]["rampup_s"] == 2
+    assert ranged.params["context"] == 256 + 48 + 8 and ranged.inputs["prompts"].params["context_length"] == 256
+    lengths = drawn_lengths({"min": 16, "max": 48}, 200, seed=5)
+    assert lengths == drawn_lengths({"min": 16, "max": 48}, 200, seed=5) and min(lengths) == 16 and max(lengths) == 48
+    corpus = __import__("numpy").arange(10_000)
+    prompts = prompts_from(corpus, {"min": 64, "max": 256}, 50, seed=1)
+    assert all(64 <= len(p) <= 256 for p in prompts) and len({len(p) for p in prompts}) > 10
+    assert all(p == list(range(p[0], p[0] + len(p))) and p[0] % 256 == 0 for p in prompts)   # window starts
+
+
+@pytest.mark.parametrize("serving, problem", [
+    ({"output_len": {"min": 1, "max": 8}}, "at least 2"),
+    ({"input_len": {"min": 64, "max": 32}}, r"input_len: min \(64\) is larger than max \(32\)"),
+])
+def test_bad_length_ranges_are_refused(tmp_path, serving, problem):
+    with pytest.raises(RecipeError, match=problem):
+        parse_recipe(recipe(tmp_path, serving={"configs": [{"name": "default"}], **serving}))

@@ -130,6 +130,24 @@ class ServingConfig(StrictModel):
     flash_attn: bool | None = Field(None, description="llama.cpp --flash-attn on/off. None: the engine's default.")
 
 
+class LengthRange(StrictModel):
+    """Token counts drawn per request, uniformly from min..max (seeded), as guidellm's `*_tokens_min/max` without a
+    stdev. Requests that differ in length fall out of step, as real traffic does."""
+
+    min: int = Field(ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
+        return self
+
+
+def longest(length: int | LengthRange) -> int:
+    return length.max if isinstance(length, LengthRange) else length
+
+
 class Serving(StrictModel):
     """Measure every artifact through the server that would serve it, under concurrent streaming load."""
 
@@ -144,9 +162,14 @@ class Serving(StrictModel):
                             "(stream k at k/C of it), as guidellm's rampup_duration. With fixed lengths, streams that "
                             "start together prefill together for the whole run; spread them to measure staggered "
                             "traffic (about one request's duration is enough).")
-    input_len: int = Field(128, ge=1, description="Prompt tokens per request (windows of the evaluation corpus).")
-    output_len: int = Field(32, ge=2, description="Tokens generated per request (ignore_eos where the engine has it).")
-    seed: int = Field(0, description="Which corpus windows become prompts, and the Poisson arrivals.")
+    input_len: int | LengthRange = Field(
+        128, description="Prompt tokens per request (windows of the evaluation corpus), or {min, max}: drawn per "
+        "request (seeded).")
+    output_len: int | LengthRange = Field(
+        32, description="Tokens generated per request (ignore_eos where the engine has it), or {min, max}: drawn per "
+        "request (seeded).")
+    seed: int = Field(0, description="Which corpus windows become prompts, their lengths when drawn, and the Poisson "
+                      "arrivals.")
     dataset: Dataset = Field(default_factory=lambda: Dataset(sources=[{"type": "pydocs", "split": "test"}]),
                              description="Where prompts come from (tokenized with the baseline's tokenizer).")
     timeout_s: float = Field(120.0, gt=0, description="Per-request limit: a slower request counts as an error.")
@@ -155,6 +178,21 @@ class Serving(StrictModel):
                                "the first installed server whose engine loads the artifact.")
     variants: list[str] | Literal["all"] = Field("all", description="Which artifacts to serve (baseline included).")
     configs: list[ServingConfig] = Field(default_factory=lambda: [ServingConfig(name="default")], min_length=1)
+
+    @field_validator("input_len", "output_len", mode="before")
+    @classmethod
+    def _range_in_order(cls, v):   # said here, or the error would be the int branch's "not a valid integer"
+        if isinstance(v, dict) and isinstance(v.get("min"), int) and isinstance(v.get("max"), int) and v["min"] > v["max"]:
+            raise ValueError(f"min ({v['min']}) is larger than max ({v['max']})")
+        return v
+
+    @field_validator("input_len", "output_len")
+    @classmethod
+    def _lengths(cls, v, info):
+        least = 2 if info.field_name == "output_len" else 1   # TPOT needs two tokens
+        if (v.min if isinstance(v, LengthRange) else v) < least:
+            raise ValueError(f"must be at least {least}")
+        return v
 
     @field_validator("configs")
     @classmethod

@@ -23,13 +23,24 @@ RESULT = "serving.json"
 SERVER_LOG = "server.log"
 
 
-def prompts_from(tokens: np.ndarray, input_len: int, count: int, seed: int) -> list[list[int]]:
-    """`count` prompts of exactly `input_len` tokens: corpus windows in a seeded order (repeating if it runs out)."""
-    n = len(tokens) // input_len
+def prompts_from(tokens: np.ndarray, input_len: int | dict, count: int, seed: int) -> list[list[int]]:
+    """`count` prompts of exactly `input_len` tokens (or of lengths drawn uniformly from {min, max}): corpus windows
+    in a seeded order (repeating if it runs out)."""
+    longest = input_len["max"] if isinstance(input_len, dict) else input_len
+    n = len(tokens) // longest
     if n < 1:
-        raise ValueError(f"the prompt corpus has {len(tokens)} tokens, fewer than one prompt of {input_len}")
+        raise ValueError(f"the prompt corpus has {len(tokens)} tokens, fewer than one prompt of {longest}")
     order = np.random.default_rng(seed).permutation(n)
-    return [tokens[i * input_len:(i + 1) * input_len].tolist() for i in (order[k % n] for k in range(count))]
+    lengths = drawn_lengths(input_len, count, seed + 1)
+    return [tokens[i * longest:i * longest + length].tolist()
+            for i, length in zip((order[k % n] for k in range(count)), lengths, strict=True)]
+
+
+def drawn_lengths(length: int | dict, count: int, seed: int) -> list[int]:
+    """`count` token counts: all `length`, or drawn uniformly (inclusive) from a {min, max} range with `seed`."""
+    if not isinstance(length, dict):
+        return [length] * count
+    return np.random.default_rng(seed).integers(length["min"], length["max"], endpoint=True, size=count).tolist()
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -54,10 +65,12 @@ def run(ctx: StepContext) -> dict:
     config = ServingConfig(**p["config"])
     tokens, _ = load_tokens(ctx.inputs["prompts"])
     n_points = len(w["concurrency"]) + len(w["request_rates"] or [])
-    prompts = prompts_from(tokens, w["input_len"], n_points * (w["requests"] + w["warmup"]), w["seed"])
+    count = n_points * (w["requests"] + w["warmup"])
+    prompts = prompts_from(tokens, w["input_len"], count, w["seed"])
     launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
                            workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
-    work = Workload(prompts=prompts, output_len=w["output_len"], requests=w["requests"], warmup=w["warmup"],
+    work = Workload(prompts=prompts, output_len=drawn_lengths(w["output_len"], count, w["seed"] + 2),
+                    requests=w["requests"], warmup=w["warmup"],
                     timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos, model=launch.model_name,
                     rampup_s=w.get("rampup_s", 0.0))
     log = ctx.out / SERVER_LOG

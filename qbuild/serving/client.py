@@ -50,7 +50,7 @@ class RequestResult:
 @dataclass(frozen=True)
 class Workload:
     prompts: list[list[int]] | list[str]   # token ids (exact input lengths) or text (a stand-in without a tokenizer)
-    output_len: int
+    output_len: int | list[int]            # tokens to generate: for every request, or per prompt (same indices)
     requests: int
     warmup: int = 2
     timeout_s: float = 120.0
@@ -58,9 +58,15 @@ class Workload:
     model: str = "model"
     rampup_s: float = 0.0
 
+    def request(self, i: int) -> tuple[list[int] | str, int]:
+        """The prompt and output length of request i."""
+        k = i % len(self.prompts)
+        return self.prompts[k], self.output_len[k] if isinstance(self.output_len, list) else self.output_len
 
-async def one_request(client, url: str, prompt, work: Workload) -> RequestResult:
-    body = {"model": work.model, "prompt": prompt, "max_tokens": work.output_len, "temperature": 0.0, "stream": True,
+
+async def one_request(client, url: str, i: int, work: Workload) -> RequestResult:
+    prompt, output_len = work.request(i)
+    body = {"model": work.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if work.ignore_eos:
         body["ignore_eos"] = True
@@ -95,8 +101,8 @@ async def one_request(client, url: str, prompt, work: Workload) -> RequestResult
     tokens = usage_tokens if usage_tokens is not None else len(stamps)
     result = RequestResult(True, start=start, end=end, ttft_s=stamps[0] - start, e2e_s=end - start,
                            itl_s=list(np.diff(stamps)), output_tokens=tokens, token_times=stamps)
-    if work.ignore_eos and tokens < work.output_len:
-        result.ok, result.error = False, f"{tokens} of {work.output_len} tokens"
+    if work.ignore_eos and tokens < output_len:
+        result.ok, result.error = False, f"{tokens} of {output_len} tokens"
     return result
 
 
@@ -116,7 +122,7 @@ async def _closed_loop(client, url: str, work: Workload, concurrency: int, first
         busy_at.append(time.perf_counter())
         while queue:
             i = queue.pop(0)
-            results[i] = await one_request(client, url, work.prompts[i % len(work.prompts)], work)
+            results[i] = await one_request(client, url, i, work)
             done()
         idle_at.append(time.perf_counter())
 
@@ -134,7 +140,7 @@ async def _open_loop(client, url: str, work: Workload, rate: float, first: int, 
         delay = start + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one_request(client, url, work.prompts[(first + k) % len(work.prompts)], work)))
+        tasks.append(asyncio.create_task(one_request(client, url, first + k, work)))
         tasks[-1].add_done_callback(lambda _: done())
     return list(await asyncio.gather(*tasks))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
+from qbuild.core.recipe import longest
 from qbuild.core.step import OnUnavailable, Step
 from qbuild.errors import RecipeError
 from qbuild.formats import loads_in, spec
@@ -48,7 +49,7 @@ def serving_steps(ctx) -> None:
     if serving is None:
         return
     data = None
-    context = serving.input_len + serving.output_len + 8   # per request; a little room for BOS/templates
+    context = longest(serving.input_len) + longest(serving.output_len) + 8   # per request; room for BOS/templates
     slots = max(serving.concurrency)
     for art in ctx.artifacts:
         if not spec(art.step.format).model or not wanted(serving, art.label):
@@ -58,7 +59,7 @@ def serving_steps(ctx) -> None:
             ctx.warn(f"not served: {art.label}: {why}")
             continue
         unavailable = server.unavailable()
-        workload = {k: getattr(serving, k) for k in WORKLOAD_FIELDS}
+        workload = serving.model_dump(include=set(WORKLOAD_FIELDS))   # a length range as {min, max}
         if serving.rampup_s:   # left out at its default, like other new switches
             workload["rampup_s"] = serving.rampup_s
         for i, config in enumerate(serving.configs):
@@ -71,7 +72,7 @@ def serving_steps(ctx) -> None:
                 from qbuild.calibration.plan import eval_data_step
 
                 data = ctx.add(replace(eval_data_step(SimpleNamespace(
-                    dataset=serving.dataset, context_length=serving.input_len, max_windows=None, add_bos=False),
+                    dataset=serving.dataset, context_length=longest(serving.input_len), max_windows=None, add_bos=False),
                     ctx.model(), ctx), name="serving-prompts"))
             threads = ctx.threads
             args = server.args(config, threads=threads, slots=slots, context=context)
