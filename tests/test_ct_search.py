@@ -126,8 +126,22 @@ def test_plan_shape_and_keys(tiny_model_dir, tmp_path):
     assert "perplexity[mix]" in a   # the artifact is evaluated like any variant
     base = a["quantize[mix~base]"].params["assign"]
     assert [x["scheme"] for x in base] == ["W8A16"] and len(base[0]["targets"]) == 4
-    # planning never imports torch (checked in a fresh interpreter by test_architecture); plain rtn keys unchanged
-    assert "search" not in a["quantize[w4]"].params
+    assert "search" not in a["quantize[w4]"].params   # plain rtn variants keep their keys
+
+
+@needs_lc
+def test_planning_a_search_imports_no_torch(tiny_model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    recipe = write_recipe(tmp_path / "r.yaml", recipe_for(tiny_model_dir, tmp_path / "s", {"max_bits": 6}))
+    code = ("import sys, pathlib; from qbuild.core.plan import build_steps; from qbuild.core.recipe import load_recipe; "
+            f"steps = build_steps(load_recipe({str(recipe)!r}), pathlib.Path({str(tmp_path)!r})).steps; "
+            "print(len(steps), sorted(m for m in ('torch', 'transformers', 'llmcompressor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, imported = out.stdout.split(" ", 1)
+    assert int(count) > 20 and imported.strip() == "[]", out.stdout
 
 
 @needs_lc
