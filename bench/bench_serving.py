@@ -72,13 +72,15 @@ def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len:
 
     rng = np.random.default_rng(seed)
     prompts = rng.integers(100, 20000, size=(n + 2, input_len)).tolist()
+    # each tool draws its own lengths from the same range (guidellm's sampler cannot be given ours)
     lengths = drawn_lengths(output_len, n + WARMUP, seed) if isinstance(output_len, dict) else output_len
     work = Workload(prompts=prompts, output_len=lengths, requests=n, warmup=WARMUP, timeout_s=300, model=model,
                     rampup_s=rampup)
     cpu0 = time.process_time()
     [point] = sweep(url, work, [c])
     return {"output_tok_s": point["output_tok_s"], "ttft_ms_p50": point["ttft_ms_p50"], "errors": point["errors"],
-            "client_cpu_s": time.process_time() - cpu0, "ttft_ms": point["samples"]["ttft_ms"]}
+            "client_cpu_s": time.process_time() - cpu0, "ttft_ms": point["samples"]["ttft_ms"],
+            "output_lens": lengths if isinstance(lengths, list) else [lengths] * (n + WARMUP)}
 
 
 def guidellm_lengths(output_len: int | dict) -> dict:
@@ -113,7 +115,8 @@ def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_le
             "ttft_ms_p50": m["time_to_first_token_ms"]["successful"]["median"],
             "errors": m["request_totals"]["errored"],
             "client_cpu_s": (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
-            "ttft_ms": [round(q["time_to_first_token_ms"], 2) for q in done]}
+            "ttft_ms": [round(q["time_to_first_token_ms"], 2) for q in done],
+            "output_lens": [q["output_tokens"] for q in done]}
 
 
 def main() -> None:
@@ -185,7 +188,7 @@ def main() -> None:
           f"{'guidellm CPU/server':>20}")
     summary = {}
     for c, by in results.items():
-        keys = [k for k in by["qbuild"][0] if k not in ("ttft_ms", "round")]
+        keys = [k for k in by["qbuild"][0] if k not in ("ttft_ms", "round", "output_lens")]
         med = {t: {k: statistics.median(x[k] for x in by[t] if x[k] is not None) for k in keys} for t in by}
         q, g = med["qbuild"], med["guidellm"]
         # each round's two runs are back to back: their ratio is free of the server's drift between rounds
