@@ -6,7 +6,9 @@
    fresh store: sequential (--jobs 1) vs --jobs 2, and with --ray a two-node Ray cluster on 127.0.0.1
    (tests/ray_cluster.py; 1 CPU per node, a file:// remote as the shared store). Goal: ≤ 0.6× sequential.
 2. overhead: M steps that do nothing, run sequentially: (makespan − the time planning takes) / M is what the
-   scheduler plus a worker process cost per step. Goal: ≤ 50 ms local, ≤ 200 ms on Ray.
+   scheduler, a worker process (locally forked from the run's fork server, qbuild/core/fork_server.py; its
+   start, once per run, is included) and storing the step's output cost per step. Goal: ≤ 50 ms local, ≤ 200 ms
+   on Ray (a fresh worker interpreter per step there).
 Each figure is the median of --repeat runs; ratios are printed. Needs the test plugins (the fake method) on
 PYTHONPATH, as above.
 """
