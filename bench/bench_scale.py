@@ -1,12 +1,14 @@
 """Scale-out: makespan of a multi-variant recipe of fake steps with fixed CPU work, and the per-step overhead.
 
-    PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/plugins python bench/bench_scale.py [--variants 4] [--work 6000] [--ray]
+    PYTHONPATH=$PWD:$PWD/tests:$PWD/tests/plugins python bench/bench_scale.py [--variants 4] [--work 6000] [--fresh] [--ray]
 
 1. makespan: N independent fake steps, each a fixed number of sha256 rounds on one core (threads: 1), in a
    fresh store: sequential (--jobs 1) vs --jobs 2, and with --ray a two-node Ray cluster on 127.0.0.1
    (tests/ray_cluster.py; 1 CPU per node, a file:// remote as the shared store). Goal: ≤ 0.6× sequential.
 2. overhead: M steps that do nothing, run sequentially: (makespan − the time planning takes) / M is what the
-   scheduler plus a worker process cost per step. Goal: ≤ 50 ms local, ≤ 200 ms on Ray.
+   scheduler, a worker process (locally forked from the run's fork server, qbuild/core/fork_server.py; its
+   start, once per run, is included) and storing the step's output cost per step. Goal: ≤ 50 ms local, ≤ 200 ms
+   on Ray (a fresh worker interpreter per step there).
 Each figure is the median of --repeat runs; ratios are printed. Needs the test plugins (the fake method) on
 PYTHONPATH, as above.
 """
@@ -91,6 +93,8 @@ def main() -> None:
     ap.add_argument("--work", type=int, default=6000, help="thousands of sha256 rounds per step (~0.3 s per 1000)")
     ap.add_argument("--empty", type=int, default=10, help="empty steps for the overhead figure")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--fresh", action="store_true", help="also the overhead with a fresh worker interpreter per step "
+                    "(no fork server: the figure before warm workers)")
     ap.add_argument("--ray", action="store_true", help="also on a two-node Ray cluster (needs qbuild[ray])")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="qbuild-bench-scale-"))
@@ -105,6 +109,14 @@ def main() -> None:
         local_overhead = (empty_wall - empty_plan) / args.empty
         print(f"overhead per empty step, local: {1000 * local_overhead:6.1f} ms (goal ≤ 50; "
               f"{args.empty} steps in {empty_wall:.2f} s, planning {empty_plan:.2f} s of it)")
+        if args.fresh:
+            from qbuild.core.executor import Executor
+
+            Executor.warm_workers = False
+            fw, fp = median_runs(tmp, "fresh", args.empty, 0, args.repeat, jobs=1)
+            Executor.warm_workers = True
+            print(f"  the same with a fresh interpreter per step: {1000 * (fw - fp) / args.empty:6.1f} ms "
+                  f"(warm / fresh = {local_overhead / ((fw - fp) / args.empty):.2f}×)")
         if args.ray:
             cluster = RayCluster(tmp / "ray")
             try:

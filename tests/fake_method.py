@@ -87,13 +87,16 @@ def run(ctx: StepContext) -> dict:
         raise RuntimeError("fake failure requested by the recipe")
     metrics = {"level": p["level"], **{k: p[k] for k in ("ppl", "decode_tok_s") if p.get(k) is not None}}
     info = {"threads_seen": sorted(seen), "preloaded": preloaded, "omp_threads": os.environ.get("OMP_NUM_THREADS"),
-            "cwd_is_scratch": Path.cwd() == ctx.out.parent, "pid": os.getpid(), "standbys_beside": standbys,
+            "cwd_is_scratch": Path.cwd() == ctx.out.parent, "pid": os.getpid(), "ppid": os.getppid(),
+            "standbys_beside": standbys,
             "env_names": sorted(os.environ)}   # what the worker was given (test_safety: no credential reaches it)
     return {"format": "fake", "metrics": metrics, "info": info}
 
 
 def _sibling_standbys() -> int:
-    """Standby workers of the same qbuild (what must not run beside a timing step)."""
+    """Standby workers of the same qbuild (what must not run beside a timing step). Their parent is qbuild's
+    process; this worker's may be the run's fork server, so qbuild's pid comes from the environment."""
+    qbuild_pid = int(os.environ.get("QBUILD_PARENT_PID") or os.getppid())
     found = 0
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -101,7 +104,7 @@ def _sibling_standbys() -> int:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
-        found += ppid == os.getppid() and b"--standby" in cmd
+        found += ppid == qbuild_pid and b"--standby" in cmd
     return found
 
 

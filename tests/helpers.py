@@ -55,3 +55,12 @@ def fake_recipe(tmp: Path, variants: list[dict], **extra) -> dict:
     model = fake_model(tmp)
     return {"name": "t", "model": {"source": "local", "path": str(model)}, "variants": variants,
             "evaluation": {"perplexity": None, "baseline": False}, **extra}
+
+
+def step_infos(store_dir: Path) -> dict[str, dict]:
+    """Each stored object's `info` (what a fake step recorded of its worker), by step name."""
+    found = {}
+    for m in (store_dir / "objects").glob("*/*/manifest.json"):
+        d = json.loads(m.read_text())
+        found[d["name"]] = d.get("info", {})
+    return found

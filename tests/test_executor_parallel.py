@@ -17,7 +17,7 @@ import pytest
 
 from qbuild.core.budget import cpu_count
 
-from helpers import fake_recipe, qbuild, run_api, write_recipe
+from helpers import fake_recipe, qbuild, run_api, step_infos, write_recipe
 
 
 def _overlaps(steps: list[dict]) -> int:
@@ -120,14 +120,6 @@ def test_workers_die_with_a_killed_qbuild(tmp_path, store_dir):
 
 
 # --- elastic threads and standby workers ----------------------------------------------------------------------
-def _infos(store_dir: Path) -> dict[str, dict]:
-    found = {}
-    for m in (store_dir / "objects").glob("*/*/manifest.json"):
-        d = json.loads(m.read_text())
-        found[d["name"]] = d.get("info", {})
-    return found
-
-
 def _standbys() -> list[int]:
     """Standby workers these tests start (they preload the test module fake_heavy: a real run's preload torch)."""
     out = subprocess.run(["pgrep", "-f", "qbuild.core.worker --standby fake_heavy"], capture_output=True, text=True)
@@ -143,17 +135,17 @@ def test_an_elastic_step_takes_the_cores_another_step_gives_back(tmp_path, store
     rc, summary = run_api(write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants)), store_dir, jobs=2)
     assert rc == 0 and _overlaps(_built(summary)) == 2
     base = max(1, cpu_count() // 2)
-    seen = _infos(store_dir)["quantize[e]"]["threads_seen"]
+    seen = step_infos(store_dir)["quantize[e]"]["threads_seen"]
     # while both run it has its share (plus any odd core left over); alone, every core
     assert seen[0] <= cpu_count() - base and seen[-1] == cpu_count(), seen
-    assert _infos(store_dir)["quantize[s]"]["threads_seen"] == [base]   # not elastic: keeps its share
+    assert step_infos(store_dir)["quantize[s]"]["threads_seen"] == [base]   # not elastic: keeps its share
 
 
 def test_a_fixed_thread_count_is_a_cap(tmp_path, store_dir):
     variants = [{"name": "e", "method": "fake", "elastic": True, "sleep": 1.0}]
     recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
     rc, _ = run_api(recipe, store_dir, jobs=2)
-    assert rc == 0 and _infos(store_dir)["quantize[e]"]["threads_seen"] == [1]
+    assert rc == 0 and step_infos(store_dir)["quantize[e]"]["threads_seen"] == [1]
 
 
 def test_a_waiting_step_runs_in_a_worker_started_ahead(tmp_path, store_dir):
@@ -163,7 +155,7 @@ def test_a_waiting_step_runs_in_a_worker_started_ahead(tmp_path, store_dir):
     recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": cpu_count()}))
     rc, summary = run_api(recipe, store_dir, jobs=2)
     assert rc == 0 and _overlaps(_built(summary)) == 1
-    infos = _infos(store_dir)
+    infos = step_infos(store_dir)
     first, second = sorted(("quantize[a]", "quantize[b]"), key=lambda n: next(
         s["started"] for s in summary["steps"] if s["name"] == n))
     assert infos[first]["preloaded"] == []                 # it started at once, in a fresh worker
@@ -183,7 +175,7 @@ def test_no_standby_runs_beside_a_timing_step(tmp_path, store_dir):
     recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": cpu_count()}))
     rc, _ = run_api(recipe, store_dir, jobs=2)
     assert rc == 0
-    assert _infos(store_dir)["quantize[t]"]["standbys_beside"] == 0
+    assert step_infos(store_dir)["quantize[t]"]["standbys_beside"] == 0
     assert not _standbys()
 
 

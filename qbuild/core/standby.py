@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 
 from qbuild.core.budget import Claim, Standby
+from qbuild.core.fork_server import ForkServer, kill_group, warm_modules
 from qbuild.core.step import Step
 
 log = logging.getLogger("qbuild")
@@ -68,14 +68,28 @@ class StandbyWorkers:
 
     def _discard(self, sb: Standby) -> None:
         """It has only imported modules: stop it at once."""
-        self._kill_group(sb.proc)
+        self._kill_group(sb.proc.pid)
         sb.proc.wait()
         sb.proc.stdin.close()
         os.close(sb.read_fd)
 
+    # --- the fork server (warm workers for every other step) ---------------------------------------------
+    def _start_fork_server(self, steps: list[Step]) -> None:
+        """Start the run's fork server: from here each step's worker in qbuild's own interpreter is forked from it."""
+        if not self.warm_workers or self._fork_server is not None:
+            return
+        env = self._worker_env(None, -1, 1, None)   # a worker's basics; each step's own variables come with it
+        del env["QBUILD_PROGRESS_FD"]
+        with self._lock:
+            if not self._cancelled.is_set():
+                self._fork_server = ForkServer(self.store.root / "tmp", env, warm_modules([s.runner for s in steps]))
+
+    def _stop_fork_server(self) -> None:
+        with self._lock:
+            server, self._fork_server = self._fork_server, None
+        if server is not None:
+            server.stop()
+
     @staticmethod
-    def _kill_group(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    def _kill_group(pid: int) -> None:
+        kill_group(pid)

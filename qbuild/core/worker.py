@@ -6,6 +6,10 @@ stdout/stderr go to the step's log; progress goes to a dedicated pipe (QBUILD_PR
 `python -m qbuild.core.worker --standby MODULE...` is a worker started before its step is ready: it imports
 the modules (torch and transformers take 4-6 s) while its step's inputs are still being built, then reads
 its step from stdin and runs it like the first form. One process still runs one step.
+
+`python -m qbuild.core.worker SCRATCH --fork-server FD MODULE...` is the run's fork server (fork_server.py): it
+imports qbuild's own worker modules once and forks each step's worker from there, a fresh process per step
+without a fresh interpreter's start-up.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from pathlib import Path
 from qbuild.core.process import exit_without_teardown
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """When qbuild dies (kill -9 included), its workers and everything they started die too.
 
     The worker leads its own process group (the executor starts it in a new session): on its parent's death
-    the kernel sends it SIGTERM (PR_SET_PDEATHSIG), and the handler kills the whole group."""
-    parent = os.environ.get("QBUILD_PARENT_PID")
+    the kernel sends it SIGTERM (PR_SET_PDEATHSIG), and the handler kills the whole group. The parent is qbuild
+    (QBUILD_PARENT_PID), or for a worker forked by the fork server, the server (which dies with qbuild)."""
+    parent = parent or os.environ.get("QBUILD_PARENT_PID")
     if not parent or not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -38,8 +43,8 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def main(spec_path: str) -> int:
-    die_with_parent()
+def main(spec_path: str, parent: int | None = None) -> int:
+    die_with_parent(parent)
     spec = json.loads(Path(spec_path).read_text())
     try:   # in a backend environment qbuild's own imports can fail too (a missing core dependency): say which
         from qbuild.core.step import StepContext
@@ -116,5 +121,27 @@ def resolve_runner(runner: str):
     return getattr(obj, name)
 
 
+def fork_server(control_fd: int, modules: list[str]) -> int:
+    """Import `modules` once, then fork a worker per step handed over `control_fd` (qbuild.core.fork_server)."""
+    from qbuild.core.fork_server import serve
+
+    die_with_parent()
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:   # each worker imports what it needs itself: the step's own import reports the error
+            pass
+    import gc
+
+    gc.freeze()   # the collector of a forked worker leaves these objects' pages alone (no copy on write)
+    return serve(control_fd, main)
+
+
 if __name__ == "__main__":
-    exit_without_teardown(standby(sys.argv[2:]) if sys.argv[1] == "--standby" else main(sys.argv[1]))
+    if sys.argv[1] == "--standby":
+        code = standby(sys.argv[2:])
+    elif sys.argv[2:3] == ["--fork-server"]:
+        code = fork_server(int(sys.argv[3]), sys.argv[4:])
+    else:
+        code = main(sys.argv[1])
+    exit_without_teardown(code)

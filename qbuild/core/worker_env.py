@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from fnmatch import fnmatchcase
+from fnmatch import translate
 
 ALLOWED = (
     "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM", "TMPDIR", "TEMP", "TMP",
@@ -35,6 +35,9 @@ ALLOWED = (
 # never to a worker, whatever matches above: credentials and where to find them
 SECRET = re.compile(r"(PASSWORD|PASSWD|SECRET|TOKEN|CREDENTIAL|_KEY$|_KEY_|APIKEY|AUTH)", re.IGNORECASE)
 DENIED = ("QBUILD_REGISTRY_*", "QBUILD_SIGNING_KEY", "QBUILD_REMOTE", "QBUILD_STORE")
+# each list as one pattern (fnmatchcase one name against every entry was 1-3 ms per step)
+_ALLOWED = re.compile("|".join(translate(p) for p in ALLOWED))
+_DENIED = re.compile("|".join(translate(p) for p in DENIED))
 
 # steps that may read a data set from a hub (datasets.load_dataset) when the user turned HF_HUB_OFFLINE off
 HUB_TOKENS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_ENDPOINT")
@@ -46,8 +49,7 @@ def step_environ(kind: str | None, environ: Mapping[str, str]) -> dict[str, str]
     extra = set(EXTRA_BY_KIND.get(kind or "", ()))
     out = {}
     for name, value in environ.items():
-        allowed = any(fnmatchcase(name, p) for p in ALLOWED) and not SECRET.search(name) \
-            and not any(fnmatchcase(name, p) for p in DENIED)
+        allowed = _ALLOWED.match(name) is not None and not SECRET.search(name) and _DENIED.match(name) is None
         if allowed or name in extra:
             out[name] = value
     return out

@@ -171,25 +171,37 @@ class WorkerLaunch:
         else:
             read_fd, write_fd = sb.read_fd, None
             env = self._worker_env(None, int(sb.env["QBUILD_PROGRESS_FD"]), step.threads, claim.gpu, step.kind)
+        job = {"spec": str(spec), "log": str(log_path), "cwd": str(spec.parent), "env": env}
         t0 = time.perf_counter()
+        forked = proc = None
+        server = self._fork_server
+        if sb is None and python == sys.executable and server is not None:
+            forked = server.start(job, write_fd)   # a warm worker: a fork, not a fresh interpreter
+            if forked is not None and forked.started() is None and forked.lost:
+                forked.wait()
+                forked = None
+            if forked is None:   # the server is gone (killed from outside): this and later steps start fresh
+                self._stop_fork_server()
         with self._lock:
             if self._cancelled.is_set():
                 os.close(read_fd)
                 if write_fd is not None:
                     os.close(write_fd)
-                if sb is not None:
-                    self._kill_group(sb.proc)
+                for pid in (sb.proc.pid if sb else None, forked.pid if forked else None):
+                    if pid is not None:
+                        self._kill_group(pid)
+                if forked is not None:
+                    forked.wait()
                 return {"wall": 0.0, "cpu": 0.0, "peak_rss_mb": 0.0}, -signal.SIGKILL
             if sb is not None:
-                proc = sb.proc
-                job = {"spec": str(spec), "log": str(log_path), "cwd": str(spec.parent),
-                       "env": {k: v for k, v in env.items() if sb.env.get(k) != v}}
+                job["env"] = {k: v for k, v in env.items() if sb.env.get(k) != v}
                 try:
-                    proc.stdin.write((json.dumps(job) + "\n").encode())
-                    proc.stdin.close()
+                    sb.proc.stdin.write((json.dumps(job) + "\n").encode())
+                    sb.proc.stdin.close()
                 except OSError:   # it died since: the step sees a crashed worker, as with a fresh one
                     pass
-            else:
+                proc = sb.proc
+            elif forked is None:
                 with open(log_path, "ab") as log:
                     # its own session: a terminal's Ctrl-C reaches qbuild, which cancels workers (and their
                     # children). cwd: the step's scratch, so what a library writes to its working directory
@@ -197,7 +209,9 @@ class WorkerLaunch:
                     proc = subprocess.Popen([python, "-m", "qbuild.core.worker", str(spec)], stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
                                             env=env, start_new_session=True, cwd=spec.parent)
-            self._procs[step.key] = proc
+            pid = proc.pid if proc is not None else forked.pid
+            if pid is not None:   # None: a forked worker that died before it led its session
+                self._procs[step.key] = pid
         if write_fd is not None:
             os.close(write_fd)
         buf = b""
@@ -213,14 +227,18 @@ class WorkerLaunch:
                         *lines, buf = buf.split(b"\n")
                         for line in lines:
                             self._on_progress(task, line)
-            _, status, usage = os.wait4(proc.pid, 0)
+            if forked is not None:
+                rc, cpu, peak_rss_mb = forked.wait()
+            else:
+                _, status, usage = os.wait4(pid, 0)
+                rc, cpu, peak_rss_mb = (os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime,
+                                        round(usage.ru_maxrss / 1024, 1))
         finally:
             with self._lock:
                 self._procs.pop(step.key, None)
-        rc = os.waitstatus_to_exitcode(status)
-        proc.returncode = rc
-        return {"wall": time.perf_counter() - t0, "cpu": usage.ru_utime + usage.ru_stime,
-                "peak_rss_mb": round(usage.ru_maxrss / 1024, 1)}, rc
+        if proc is not None:
+            proc.returncode = rc
+        return {"wall": time.perf_counter() - t0, "cpu": cpu, "peak_rss_mb": peak_rss_mb}, rc
 
     def _on_progress(self, task, line: bytes) -> None:
         if not self.progress or task is None:
