@@ -185,7 +185,7 @@ def test_serving_curves_slo_lines_and_selected_point():
     table = section[section.index('<table class="config-quality">'):section.index("</table>")]
     assert ("<tr><td>q4km</td><td>kv8</td><td>q8_0</td><td>12,240</td><td>232 MiB</td><td>0.0712</td><td>+4.10 %</td>"
             "<td>18.500</td></tr>") in table
-    assert "<tr><td>q4km</td><td>default</td><td>default</td><td>23,040</td><td>294 MiB</td><td>0.0580</td>" in table
+    assert "<tr><td>q4km</td><td>default</td><td>engine default</td><td>23,040</td><td>294 MiB</td><td>0.0580</td>" in table
 
 
 def test_hardware_is_written_in_words():

@@ -296,7 +296,7 @@ def _config_quality_html(rows: list[dict]) -> str:
             if first is None:
                 continue   # a run recorded before serving points carried their quality
             rss = max((p.get("peak_rss_mb") or 0 for p in pts), default=0)
-            cells = [r["variant"], config, first.get("kv_cache_dtype") or "default",
+            cells = [r["variant"], config, first.get("kv_cache_dtype") or "engine default",
                      "-" if first.get("kv_bytes_per_token") is None else f"{first['kv_bytes_per_token']:,.0f}",
                      f"{rss:.0f} MiB" if rss else "-",
                      *("-" if first.get(f) is None else fmt.format(first[f])
