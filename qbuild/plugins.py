@@ -261,6 +261,9 @@ class Runtime(Plugin, ABC):
     # threads; 255-512 agree): a transformers step keeps its threads, so a rebuild gives the same bytes
     thread_invariant: ClassVar[bool] = False
     fallback: ClassVar[bool] = False             # evaluates a format only where no other installed runtime reads it
+    # KV-cache element types a session can run with (evaluation.perplexity.kv_cache_dtype, a serving config's):
+    # () where the runtime has no such setting, so a quantized KV cache's quality cost is not measured through it
+    kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()
 
     def plan_fields(self, label: str, artifact: Step, ctx: PlanningContext, measure: str) -> EvalStepFields:
         """What this runtime adds to an evaluation step of `artifact` (inputs, toolchain facts, availability)."""

@@ -45,9 +45,36 @@ def test_max_throughput_picks_the_fastest_that_meets_every_bound():
 def test_quality_bound_and_other_objectives():
     strict = select(Selection(ttft_p99_ms=500, max_kld=0.01), ROWS, SERVING)
     assert strict["selected"]["variant"] == "q8_0" and strict["selected"]["config"] == "default"
-    assert any(r["variant"] == "q4km" and "kld 0.058 > 0.01 (+0.048, 480 %)" in r["why"] for r in strict["rejected"])
+    assert any(r["variant"] == "q4km" and "kld 0.058 under config default > 0.01 (+0.048, 480 %)" in r["why"]
+               for r in strict["rejected"])
     assert select(Selection(objective="min_size"), ROWS, SERVING)["selected"]["variant"] == "q4km"
     assert select(Selection(objective="min_kld"), ROWS, SERVING)["selected"]["variant"] == "q8_0"
+
+
+def test_quality_bounds_and_min_kld_judge_each_config_by_its_own_quality():
+    """A config whose points carry their own quality (a quantized KV cache's pass, as the summary puts it there) is
+    judged by it; the others by the artifact's own numbers."""
+    def kv(points, kld, delta):
+        return [dict(p, kld=kld, delta_ppl_pct=delta) if p["config"] == "kv8" else p for p in points]
+
+    rows = [row("q8_0", 144, 0.004, kv(ROWS[1]["serving"], 0.02, 3.0)),
+            row("q4km", 105, 0.058, kv(ROWS[2]["serving"], 0.09, 9.0))]
+    out = select(Selection(max_kld=0.01, objective="min_size"), rows, SERVING)
+    assert (out["selected"]["variant"], out["selected"]["config"]) == ("q8_0", "default")
+    why = {(r["variant"], r["config"]): r["why"] for r in out["rejected"]}
+    assert why[("q8_0", "kv8")] == "kld 0.02 under config kv8 > 0.01 (+0.01, 100 %)"
+    assert why[("q4km", "kv8")] == "kld 0.09 under config kv8 > 0.01 (+0.08, 800 %)"
+    assert "under config default" in why[("q4km", "default")]
+    ppl = select(Selection(max_delta_ppl_pct=5, objective="min_size"), rows, SERVING)
+    assert ppl["selected"]["variant"] == "q8_0"   # both its configs within 5 %; the smallest size is a tie
+    assert {(r["variant"], r["config"]) for r in ppl["rejected"] if "delta_ppl_pct" in r["why"]} == {
+        ("q4km", "default"), ("q4km", "kv8")}
+    best = select(Selection(objective="min_kld"), rows, SERVING)
+    assert (best["selected"]["variant"], best["selected"]["config"], best["selected"]["kld"]) == ("q8_0", "default",
+                                                                                                 0.004)
+    unmeasured = [row("q8_0", 144, 0.004, kv(ROWS[1]["serving"], None, None))]
+    why = {r["config"]: r["why"] for r in select(Selection(max_kld=0.01), unmeasured, SERVING)["rejected"]}
+    assert why == {"kv8": "kld under config kv8: not measured"}
 
 
 def test_slo_at_its_own_concurrency_and_throughput_floor():
@@ -82,8 +109,10 @@ def test_selected_model_card_carries_the_server_command():
 
     chosen = {"config": "default", "command": "llama-server --model model.gguf --port 8080 --parallel 4",
               "objective": "max_throughput", "bounds": {"ttft_p99_ms": {"value": 500, "concurrency": 4}}}
+    serving = [dict(p, kld=0.0712) if p["config"] == "kv8" else p for p in ROWS[2]["serving"]]
     card = render_model_card({"format": "gguf", "files": [{"path": "model.gguf", "size": 10}]},
-                             {**ROWS[2], "selected": chosen})
+                             {**ROWS[2], "serving": serving, "selected": chosen})
     assert "## Selected for serving" in card and "    llama-server --model model.gguf --port 8080 --parallel 4" in card
     assert "ttft_p99_ms 500 at concurrency 4" in card and "## Serving under load" in card
     assert "| kv8 | 4 | 300.0 | 600.0 | 28.00 |" in card
+    assert "| kv8 | 4 | 300.0 | 600.0 | 28.00 | 42.00 | 140.0 | 4.38 | 0 | 200.0 | 0.0712 |" in card   # its own KLD

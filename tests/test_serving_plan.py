@@ -197,3 +197,51 @@ def test_lengths_drawn_from_a_range(tmp_path, no_gpu):
 def test_bad_length_ranges_are_refused(tmp_path, serving, problem):
     with pytest.raises(RecipeError, match=problem):
         parse_recipe(recipe(tmp_path, serving={"configs": [{"name": "default"}], **serving}))
+
+
+# --- quality under a serving config's quantized KV cache --------------------------------------------------------------
+def kv_recipe(tmp_path: Path, configs: list[dict], **perplexity) -> dict:
+    return recipe(tmp_path, serving={"configs": configs, "variants": ["q8_0", "q4"]}, kld=True,
+                  perplexity={"context_length": 128, "max_windows": 2, **perplexity})
+
+
+def test_quantized_kv_configs_get_a_quality_step_and_every_other_key_stays(tmp_path, no_gpu):
+    plain = steps(kv_recipe(tmp_path, [{"name": "default"}]), tmp_path)
+    configs = [{"name": "default"}, {"name": "f16", "kv_cache_dtype": "f16"}, {"name": "kv8", "kv_cache_dtype": "q8_0"},
+               {"name": "kv8-prefix", "kv_cache_dtype": "q8_0", "prefix_caching": True},
+               {"name": "kv4", "kv_cache_dtype": "q4_0", "flash_attn": True}]
+    s = steps(kv_recipe(tmp_path, configs), tmp_path)
+    # every step of the plan without those configs keeps its key: nothing stored is rebuilt
+    assert {n: st.key for n, st in s.items() if n in plain} == {n: st.key for n, st in plain.items()}
+    extra = sorted(n for n in s if n not in plain and not n.startswith("serving["))
+    # one pass per artifact and quantized KV dtype: kv8-prefix shares kv8's (same key); f16 is the variant's own
+    assert extra == ["perplexity[q4@kv4]", "perplexity[q4@kv8]", "perplexity[q8_0@kv4]", "perplexity[q8_0@kv8]"]
+    own, kv8 = s["perplexity[q8_0]"], s["perplexity[q8_0@kv8]"]
+    assert kv8.params == {**own.params, "kv_cache_dtype": "q8_0", "flash_attn": True}
+    assert kv8.inputs["reference"] is own.inputs["reference"] is s["reference[baseline]"]   # the f16-KV reference
+    assert kv8.inputs["model"] is s["quantize[q8_0]"] and kv8.runtime_args["serving_kv"] == "q8_0"
+    assert "kv_cache_dtype" not in s["reference[baseline]"].params
+    assert s["perplexity[q4@kv4]"].params["kv_cache_dtype"] == "q4_0"
+
+
+def test_recipe_pass_under_the_same_kv_dtype_needs_no_second_pass(tmp_path, no_gpu):
+    configs = [{"name": "default"}, {"name": "kv8", "kv_cache_dtype": "q8_0"}, {"name": "kv4", "kv_cache_dtype": "q4_0"}]
+    s = steps(kv_recipe(tmp_path, configs, kv_cache_dtype="q8_0", flash_attn=True), tmp_path)
+    assert sorted(n for n in s if n.startswith("perplexity[")) == [
+        "perplexity[q4@kv4]", "perplexity[q4]", "perplexity[q8_0@kv4]", "perplexity[q8_0]"]
+    no_ppl = recipe(tmp_path, serving={"configs": configs, "variants": ["q8_0"]})   # perplexity: None
+    assert not [n for n in steps(no_ppl, tmp_path) if n.startswith("perplexity[")]
+
+
+def test_an_engine_that_cannot_evaluate_under_the_kv_dtype_gets_a_plan_note(tmp_path, no_gpu):
+    """The HF baseline served by vLLM with an fp8 KV cache: it is evaluated by transformers, which has no KV dtype;
+    no quality step, one plan note, the plan still builds."""
+    data = kv_recipe(tmp_path, [{"name": "default"}, {"name": "fp8", "kv_cache_dtype": "fp8"}])
+    data["evaluation"]["serving"].update(engine="vllm", variants=["baseline"])
+    data["variants"] = [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}]
+    ctx = build_steps(parse_recipe(data), tmp_path)
+    names = [st.name for st in ctx.steps]
+    assert "serving[baseline@fp8]" in names and not [n for n in names if n.startswith("perplexity[baseline")]
+    notes = [w for w in ctx.warnings if "serving config 'fp8'" in w]
+    assert notes == ["quality of baseline under serving config 'fp8' (kv_cache_dtype fp8) not measured: it is "
+                     "evaluated by the transformers runtime, which cannot run a fp8 KV cache"]

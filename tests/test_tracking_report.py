@@ -145,11 +145,20 @@ def _serving_run() -> dict:
         return {"config": config, "concurrency": c, "output_tok_s": tok_s, "ttft_ms_p99": ttft, "ttft_ms_p50": ttft / 2,
                 "tpot_ms_p50": tpot, "requests_s": tok_s / 32, "errors": 0}
 
+    def quality(points, default, kv8):   # as the summary puts it on each point: (kld, ΔPPL %, PPL)
+        for p in points:
+            kv = p["config"] == "kv8"
+            p.update(zip(("kld", "delta_ppl_pct", "ppl"), kv8 if kv else default, strict=True), peak_rss_mb=232 if kv else 294,
+                     kv_cache_dtype="q8_0" if kv else None, kv_bytes_per_token=12240 if kv else 23040)
+        return points
+
     run = {**RUN, "variants": [dict(v) for v in RUN["variants"]]}
-    run["variants"][2]["serving"] = [pt("default", 1, 40, 90, 24), pt("default", 4, 110, 300, 35),
-                                     pt("kv8", 1, 38, 95, 25), pt("kv8", 4, 100, 340, 38)]
-    run["variants"][3]["serving"] = [pt("default", 1, 55, 70, 18), pt("default", 4, 150, 240, 26),
-                                     pt("kv8", 1, 52, 72, 19), pt("kv8", 4, 140, 600, 28)]
+    run["variants"][2]["serving"] = quality([pt("default", 1, 40, 90, 24), pt("default", 4, 110, 300, 35),
+                                             pt("kv8", 1, 38, 95, 25), pt("kv8", 4, 100, 340, 38)],
+                                            (0.004, 0.3, 17.9), (0.011, 0.9, 18.0))
+    run["variants"][3]["serving"] = quality([pt("default", 1, 55, 70, 18), pt("default", 4, 150, 240, 26),
+                                             pt("kv8", 1, 52, 72, 19), pt("kv8", 4, 140, 600, 28)],
+                                            (0.058, 3.2, 18.35), (0.0712, 4.1, 18.5))
     run["selection"] = {"objective": "max_throughput", "concurrency": 4, "passed": True,
                         "bounds": {"ttft_p99_ms": {"value": 500, "concurrency": 4},
                                    "min_output_tok_s": {"value": 60, "concurrency": 4}},
@@ -172,6 +181,11 @@ def test_serving_curves_slo_lines_and_selected_point():
     q4_ttft = section[section.index('data-variant="q4km" data-metric="ttft_ms_p99"'):]
     assert q4_ttft[:q4_ttft.index("</svg>")].count('class="selected"') == 1 and 'class="selected"' not in first
     assert "Selected: <b>q4km</b> @ <b>default</b>" in section and "+100 ms, 20 %" in section
+    # each config's quality beside its KV-cache bytes: kv8's own pass, default the variant's own numbers
+    table = section[section.index('<table class="config-quality">'):section.index("</table>")]
+    assert ("<tr><td>q4km</td><td>kv8</td><td>q8_0</td><td>12,240</td><td>232 MiB</td><td>0.0712</td><td>+4.10 %</td>"
+            "<td>18.500</td></tr>") in table
+    assert "<tr><td>q4km</td><td>default</td><td>engine default</td><td>23,040</td><td>294 MiB</td><td>0.0580</td>" in table
 
 
 def test_hardware_is_written_in_words():

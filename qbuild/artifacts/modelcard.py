@@ -154,10 +154,11 @@ def _serving_section(row: dict) -> list[str]:
     if points:
         out += ["## Serving under load", "",
                 "| config | concurrency | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | output tok/s | "
-                "requests/s | errors | peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "requests/s | errors | peak RSS MiB | KLD under the config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         out += [f"| {p['config']} | {p.get('concurrency', str(p.get('request_rate')) + '/s')} | {p['ttft_ms_p50']:.1f} | "
                 f"{p['ttft_ms_p99']:.1f} | {p['tpot_ms_p50']:.2f} | {p['itl_ms_p99']:.2f} | {p['output_tok_s']:.1f} | "
-                f"{p['requests_s']:.2f} | {p['errors']} | {p.get('peak_rss_mb') or '-'} |" for p in points]
+                f"{p['requests_s']:.2f} | {p['errors']} | {p.get('peak_rss_mb') or '-'} | "
+                f"{'-' if p.get('kld') is None else format(p['kld'], '.4g')} |" for p in points]
         out.append("")
     return out
 

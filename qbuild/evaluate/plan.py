@@ -92,17 +92,7 @@ def evaluation_steps(ctx) -> None:
     if not (ev.perplexity or ev.throughput):
         return
     ev = effective_evaluation(ctx)
-    data = None  # the tokenized evaluation text, planned on first use: no step builds data that nothing reads
-    reference = None
-    if ev.kld and ev.kld_base:
-        data = ctx.eval_data(ev.perplexity)
-        reference = _kld_base_reference(ctx, ev, data)
-    elif ev.kld:
-        reference, why = reference_step(ctx, ev.perplexity)
-        if reference is None:
-            ctx.note_not_evaluated("baseline", f"KLD needs the baseline's logits: {why}")
-        else:
-            data = reference.inputs["data"]
+    data, reference = _quality_reference(ctx, ev, note=True)
     for art, rt in evaluable_artifacts(ctx):
         skipped = rt.cannot_measure(art.label, art.step, ev)
         for reason in dict.fromkeys(skipped.values()):
@@ -111,25 +101,14 @@ def evaluation_steps(ctx) -> None:
             if art.baseline and reference is not None and art.step.key == ctx.model().key:
                 pass  # the reference step is the baseline's one pass: its perplexity comes from there
             else:
-                params = {**ev.perplexity.canonical(), "runtime": rt.name}
-                params.pop("dataset")  # identified by the eval-data input
-                if params.get("kv_cache_dtype") and rt.name != "llama.cpp":
-                    params.pop("kv_cache_dtype")
+                perplexity = ev.perplexity
+                if perplexity.kv_cache_dtype and perplexity.kv_cache_dtype not in rt.kv_cache_dtypes:
+                    perplexity = perplexity.model_copy(update={"kv_cache_dtype": None})
                     ctx.warn(f"evaluation.perplexity.kv_cache_dtype applies to the llama.cpp runtime only: {art.label} "
                              f"is evaluated by {rt.name} with its default KV cache")
                 data = data or ctx.eval_data(ev.perplexity)
-                inputs = {"model": art.step, "data": data}
-                if reference is not None and not art.baseline and "kld" not in skipped:
-                    inputs["reference"] = reference  # KLD + top-1 from the same pass
-                    if ev.kld_base:
-                        inputs["kld_base"] = reference.inputs["kld_base"]  # windows are the file's tokens
-                measured = measured_candidates(art.step, params, inputs)
-                if measured:
-                    # only what it reads (no evaluation text or reference log-probs to fetch on another node)
-                    _step("perplexity", f"perplexity[{art.label}]", {**params, "reuses": "candidate measurement"}, rt,
-                          art.label, art.step, {"model": art.step, **measured}, (), ctx, runner="perplexity-reuse")
-                else:
-                    _step("perplexity", f"perplexity[{art.label}]", params, rt, art.label, art.step, inputs, (), ctx)
+                _perplexity_step(ctx, ev, perplexity, art, rt, data, None if art.baseline or "kld" in skipped
+                                 else reference, f"perplexity[{art.label}]", reuse_candidates=True)
         if ev.throughput and "throughput" not in skipped:
             params = {**ev.throughput.canonical(), "runtime": rt.name, "device": ctx.device}
             # timings belong to a machine: the hardware is part of the key, so another machine never hits
@@ -160,6 +139,81 @@ def measured_candidates(artifact: Step, params: dict, inputs: dict) -> dict[str,
             return {}
         found[f"candidate:{role}"], found[f"measured:{role}"] = candidate, m
     return found
+
+
+def _quality_reference(ctx, ev, note: bool = False) -> tuple[Step | None, Step | None]:
+    """(eval data, the KLD reference) of the recipe's perplexity protocol: (None, None) without KLD; with `note`, a
+    reference that cannot be made is noted against the baseline. Planned once: later calls get the same steps."""
+    if not (ev.kld and ev.perplexity):
+        return None, None
+    if ev.kld_base:
+        data = ctx.eval_data(ev.perplexity)
+        return data, _kld_base_reference(ctx, ev, data)
+    reference, why = reference_step(ctx, ev.perplexity)
+    if reference is None:
+        if note:
+            ctx.note_not_evaluated("baseline", f"KLD needs the baseline's logits: {why}")
+        return None, None
+    return reference.inputs["data"], reference
+
+
+def _perplexity_step(ctx, ev, perplexity, art, rt: Runtime, data: Step, reference: Step | None, name: str,
+                     reuse_candidates: bool = False, **runtime_args) -> Step:
+    """A `perplexity` step of `art` under the protocol `perplexity`: PPL, and KLD + top-1 from the same pass when a
+    reference is given. With `reuse_candidates`, an artifact whose candidates were all measured exactly so reads
+    the winner's measurement instead (measured_candidates)."""
+    params = {**perplexity.canonical(), "runtime": rt.name}
+    params.pop("dataset")  # identified by the eval-data input
+    inputs = {"model": art.step, "data": data}
+    if reference is not None:
+        inputs["reference"] = reference  # KLD + top-1 from the same pass
+        if ev.kld_base:
+            inputs["kld_base"] = reference.inputs["kld_base"]  # windows are the file's tokens
+    measured = measured_candidates(art.step, params, inputs) if reuse_candidates else {}
+    if measured:
+        # only what it reads (no evaluation text or reference log-probs to fetch on another node)
+        return _step("perplexity", name, {**params, "reuses": "candidate measurement"}, rt, art.label, art.step,
+                     {"model": art.step, **measured}, (), ctx, runner="perplexity-reuse")
+    return _step("perplexity", name, params, rt, art.label, art.step, inputs, (), ctx,
+                 **({"runtime_args": runtime_args} if runtime_args else {}))
+
+
+# KV-cache element types that change what a model computes (f16/bf16 hold the K/V activations as the model does)
+QUANTIZED_KV = ("q8_0", "q4_0", "fp8")
+
+
+def kv_measured_apart(perplexity, kv_cache_dtype: str | None) -> bool:
+    """Whether a serving config with this KV-cache dtype needs its own quality pass: it quantizes the KV cache, and
+    not as the recipe's perplexity pass already does (else the variant's own numbers are the config's)."""
+    return kv_cache_dtype in QUANTIZED_KV and kv_cache_dtype != perplexity.kv_cache_dtype
+
+
+def serving_quality_step(ctx, art, config) -> Step | None:
+    """The quality of served artifact `art` under serving config `config` when the config quantizes the KV cache
+    other than the recipe's perplexity pass does: one more `perplexity[<artifact>@<config>]` step (the recipe's
+    protocol with the config's kv_cache_dtype, flash attention on: llama.cpp quantizes V only with it, as the server
+    runs), against the same reference (the baseline's f16-KV log-probs). None where the variant's own numbers are the
+    config's (no or the same KV dtype, no perplexity) or the artifact's runtime cannot run that KV cache (a plan
+    note says so). Steps are shared: configs with the same KV dtype read one."""
+    ev = effective_evaluation(ctx)
+    kv = config.kv_cache_dtype
+    if not ev.perplexity or not kv_measured_apart(ev.perplexity, kv):
+        return None
+    rt, _ = pick_runtime(art.step.format)
+    if rt is None:
+        return None   # noted in ctx.not_evaluated by evaluation_steps
+    if kv not in rt.kv_cache_dtypes:
+        ctx.warn(f"quality of {art.label} under serving config {config.name!r} (kv_cache_dtype {kv}) not measured: "
+                 f"it is evaluated by the {rt.name} runtime, which cannot run a {kv} KV cache")
+        return None
+    skipped = rt.cannot_measure(art.label, art.step, ev)
+    if "perplexity" in skipped:
+        return None
+    data, reference = _quality_reference(ctx, ev)
+    perplexity = ev.perplexity.model_copy(update={"kv_cache_dtype": kv, "flash_attn": True})
+    return _perplexity_step(ctx, ev, perplexity, art, rt, data or ctx.eval_data(ev.perplexity),
+                            None if "kld" in skipped else reference, f"perplexity[{art.label}@{config.name}]",
+                            serving_kv=kv)
 
 
 def effective_evaluation(ctx):

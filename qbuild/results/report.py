@@ -282,7 +282,32 @@ def _serving_html(run: dict) -> str:
     misses = "".join(f"<li>{html.escape(x['variant'])} @ {html.escape(str(x['config']))}: {html.escape(x['why'])}</li>"
                      for x in sel.get("rejected", []))
     return (f'<section id="serving"><h2>Serving under load</h2>{verdict}'
-            f'{"<ul>" + misses + "</ul>" if misses else ""}<div class="plots">{"".join(figures)}</div></section>')
+            f'{"<ul>" + misses + "</ul>" if misses else ""}{_config_quality_html(rows)}'
+            f'<div class="plots">{"".join(figures)}</div></section>')
+
+
+def _config_quality_html(rows: list[dict]) -> str:
+    """Per (artifact, serving config): what its KV cache costs in quality beside what it saves in memory."""
+    lines = []
+    for r in rows:
+        for config in dict.fromkeys(p["config"] for p in r["serving"]):
+            pts = [p for p in r["serving"] if p["config"] == config]
+            first = next((p for p in pts if "kld" in p), None)
+            if first is None:
+                continue   # a run recorded before serving points carried their quality
+            rss = max((p.get("peak_rss_mb") or 0 for p in pts), default=0)
+            cells = [r["variant"], config, first.get("kv_cache_dtype") or "engine default",
+                     "-" if first.get("kv_bytes_per_token") is None else f"{first['kv_bytes_per_token']:,.0f}",
+                     f"{rss:.0f} MiB" if rss else "-",
+                     *("-" if first.get(f) is None else fmt.format(first[f])
+                       for f, fmt in (("kld", "{:.4f}"), ("delta_ppl_pct", "{:+.2f} %"), ("ppl", "{:.3f}")))]
+            lines.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    if not lines:
+        return ""
+    head = "".join(f"<th>{c}</th>" for c in ("variant", "config", "KV cache", "KV bytes/token", "peak RSS", "KLD",
+                                               "ΔPPL", "PPL"))
+    return (f'<table class="config-quality"><caption>Quality under each serving config (a quantized KV cache '
+            f'measured in its own pass, against the same reference)</caption><tr>{head}</tr>{"".join(lines)}</table>')
 
 
 COLUMNS = [("variant", "variant", "{}"), ("method", "method", "{}"), ("detail", "detail", "{}"),

@@ -2,7 +2,8 @@
 
 Candidates are the summary's rows (variants and target outputs; the baseline only with include_baseline) × their
 serving configs. Each bound is checked where it applies: latency and throughput SLOs at their concurrency point of
-that config, quality (KLD, ΔPPL %) and size per artifact, memory as the config's server peak RSS. Every candidate
+that config, quality (KLD, ΔPPL %) as measured under that config (a quantized KV cache has its own pass; other configs
+carry the artifact's own numbers), size per artifact, memory as the config's server peak RSS. Every candidate
 that is not selected says why: each bound it missed and by how much, or that the objective preferred another.
 """
 
@@ -98,26 +99,36 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
         m = _miss(field, value, bound, kind, unit, f" at concurrency {c}")
         if m:
             misses.append(m)
-    for field, value, bound, unit in (
-            ("max_kld", row.get("kld"), sel.max_kld, ""),
-            ("max_delta_ppl_pct", row.get("delta_ppl_pct"), sel.max_delta_ppl_pct, "%"),
-            ("max_size_mb", row["size_bytes"] / 2**20 if row.get("size_bytes") else None, sel.max_size_mb, "MiB"),
+    quality = _quality(row, points)
+    under = f" under config {config}" if config is not None else ""
+    for field, value, bound, unit, where in (
+            ("max_kld", quality.get("kld"), sel.max_kld, "", under),
+            ("max_delta_ppl_pct", quality.get("delta_ppl_pct"), sel.max_delta_ppl_pct, "%", under),
+            ("max_size_mb", row["size_bytes"] / 2**20 if row.get("size_bytes") else None, sel.max_size_mb, "MiB", ""),
             ("max_memory_mb", max((p.get("peak_rss_mb") or 0 for p in points), default=None) or None,
-             sel.max_memory_mb, "MiB")):
+             sel.max_memory_mb, "MiB", under)):
         if bound is None:
             continue
         if value is None:
-            misses.append(f"{field.removeprefix('max_')}: not measured")
+            misses.append(f"{field.removeprefix('max_')}{where}: not measured")
             continue
-        m = _miss(field.removeprefix("max_"), value, bound, "max", unit)
+        m = _miss(field.removeprefix("max_"), value, bound, "max", unit, where)
         if m:
             misses.append(m)
     pt = point(at)
     return {"variant": row["variant"], "config": config, "misses": misses,
             "output_tok_s": pt.get("output_tok_s") if pt else None, "size_bytes": row.get("size_bytes"),
-            "kld": row.get("kld"), "command": (pt or {}).get("command") or next(
+            "kld": quality.get("kld"), "command": (pt or {}).get("command") or next(
                 (p.get("command") for p in points if p.get("command")), None),
             "digest": row.get("digest"), "key": row.get("key")}
+
+
+def _quality(row: dict, points: list[dict]) -> dict:
+    """KLD and ΔPPL % of the artifact under this config: its serving points carry them (the summary puts them there:
+    a quantized KV cache's own pass), else the artifact's own."""
+    pt = next((p for p in points if "kld" in p), None)
+    source = pt if pt is not None else row
+    return {"kld": source.get("kld"), "delta_ppl_pct": source.get("delta_ppl_pct")}
 
 
 def _best(objective: str, met: list[dict]) -> dict | None:

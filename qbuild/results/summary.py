@@ -16,7 +16,40 @@ EVAL_KINDS = {"perplexity": "ppl", "reference": "ppl", "throughput": "speed"}
 
 def _evaluations(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutcome]:
     """(artifact key, evaluation kind) → outcome: an evaluation belongs to the artifact it read."""
-    return {(o.step.inputs["model"].key, o.step.kind): o for o in outcomes if o.step.kind in EVAL_KINDS}
+    return {(o.step.inputs["model"].key, o.step.kind): o for o in outcomes
+            if o.step.kind in EVAL_KINDS and not o.step.runtime_args.get("serving_kv")}
+
+
+def _kv_quality(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutcome]:
+    """(artifact key, KV-cache dtype) → the artifact's quality pass under a serving config's quantized KV cache."""
+    return {(o.step.inputs["model"].key, o.step.runtime_args["serving_kv"]): o for o in outcomes
+            if o.step.kind == "perplexity" and o.step.runtime_args.get("serving_kv")}
+
+
+QUALITY_FIELDS = ("ppl", "delta_ppl_pct", "kld", "top1")
+
+
+def _add_serving_quality(rows: list[dict], outcomes: list[StepOutcome], recipe, base_ppl: float | None) -> None:
+    """Each serving point gets the quality of its artifact under its config: the artifact's own numbers, or those of
+    its pass under the config's quantized KV cache (qbuild.evaluate.plan.serving_quality_step; None where that could
+    not be measured), so KLD cost and KV memory saving sit side by side."""
+    from qbuild.evaluate.plan import kv_measured_apart
+
+    perplexity = recipe.evaluation.perplexity
+    kv_of = {c.name: c.kv_cache_dtype for c in recipe.evaluation.serving.configs}
+    passes = _kv_quality(outcomes)
+    for r in rows:
+        for p in r.get("serving") or []:
+            kv = kv_of.get(p["config"])
+            p["kv_cache_dtype"] = kv
+            if perplexity is None or not kv_measured_apart(perplexity, kv):
+                p.update({k: r.get(k) for k in QUALITY_FIELDS})
+                continue
+            o = passes.get((r["key"], kv))
+            m = o.metrics if o is not None else {}
+            ppl = m.get("ppl")
+            p.update(ppl=ppl, kld=m.get("kld"), top1=m.get("top1"), quality_step=o.step.name if o else None,
+                     delta_ppl_pct=100 * (ppl - base_ppl) / base_ppl if ppl is not None and base_ppl else None)
 
 
 def _load_checks(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
@@ -157,6 +190,8 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
                 r["delta_ppl_pct"] = 100 * r["delta_ppl"] / base["ppl"]
             if r["decode_tok_s"] and base["decode_tok_s"]:
                 r["throughput_ratio"] = r["decode_tok_s"] / base["decode_tok_s"]
+    if recipe.evaluation.serving:
+        _add_serving_quality(rows, outcomes, recipe, base["ppl"] if base else None)
     planned = {ps.step.key: ps for ps in plan.steps}
     # why each built step missed (the planner's reasons, as `qbuild plan` shows them): `qbuild diff` reads them
     steps = [{"name": o.step.name, "kind": o.step.kind, "status": o.status, "key": o.step.key, "digest": o.digest,
@@ -255,16 +290,20 @@ def render_serving(summary: dict, console) -> None:
     slo = summary.get("goodput_slo") or DEFAULT_GOODPUT_SLO
     table = Table(title="serving (ms; tok/s of the whole server; goodput: requests/s with TTFT ≤ "
                   f"{slo['ttft_ms']:g} ms and TPOT ≤ {slo['tpot_ms']:g} ms)", title_justify="left")
+    # the artifact's quality under each config (a quantized KV cache has its own pass) beside its KV-cache bytes
+    quality = [c for c, field in (("KLD", "kld"), ("ΔPPL %", "delta_ppl_pct")) if any(p.get(field) is not None
+                                                                                    for _, p in rows)]
     for col in ("variant", "config", "conc.", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "tok/s", "req/s",
-                "goodput", "errors", "peak RSS", "KV B/tok"):
+                "goodput", "errors", "peak RSS", "KV B/tok", *quality):
         table.add_column(col, justify="left" if col in ("variant", "config") else "right")
     for variant, p in rows:
         where = str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s"
+        extra = {"KLD": _fmt(p.get("kld"), ".4f"), "ΔPPL %": _fmt(p.get("delta_ppl_pct"), "+.2f")}
         table.add_row(escape(variant), escape(p["config"]), where, _fmt(p["ttft_ms_p50"], ".1f"),
                       _fmt(p["ttft_ms_p99"], ".1f"), _fmt(p["tpot_ms_p50"], ".2f"), _fmt(p["itl_ms_p99"], ".2f"),
                       _fmt(p["output_tok_s"], ".1f"), _fmt(p["requests_s"], ".2f"), _fmt(p["goodput_requests_s"], ".2f"),
                       str(p["errors"]), f"{p['peak_rss_mb']:.0f} MiB" if p.get("peak_rss_mb") else "-",
-                      _fmt(p.get("kv_bytes_per_token"), ".0f"))
+                      _fmt(p.get("kv_bytes_per_token"), ".0f"), *(extra[c] for c in quality))
     console.print(table)
 
 

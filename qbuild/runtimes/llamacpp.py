@@ -114,6 +114,7 @@ class LlamaCppRuntime(Runtime):
     preload = ("llama_cpp",)
     max_batch_size = 1
     thread_invariant = True   # the same logits at 1 and 2 threads, bit for bit (checked: tests/test_rebuild_real.py)
+    kv_cache_dtypes = ("f16", "bf16", "q8_0", "q4_0")   # type_k/type_v, as llama-server's --cache-type-k/-v
 
     def open(self, model: Path, ctx: StepContext, n_ctx: int) -> LlamaCppSession:
         # flash attention changes the logits in the 3rd digit: off unless the protocol asks (evaluation.perplexity)

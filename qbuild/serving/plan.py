@@ -4,7 +4,8 @@ The server is chosen by what loads the artifact (qbuild.formats.loads_in → the
 the first one this machine can run, else the first one (planned `needs-gpu` / `unavailable` and skipped, so a
 CPU machine still builds and serves the rest). A serving config a server cannot express is refused here, in one
 line. The step's key holds the workload, the config, the server's flags, the server's version and build, and the
-hardware (it is a timing step: it runs alone).
+hardware (it is a timing step: it runs alone). A config that quantizes the KV cache (llama.cpp q8_0/q4_0) also gets
+the artifact's quality under that cache (qbuild.evaluate.plan.serving_quality_step), shown beside its serving numbers.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 from qbuild.core.recipe import longest
 from qbuild.core.step import OnUnavailable, Step
 from qbuild.errors import RecipeError
+from qbuild.evaluate.plan import serving_quality_step
 from qbuild.formats import loads_in, spec
 from qbuild.plugins import Server, servers
 
@@ -84,3 +86,4 @@ def serving_steps(ctx) -> None:
                          requires_gpu=server.needs_gpu, unavailable=unavailable, on_unavailable=OnUnavailable.SKIP,
                          format="metrics", impl_version=IMPL_VERSION,
                          runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s}))
+            serving_quality_step(ctx, art, config)   # a quantized KV cache's quality cost, beside its serving numbers
