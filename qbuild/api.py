@@ -263,14 +263,15 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     run_id = st.new_run_id()
     started = time.time()
     device = loaded[0][0].runtime.device
+    limits = [limit for the_plan in plans for limit in the_plan.time_limits]
     if executor == "ray":
         from qbuild.core.executor_ray import RayExecutor
 
         runner = RayExecutor(st, run_id, origins, address=address, progress=progress, device=device, jobs=jobs,
-                             remotes=remote_tiers, materialize=materialize)
+                             remotes=remote_tiers, materialize=materialize, time_limits=limits)
     else:
         runner = Executor(st, run_id, origins, progress=progress, device=device, jobs=jobs, remotes=remote_tiers,
-                          materialize=materialize, verify=verify)
+                          materialize=materialize, verify=verify, time_limits=limits)
     done = runner.run(list(merged.values()))
     by_key = {o.step.key: o for o in done}
     results = []

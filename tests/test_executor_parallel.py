@@ -234,3 +234,30 @@ def test_several_recipes_one_deduplicated_plan_and_junit(tmp_path, store_dir, ju
     res = qbuild("run", folder, "--store", store_dir, "--junit-xml", xml)
     assert res.returncode == 3, res.stderr
     assert os.path.getsize(xml) > 0
+
+
+def test_a_time_limited_set_stops_starting_steps_past_its_limit_and_a_rerun_resumes(tmp_path, store_dir):
+    """A search's max_minutes at run time: once the set's first step has run longer than the limit, the next step of
+    the set fails with one line naming the field and what is stored, the rest are skipped; a rerun builds only those."""
+    from qbuild.artifacts.store import Store
+    from qbuild.core.executor import Executor
+    from qbuild.core.outcome import Outcome
+    from qbuild.core.plan import TimeLimit, make_plan
+    from qbuild.core.recipe import parse_recipe
+
+    variants = [{"name": f"v{i}", "method": "fake", "level": i, "sleep": 0.5} for i in range(3)]
+    recipe = parse_recipe(fake_recipe(tmp_path, variants, runtime={"threads": 1}))
+    store = Store(store_dir)
+    plan = make_plan(recipe, tmp_path, store)
+    limited = tuple(ps.step for ps in plan.steps if ps.step.name.startswith("quantize["))
+    limit = TimeLimit("variants[0].search.max_minutes", 0.3 / 60, "the search for v", limited, {}, "")
+    outcomes = {o.step.name: o for o in Executor(store, store.new_run_id(), {}, jobs=1, time_limits=[limit]).run(
+        list(plan.steps))}
+    statuses = sorted(outcomes[s.name].status for s in limited)
+    assert statuses == sorted([Outcome.BUILT, Outcome.FAILED, Outcome.SKIPPED]), statuses
+    failed = next(outcomes[s.name] for s in limited if outcomes[s.name].status == Outcome.FAILED)
+    assert failed.error.startswith("the search for v stopped after 0.0") and "1 of 3 of its steps are stored" in failed.error
+    assert "variants[0].search.max_minutes 0.005" in failed.error and "\n" not in failed.error
+    again = {o.step.name: o.status for o in Executor(store, store.new_run_id(), {}, jobs=1).run(
+        list(make_plan(recipe, tmp_path, store).steps))}
+    assert sorted(again[s.name] for s in limited) == sorted([Outcome.CACHED, Outcome.BUILT, Outcome.BUILT])

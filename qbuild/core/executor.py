@@ -61,8 +61,13 @@ class Executor(StandbyWorkers, WorkerLaunch):
     warm_workers = True   # fork the steps' workers from a fork server (False: a fresh interpreter per step)
 
     def __init__(self, store: Store, run_id: str, origins: dict[str, Origin], *, progress=None, device: str = "auto",
-                 jobs: int | None = None, remotes: tuple = (), materialize: bool = False, verify: str = "fast"):
+                 jobs: int | None = None, remotes: tuple = (), materialize: bool = False, verify: str = "fast",
+                 time_limits=()):
         self.store = store
+        # a TimeLimit (qbuild.core.plan) of each limited step, and when each limit's first step started
+        self._limits = {s.key: limit for limit in time_limits for s in limit.steps}
+        self._limit_started: dict[str, float] = {}
+        self._limit_hit: set[str] = set()
         self.verify = verify          # how a hit found under the lock is checked (see Store.lookup)
         self.run_id = run_id
         self.origins = origins        # step key → the (first) recipe it is built for
@@ -110,10 +115,17 @@ class Executor(StandbyWorkers, WorkerLaunch):
                         outcomes[ps.step.key] = done
                         pending.remove(ps)
                         continue
+                    stopped = self._past_time_limit(ps.step, outcomes)
+                    if stopped is not None:
+                        outcomes[ps.step.key] = stopped
+                        pending.remove(ps)
+                        continue
                     claim = budget.claim(ps.step, self._memory_estimate(ps.step, outcomes), ps.step.per_hardware)
                     if claim is None:
                         continue
                     pending.remove(ps)
+                    if ps.step.key in self._limits:
+                        self._limit_started.setdefault(self._limits[ps.step.key].field, time.monotonic())
                     claim.standby = self._take_standby(ps.step, claim)   # here, before _prestart looks again
                     if claim.alone and claim.standby is None:
                         self._retire_standby()   # nothing may run beside a timing step, a standby's imports neither
@@ -147,6 +159,23 @@ class Executor(StandbyWorkers, WorkerLaunch):
             if outcomes[ps.step.key].status in (Outcome.BUILT, Outcome.CACHED):
                 self._remember(ps.step)
         return [outcomes[ps.step.key] for ps in planned]
+
+    def _past_time_limit(self, step: Step, outcomes: dict[str, StepOutcome]) -> StepOutcome | None:
+        """A step of a time-limited set (a search's max_minutes) is not started once the set has run longer than its
+        limit: the first one fails with one line that says what is stored, the rest are skipped. What finished stays
+        stored, so a rerun resumes; no result depends on the clock, only whether the run goes on."""
+        limit = self._limits.get(step.key)
+        started = self._limit_started.get(limit.field) if limit is not None else None
+        if started is None or (minutes := (time.monotonic() - started) / 60) <= limit.minutes:
+            return None
+        if limit.field in self._limit_hit:
+            return StepOutcome(step, Outcome.SKIPPED, error=f"{limit.what} stopped at max_minutes")
+        self._limit_hit.add(limit.field)
+        done = sum(1 for s in limit.steps
+                   if (o := outcomes.get(s.key)) is not None and o.status in (Outcome.BUILT, Outcome.CACHED))
+        return StepOutcome(step, Outcome.FAILED, error=(
+            f"{limit.what} stopped after {minutes:.1f} min ({limit.field} {limit.minutes:g}): {done} of "
+            f"{len(limit.steps)} of its steps are stored; rerun to resume, or raise max_minutes"))
 
     def _resolve_without_building(self, ps: PlannedStep, inputs: list[StepOutcome]) -> StepOutcome | None:
         step = ps.step

@@ -63,6 +63,7 @@ class Plan:
     remotes: tuple = ()                  # the remote tiers looked up (RemoteStore), in order
     estimate: object = None              # qbuild.core.estimate.PlanEstimate: `qbuild plan` adds it (run does not need it)
     overlap: dict | None = None          # calibration vs evaluation text (qbuild.calibration.overlap)
+    time_limits: tuple = ()              # TimeLimit: wall-time limits on sets of steps, enforced by the executor too
 
     @property
     def to_build(self) -> int:
@@ -349,7 +350,7 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (
         except RecipeError as err:
             raise locate(err, recipe) from None
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
-                tuple(remotes), overlap=ctx.overlap)
+                tuple(remotes), overlap=ctx.overlap, time_limits=tuple(ctx.time_limits))
 
 
 def check_time_limit(limit: TimeLimit, planned: tuple[PlannedStep, ...], store: Store, recipe_name: str) -> None:

@@ -71,8 +71,9 @@ class GGUFSearch(StrictModel):
     max_candidates: int = Field(3, ge=1, le=16, description="Allocations built and measured for real.")
     max_minutes: float | None = Field(
         None, gt=0, description="Refuse to start a search whose steps still to build are estimated (from the store's "
-                                "history of the same or similar steps, else from the model's size) to take longer. "
-                                "Never part of a key: results do not depend on wall time.")
+                                "history of the same or similar steps, else from the model's size) to take longer, "
+                                "and stop one that runs longer (what finished stays stored; a rerun resumes). Never "
+                                "part of a key: results do not depend on wall time.")
 
     @field_validator("types")
     @classmethod

@@ -251,12 +251,17 @@ def render_table(summary: dict, console) -> None:
         if r.get("not_evaluated"):
             console.print(f"[yellow]not evaluated: {escape(r['variant'])}[/] ({escape(str(r['format']))}): "
                           f"{escape(r['not_evaluated'])}")
+    skipped: dict[str, list[str]] = {}   # one line per reason: a stopped search skips dozens of steps at once
     for s in summary["steps"]:
         if s["status"] == "skipped":
-            console.print(f"[yellow]skipped {escape(s['name'])}[/]: {escape(str(s['error']))}")
+            skipped.setdefault(str(s["error"]), []).append(s["name"])
+    for why, names in skipped.items():
+        what = names[0] if len(names) == 1 else f"{len(names)} steps ({', '.join(names[:3])}{', ...' * (len(names) > 3)})"
+        console.print(f"[yellow]skipped {escape(what)}[/]: {escape(why)}")
+    for s in summary["steps"]:
         if s["status"] == "failed":
-            console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(str(s['error']))}  "
-                          f"(log: {escape(str(s['log']))})")
+            log = f"  (log: {escape(str(s['log']))})" if s.get("log") else ""
+            console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(str(s['error']))}{log}")
 
 
 def _render_tasks(rows: list[dict], console) -> None:
