@@ -179,3 +179,22 @@ def test_step_resources_for_ray():
     engine = Step("trtllm-engine", "engine[a]", {"x": 1}, "m:f", threads=2, requires_gpu=True,
                   env_toolchain={"gpu.sm": "9.0", "trtllm": "1.2.0"})
     assert resources(engine, max_cpus=16) == {"num_cpus": 2, "num_gpus": 1, "resources": {"sm_90": 0.001}}
+
+
+# a few minutes on 2 shared cores: ~60 steps, each a Ray task in a fresh interpreter
+@pytest.mark.slow
+def test_a_gguf_search_spreads_over_the_nodes_and_meets_its_budget(cluster, tmp_path, s3_url, tiny_model_dir):
+    from test_gguf_search import recipe_for
+
+    search = {"max_size_mb": 36.6, "types": ["Q4_0", "Q5_0", "Q2_K"], "max_candidates": 2}
+    recipe = write_recipe(tmp_path / "search.yaml", recipe_for(tiny_model_dir, tmp_path / "driver", search))
+    proc = _run(cluster, recipe, s3_url, tmp_path / "driver")
+    out, err = proc.communicate(timeout=1500)
+    data = json.loads(out) if out else {}
+    failed = [(s["name"], s.get("error")) for s in data.get("steps", []) if s["status"] == "failed"] or data.get("error")
+    assert proc.returncode == 0, f"{failed} {err[-1500:]}"
+    built = [s for s in data["steps"] if s["status"] == "built"]
+    # the sensitivity measurements and finalists are ordinary steps: both nodes took some
+    assert len({s["worker"] for s in built if "~" in s["name"]}) == 2, {s["name"]: s["worker"] for s in built}
+    row = {v["variant"]: v for v in data["variants"]}["mix"]
+    assert row["size_bytes"] <= 36.6e6 and row["kld"] is not None
