@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,7 +148,8 @@ def claim_root(path: str | os.PathLike, kind: str, adopt: Callable[[Path], str |
         why = adopt(p) if adopt is not None else "it is not empty"
         if why is not None:
             raise NotOurs(f"{p} is not a qbuild {kind} and not empty ({why}); use a new or empty folder")
-    tmp = p / f".{MARKER}.{os.getpid()}.tmp"
+    # per process and thread: two threads claiming the same new folder must not share (and unlink) one temporary file
+    tmp = p / f".{MARKER}.{os.getpid()}.{threading.get_ident()}.tmp"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except FileExistsError:
