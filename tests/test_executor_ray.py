@@ -114,7 +114,8 @@ def test_each_step_is_built_once_across_the_nodes_and_a_lost_node_is_retried(clu
     deadline = time.time() + 60   # the nodes clean up after the cancel; slow when the 2 cores are busy
     while time.time() < deadline and (any(list(d.iterdir()) for d in scratch) or _workers(cluster["root"])):
         time.sleep(0.2)
-    assert not any(list(d.iterdir()) for d in scratch), "scratch left on a node"
+    left = [str(f.relative_to(d)) for d in scratch for f in d.rglob("*")]
+    assert not left, f"scratch left on a node: {left[:20]}"
     assert not _workers(cluster["root"]), "a worker process outlived its cancelled task"
 
     # two slow steps, one per node (1 CPU each); the second node dies while it builds its step
