@@ -34,6 +34,18 @@ def run_api(recipe, store=None, **kwargs) -> tuple[int, dict]:
     return result.exit_code, json.loads(json.dumps(result.summary, default=str))
 
 
+def rerun_then_another_budget(recipe: Path, other_budget: dict) -> dict:
+    """A search's recipe run again builds nothing; then the recipe's next budget (`other_budget`, written over it)
+    reuses the sensitivity: no measurement step (named with "@" or "~base") runs again. Its summary."""
+    rc, again = run_api(recipe)
+    assert rc == 0 and again["counts"]["built"] == 0
+    rc, other = run_api(write_recipe(recipe, other_budget))
+    assert rc == 0
+    built = sorted(s["name"] for s in other["steps"] if s["status"] == "built")
+    assert not any("@" in n or "~base" in n for n in built), built
+    return other
+
+
 def build_module_recipe(root: Path, data: dict) -> dict:
     """Run `data` once for a test module (its `store.path` is the store): the recipe path, the summary, and
     its variants by name and steps by name."""

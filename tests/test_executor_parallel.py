@@ -261,3 +261,30 @@ def test_a_time_limited_set_stops_starting_steps_past_its_limit_and_a_rerun_resu
     again = {o.step.name: o.status for o in Executor(store, store.new_run_id(), {}, jobs=1).run(
         list(make_plan(recipe, tmp_path, store).steps))}
     assert sorted(again[s.name] for s in limited) == sorted([Outcome.CACHED, Outcome.BUILT, Outcome.BUILT])
+
+
+def test_an_interrupt_inside_a_step_kills_its_worker_before_its_scratch_goes(tmp_path, store_dir):
+    """A Ray task's cancel raises KeyboardInterrupt in the thread that waits on the step's worker (here: on its first
+    progress line): the worker dies there and then, and its scratch goes after it, with nothing written since."""
+    from qbuild.artifacts.store import Store
+    from qbuild.core.budget import Claim
+    from qbuild.core.executor import Executor
+    from qbuild.core.outcome import Outcome, StepOutcome
+    from qbuild.core.plan import make_plan
+    from qbuild.core.recipe import parse_recipe
+
+    class Interrupted(Executor):
+        def _on_progress(self, task, line):
+            raise KeyboardInterrupt
+
+    recipe = parse_recipe(fake_recipe(tmp_path, [{"name": "v", "method": "fake", "sleep": 30.0}]))
+    store = Store(store_dir)
+    step = next(ps.step for ps in make_plan(recipe, tmp_path, store).steps if ps.step.kind == "quantize")
+    outcomes = {s.key: StepOutcome(s, Outcome.SOURCE, path=s.source_path) for s in step.inputs.values()}
+    ex = Interrupted(store, store.new_run_id(), {}, jobs=1)
+    with pytest.raises(KeyboardInterrupt):
+        ex._build(step, outcomes, Claim(cpus=1, memory_mb=0, gpu=None, alone=False, key=step.key, base=1))
+    workers = subprocess.run(["pgrep", "-f", f"qbuild.core.worker {store_dir}"], capture_output=True, text=True)
+    assert workers.stdout == "", "the step's worker outlived the interrupt"
+    time.sleep(0.5)   # a worker still alive would write its result into the scratch now
+    assert not list((store_dir / "tmp").iterdir())

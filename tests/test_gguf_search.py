@@ -18,7 +18,7 @@ from qbuild.core.recipe import parse_recipe
 from qbuild.quantize.gguf import GGUFVariant
 from qbuild.quantize.gguf_search import allocate, smallest_within, tensor_groups
 
-from helpers import run_api, write_recipe
+from helpers import rerun_then_another_budget, run_api, write_recipe
 
 
 # --- allocation ----------------------------------------------------------------------------------------------
@@ -255,14 +255,8 @@ def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
     page = api.report("gsearch", store=store)
     assert "KLD vs size" in page and "mix~cand0" in page and ">q4km<" in page
     # the same recipe again: nothing runs
-    rc, again = run_api(recipe)
-    assert rc == 0 and again["counts"]["built"] == 0
-    # another budget: only allocation, candidates, selection and the variant's own evaluation run
-    recipe = write_recipe(tmp_path / "r.yaml", recipe_for(tiny_model_dir, store, {**search, "max_size_mb": 35.5}))
-    rc, other = run_api(recipe)
-    assert rc == 0
-    built = sorted(s["name"] for s in other["steps"] if s["status"] == "built")
-    assert not any("@" in n or "~base" in n for n in built), built
+    # ... and another budget: only allocation, candidates, selection and the variant's own evaluation run
+    other = rerun_then_another_budget(recipe, recipe_for(tiny_model_dir, store, {**search, "max_size_mb": 35.5}))
     assert {v["variant"]: v for v in other["variants"]}["mix"]["size_bytes"] <= 35.5e6
     _, shown = api.show("gsearch/mix", store=store)
     assert shown["rebuild_command"].startswith("llama-quantize --imatrix imatrix.gguf --tensor-type")

@@ -109,6 +109,7 @@ def build_on_node(step: Step, origin: Origin | None, run_id: str, device: str, r
     from qbuild.artifacts.remote.cache import lookup
 
     store = node_store()
+    store.clean_stale()   # scratch of a task killed on this node (a forced cancel, a lost worker) goes here
     tiers = tuple(open_remote(r.pop("url"), **r) for r in (dict(x) for x in remotes))
     where = f"{socket.gethostname()}:{os.getpid()}"
     try:

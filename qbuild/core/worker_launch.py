@@ -233,12 +233,30 @@ class WorkerLaunch:
                 _, status, usage = os.wait4(pid, 0)
                 rc, cpu, peak_rss_mb = (os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime,
                                         round(usage.ru_maxrss / 1024, 1))
+        except BaseException:
+            # interrupted here (Ctrl-C, a Ray task's cancel): the worker dies before its scratch is removed, and
+            # before its pid leaves _procs, where cancel() would have looked for it
+            self._reap_killed(pid, forked)
+            raise
         finally:
             with self._lock:
                 self._procs.pop(step.key, None)
         if proc is not None:
             proc.returncode = rc
         return {"wall": time.perf_counter() - t0, "cpu": cpu, "peak_rss_mb": peak_rss_mb}, rc
+
+    def _reap_killed(self, pid: int | None, forked) -> None:
+        """Kill a step's worker (its whole group) and wait until it is gone, so it writes nothing more."""
+        if pid is None:
+            return
+        self._kill_group(pid)
+        try:
+            if forked is not None:
+                forked.wait()
+            else:
+                os.waitpid(pid, 0)
+        except (ChildProcessError, OSError):   # reaped already (cancel() from another thread)
+            pass
 
     def _on_progress(self, task, line: bytes) -> None:
         if not self.progress or task is None:
