@@ -37,6 +37,7 @@ from qbuild.core.worker_launch import escape
 from qbuild.errors import UserError, first_line
 
 MAX_RETRIES = 3          # a step whose node (or worker process) dies is run again, up to this many times
+CANCEL_GRACE_S = 10      # on Ctrl-C, how long a task may take to stop its worker and remove its scratch (a loaded node)
 LOG_LIMIT = 4 << 20      # bytes of a step's log sent back to the driver
 PROBE_TIMEOUT_S = 5      # a cluster address that accepts no TCP connection in this long is reported dead
 
@@ -262,10 +263,12 @@ class RayExecutor(Executor):
                     outcomes[ps.step.key] = self._outcome(ray, ref, ps.step, t0)
         except BaseException:
             # Ctrl-C / SIGTERM: each task stops its worker process and removes its scratch (KeyboardInterrupt in
-            # the task); one that has not within a few seconds is killed (its qbuild.core.worker dies with it)
+            # the task); one that has not within CANCEL_GRACE_S is killed (its qbuild.core.worker dies with it, and
+            # its scratch goes when the node's next task starts)
             for ref in running:
                 ray.cancel(ref, force=False)
-            _, late = ray.wait(list(running), num_returns=len(running), timeout=5) if running else ([], [])
+            _, late = ray.wait(list(running), num_returns=len(running), timeout=CANCEL_GRACE_S) if running \
+                else ([], [])
             for ref in late:
                 ray.cancel(ref, force=True)
             raise
