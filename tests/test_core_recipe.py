@@ -9,7 +9,7 @@ import pytest
 from qbuild.core.recipe import load_recipe
 from qbuild.errors import MissingBackendError, RecipeError
 
-from helpers import fake_model, qbuild, write_recipe
+from helpers import fake_model, fake_recipe, qbuild, write_recipe
 
 GOOD = """\
 name: demo
@@ -91,6 +91,32 @@ def test_missing_backend_names_extra():
         NotInstalled.require("variants[0].method", "method 'gguf'")
     assert "pip install 'qbuild[gguf]'" in str(info.value)
     assert "variants[0].method" in str(info.value) and "definitely_not_installed_mod" in str(info.value)
+
+
+def test_a_step_whose_package_is_not_installed_stops_the_run_before_any_work(tmp_path, monkeypatch):
+    """Like the demo's task evaluation once did without lm-eval (the demo's install lacked it): plan says which step
+    needs which package and the extra that installs it, and run exits 2 in one line before building anything."""
+    from click.testing import CliRunner
+
+    from qbuild.cli import cli
+    from qbuild.core import plan
+    from qbuild.core.fingerprint import install_hint
+
+    assert install_hint(["lm_eval"]) == "pip install 'qbuild[tasks]'"   # the extra, from qbuild's own metadata
+    assert install_hint(["bitsandbytes", "no-such-dist"]) == "pip install 'qbuild[bitsandbytes]' no-such-dist"
+    real = plan.package_version
+    monkeypatch.setattr(plan, "package_version", lambda d: "absent" if d == "pydantic" else real(d))
+    path = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [{"name": "a", "method": "fake"}]))
+    store = tmp_path / "s"
+    res = CliRunner().invoke(cli, ["plan", str(path), "--store", str(store), "--json"])
+    assert res.exit_code == 0, res.output
+    row = {r["step"]: r for r in json.loads(res.output)["steps"]}["quantize[a]"]
+    assert row["status"] == "unavailable"
+    assert row["reason"] == "needs pydantic, not installed here (pip install pydantic)"
+    res = CliRunner().invoke(cli, ["run", str(path), "--store", str(store)])
+    assert res.exit_code == 2 and len(res.output.strip().splitlines()) == 1, res.output
+    assert "step quantize[a]: needs pydantic" in res.output and "on_missing_gpu" not in res.output
+    assert not list(store.glob("objects/*/*"))
 
 
 def test_cli_validate_errors_are_one_line_exit_2(tmp_path, model_dir):

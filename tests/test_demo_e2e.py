@@ -158,3 +158,44 @@ def test_demo_numbers_are_pinned(tmp_path):
 # pystdlib_mc (tests/tasks, 40 questions) on this machine, 1 thread: acc, flips right→wrong, wrong→right;
 # `lm-eval run --model hf` on the baseline checkpoint gives 0.575 too (bench/bench_tasks.py)
 DEMO_TASK = {"baseline": (0.575, 0, 0), "f16": (0.575, 0, 0), "q8_0": (0.55, 1, 0), "q4km": (0.5, 3, 0)}
+
+
+def _installs(dist: str, extras: tuple[str, ...] = ()) -> set[str]:
+    """Every distribution `pip install 'dist[extras]'` brings, read from the installed packages' metadata."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    todo = [(dist, extras)]
+    while todo:
+        name, wanted = todo.pop()
+        if (canonicalize_name(name), wanted) in seen:
+            continue
+        seen.add((canonicalize_name(name), wanted))
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *wanted)):
+                todo.append((req.name, tuple(sorted(req.extras))))
+    return {name for name, _ in seen}
+
+
+def test_the_demo_install_brings_every_package_the_demo_recipe_uses(tmp_path):
+    """README's demo command installs qbuild[demo]: every step of recipes/demo.yaml that runs in qbuild's own Python
+    finds its packages there (lm-eval was once missing, and a fresh clone's demo failed its task evaluation)."""
+    from packaging.utils import canonicalize_name
+
+    from qbuild.artifacts.store import Store
+    from qbuild.core.plan import make_plan
+    from qbuild.core.recipe import load_recipe
+
+    demo = _installs("qbuild", ("demo",))
+    assert "lm-eval" in demo and "llama-cpp-python" in demo
+    plan = make_plan(load_recipe(REPO / "recipes" / "demo.yaml"), REPO / "recipes", Store(tmp_path / "s"))
+    used = {canonicalize_name(t) for ps in plan.steps if ps.step.backend_env is None for t in ps.step.tools}
+    assert used and used <= demo, sorted(used - demo)

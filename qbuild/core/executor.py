@@ -87,8 +87,10 @@ class Executor(StandbyWorkers, WorkerLaunch):
     def run(self, planned: list[PlannedStep]) -> list[StepOutcome]:
         blocked = [ps for ps in planned if ps.status in UNBUILDABLE and ps.step.on_unavailable != OnUnavailable.SKIP]
         if blocked:  # fail before any work (exit 2), naming each step and why
+            hint = " (set on_missing_gpu: skip on the target to build the rest)" \
+                if any(ps.status == PlanStatus.NEEDS_GPU for ps in blocked) else ""
             raise UserError("cannot run on this machine: " + "; ".join(f"step {ps.step.name}: {ps.reason}" for ps in blocked)
-                            + " (set on_missing_gpu: skip on the target to build the rest)")
+                            + hint)
         to_build = [ps.step.name for ps in planned if ps.status == PlanStatus.MISS]
         if to_build:  # a read-only store serves hits; building needs a writable one (say so before any work)
             self.store.require_writable(f"building {len(to_build)} step(s) ({', '.join(to_build[:3])}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 from functools import cache, lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -21,6 +22,29 @@ def package_version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "absent"
+
+
+def _normalized(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def install_hint(dists: list[str]) -> str:
+    """How to install distributions qbuild's steps use: the qbuild extras that list them (from qbuild's own
+    metadata, so pyproject.toml is the one list), else the distributions by name."""
+    wanted = {_normalized(d) for d in dists}
+    extras: list[str] = []
+    try:
+        requires = metadata.requires("qbuild") or []
+    except metadata.PackageNotFoundError:   # a source tree on sys.path, not installed
+        requires = []
+    for line in requires:
+        m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*).*;\s*extra\s*==\s*[\"']([\w-]+)[\"']", line)
+        if m and _normalized(m.group(1)) in wanted and m.group(2) != "dev":
+            wanted.discard(_normalized(m.group(1)))
+            if m.group(2) not in extras:
+                extras.append(m.group(2))
+    parts = ([f"'qbuild[{','.join(extras)}]'"] if extras else []) + sorted(wanted)
+    return "pip install " + " ".join(parts)
 
 
 def toolchain(dists: tuple[str, ...]) -> dict[str, str]:

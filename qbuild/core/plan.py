@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import Hit, Store
 from qbuild.calibration.plan import calibration_step, check_overlap, eval_data_step, overlapping_sources
+from qbuild.core.fingerprint import install_hint, package_version
 from qbuild.core.recipe import Recipe, locate
 from qbuild.core.step import PlanStatus, Step
 from qbuild.errors import RecipeError
@@ -318,6 +319,17 @@ def _short(v) -> str:
     return s if len(s) <= 40 else s[:37] + "..."
 
 
+def _not_installed(step: Step) -> str:
+    """Why a step that runs in qbuild's own Python cannot start: packages it uses are not installed ("" if none).
+    Said at plan time, before any work, instead of as an ImportError once the steps before it have run."""
+    if step.backend_env is not None:   # its environment gets what it needs when it is created
+        return ""
+    absent = [d for d in step.tools if package_version(d) == "absent"]
+    if not absent:
+        return ""
+    return f"needs {', '.join(absent)}, not installed here ({install_hint(absent)})"
+
+
 def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = (), verify: str = "fast") -> PlannedStep:
     if step.source_path is not None:
         return PlannedStep(step, PlanStatus.SOURCE, reason=str(step.source_path))
@@ -333,6 +345,9 @@ def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = (), ver
     if step.unavailable:
         return PlannedStep(step, PlanStatus.NEEDS_GPU if step.requires_gpu else PlanStatus.UNAVAILABLE,
                            reason=step.unavailable)
+    missing = _not_installed(step)
+    if missing:
+        return PlannedStep(step, PlanStatus.UNAVAILABLE, reason=missing)
     reasons = miss_reasons(step, store, recipe_name)
     return PlannedStep(step, PlanStatus.MISS, reason="; ".join(r["detail"] for r in reasons) or "key changed",
                        reasons=tuple(reasons))
