@@ -89,8 +89,12 @@ class Executor(StandbyWorkers, WorkerLaunch):
         if blocked:  # fail before any work (exit 2), naming each step and why
             hint = " (set on_missing_gpu: skip on the target to build the rest)" \
                 if any(ps.status == PlanStatus.NEEDS_GPU for ps in blocked) else ""
-            raise UserError("cannot run on this machine: " + "; ".join(f"step {ps.step.name}: {ps.reason}" for ps in blocked)
-                            + hint)
+            by_reason: dict[str, list[str]] = {}   # one reason said once, with every step it stops
+            for ps in blocked:
+                by_reason.setdefault(ps.reason, []).append(ps.step.name)
+            raise UserError("cannot run on this machine: " + "; ".join(
+                f"step{'s' if len(names) > 1 else ''} {', '.join(names)}: {reason}"
+                for reason, names in by_reason.items()) + hint)
         to_build = [ps.step.name for ps in planned if ps.status == PlanStatus.MISS]
         if to_build:  # a read-only store serves hits; building needs a writable one (say so before any work)
             self.store.require_writable(f"building {len(to_build)} step(s) ({', '.join(to_build[:3])}"
