@@ -76,3 +76,28 @@ def step_infos(store_dir: Path) -> dict[str, dict]:
         d = json.loads(m.read_text())
         found[d["name"]] = d.get("info", {})
     return found
+
+
+def installs(dist: str, extras: tuple[str, ...] = ()) -> set[str]:
+    """Every distribution `pip install 'dist[extras]'` brings, read from the installed packages' metadata."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    todo = [(dist, extras)]
+    while todo:
+        name, wanted = todo.pop()
+        if (canonicalize_name(name), wanted) in seen:
+            continue
+        seen.add((canonicalize_name(name), wanted))
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:
+            continue
+        for line in requires:
+            req = Requirement(line)
+            if req.marker is None or any(req.marker.evaluate({"extra": e}) for e in ("", *wanted)):
+                todo.append((req.name, tuple(sorted(req.extras))))
+    return {name for name, _ in seen}
