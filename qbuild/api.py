@@ -133,7 +133,7 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
         st = type(store)(store.root)   # the caller's store keeps its own setting
     st.repair = False   # a plan is a dry run: a damaged object is reported as a miss, never moved to quarantine
     the_plan = make_plan(r, base, st, open_remotes(r, remotes), verify)
-    if not estimate or not the_plan.to_build:
+    if not estimate:
         return the_plan
     from dataclasses import replace
 

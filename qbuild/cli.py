@@ -209,7 +209,7 @@ def _print_plan(the_plan, as_json):
 
     table = Table(title=f"plan · {the_plan.recipe.name}", title_justify="left")
     with_env = any(r["env"] for r in data["steps"])   # the column appears when a step runs in a backend environment
-    with_est = "estimate" in data                       # ...and the estimate column when something must be built
+    with_est = data["to_build"] > 0 and "estimate" in data   # ...and the estimate column when something must be built
     for col in ("step", "key", "status", "why") + (("env",) if with_env else ()) + (("est.",) if with_est else ()):
         table.add_column(col, overflow="fold")
     style = {"hit": "cyan", "hit-remote": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta",
@@ -263,7 +263,9 @@ def plan(recipe, store_path, as_json, remote_urls, verify):
       params changed: seed 0 → 1 · input changed: calibration · toolchain changed: torch 2.12 → 2.13
     and how long it will take, estimated from this store's history of similar steps (the same step built
     before, else the stored step of the same kind and method with most settings in common, scaled by model
-    size); the total schedules the misses on this machine's cores as `qbuild run` would.
+    size); the total schedules the misses on this machine's cores as `qbuild run` would. Once every step has
+    a time, it also says how long a cold build of the whole recipe (an empty store) would take here: each
+    stored step at its own recorded build time.
     With remotes, a step stored in one shows as `hit (remote NAME)` (only its action record is read).
     """
     from qbuild import api

@@ -26,7 +26,13 @@ def test_a_miss_is_estimated_from_the_same_step_built_before_then_from_similar_o
     assert rc == 0
     took = {s["name"]: Store(store_dir).manifest(s["digest"])["timings"]["seconds"]   # what the worker took
             for s in summary["steps"] if s["name"].startswith("quantize")}
-    assert api.plan(recipe, store=store_dir).estimate is None                    # all cached: nothing to estimate
+    stored = api.plan(recipe, store=store_dir, estimate=False)                  # all cached: nothing to estimate...
+    assert estimate_plan(stored.steps, Store(store_dir), "t", cores=2).steps == {}
+    # ... but a cold build's time: each stored step at its own build time, scheduled as the executor runs them
+    assert abs(estimate_plan(stored.steps, Store(store_dir), "t", cores=2).cold_seconds - max(took.values())) < 1e-6
+    assert abs(estimate_plan(stored.steps, Store(store_dir), "t", cores=1).cold_seconds - sum(took.values())) < 1e-6
+    assert "a cold build of the whole recipe (an empty store) would take about" in \
+        qbuild("plan", recipe, "--store", store_dir).stdout
 
     variants[0]["level"] = 2          # the same step with another setting
     variants.append({"name": "c", "method": "fake", "sleep": 1.2, "level": 7})   # a new step like `a`

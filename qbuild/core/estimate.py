@@ -37,10 +37,12 @@ class PlanEstimate:
     serial_seconds: float
     unknown: int                     # misses without history (not in the total)
     cores: int
+    cold_seconds: float | None = None   # the whole recipe on an empty store: stored steps at their own build times
 
     def as_dict(self) -> dict:
         return {"total_s": round(self.total_seconds, 1), "serial_s": round(self.serial_seconds, 1),
-                "steps_without_history": self.unknown, "cores": self.cores}
+                "steps_without_history": self.unknown, "cores": self.cores,
+                "cold_s": None if self.cold_seconds is None else round(self.cold_seconds, 1)}
 
 
 def _history(store: Store) -> list[dict]:
@@ -107,7 +109,7 @@ def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = N
     cores = max(1, cores or os.cpu_count() or 1)
     misses = [p for p in planned if p.status == PlanStatus.MISS]
     if not misses:
-        return PlanEstimate({}, 0.0, 0.0, 0, cores)
+        return PlanEstimate({}, 0.0, 0.0, 0, cores, _cold(planned, {}, cores))
     history = _history(store)
     sizes: dict = {}
     digests = {p.step.key: (p.hit.digest if p.hit else None) for p in planned}
@@ -150,7 +152,32 @@ def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = N
         out[s.key] = StepEstimate(seconds, basis, best["name"])
     total = _schedule([p.step for p in misses], out, cores)
     serial = sum(e.seconds for e in out.values() if e.seconds is not None)
-    return PlanEstimate(out, total, serial, sum(e.seconds is None for e in out.values()), cores)
+    return PlanEstimate(out, total, serial, sum(e.seconds is None for e in out.values()), cores,
+                        _cold(planned, out, cores))
+
+
+def _cold(planned, misses: dict[str, StepEstimate], cores: int) -> float | None:
+    """How long the whole recipe takes on an empty store here: each stored step at the time its own build took (its
+    manifest's timings), each miss at its estimate, scheduled as the executor runs them. None when a step has
+    neither (a step without history, one built before timings were recorded, a step this machine cannot build)."""
+    from qbuild.core.step import PlanStatus
+
+    times: dict[str, StepEstimate] = {}
+    steps = []
+    for p in planned:
+        if p.status == PlanStatus.SOURCE:
+            continue
+        if p.status == PlanStatus.MISS:
+            est = misses.get(p.step.key)
+        else:
+            record = p.hit.record if p.hit else (p.remote_hit.record if p.remote_hit else None)
+            seconds = ((record or {}).get("timings") or {}).get("seconds")
+            est = StepEstimate(float(seconds), "its own build") if isinstance(seconds, int | float) else None
+        if est is None or est.seconds is None:
+            return None
+        times[p.step.key] = est
+        steps.append(p.step)
+    return _schedule(steps, times, cores) if steps else None
 
 
 def _schedule(steps, estimates: dict[str, StepEstimate], cores: int) -> float:
@@ -195,15 +222,20 @@ def _schedule(steps, estimates: dict[str, StepEstimate], cores: int) -> float:
 
 
 def history_note(estimate: PlanEstimate) -> str:
-    """One line for `qbuild plan`: the total and what it rests on."""
-    if not estimate.steps:
-        return ""
-    known = len(estimate.steps) - estimate.unknown
-    line = (f"estimated {human_seconds(estimate.total_seconds)} for {known} step(s) on {estimate.cores} core(s), from this "
-            f"store's history")
-    if estimate.unknown:
-        line += f"; {estimate.unknown} step(s) have no history yet (not counted)"
-    return line
+    """`qbuild plan`'s lines: the total and what it rests on, and how long a cold build here would take."""
+    lines = []
+    if estimate.steps:
+        known = len(estimate.steps) - estimate.unknown
+        line = (f"estimated {human_seconds(estimate.total_seconds)} for {known} step(s) on {estimate.cores} core(s), "
+                f"from this store's history")
+        if estimate.unknown:
+            line += f"; {estimate.unknown} step(s) have no history yet (not counted)"
+        lines.append(line)
+    if estimate.cold_seconds is not None:
+        lines.append(f"a cold build of the whole recipe (an empty store) would take about "
+                     f"{human_seconds(estimate.cold_seconds)} on {estimate.cores} core(s): each stored step at its own "
+                     f"build time")
+    return "\n".join(lines)
 
 
 __all__ = ["estimate_plan", "PlanEstimate", "StepEstimate", "history_note", "human_seconds"]
