@@ -96,3 +96,26 @@ def test_a_similar_evaluation_is_scaled_by_the_tokens_it_scores(store_dir):
     assert est.seconds == 10.0 and est.basis.endswith("scaled by evaluated tokens x0.25"), est
     same = Step("perplexity", "perplexity[c]", dict(old.params), "m:f")   # the same windows: not scaled
     assert estimate_plan([PlannedStep(same, PlanStatus.MISS)], st, "search").steps[same.key].seconds == 40.0
+
+
+def test_a_cold_build_leaves_out_what_this_machine_cannot_build(store_dir):
+    """A GPU engine and what evaluates it are skipped by a run here, so the cold estimate leaves them out, and says so."""
+    from qbuild.artifacts.store import Hit
+    from qbuild.core.estimate import history_note
+    from qbuild.core.plan import PlannedStep
+    from qbuild.core.step import PlanStatus
+
+    a, b = _step("a"), _step("b")
+    engine = _step("engine", inputs=(a,))
+    evaluated = _step("eval", inputs=(engine,))
+
+    def stored(step, seconds):
+        return PlannedStep(step, PlanStatus.HIT, Hit(step.key, "0" * 64, None, {"timings": {"seconds": seconds}}))
+
+    planned = [stored(a, 10.0), stored(b, 4.0), PlannedStep(engine, PlanStatus.NEEDS_GPU, reason="needs a GPU"),
+               PlannedStep(evaluated, PlanStatus.MISS)]
+    est = estimate_plan(planned, Store(store_dir), "t", cores=1)
+    assert (est.cold_seconds, est.cold_excluded) == (14.0, 2)
+    assert history_note(est).endswith("(2 step(s) this machine cannot build not counted)")
+    planned[1] = PlannedStep(b, PlanStatus.HIT, Hit(b.key, "0" * 64, None, {}))   # stored before timings were kept
+    assert estimate_plan(planned, Store(store_dir), "t", cores=1).cold_seconds is None

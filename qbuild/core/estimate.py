@@ -38,11 +38,13 @@ class PlanEstimate:
     unknown: int                     # misses without history (not in the total)
     cores: int
     cold_seconds: float | None = None   # the whole recipe on an empty store: stored steps at their own build times
+    cold_excluded: int = 0              # steps left out of it: this machine cannot build them (or their inputs)
 
     def as_dict(self) -> dict:
         return {"total_s": round(self.total_seconds, 1), "serial_s": round(self.serial_seconds, 1),
                 "steps_without_history": self.unknown, "cores": self.cores,
-                "cold_s": None if self.cold_seconds is None else round(self.cold_seconds, 1)}
+                "cold_s": None if self.cold_seconds is None else round(self.cold_seconds, 1),
+                "cold_excluded": self.cold_excluded}
 
 
 def _history(store: Store) -> list[dict]:
@@ -109,7 +111,7 @@ def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = N
     cores = max(1, cores or os.cpu_count() or 1)
     misses = [p for p in planned if p.status == PlanStatus.MISS]
     if not misses:
-        return PlanEstimate({}, 0.0, 0.0, 0, cores, _cold(planned, {}, cores))
+        return PlanEstimate({}, 0.0, 0.0, 0, cores, *_cold(planned, {}, cores))
     history = _history(store)
     sizes: dict = {}
     digests = {p.step.key: (p.hit.digest if p.hit else None) for p in planned}
@@ -153,19 +155,24 @@ def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = N
     total = _schedule([p.step for p in misses], out, cores)
     serial = sum(e.seconds for e in out.values() if e.seconds is not None)
     return PlanEstimate(out, total, serial, sum(e.seconds is None for e in out.values()), cores,
-                        _cold(planned, out, cores))
+                        *_cold(planned, out, cores))
 
 
-def _cold(planned, misses: dict[str, StepEstimate], cores: int) -> float | None:
+def _cold(planned, misses: dict[str, StepEstimate], cores: int) -> tuple[float | None, int]:
     """How long the whole recipe takes on an empty store here: each stored step at the time its own build took (its
-    manifest's timings), each miss at its estimate, scheduled as the executor runs them. None when a step has
-    neither (a step without history, one built before timings were recorded, a step this machine cannot build)."""
+    manifest's timings), each miss at its estimate, scheduled as the executor runs them; and how many steps are left
+    out because this machine cannot build them or their inputs (a run skips or refuses those). None when a step has
+    no time (a miss without history, a step stored before timings were recorded)."""
     from qbuild.core.step import PlanStatus
 
     times: dict[str, StepEstimate] = {}
-    steps = []
-    for p in planned:
+    steps, blocked = [], set()
+    for p in planned:   # in plan order: a step's inputs come before it
         if p.status == PlanStatus.SOURCE:
+            continue
+        if p.status in (PlanStatus.NEEDS_GPU, PlanStatus.UNAVAILABLE) or \
+                any(i.key in blocked for i in p.step.inputs.values()):
+            blocked.add(p.step.key)
             continue
         if p.status == PlanStatus.MISS:
             est = misses.get(p.step.key)
@@ -174,10 +181,10 @@ def _cold(planned, misses: dict[str, StepEstimate], cores: int) -> float | None:
             seconds = ((record or {}).get("timings") or {}).get("seconds")
             est = StepEstimate(float(seconds), "its own build") if isinstance(seconds, int | float) else None
         if est is None or est.seconds is None:
-            return None
+            return None, len(blocked)
         times[p.step.key] = est
         steps.append(p.step)
-    return _schedule(steps, times, cores) if steps else None
+    return (_schedule(steps, times, cores) if steps else None), len(blocked)
 
 
 def _schedule(steps, estimates: dict[str, StepEstimate], cores: int) -> float:
@@ -234,7 +241,8 @@ def history_note(estimate: PlanEstimate) -> str:
     if estimate.cold_seconds is not None:
         lines.append(f"a cold build of the whole recipe (an empty store) would take about "
                      f"{human_seconds(estimate.cold_seconds)} on {estimate.cores} core(s): each stored step at its own "
-                     f"build time")
+                     f"build time" + (f" ({estimate.cold_excluded} step(s) this machine cannot build not counted)"
+                                      if estimate.cold_excluded else ""))
     return "\n".join(lines)
 
 
