@@ -60,6 +60,11 @@ class RemoteError(QBuildError):
         super().__init__(f"remote {display}: {self.reason}")
 
 
+class RemoteRecordError(RemoteError):
+    """One record on a remote is bad (not a manifest, too large, corrupt): the remote itself answers. Where many
+    records are read (`verify --remote`) it fails that record alone."""
+
+
 class RemoteConfigError(RemoteError, UserError):
     """Bad remote URL or option: caught before any transfer (exit 2)."""
 
@@ -321,28 +326,32 @@ class RemoteStore(Plugin, ABC):
         file and checks its sha256 (nothing is written to disk)."""
         rows = []
         for digest in list(digests) if digests is not None else self.list_objects():
-            problems: list[str] = []
-            manifest = self.get_manifest(digest)
-            if manifest is None:
-                rows.append({"digest": digest, "ok": False, "problems": ["no manifest"]})
-                continue
             try:
-                files = check_manifest(manifest, digest)
-            except ValueError as exc:
-                rows.append({"digest": digest, "kind": manifest.get("kind"), "ok": False, "problems": [str(exc)]})
-                continue
-            if not self.has_object(digest):
-                problems.append("files missing or truncated")
-            elif deep:
-                for f in files:
-                    h, n = hashlib.sha256(), 0
-                    for chunk in self._read_file(digest, f, 0):
-                        h.update(chunk)
-                        n += len(chunk)
-                    if n != f["size"] or h.hexdigest() != f["sha256"]:
-                        problems.append(f"content changed: {f['path']}")
-            rows.append({"digest": digest, "kind": manifest.get("kind"), "ok": not problems, "problems": problems})
+                rows.append(self._verify_one(digest, deep))
+            except RemoteRecordError as exc:   # one bad record fails its own row, never the whole check
+                rows.append({"digest": digest, "ok": False, "problems": [exc.reason]})
         return rows
+
+    def _verify_one(self, digest: str, deep: bool) -> dict:
+        manifest = self.get_manifest(digest)
+        if manifest is None:
+            return {"digest": digest, "ok": False, "problems": ["no manifest"]}
+        try:
+            files = check_manifest(manifest, digest)
+        except ValueError as exc:
+            return {"digest": digest, "kind": manifest.get("kind"), "ok": False, "problems": [str(exc)]}
+        problems: list[str] = []
+        if not self.has_object(digest):
+            problems.append("files missing or truncated")
+        elif deep:
+            for f in files:
+                h, n = hashlib.sha256(), 0
+                for chunk in self._read_file(digest, f, 0):
+                    h.update(chunk)
+                    n += len(chunk)
+                if n != f["size"] or h.hexdigest() != f["sha256"]:
+                    problems.append(f"content changed: {f['path']}")
+        return {"digest": digest, "kind": manifest.get("kind"), "ok": not problems, "problems": problems}
 
     def fetch_object(self, digest: str, dest_dir: Path, progress: Progress | None = None, jobs: int | None = None,
                      staging: Path | None = None) -> dict:

@@ -8,11 +8,18 @@ Layout (docs/remote-stores.md, "OCI layout"):
                   title annotation = its relative path), plus qbuild's manifest.json as a doc layer and
                   the sidecars (model card README.md, .qbuild/<name>) as doc layers. Provenance summary in
                   org.qbuild.* annotations. Tagged `_obj-<digest>`.
-  refs            the same manifest, tagged `<recipe>-<variant>-<tag>` (org.qbuild.ref names the ref)
+  refs            the same manifest, tagged with the ref's encoding (oci_tag: `<recipe>-<variant>-<tag>` with
+                  '_' written `__` and '-' inside a name written `_-`, so `demo/q4km:latest` is
+                  `demo-q4km-latest`; org.qbuild.ref names the ref). Tags that qbuild before 0.x wrote
+                  (`<recipe>-<variant>-<tag>` cut at 128 characters) are still read: legacy_oci_tag.
   action records  a small artifact (artifactType application/vnd.qbuild.action.v1+json, one JSON layer)
                   tagged `_key-<step key>`; pushed last, after every blob and the object's manifest.
 Reserved tags start with `_`, which recipe names cannot, so they never collide with refs.
 A plain `oras pull host/repo:<recipe>-<variant>-<tag>` gets the files, manifest.json and README.md.
+
+What a registry answers is not trusted: every OCI manifest is read with a bounded, streamed read (its declared
+size first) and checked field by field (check_oci_manifest) before anything indexes it; a bad one is a
+RemoteRecordError naming the tag and the field, which `verify --remote` reports on that object's row alone.
 
 Credentials: the docker config ($DOCKER_CONFIG/config.json or ~/.docker/config.json, including
 credHelpers/credsStore), or QBUILD_REGISTRY_USERNAME / QBUILD_REGISTRY_PASSWORD. Never stored.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -34,9 +42,11 @@ from qbuild.artifacts.remote.base import (
     CHUNK,
     HEX64,
     MANIFEST,
+    MAX_JSON_BYTES,
     Progress,
     RemoteConfigError,
     RemoteError,
+    RemoteRecordError,
     RemoteStore,
     bounded_json,
     check_digest,
@@ -45,7 +55,9 @@ from qbuild.artifacts.remote.base import (
     remote_record,
 )
 from qbuild.artifacts.store import REF_RE, now_iso
-from qbuild.errors import first_line
+from qbuild.errors import UserError, first_line
+
+log = logging.getLogger("qbuild")
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MODEL_ARTIFACT = "application/vnd.cncf.model.manifest.v1+json"
@@ -64,6 +76,10 @@ LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 CONNECT_TIMEOUT, READ_TIMEOUT, RETRIES = 5, 120, 2
 UPLOAD_CHUNK = 64 << 20
 MONOLITHIC_MAX = 32 << 20
+TAG_MAX = 128                       # the distribution spec's tag grammar: [A-Za-z0-9_][A-Za-z0-9._-]{0,127}
+READ_CHUNK = 1 << 20
+ERROR_BODY = 64 << 10              # what is read of an error answer, for its message
+BLOB_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 WEIGHT_EXT = {".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".engine", ".plan", ".onnx", ".npz", ".h5",
               ".msgpack", ".tflite", ".mlmodel"}
@@ -92,8 +108,84 @@ def media_type(path: str) -> str:
     return DOC if suffix == ".json" else WEIGHT_CONFIG
 
 
+def _escape(name: str) -> str:
+    return name.replace("_", "__").replace("-", "_-")
+
+
 def oci_tag(recipe: str, variant: str, tag: str) -> str:
-    return f"{recipe}-{variant}-{tag}"[:128]
+    """The OCI tag of ref recipe/variant:tag: the three names joined by '-', each with '_' written `__` and '-'
+    written `_-`. A prefix code (`__`, `_-`, `-` and every other character stand for one thing each), so two refs
+    never share a tag; refs without '_' or '-' in their names keep the plain `recipe-variant-tag`. A ref whose
+    encoding is longer than an OCI tag may be is refused (UserError), never cut."""
+    encoded = "-".join(_escape(part) for part in (recipe, variant, tag))
+    if len(encoded) > TAG_MAX:
+        raise UserError(f"ref {recipe}/{variant}:{tag} cannot be an OCI tag: its encoding {encoded[:40]}... is "
+                        f"{len(encoded)} characters, more than {TAG_MAX}; use shorter names")
+    return encoded
+
+
+def parse_oci_tag(tag: str) -> tuple[str, str, str] | None:
+    """(recipe, variant, tag) that oci_tag encoded as `tag`, or None when `tag` is no such encoding."""
+    parts, current, i = [], [], 0
+    while i < len(tag):
+        ch = tag[i]
+        if ch == "_":
+            if i + 1 == len(tag) or tag[i + 1] not in "_-":
+                return None
+            current.append(tag[i + 1])
+            i += 2
+            continue
+        if ch == "-":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(ch)
+        i += 1
+    parts.append("".join(current))
+    return (parts[0], parts[1], parts[2]) if len(parts) == 3 else None
+
+
+def legacy_oci_tag(recipe: str, variant: str, tag: str) -> str:
+    """The tag qbuild before the injective encoding wrote for a ref (ambiguous, cut at 128): read, never written."""
+    return f"{recipe}-{variant}-{tag}"[:TAG_MAX]
+
+
+def _check_descriptor(value: object, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} is not a descriptor (a JSON object), got {type(value).__name__}")
+    if not isinstance(value.get("digest"), str) or not BLOB_DIGEST.match(value["digest"]):
+        raise ValueError(f"{where}.digest is not a sha256:<64 hex> digest")
+    size = value.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"{where}.size is not a non-negative integer")
+    if not isinstance(value.get("mediaType", ""), str):
+        raise ValueError(f"{where}.mediaType is not a string")
+    _check_annotations(value.get("annotations"), f"{where}.annotations")
+    return value
+
+
+def _check_annotations(value: object, where: str) -> None:
+    if value is not None and (not isinstance(value, dict)
+                              or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())):
+        raise ValueError(f"{where} is not a map of strings")
+
+
+def check_oci_manifest(data: object) -> dict:
+    """An OCI image manifest as qbuild reads it, or ValueError naming the first bad field: a JSON object whose
+    config and layers are descriptors (sha256 digest, size) and whose annotations are maps of strings."""
+    if not isinstance(data, dict):
+        raise ValueError(f"is not a JSON object, got {type(data).__name__}")
+    layers = data.get("layers", [])
+    if not isinstance(layers, list):
+        raise ValueError("layers is not a list")
+    for i, layer in enumerate(layers):
+        _check_descriptor(layer, f"layers[{i}]")
+    if "config" in data:
+        _check_descriptor(data["config"], "config")
+    if not isinstance(data.get("artifactType", ""), str):
+        raise ValueError("artifactType is not a string")
+    _check_annotations(data.get("annotations"), "annotations")
+    return data
 
 
 def sidecar_title(name: str, files: list[dict]) -> str:
@@ -206,10 +298,12 @@ class OciRemote(RemoteStore):
         prefix = "http" if self.plain_http else "https"
         return f"{prefix}://{self.host}/v2/{self.repository}/{kind}/{ref}"
 
-    def _fail(self, resp, what: str):
+    def _fail(self, resp, what: str, streamed: bool = False):
+        """One-line RemoteError for a refused request; `streamed`: read at most ERROR_BODY bytes of the body."""
         detail = ""
         try:
-            errs = resp.json().get("errors") or []
+            body = _head(resp, ERROR_BODY) if streamed else resp.content
+            errs = json.loads(body).get("errors") or []
             detail = "; ".join(str(e.get("code", "")) + ": " + str(e.get("message", "")) for e in errs)[:200]
         except Exception:
             pass
@@ -218,18 +312,45 @@ class OciRemote(RemoteStore):
         return self.error(f"{what}: HTTP {resp.status_code}" + (f" ({detail})" if detail else ""))
 
     # --- manifests and blobs -------------------------------------------------------------------------------
+    def _read_bounded(self, resp, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
+        """The body of a streamed response, read at most `limit` bytes: a declared Content-Length over the limit is
+        refused before any byte is read, a body that runs past it as soon as it does (RemoteRecordError: the record
+        is bad, not the remote)."""
+        try:
+            declared = resp.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise RemoteRecordError(self.display, f"{what}: the registry declares {int(declared):,} bytes, more "
+                                                      f"than {limit:,} (not a qbuild record); not read")
+            body = bytearray()
+            for chunk in resp.iter_content(READ_CHUNK):
+                body += chunk
+                if len(body) > limit:
+                    raise RemoteRecordError(self.display, f"{what}: more than {limit:,} bytes (not a qbuild "
+                                                          "record); stopped reading")
+            return bytes(body)
+        except RemoteError:
+            raise
+        except Exception as exc:
+            raise self.error(f"reading {what} failed: {_describe(exc)}") from None
+        finally:
+            resp.close()
+
     def _get_oci_manifest(self, ref: str) -> tuple[dict | None, str | None]:
-        resp = self._req(self.client, "GET", self._url("manifests", ref), headers={"Accept": OCI_MANIFEST})
+        """The OCI manifest tagged `ref` (None when absent), checked field by field; RemoteRecordError when the
+        registry's answer is not one."""
+        resp = self._req(self.client, "GET", self._url("manifests", ref), headers={"Accept": OCI_MANIFEST},
+                         stream=True)
         if resp.status_code == 404:
+            resp.close()
             return None, None
         if resp.status_code != 200:
-            raise self._fail(resp, f"get manifest {ref}")
+            raise self._fail(resp, f"get manifest {ref}", streamed=True)
+        body = self._read_bounded(resp, f"manifest {ref}")
         try:
-            data = bounded_json(resp.content, f"manifest {ref}")
+            data = check_oci_manifest(bounded_json(body, f"manifest {ref}"))
         except ValueError as exc:
-            raise self.error(f"manifest {ref} is not a valid OCI manifest: {first_line(exc)}") from None
-        if not isinstance(data, dict):
-            raise self.error(f"manifest {ref} is not a JSON object")
+            raise RemoteRecordError(self.display, f"manifest {ref} is not a valid OCI manifest: "
+                                                  f"{first_line(exc)}") from None
         return data, resp.headers.get("Docker-Content-Digest")
 
     def _put_oci_manifest(self, ref: str, manifest: dict) -> None:
@@ -250,18 +371,23 @@ class OciRemote(RemoteStore):
             raise self._fail(resp, "blob lookup")
         return False
 
-    def _get_blob(self, digest: str) -> bytes | None:
-        try:
-            resp = self.client.get_blob(self._container(), digest)
-        except Exception as exc:
-            raise self.error(f"get blob {digest[:19]} failed: {_describe(exc)}") from None
+    def _get_blob(self, digest: str, size: int | None = None, what: str | None = None) -> bytes | None:
+        """A small blob (a JSON record, a sidecar), at most MAX_JSON_BYTES read, checked against its digest."""
+        what = what or f"blob {digest[:19]}"
+        if not isinstance(digest, str) or not BLOB_DIGEST.match(digest):
+            raise RemoteRecordError(self.display, f"{what}: {str(digest)[:80]!r} is not a sha256 digest")
+        if size is not None and size > MAX_JSON_BYTES:
+            raise RemoteRecordError(self.display, f"{what}: its descriptor says {size:,} bytes, more than "
+                                                  f"{MAX_JSON_BYTES:,} (not a qbuild record); not read")
+        resp = self._req(self.client, "GET", self._url("blobs", digest), stream=True)
         if resp.status_code == 404:
+            resp.close()
             return None
         if resp.status_code != 200:
-            raise self._fail(resp, f"get blob {digest[:19]}")
-        data = resp.content
+            raise self._fail(resp, f"get {what}", streamed=True)
+        data = self._read_bounded(resp, what, MAX_JSON_BYTES if size is None else size)
         if "sha256:" + hashlib.sha256(data).hexdigest() != digest:
-            raise self.error(f"blob {digest[:19]} is corrupt on the registry")
+            raise RemoteRecordError(self.display, f"{what} is corrupt on the registry (its sha256 is not {digest[:19]})")
         return data
 
     def _push_bytes(self, data: bytes, media: str, annotations: dict | None = None) -> dict:
@@ -308,13 +434,14 @@ class OciRemote(RemoteStore):
         tags: list[str] = []
         url = self._url("tags", "list") + "?n=1000"
         for _ in range(10000):
-            resp = self._req(self.client, "GET", url)
+            resp = self._req(self.client, "GET", url, stream=True)
             if resp.status_code == 404:
+                resp.close()
                 return tags
             if resp.status_code != 200:
-                raise self._fail(resp, "list tags")
+                raise self._fail(resp, "list tags", streamed=True)
             try:
-                listing = bounded_json(resp.content, "the tag list")
+                listing = bounded_json(self._read_bounded(resp, "the tag list"), "the tag list")
             except ValueError as exc:
                 raise self.error(f"the tag list is not valid: {first_line(exc)}") from None
             found = listing.get("tags") if isinstance(listing, dict) else None
@@ -334,14 +461,17 @@ class OciRemote(RemoteStore):
         layer = next((la for la in oci.get("layers", []) if (la.get("annotations") or {}).get(ROLE) == "manifest"), None)
         if layer is None:
             return None
-        data = self._get_blob(layer["digest"])
+        data = self._get_blob(layer["digest"], layer["size"], f"the manifest.json of object {digest[:12]}")
         if data is None:
             return None
         try:
             manifest = bounded_json(data, f"the manifest of {digest[:12]}")
         except ValueError as exc:
-            raise self.error(f"object {digest[:12]}: manifest is not valid: {first_line(exc)}") from None
-        return manifest if isinstance(manifest, dict) else None
+            raise RemoteRecordError(self.display, f"object {digest[:12]}: manifest is not valid: "
+                                                  f"{first_line(exc)}") from None
+        if not isinstance(manifest, dict):
+            raise RemoteRecordError(self.display, f"object {digest[:12]}: manifest.json is not a JSON object")
+        return manifest
 
     def has_object(self, digest: str) -> bool:
         check_digest(digest)
@@ -380,7 +510,7 @@ class OciRemote(RemoteStore):
         files = self._push_files(digest, manifest)
         existing, _ = self._get_oci_manifest(OBJ_TAG + digest)
         side = {d["annotations"]["org.qbuild.sidecar"]: d for d in (existing or {}).get("layers", [])
-                if (d.get("annotations") or {}).get(ROLE) == "sidecar"}
+                if (d.get("annotations") or {}).get(ROLE) == "sidecar" and "org.qbuild.sidecar" in d["annotations"]}
         if existing is None:
             def put(src: Path, f: dict) -> None:
                 self._push_file(src, {"mediaType": media_type(f["path"]), "digest": "sha256:" + f["sha256"],
@@ -421,18 +551,23 @@ class OciRemote(RemoteStore):
             resp.close()
 
     def get_action(self, key: str) -> dict | None:
+        """The action record of `key`, or None: a record that is not one (a hostile or damaged manifest, a layer
+        that is not a record, an object that is gone) is a miss, named in a warning, so the step is rebuilt."""
         check_digest(key)
-        oci, _ = self._get_oci_manifest(KEY_TAG + key)
-        if oci is None or oci.get("artifactType") != ACTION_ARTIFACT or not oci.get("layers"):
-            return None
-        data = self._get_blob(oci["layers"][0]["digest"])
         try:
-            record = remote_record(bounded_json(data, f"action record {key[:12]}") if data else None, key)
-        except ValueError:
-            record = None
-        if record is None:
-            return None
-        if not self.has_object(record["digest"]):
+            oci, _ = self._get_oci_manifest(KEY_TAG + key)
+            if oci is None or oci.get("artifactType") != ACTION_ARTIFACT or not oci.get("layers"):
+                return None
+            layer = oci["layers"][0]
+            data = self._get_blob(layer["digest"], layer["size"], f"action record {key[:12]}")
+            try:
+                record = remote_record(bounded_json(data, f"action record {key[:12]}") if data else None, key)
+            except ValueError:
+                record = None
+            if record is None or not self.has_object(record["digest"]):
+                return None
+        except RemoteRecordError as exc:
+            log.warning(f"{exc} (ignored: a miss)")
             return None
         return record
 
@@ -449,7 +584,11 @@ class OciRemote(RemoteStore):
     def list_actions(self) -> Iterator[tuple[str, str]]:
         for tag in self._tags():
             if tag.startswith(KEY_TAG):
-                oci, _ = self._get_oci_manifest(tag)
+                try:
+                    oci, _ = self._get_oci_manifest(tag)
+                except RemoteRecordError as exc:
+                    log.warning(f"{exc} (skipped)")
+                    continue
                 d = ((oci or {}).get("annotations") or {}).get("org.qbuild.digest")
                 if remote_record({"digest": d}) and HEX64.match(tag[len(KEY_TAG):]):
                     yield tag[len(KEY_TAG):], d
@@ -458,14 +597,35 @@ class OciRemote(RemoteStore):
                 annotations: dict[str, str] | None = None) -> None:
         check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)
         check_digest(digest)
+        ref, target = f"{recipe}/{variant}:{tag}", oci_tag(recipe, variant, tag)
         oci, _ = self._get_oci_manifest(OBJ_TAG + digest)
         if oci is None:
-            raise self.error(f"cannot tag {recipe}/{variant}:{tag}: object {digest[:12]} is not on this remote")
+            raise self.error(f"cannot tag {ref}: object {digest[:12]} is not on this remote")
+        self._check_not_legacy_of_another(ref, target)
         oci = dict(oci)
-        oci["annotations"] = {**(oci.get("annotations") or {}), "org.qbuild.ref": f"{recipe}/{variant}:{tag}",
+        oci["annotations"] = {**(oci.get("annotations") or {}), "org.qbuild.ref": ref,
                               "org.qbuild.ref.updated": now_iso(), **({"org.qbuild.key": key} if key else {}),
                               **{k: str(v) for k, v in (annotations or {}).items()}}
-        self._put_oci_manifest(oci_tag(recipe, variant, tag), oci)
+        self._put_oci_manifest(target, oci)
+
+    def _check_not_legacy_of_another(self, ref: str, target: str) -> None:
+        """Refuse to overwrite `target` where it is the legacy tag of another ref that has no tag of its own yet
+        (an earlier qbuild tagged a__b/c:t `a__b-c-t`, which is a_b/c:t's encoding): that ref would be lost."""
+        try:
+            holder = ((self._get_oci_manifest(target)[0] or {}).get("annotations") or {}).get("org.qbuild.ref")
+        except RemoteRecordError:
+            return   # not a ref manifest: ours to replace
+        m = REF_RE.match(str(holder or ""))
+        if not m or holder == ref:
+            return
+        parts = (m.group("recipe"), m.group("variant"), m.group("tag") or "latest")
+        try:
+            own = self._ref_from(self._get_oci_manifest(oci_tag(*parts))[0], holder)
+        except (UserError, RemoteRecordError):
+            own = None
+        if own is None:
+            raise self.error(f"cannot tag {ref}: its tag {target} holds ref {holder}, written by an earlier qbuild; "
+                             f"re-tag that one first (qbuild tag {holder} {holder} --remote {self.display})")
 
     def _ref_from(self, oci: dict | None, ref: str | None = None) -> dict | None:
         ann = (oci or {}).get("annotations") or {}
@@ -477,18 +637,44 @@ class OciRemote(RemoteStore):
                 "updated": ann.get("org.qbuild.ref.updated")}
 
     def get_ref(self, recipe: str, variant: str, tag: str = "latest") -> dict | None:
+        """The ref from its tag; a registry an earlier qbuild pushed to still answers from the legacy tag (read only
+        when the ref has no tag of its own, and only when its manifest names exactly this ref)."""
         check_name("recipe", recipe), check_name("variant", variant), check_name("tag", tag)
-        oci, _ = self._get_oci_manifest(oci_tag(recipe, variant, tag))
-        return self._ref_from(oci, f"{recipe}/{variant}:{tag}")
+        ref = f"{recipe}/{variant}:{tag}"
+        try:
+            tags = [oci_tag(recipe, variant, tag)]
+        except UserError:
+            tags = []   # too long to have been written by this version: only the legacy tag can hold it
+        if legacy_oci_tag(recipe, variant, tag) not in tags:
+            tags.append(legacy_oci_tag(recipe, variant, tag))
+        for candidate in tags:
+            row = self._ref_from(self._get_oci_manifest(candidate)[0], ref)
+            if row is not None:
+                return row
+        return None
 
     def list_refs(self) -> list[dict]:
-        out = []
+        """Every ref whose tag is its own: its encoding, or the legacy tag of a ref that has no encoded tag yet.
+        A tag whose manifest names another ref (a copied manifest), or that is not a ref manifest, is skipped."""
+        rows: dict[str, tuple[bool, dict]] = {}
         for tag in self._tags():
-            if not tag.startswith("_"):
+            if tag.startswith("_"):
+                continue
+            try:
                 row = self._ref_from(self._get_oci_manifest(tag)[0])
-                if row:
-                    out.append(row)
-        return sorted(out, key=lambda r: r["ref"])
+            except RemoteRecordError as exc:
+                log.warning(f"{exc} (skipped)")
+                continue
+            if row is None:
+                continue
+            m = REF_RE.match(row["ref"])
+            parts = (m.group("recipe"), m.group("variant"), m.group("tag") or "latest")
+            own = parse_oci_tag(tag) == parts
+            if not own and tag != legacy_oci_tag(*parts):
+                continue
+            if row["ref"] not in rows or own:
+                rows[row["ref"]] = (own, row)
+        return sorted((row for _, row in rows.values()), key=lambda r: r["ref"])
 
     def list_objects(self) -> list[str]:
         return sorted(t[len(OBJ_TAG):] for t in self._tags() if t.startswith(OBJ_TAG) and HEX64.match(t[len(OBJ_TAG):]))
@@ -523,7 +709,8 @@ class OciRemote(RemoteStore):
         oci, _ = self._get_oci_manifest(OBJ_TAG + digest)
         layer = next((la for la in (oci or {}).get("layers", [])
                       if (la.get("annotations") or {}).get("org.qbuild.sidecar") == name), None)
-        return None if layer is None else self._get_blob(layer["digest"])
+        return None if layer is None else self._get_blob(layer["digest"], layer["size"],
+                                                         f"sidecar {name} of object {digest[:12]}")
 
 
 def _make_client(host: str, plain_http: bool, backend: str):
@@ -568,6 +755,19 @@ def _make_client(host: str, plain_http: bool, backend: str):
     return client
 
 
+def _head(resp, limit: int) -> bytes:
+    """At most `limit` bytes of a streamed response's body; the response is closed."""
+    body = bytearray()
+    try:
+        for chunk in resp.iter_content(min(limit, READ_CHUNK)):
+            body += chunk
+            if len(body) >= limit:
+                break
+    finally:
+        resp.close()
+    return bytes(body[:limit])
+
+
 def _describe(exc: BaseException) -> str:
     import requests
 
@@ -583,4 +783,5 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line(exc)}"
 
 
-__all__ = ["OciRemote", "media_type", "oci_tag", "MODEL_ARTIFACT", "MODEL_CONFIG", "WEIGHT", "WEIGHT_CONFIG", "DOC"]
+__all__ = ["OciRemote", "media_type", "oci_tag", "parse_oci_tag", "legacy_oci_tag", "check_oci_manifest",
+           "MODEL_ARTIFACT", "MODEL_CONFIG", "WEIGHT", "WEIGHT_CONFIG", "DOC"]
