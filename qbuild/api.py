@@ -525,7 +525,7 @@ def _pull_remote(name, remote, out, need, verify_with, progress, machine=None) -
             raise exc from None
     if target is not None:
         digest = _choose_build(target, family, need, machine, where)
-    manifest = pull_from(r, digest, Path(out), progress=progress, verify_with=verify_with)
+    manifest = pull_from(r, digest, Path(out), progress=progress, verify_with=verify_with, requested=name)
     return manifest["digest"], Path(out)
 
 
@@ -594,11 +594,26 @@ def _fetch_missing(st: Store, digest: str, progress) -> None:
     raise UserError(f"object {digest[:12]} is not in store {st.root}, and no remote (QBUILD_REMOTE / --from) has it")
 
 
+def verified_as(name: str, digest: str, path: str | Path) -> str:
+    """What a `pull NAME --verify-with KEY` into `path` verified: the name the signature binds and the object
+    ("demo/q4km (object <digest>)"); a registry name (models:/...) is bound by the digest it resolved to."""
+    import json
+
+    from qbuild.artifacts.signing import SIDECAR_DIR, STATEMENT, check_binding
+
+    statement = json.loads((Path(path) / SIDECAR_DIR / STATEMENT).read_text())
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    bound = digest if name.startswith("models:/") else name
+    what = check_binding(statement, manifest, bound)
+    return what if bound == name else f"{name} = {what}"
+
+
 def push(name: str, to: str, *, store=None, progress=None) -> dict:
     """Upload NAME (ref or digest) from the local store to a remote: files, sidecars, manifest, action record, ref."""
     from qbuild.artifacts.remote import open_remote
     from qbuild.artifacts.remote.cache import build_sidecars, push_hit
     from qbuild.artifacts.store import REF_RE
+    from qbuild.results.publish import refresh_signature
 
     st = open_store(store)
     digest = st.resolve(name)
@@ -610,8 +625,16 @@ def push(name: str, to: str, *, store=None, progress=None) -> dict:
     remote = open_remote(to)
     m = REF_RE.match(name)
     refs = [(m.group("recipe"), m.group("variant"), m.group("tag") or "latest")] if m else []
-    uploaded = push_hit(remote, st, manifest["key"], digest, None,
-                        sidecars=lambda: build_sidecars(st, digest), refs=refs, progress=progress)
+    names = [f"{recipe}/{variant}" for recipe, variant, _ in refs]   # what the signature binds (signing.verify)
+
+    def sidecars(previous=None):
+        return build_sidecars(st, digest, names=names, previous=previous)
+
+    uploaded = push_hit(remote, st, manifest["key"], digest, None, sidecars=sidecars, refs=(), progress=progress)
+    if not uploaded:   # already there: its signature must name this ref too (re-signed when it does not)
+        refresh_signature(remote, digest, sidecars, names)
+    for recipe, variant, tag in refs:
+        remote.set_ref(recipe, variant, tag, digest, manifest["key"])
     return {"digest": digest, "remote": remote.display, "uploaded": uploaded, "refs": [f"{a}/{b}:{c}" for a, b, c in refs]}
 
 

@@ -597,6 +597,8 @@ def pull_command(name, store_path, output, from_url, pubkey, mlflow_uri, sm, gpu
         with _transfer_progress(f"pulling {name}") as progress:
             digest, path = api.pull(name, store=store_path, out=output, remote=from_url, machine=machine,
                                     verify_with=pubkey, tracking_uri=mlflow_uri, progress=progress, force=force)
+        if pubkey:
+            click.echo(f"qbuild: signature verified with {pubkey}: {api.verified_as(name, digest, path)}", err=True)
     except QBuildError as exc:
         _fail(exc)
     click.echo(f"{digest}  {path}")

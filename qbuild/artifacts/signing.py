@@ -8,6 +8,13 @@ and signed with an EC private key (offline, no Sigstore). The signature bundle l
 
     model_signing verify key --signature DIR/.qbuild/signature.sig --public_key key.pub DIR
 
+What a signature binds: the object (its digest: every file and manifest.json are subjects of the statement) and
+the names it is published under. The statement lists them in externalParameters.names ("recipe/variant"; the
+names the signer pushed it as); `verify(..., name=)` refuses a pull whose requested name is not among them, so a
+ref moved onto another signed artifact is caught. Tags are not bound: they are pointers that move (promotion
+from `nightly` to `serving`). A statement signed before names were recorded binds its own recipe.name and
+step.variant.
+
 Keys: `keygen(path)` writes an EC P-256 private key (PEM, mode 0600) and `<path>.pub`. The signing key of
 a push comes from QBUILD_SIGNING_KEY (a path). Never stored in manifests, records or logs.
 """
@@ -20,6 +27,7 @@ import os
 import platform
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from qbuild.errors import MissingBackendError, QBuildError, UserError
@@ -99,12 +107,19 @@ def _qbuild_version() -> str:
         return "0+unknown"
 
 
+def own_name(manifest: dict) -> str | None:
+    """recipe/variant of the build that made the object (its manifest), or None when it has no variant."""
+    recipe, variant = (manifest.get("recipe") or {}).get("name"), manifest.get("variant")
+    return f"{recipe}/{variant}" if isinstance(recipe, str) and isinstance(variant, str) else None
+
+
 def provenance_statement(manifest: dict, manifest_sha256: str, source: dict | None = None,
-                         hardware: dict | None = None) -> dict:
+                         hardware: dict | None = None, names: Iterable[str] = ()) -> dict:
     """An in-toto v1 Statement with a SLSA v1 provenance predicate for one artifact.
 
     subject: every file (sha256) and manifest.json. source: the source model's identity, e.g.
     {"name": "HuggingFaceTB/SmolLM2-135M-Instruct", "digest": {"sha256": ...}} (from the import step).
+    names: the recipe/variant names the signer publishes the object as (its manifest's own is always one).
     """
     subject = [{"name": f["path"], "digest": {"sha256": f["sha256"]}} for f in manifest["files"]]
     subject.append({"name": "manifest.json", "digest": {"sha256": manifest_sha256}})
@@ -136,6 +151,7 @@ def provenance_statement(manifest: dict, manifest_sha256: str, source: dict | No
                     "recipe": {"name": recipe.get("name"), "sha256": recipe.get("sha256")},
                     "step": {"name": manifest.get("name"), "kind": manifest.get("kind"),
                              "variant": manifest.get("variant"), "params": manifest.get("params")},
+                    "names": sorted({*names, *filter(None, [own_name(manifest)])}),
                 },
                 "internalParameters": {"toolchain": manifest.get("toolchain"), "hardware": hw,
                                        "stepKey": manifest.get("key"), "objectDigest": manifest.get("digest"),
@@ -167,9 +183,14 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 def sign(object_dir: str | os.PathLike, manifest: dict, key: str | os.PathLike, source: dict | None = None,
-         hardware: dict | None = None) -> tuple[bytes, bytes]:
-    """Sign an object directory (its files and manifest.json). Returns (statement JSON, signature bundle):
-    push them as the sidecars `provenance.intoto.json` and `signature.sig`."""
+         hardware: dict | None = None, names: Iterable[str] = (),
+         previous: tuple[bytes, bytes] | None = None) -> tuple[bytes, bytes]:
+    """Sign an object directory (its files and manifest.json) for `names` (recipe/variant: what it is published
+    as, besides its manifest's own). Returns (statement JSON, signature bundle): push them as the sidecars
+    `provenance.intoto.json` and `signature.sig`.
+
+    `previous`: the (statement, signature) the object carries already (read from a remote, so not trusted): the
+    names it binds are kept only when that signature verifies with this key for these very files."""
     _need_model_signing()
     from model_signing import hashing, signing
 
@@ -178,13 +199,15 @@ def sign(object_dir: str | os.PathLike, manifest: dict, key: str | os.PathLike, 
     if not mpath.is_file():
         raise UserError(f"{object_dir} has no manifest.json: not a qbuild object")
     mhash = hashlib.sha256(mpath.read_bytes()).hexdigest()
-    statement = json.dumps(provenance_statement(manifest, mhash, source, hardware), indent=2, sort_keys=True).encode()
     with tempfile.TemporaryDirectory(prefix=".qbuild-sign-", dir=_scratch(object_dir)) as tmp:
         view = Path(tmp) / "view"
         for f in manifest["files"]:
             _link_or_copy(object_dir / f["path"], view / f["path"])
         _link_or_copy(mpath, view / "manifest.json")
         (view / SIDECAR_DIR).mkdir(parents=True, exist_ok=True)
+        kept = _names_still_signed(view, Path(key), previous) if previous else []
+        statement = json.dumps(provenance_statement(manifest, mhash, source, hardware, [*names, *kept]), indent=2,
+                               sort_keys=True).encode()
         (view / SIDECAR_DIR / STATEMENT).write_bytes(statement)
         sig = Path(tmp) / SIGNATURE
         hashing_config = hashing.Config().set_ignored_paths(paths=_ignored(manifest["files"]))
@@ -195,6 +218,27 @@ def sign(object_dir: str | os.PathLike, manifest: dict, key: str | os.PathLike, 
             raise SignatureError(f"signing {manifest.get('digest', '')[:12]} failed: {type(exc).__name__}: "
                                  f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
         return statement, sig.read_bytes()
+
+
+def _names_still_signed(view: Path, key: Path, previous: tuple[bytes, bytes]) -> list[str]:
+    """The names `previous` (statement, signature) binds when it is a valid signature by `key` of the object in
+    `view`; [] otherwise (another key, other files, a statement edited on the remote). Leaves no sidecar in view."""
+    from cryptography.hazmat.primitives import serialization
+
+    private = serialization.load_pem_private_key(key.read_bytes(), password=None)
+    public = view.parent / "previous.pub"
+    public.write_bytes(private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                         serialization.PublicFormat.SubjectPublicKeyInfo))
+    statement, signature = view / SIDECAR_DIR / STATEMENT, view / SIDECAR_DIR / SIGNATURE
+    statement.write_bytes(previous[0])
+    signature.write_bytes(previous[1])
+    try:
+        return signed_names(verify(view, public))
+    except (SignatureError, ValueError):
+        return []
+    finally:
+        statement.unlink(missing_ok=True)
+        signature.unlink(missing_ok=True)
 
 
 def _scratch(object_dir: Path) -> str:
@@ -213,11 +257,44 @@ def place_sidecars(directory: str | os.PathLike, statement: bytes, signature: by
     (d / SIGNATURE).write_bytes(signature)
 
 
-def verify(directory: str | os.PathLike, public_key: str | os.PathLike) -> dict:
+def signed_names(statement: dict) -> list[str]:
+    """The recipe/variant names a (verified) statement binds: externalParameters.names, or for a statement signed
+    before names were recorded, its recipe.name/step.variant."""
+    params = ((statement.get("predicate") or {}).get("buildDefinition") or {}).get("externalParameters") or {}
+    names = params.get("names")
+    if isinstance(names, list) and all(isinstance(n, str) for n in names):
+        return sorted(set(names))
+    recipe, step = params.get("recipe") or {}, params.get("step") or {}
+    legacy = own_name({"recipe": recipe if isinstance(recipe, dict) else {},
+                       "variant": step.get("variant") if isinstance(step, dict) else None})
+    return [legacy] if legacy else []
+
+
+def check_binding(statement: dict, manifest: dict, name: str, where: str = "") -> str:
+    """That a verified statement is for `name` (a ref recipe/variant[:tag] or a 64-hex digest); returns what it
+    verified ("recipe/variant (object <digest>)"), or SignatureError naming what the signature is for."""
+    from qbuild.artifacts.store import REF_RE
+
+    digest = str(manifest.get("digest"))   # manifest.json is a signed subject: the digest it records is signed
+    names = signed_names(statement)
+    m = REF_RE.match(name)
+    if m:
+        wanted = f"{m.group('recipe')}/{m.group('variant')}"
+        if wanted not in names:
+            raise SignatureError(f"{where}the signature is for {', '.join(names) or 'no name'} (object {digest[:12]}), "
+                                 f"not {wanted}: the ref points at another artifact; refusing it")
+        return f"{wanted} (object {digest})"
+    if name.removeprefix("sha256:").lower() != digest:
+        raise SignatureError(f"{where}the signature is for object {digest[:12]}, not {name[:80]}; refusing it")
+    return f"object {digest}" + (f" ({', '.join(names)})" if names else "")
+
+
+def verify(directory: str | os.PathLike, public_key: str | os.PathLike, name: str | None = None) -> dict:
     """Check a pulled artifact directory against its signature and provenance; returns the statement.
 
     Refuses (SignatureError) an unsigned artifact, any added, removed or changed file, a manifest.json or a
-    provenance statement that is not the signed one, or a statement whose subject disagrees with the manifest.
+    provenance statement that is not the signed one, or a statement whose subject disagrees with the manifest;
+    with `name` (what the pull asked for: a ref or a digest), a signature made for another name (check_binding).
     """
     _need_model_signing()
     from model_signing import verifying
@@ -242,8 +319,11 @@ def verify(directory: str | os.PathLike, public_key: str | os.PathLike) -> dict:
     got = {s["name"]: s["digest"].get("sha256") for s in statement.get("subject", [])}
     if statement.get("_type") != STATEMENT_TYPE or statement.get("predicateType") != SLSA_PROVENANCE or got != want:
         raise SignatureError(f"{directory}: the provenance statement does not describe these files; refusing it")
+    if name is not None:
+        check_binding(statement, manifest, name, f"{name}: ")
     return statement
 
 
-__all__ = ["keygen", "signing_key", "sign", "verify", "place_sidecars", "provenance_statement", "SignatureError",
+__all__ = ["keygen", "signing_key", "sign", "verify", "check_binding", "signed_names", "own_name",
+           "place_sidecars", "provenance_statement", "SignatureError",
            "STATEMENT", "SIGNATURE", "ENV_KEY"]

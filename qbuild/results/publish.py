@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from qbuild.artifacts.remote.cache import SIDECARS, build_sidecars, push_hit, should_push
+from qbuild.artifacts.remote.cache import build_sidecars, push_hit, should_push
 from qbuild.core.step import Outcome
 from qbuild.formats import spec as format_spec
 
@@ -57,6 +57,11 @@ def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary
     """Upload what the remotes lack; returns {remote name: {"objects": n uploaded, "refs": n set}}."""
     rows = {r["variant"]: r for r in summary.get("variants", [])}
     named = {a.step.key: a.label for a in plan.artifacts if not a.baseline}
+    labels: dict[str, list[str]] = {}   # every name of a step's object (identical variants share one step)
+    for a in plan.artifacts:
+        if not a.baseline:
+            labels.setdefault(a.step.key, []).append(a.label)
+    names = {key: [f"{plan.recipe.name}/{label}" for label in found] for key, found in labels.items()}  # signed
     # named objects that are not models (the importance matrix, RECIPE/imatrix): a ref, no model card
     named_data = {o.step.key: o.step.variant for o in outcomes
                   if o.step.variant and not format_spec(o.step.format).model and o.step.key not in named}
@@ -67,38 +72,63 @@ def write_through(store: Store, plan: Plan, outcomes: list[StepOutcome], summary
         uploaded = refs = 0
         for o in outcomes:
             label = named.get(o.step.key)
-            ref_label = label or named_data.get(o.step.key)
-            if o.path is None and o.status == Outcome.BUILT and ref_label and o.remote and o.remote.remote.url == remote.url:
-                for t in tags:   # built on a Ray node, pushed there already: the run's refs point at it
-                    remote.set_ref(plan.recipe.name, ref_label, t, o.digest, o.step.key,
-                                   annotations=serve_annotations(summary, label))
-                    refs += 1
+            ref_labels = labels.get(o.step.key) or ([named_data[o.step.key]] if o.step.key in named_data else [])
+            if o.path is None and o.status == Outcome.BUILT and ref_labels and o.remote and o.remote.remote.url == remote.url:
+                for ref_label in ref_labels:   # built on a Ray node, pushed there already: the run's refs point at it
+                    for t in tags:
+                        remote.set_ref(plan.recipe.name, ref_label, t, o.digest, o.step.key,
+                                       annotations=serve_annotations(summary, ref_label))
+                        refs += 1
                 continue
             if o.digest is None or o.path is None or o.status not in (Outcome.BUILT, Outcome.CACHED):
                 continue  # sources, failures, and remote hits not fetched here (the remote has them)
             sidecars = None
             if label is not None:
-                def sidecars(o=o, label=label):
+                def sidecars(o=o, label=label, previous=None):
                     return build_sidecars(store, o.digest, rows.get(label), summary.get("protocol"),
-                                          summary.get("gates"), _base_model(plan), hardware=summary.get("hardware"))
-            ref_list = [(plan.recipe.name, ref_label, t) for t in tags] if ref_label else []
+                                          summary.get("gates"), _base_model(plan), hardware=summary.get("hardware"),
+                                          names=names.get(o.step.key, ()), previous=previous)
+            ref_list = [(plan.recipe.name, ref_label, t) for ref_label in ref_labels for t in tags]
             if push_hit(remote, store, o.step.key, o.digest, o.record, sidecars=sidecars, refs=()):
                 uploaded += 1
             elif label is not None:
-                _refresh_sidecars(remote, o.digest, sidecars)
+                _refresh_sidecars(remote, o.digest, sidecars, names.get(o.step.key, ()))
             for recipe, variant, tag in ref_list:  # refs last: on OCI a sidecar re-tags the object
-                remote.set_ref(recipe, variant, tag, o.digest, o.step.key, annotations=serve_annotations(summary, label))
+                remote.set_ref(recipe, variant, tag, o.digest, o.step.key, annotations=serve_annotations(summary, variant))
                 refs += 1
         report[remote.name] = {"objects": uploaded, "refs": refs}
     return report
 
 
-def _refresh_sidecars(remote: RemoteStore, digest: str, sidecars) -> None:
-    """An object already on the remote: its model card follows the latest run; a missing signature is added."""
-    data = sidecars()
-    for name in SIDECARS:
-        if name in data and (name == "README.md" or remote.get_sidecar(digest, name) is None):
-            remote.put_sidecar(digest, name, data[name])
+def _refresh_sidecars(remote: RemoteStore, digest: str, sidecars, names) -> None:
+    """An object already on the remote: its model card follows the latest run; its signature is added, or re-made
+    when it does not name all of `names`."""
+    data = refresh_signature(remote, digest, sidecars, names)
+    if "README.md" in data:
+        remote.put_sidecar(digest, "README.md", data["README.md"])
+
+
+def refresh_signature(remote: RemoteStore, digest: str, sidecars, names) -> dict[str, bytes]:
+    """Sign an object already on the remote for `names` (recipe/variant) when its signature is missing or does not
+    name them all: the new statement keeps the names of the old one only where that one verifies with the same
+    key for the same files (signing.sign's `previous`). Returns the sidecars made (none are signed without a key)."""
+    import json
+
+    from qbuild.artifacts import signing
+
+    statement, signature = remote.get_sidecar(digest, signing.STATEMENT), remote.get_sidecar(digest, signing.SIGNATURE)
+    previous = (statement, signature) if statement is not None and signature is not None else None
+    data = sidecars(previous=previous)
+    if signing.SIGNATURE not in data:
+        return data
+    try:
+        covered = previous is not None and set(names) <= set(signing.signed_names(json.loads(statement)))
+    except (ValueError, AttributeError):
+        covered = False
+    if not covered:
+        remote.put_sidecar(digest, signing.STATEMENT, data[signing.STATEMENT])
+        remote.put_sidecar(digest, signing.SIGNATURE, data[signing.SIGNATURE])
+    return data
 
 
 def register(plan: Plan, outcomes: list[StepOutcome], summary: dict, store: Store, tracking_uri: str | None) -> dict:

@@ -87,9 +87,11 @@ def push_hit(remote: RemoteStore, store: Store, key: str, digest: str, record: d
 
 def build_sidecars(store: Store, digest: str, summary_row: dict | None = None, protocol: dict | None = None,
                    gates: dict | None = None, base_model: str | None = None, signing_key: str | os.PathLike | None = None,
-                   source: dict | None = None, hardware: dict | None = None) -> dict[str, bytes]:
+                   source: dict | None = None, hardware: dict | None = None, names: Iterable[str] = (),
+                   previous: tuple[bytes, bytes] | None = None) -> dict[str, bytes]:
     """What travels with a pushed artifact: the model card, and with a signing key (or QBUILD_SIGNING_KEY)
-    the SLSA provenance statement and the model-signing signature. Pass the result to push_hit(sidecars=)."""
+    the SLSA provenance statement and the model-signing signature, bound to `names` (recipe/variant; see
+    signing.sign for `previous`). Pass the result to push_hit(sidecars=)."""
     from qbuild.artifacts import signing
     from qbuild.artifacts.modelcard import render_model_card
 
@@ -98,7 +100,8 @@ def build_sidecars(store: Store, digest: str, summary_row: dict | None = None, p
     out = {"README.md": render_model_card(manifest, summary_row, protocol, gates, base_model).encode()}
     key = signing.signing_key(signing_key)
     if key is not None:
-        statement, signature = signing.sign(obj, manifest, key, source=source, hardware=hardware)
+        statement, signature = signing.sign(obj, manifest, key, source=source, hardware=hardware, names=names,
+                                            previous=previous)
         out[signing.STATEMENT], out[signing.SIGNATURE] = statement, signature
     return out
 
@@ -127,10 +130,12 @@ SIDECARS = ("README.md", "provenance.intoto.json", "signature.sig")
 
 
 def pull(remote: RemoteStore, name: str, out: Path, progress: Progress | None = None, jobs: int | None = None,
-         verify_with: str | os.PathLike | None = None, sidecars: Iterable[str] = SIDECARS) -> dict:
+         verify_with: str | os.PathLike | None = None, sidecars: Iterable[str] = SIDECARS,
+         requested: str | None = None) -> dict:
     """`qbuild pull NAME --from REMOTE --out DIR [--verify-with PUBKEY]` without a local store: resolve the
     name (a ref or a digest: qbuild.api picks a machine-bound build first), fetch every file verified, add the model
-    card and signature sidecars, check the signature when asked, and only then make DIR appear (one rename)."""
+    card and signature sidecars, check the signature when asked (bound to `requested`, the name the user asked
+    for, else `name`), and only then make DIR appear (one rename)."""
     digest = resolve(remote, name)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
@@ -145,7 +150,7 @@ def pull(remote: RemoteStore, name: str, out: Path, progress: Progress | None = 
         from qbuild.artifacts.signing import verify
 
         try:
-            verify(check, verify_with)
+            verify(check, verify_with, name=requested or name)
         except Exception:
             if not check.is_symlink():   # the folder this pull made (its name built here from OUT and the digest)
                 shutil.rmtree(check, ignore_errors=True)
