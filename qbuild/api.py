@@ -612,6 +612,7 @@ def push(name: str, to: str, *, store=None, progress=None) -> dict:
     """Upload NAME (ref or digest) from the local store to a remote: files, sidecars, manifest, action record, ref."""
     from qbuild.artifacts.remote import open_remote
     from qbuild.artifacts.remote.cache import build_sidecars, push_hit
+    from qbuild.artifacts.signing import signing_key
     from qbuild.artifacts.store import REF_RE
     from qbuild.results.publish import refresh_signature
 
@@ -631,7 +632,7 @@ def push(name: str, to: str, *, store=None, progress=None) -> dict:
         return build_sidecars(st, digest, names=names, previous=previous)
 
     uploaded = push_hit(remote, st, manifest["key"], digest, None, sidecars=sidecars, refs=(), progress=progress)
-    if not uploaded:   # already there: its signature must name this ref too (re-signed when it does not)
+    if not uploaded and signing_key() is not None:   # already there: its signature must name this ref too
         refresh_signature(remote, digest, sidecars, names)
     for recipe, variant, tag in refs:
         remote.set_ref(recipe, variant, tag, digest, manifest["key"])
