@@ -172,6 +172,7 @@ class Stall:
 class FakeRegistry:
     def __init__(self, repo: str = "qbuild/hostile"):
         self.repo, self.manifests, self.blobs = repo, {}, {}
+        self.next_page: str | None = None   # a Link header on the tag list
         self.sent: dict[str, int] = {}
         self.requests: list[tuple[str, str]] = []
         self.stopping = threading.Event()
@@ -226,6 +227,8 @@ class FakeRegistry:
                         pass
                     return
                 self.send_header("Content-Length", str(len(body)))
+                if registry.next_page and self.path.startswith(f"/v2/{registry.repo}/tags/list"):
+                    self.send_header("Link", f'<{registry.next_page}>; rel="next"')
                 if "/manifests/" in path:
                     self.send_header("Docker-Content-Digest", "sha256:" + hashlib.sha256(body).hexdigest())
                 self.end_headers()
@@ -393,3 +396,15 @@ def test_blob_larger_than_its_descriptor_allows_is_not_fetched(tmp_path, fake_re
     res = qbuild("pull", "t/a", "--from", fake_registry.url, "-o", tmp_path / "out", timeout=60)
     _one_line_failure(res, f"manifest.json of object {bad[:12]}", "descriptor says 10,737,418,240 bytes")
     assert not any(huge in path for _, path in fake_registry.requests) and _tree(tmp_path) == before
+
+
+def test_tag_list_paging_to_another_host_is_not_followed(tmp_path, fake_registry, good_object):
+    """A registry whose tag list pages on to another host would send our credentials there: refused, one line."""
+    store, good = good_object
+    fake_registry.add_object(store, good)
+    with FakeRegistry() as other:
+        port = other.server.server_address[1]
+        fake_registry.next_page = f"http://localhost:{port}/v2/{other.repo}/tags/list?n=1000&last=x"
+        _one_line_failure(qbuild("verify", "--remote", fake_registry.url), "next page is on another host",
+                          "not followed")
+        assert other.requests == []

@@ -36,6 +36,7 @@ import re
 import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
+from urllib.parse import urlsplit
 
 from qbuild.artifacts.remote import remotes
 from qbuild.artifacts.remote.base import (
@@ -225,8 +226,6 @@ class OciRemote(RemoteStore):
 
     def __init__(self, url: str, **options):
         super().__init__(url, **options)
-        from urllib.parse import urlsplit
-
         parts = urlsplit(self.display)
         self.host = parts.netloc
         self.repository = parts.path.strip("/")
@@ -255,7 +254,8 @@ class OciRemote(RemoteStore):
         prefix = "http" if self.plain_http else "https"
         probe = requests.Session()
         try:
-            r = probe.get(f"{prefix}://{self.host}/v2/", timeout=(CONNECT_TIMEOUT, 30))
+            r = probe.get(f"{prefix}://{self.host}/v2/", timeout=(CONNECT_TIMEOUT, 30), stream=True)
+            r.close()   # status and headers are all it says; its body is never read
         except requests.RequestException as exc:
             raise self.error(f"unreachable ({_describe(exc)})") from None
         finally:
@@ -451,6 +451,9 @@ class OciRemote(RemoteStore):
                 break
             prefix = "http" if self.plain_http else "https"
             url = link if link.startswith("http") else f"{prefix}://{self.host}{link}"
+            if urlsplit(url).netloc != self.host:   # the next page, with our credentials, only from this registry
+                raise RemoteRecordError(self.display, f"the tag list's next page is on another host ({url[:80]}); "
+                                                      "not followed")
         return tags
 
     def get_manifest(self, digest: str) -> dict | None:
