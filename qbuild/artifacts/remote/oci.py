@@ -10,7 +10,7 @@ Layout (docs/remote-stores.md, "OCI layout"):
                   org.qbuild.* annotations. Tagged `_obj-<digest>`.
   refs            the same manifest, tagged with the ref's encoding (oci_tag: `<recipe>-<variant>-<tag>` with
                   '_' written `__` and '-' inside a name written `_-`, so `demo/q4km:latest` is
-                  `demo-q4km-latest`; org.qbuild.ref names the ref). Tags that qbuild before 0.x wrote
+                  `demo-q4km-latest`; org.qbuild.ref names the ref). Tags that earlier qbuild versions wrote
                   (`<recipe>-<variant>-<tag>` cut at 128 characters) are still read: legacy_oci_tag.
   action records  a small artifact (artifactType application/vnd.qbuild.action.v1+json, one JSON layer)
                   tagged `_key-<step key>`; pushed last, after every blob and the object's manifest.
