@@ -97,14 +97,14 @@ def test_selected_oci_ref_carries_the_server_command(built, oci_url):
     assert selected["annotations"][SERVE_COMMAND] == COMMANDS["q4km"]
     assert selected["annotations"][SERVE_CONFIG] == "kv8"
     assert selected["annotations"]["org.qbuild.digest"] == hits["q4km"].digest
-    other, _ = remote._get_oci_manifest("demo-q8_0-latest")
+    other, _ = remote._get_oci_manifest("demo-q8__0-latest")   # q8_0: "_" is written "__" (oci_tag)
     assert SERVE_COMMAND not in other["annotations"]
     card = remote.get_sidecar(hits["q4km"].digest, "README.md").decode()
     assert COMMANDS["q4km"] in card   # the model card says it too
     # a later run that selects q8_0 re-points the annotations: the old ref loses its command
     write_through(store, plan, outcomes, summary_for(hits, "q8_0"), ["latest"])
     assert SERVE_COMMAND not in remote._get_oci_manifest("demo-q4km-latest")[0]["annotations"]
-    assert remote._get_oci_manifest("demo-q8_0-latest")[0]["annotations"][SERVE_COMMAND] == COMMANDS["q8_0"]
+    assert remote._get_oci_manifest("demo-q8__0-latest")[0]["annotations"][SERVE_COMMAND] == COMMANDS["q8_0"]
 
 
 def test_selected_file_ref_carries_the_server_command(built, tmp_path):
