@@ -1,11 +1,11 @@
 """The Python API: everything the CLI does, for notebooks, orchestrators (Airflow, Dagster, Ray) and tests.
 
     import qbuild
-    plan = qbuild.core.plan("recipes/demo.yaml")            # keys, hit/miss and why; never imports torch
+    plan = qbuild.plan("recipes/demo.yaml")                 # keys, hit/miss and why; never imports torch
     result = qbuild.run("recipes/demo.yaml", tag="nightly")
     result.passed, result.exit_code, result.summary["variants"]
     digest, path = qbuild.pull("demo/q4km", out="./q4km")
-    html = qbuild.results.report("demo")
+    html = qbuild.report("demo")
 
 Errors are exceptions from qbuild.errors (each carries the exit code the CLI uses); nothing here
 prints except the progress display, which is off unless asked for.
