@@ -125,7 +125,7 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
         if m:
             misses.append(m)
     pt = point(at)
-    return {"variant": row["variant"], "config": config, "misses": misses, "served": _served(row, points, serving),
+    return {"variant": row["variant"], "config": config, "misses": misses, "not_served": _not_served(row, points, serving),
             "output_tok_s": pt.get("output_tok_s") if pt else None, "size_bytes": row.get("size_bytes"),
             "kld": quality.get("kld"), "command": (pt or {}).get("command") or next(
                 (p.get("command") for p in points if p.get("command")), None),
@@ -160,7 +160,7 @@ def _best(objective: str, met: list[dict]) -> dict | None:
     return min(ranked, key=lambda c: _measure(objective, c), default=None)
 
 
-def _served(row: dict, points: list[dict], serving) -> str | None:
+def _not_served(row: dict, points: list[dict], serving) -> str | None:
     """Why the row has no serving measurement under this config, or None when it has one."""
     if any(p.get("concurrency") is not None or p.get("request_rate") is not None for p in points):
         return None
@@ -179,7 +179,7 @@ def _served(row: dict, points: list[dict], serving) -> str | None:
 
 def _unmeasured(objective: str, c: dict, at: int | None) -> str:
     if objective == "max_throughput":
-        return c["served"] or f"output tok/s not measured at concurrency {at}"
+        return c["not_served"] or f"output tok/s not measured at concurrency {at}"
     if objective == "min_size":
         return "its size is unknown"
     return "its KLD was not measured (evaluation.kld)"

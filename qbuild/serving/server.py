@@ -115,7 +115,7 @@ class RunningServer:
         sockets = _listening_sockets(self.port)
         if sockets is None:
             return   # no /proc here: nothing to check with
-        ours = _group_pids(self.proc.pid)
+        ours = set(_group_pids(self.proc.pid)) | _descendants(self.proc.pid)   # a child may start a session of its own
         if any(sockets & _socket_inodes(pid) for pid in ours):
             return
         other = next((pid for pid in _pids() if pid not in ours and sockets & _socket_inodes(pid)), None)
@@ -168,6 +168,24 @@ def _group_pids(pgid: int) -> list[int]:
         except OSError:
             continue
     return pids or [pgid]
+
+
+def _descendants(root: int) -> set[int]:
+    """`root` and every process below it (from /proc/<pid>/stat's parent pid)."""
+    children: dict[int, list[int]] = {}
+    for pid in _pids():
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {root}, [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def _listening_sockets(port: int) -> set[str] | None:
