@@ -1,11 +1,11 @@
 """The Python API: everything the CLI does, for notebooks, orchestrators (Airflow, Dagster, Ray) and tests.
 
     import qbuild
-    plan = qbuild.core.plan("recipes/demo.yaml")            # keys, hit/miss and why; never imports torch
+    plan = qbuild.plan("recipes/demo.yaml")                 # keys, hit/miss and why; never imports torch
     result = qbuild.run("recipes/demo.yaml", tag="nightly")
     result.passed, result.exit_code, result.summary["variants"]
     digest, path = qbuild.pull("demo/q4km", out="./q4km")
-    html = qbuild.results.report("demo")
+    html = qbuild.report("demo")
 
 Errors are exceptions from qbuild.errors (each carries the exit code the CLI uses); nothing here
 prints except the progress display, which is off unless asked for.
@@ -292,14 +292,46 @@ def _union_remotes(recipes: list[Recipe]) -> tuple:
 
 def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str, path: Path | None, started: float,
             tag: str | None, mlflow: str | None) -> RunResult:
-    """After the build: summary, refs, gates, write-through, registry, tracking, run record."""
+    """After the build: refs, then summary, gates, write-through, registry, tracking, run record.
+
+    The refs come first and need nothing else; should anything after them fail, the run record is still written
+    (its steps, and the error), then the error goes on: what was built is never left unnamed or unrecorded."""
+    tags = set_refs(st, the_plan, outcomes, tag)
+    try:
+        return _conclude(st, the_plan, outcomes, run_id, path, started, tag, mlflow, tags)
+    except BaseException as exc:
+        try:
+            _write_failed_run(st, the_plan, outcomes, run_id, path, started, exc)
+        except OSError as write_error:   # the first error is the one to see
+            log.warning(f"run record {run_id} not written: {write_error}")
+        raise
+
+
+def _write_failed_run(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str, path: Path | None,
+                      started: float, exc: BaseException) -> None:
+    """The run record of a run whose conclusion failed: its steps and the error; never a "last good run"."""
+    from qbuild.core.names import redact_tree
+    from qbuild.errors import first_line
+    from qbuild.results.summary import step_rows
+
+    steps, counts = step_rows(the_plan, outcomes)
+    r = the_plan.recipe
+    st.write_run(run_id, redact_tree({
+        "recipe": r.name, "run_id": run_id, "variants": [], "steps": steps, "counts": counts,
+        "error": f"{type(exc).__name__}: {first_line(exc)}", "store": str(st.root),
+        "seconds": round(time.time() - started, 3), "gates": {"passed": False, "checks": [], "compared_with": None},
+        "recipe_path": str(path.resolve()) if path else None, "resolved_recipe": r.canonical(),
+        "finished": time.time()}))
+
+
+def _conclude(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str, path: Path | None,
+              started: float, tag: str | None, mlflow: str | None, tags: list[str]) -> RunResult:
     from qbuild.core.fingerprint import cpu_model
     from qbuild.core.step import Outcome
     from qbuild.results.summary import summarize
 
     r = the_plan.recipe
     summary = summarize(the_plan, outcomes)
-    tags = set_refs(st, the_plan, outcomes, tag)
     summary.update({"run_id": run_id, "store": str(st.root), "seconds": round(time.time() - started, 3),
                     "hardware": {"cpu": cpu_model(), "threads": r.runtime.resolved_threads()}})
     gate_rows: list[dict] = []

@@ -480,8 +480,10 @@ def _verify_rebuild(names, store_path, as_json) -> None:
             elif r["status"] in ("failed", "not checked"):
                 line += f": {r['reason']}"
             click.echo(line)
+        timings = result.get("timings_not_rebuilt") or []
         click.echo(f"{result['checked']} step(s) re-executed: "
-                   + ("all identical" if result["identical"] else "NOT all identical"))
+                   + ("all identical" if result["identical"] else "NOT all identical")
+                   + (f"; {len(timings)} timing step(s) not rebuilt (measurements of this machine)" if timings else ""))
     if not result["identical"]:
         sys.exit(EXIT_STEP_FAILED)
 

@@ -320,8 +320,9 @@ class Server(Plugin, ABC):
     @abstractmethod
     def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
         """A qbuild.serving.server.ServerLaunch for `model` (the artifact's path) under `config`: the full command
-        (`{port}` where the port goes), readiness probe and stop. `workdir`: where it may write files the command
-        reads (they are stored with the results). Runs in the step's worker."""
+        (an argument of its own, `{port}` = qbuild.serving.server.PORT, where the port goes), readiness probe and
+        stop. `workdir`: where it may write files the command reads (they are stored with the results). Runs in the
+        step's worker."""
 
     def kv_bytes_per_token(self, model: Path, config, log_text: str) -> float | None:
         """KV-cache bytes per token of `model` under `config` (the model's shape × the cache's element size, or what

@@ -156,6 +156,24 @@ def test_plan_refusals(tiny_model_dir, tmp_path):
         plan_steps(tmp_path, recipe_for(tiny_model_dir, tmp_path / "s", {"max_bits": 6}, sym=False))
 
 
+@needs_lc
+def test_more_layer_bands_than_layers_is_a_recipe_error(tiny_model_dir, tmp_path):
+    """layer_bands above the model's layer count: one line naming the field and what is allowed, exit 2 (it was an
+    IndexError while planning; 3 bands of 2 layers quietly planned 2)."""
+    from helpers import qbuild
+
+    for bands in (5, 3):
+        recipe = write_recipe(tmp_path / "r.yaml", recipe_for(tiny_model_dir, tmp_path / "s",
+                                                              {"max_bits": 6, "layer_bands": bands}))
+        res = qbuild("plan", recipe)
+        assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+        assert f"variants[2].search.layer_bands: {bands} bands of a model with 2 layers: give 1 to 2" in res.stderr
+    two = plan_steps(tmp_path, recipe_for(tiny_model_dir, tmp_path / "s", {"max_bits": 6, "layer_bands": 2}))
+    assert "quantize[mix~attn_o.b1-1@W4A16]" in two
+    with pytest.raises(ValueError, match="a band needs at least one layer"):
+        module_groups(2, 5)
+
+
 # --- a real search ---------------------------------------------------------------------------------------------
 @needs_lc
 @pytest.mark.slow

@@ -25,6 +25,44 @@ def test_ngram_overlap_counts_shared_13_grams():
     assert ngram_overlap(["a b c d e f g"], ["h i j k l m n"])["evaluation_ngrams"] == 0
 
 
+TWELVE = [f"line {i} of the calibration file has twelve words in it {i}" for i in range(400)]
+
+
+def test_documents_shorter_than_the_ngram_are_compared_whole():
+    """A document under 13 words has no 13-gram: it counted for nothing, and a copy of short documents read 0 %."""
+    assert all(len(words(t)) == 12 for t in TWELVE)
+    copied = ngram_overlap(TWELVE, TWELVE[:200])
+    assert copied["overlap_pct"] == 100.0 and copied["documents_flagged"] == 200
+    assert (copied["short_documents"], copied["short_documents_shared"], copied["evaluation_ngrams"]) == (200, 200, 0)
+    fresh = [t.replace("calibration", "evaluation") for t in TWELVE[:200]]
+    assert ngram_overlap(TWELVE, fresh)["overlap_pct"] == 0.0
+    # half copied, half new: the short documents weigh one unit each beside the long ones' 13-grams
+    half = ngram_overlap(TWELVE, TWELVE[:100] + fresh[100:])
+    assert half["overlap_pct"] == 50.0 and half["documents_flagged"] == 100
+    # 8 to 12 words: found anywhere in the calibration text (a sentence quoted from a longer document)
+    quoted = " ".join(words(SENTENCES[3])[2:12])
+    assert ngram_overlap(SENTENCES, [quoted])["overlap_pct"] == 100.0
+    # under 8 words: only a whole calibration document counts; a common short phrase inside one does not
+    assert ngram_overlap(SENTENCES, ["the quick brown fox"])["overlap_pct"] == 0.0
+    assert ngram_overlap(SENTENCES + ["Return repr(self)."], ["return REPR self"])["overlap_pct"] == 100.0
+    # a mix: 13-grams of long documents and whole short ones, both counted
+    mix = ngram_overlap(SENTENCES[:40] + TWELVE, SENTENCES[30:50] + TWELVE[:10])
+    assert mix["shared_ngrams"] == mix["evaluation_ngrams"] // 2 and mix["short_documents_shared"] == 10
+
+
+def test_a_copy_of_short_calibration_lines_fails_the_plan(tmp_path):
+    """The reviewer's case: 200 evaluation lines copied from 400 twelve-word calibration lines read "overlap 0.00 %"
+    and exit 0."""
+    cal = tmp_path / "calib.txt"
+    cal.write_text("\n\n".join(TWELVE))
+    copy = tmp_path / "heldout.txt"
+    copy.write_text("\n\n".join(TWELVE[:200]))
+    res = qbuild("plan", _recipe(tmp_path, cal, copy), "--store", tmp_path / "s")
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert "overlap 100.0 % (0 of 0 evaluation 13-grams, 200 of 200 documents under 13 words compared whole, " \
+           "200 of 200 documents), above evaluation.overlap.max_pct 5 %" in res.stderr
+
+
 def _recipe(tmp_path, cal_file, eval_file, **evaluation):
     data = fake_recipe(tmp_path, [{"name": "a", "method": "fake", "calibrated": True}])
     data["calibration"] = {"sources": [{"type": "file", "path": str(cal_file)}], "samples": 2, "seq_len": 16}

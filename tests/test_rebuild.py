@@ -82,3 +82,39 @@ def test_a_recipe_can_require_a_rebuild_check_of_chosen_steps(tmp_path):
     summary = json.loads(res.stdout)
     failed = [g for g in summary["gates"]["checks"] if not g["passed"]]
     assert [(g["variant"], g["check"]) for g in failed] == [("quantize[noisy]", "rebuild_identical")]
+
+
+def test_rebuild_of_a_serving_recipe_leaves_its_timings_out(tmp_path, tiny_model_dir):
+    """A recipe with evaluation.serving (a real llama-server sweep): `verify --rebuild` re-executes its other steps,
+    lists the serving step as not rebuilt (a timing, like throughput) and exits 0 (it re-ran the sweep, whose
+    numbers are never the same bytes, and exited 1)."""
+    import pytest
+
+    from qbuild.serving.llamacpp_build import cached_bin_dir
+
+    if cached_bin_dir() is None:
+        pytest.skip("llama-server is not built yet (scripts/install.sh builds it)")
+    store = tmp_path / "store"
+    data = {"name": "srv", "model": {"source": "local", "path": str(tiny_model_dir)},
+            "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}],
+            "evaluation": {"baseline": False, "perplexity": None,
+                           "serving": {"concurrency": [1], "requests": 2, "warmup": 1, "input_len": 16,
+                                       "output_len": 4, "variants": ["q8_0"]}},
+            "runtime": {"threads": 1}, "store": {"path": str(store)}}
+    recipe = write_recipe(tmp_path / "r.yaml", data)
+    res = qbuild("run", recipe, "--json")
+    assert res.returncode == 0, res.stderr
+    assert {s["name"]: s["status"] for s in json.loads(res.stdout)["steps"]}["serving[q8_0@default]"] == "built"
+
+    res = qbuild("verify", "--rebuild", recipe, "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
+    out = json.loads(res.stdout)
+    rows = {r["step"]: r for r in out["steps"]}
+    assert rows["serving[q8_0@default]"]["status"] == "not checked"
+    assert rows["serving[q8_0@default]"]["reason"].startswith("a timing")
+    assert out["timings_not_rebuilt"] == ["serving[q8_0@default]"]
+    assert rows["quantize[q8_0]"]["status"] == "identical" and out["identical"] is True
+    human = qbuild("verify", "--rebuild", recipe)
+    assert human.returncode == 0
+    assert "NOT CHECKED   serving[q8_0@default]: a timing" in human.stdout
+    assert "all identical; 1 timing step(s) not rebuilt" in human.stdout

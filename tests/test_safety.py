@@ -342,6 +342,27 @@ def test_workers_get_no_credentials(tmp_path, store_dir):
     assert "AWS_SECRET_ACCESS_KEY" not in step_environ("calibrate", secrets)
 
 
+def test_proxy_settings_reach_the_steps_that_may_read_a_hub_only(tmp_path, store_dir):
+    """HTTPS_PROXY & co. (either case; a proxy URL may carry a password) go to the steps that may download from a
+    hub (calibration and evaluation text), and to no other: they were dropped for every step."""
+    from qbuild.core.worker_env import step_environ
+
+    proxies = {"HTTPS_PROXY": "http://u:pw@proxy:3128", "HTTP_PROXY": "http://proxy:3128", "NO_PROXY": "127.0.0.1",
+               "https_proxy": "http://proxy:3128", "http_proxy": "http://proxy:3128", "no_proxy": "localhost",
+               "ALL_PROXY": "socks5://proxy:1080", "all_proxy": "socks5://proxy:1080"}
+    for kind in ("calibrate", "eval-data"):
+        assert step_environ(kind, {**proxies, "PATH": "/bin"}) == {**proxies, "PATH": "/bin"}
+    for kind in ("quantize", "perplexity", "task", "serving", None):
+        assert step_environ(kind, {**proxies, "PATH": "/bin"}) == {"PATH": "/bin"}
+    # what a real quantize worker saw of them: nothing
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [{"name": "a", "method": "fake"}]))
+    res = qbuild("run", recipe, "--store", store_dir, "--json", env=proxies)
+    assert res.returncode == 0, res.stderr
+    step = next(s for s in json.loads(res.stdout)["steps"] if s["name"] == "quantize[a]")
+    info = json.loads((Store(store_dir).object_dir(step["digest"]) / "manifest.json").read_text())["info"]
+    assert not set(info["env_names"]) & set(proxies)
+
+
 # --- 9. keygen ------------------------------------------------------------------------------------------------------------
 def test_keygen_never_writes_through_a_link_or_over_a_file(tmp_path):
     home, precious = fake_home(tmp_path)

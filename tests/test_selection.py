@@ -4,8 +4,17 @@ and for every other candidate the bound it missed and by how much (the numbers o
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
+from qbuild import api
+from qbuild.artifacts.store import Store
 from qbuild.core.recipe import Selection, Serving
+from qbuild.results import selection
 from qbuild.results.selection import select
+
+from helpers import fake_recipe, qbuild, write_recipe
 
 SERVING = Serving(concurrency=[1, 4])
 
@@ -116,3 +125,70 @@ def test_selected_model_card_carries_the_server_command():
     assert "ttft_p99_ms 500 at concurrency 4" in card and "## Serving under load" in card
     assert "| kv8 | 4 | 300.0 | 600.0 | 28.00 |" in card
     assert "| kv8 | 4 | 300.0 | 600.0 | 28.00 | 42.00 | 140.0 | 4.38 | 0 | 200.0 | 0.0712 |" in card   # its own KLD
+
+
+def test_bounds_met_but_nothing_measured_for_the_objective_names_why():
+    """Variants that were not served (left out by serving.variants, a server that needs a GPU, no server for the
+    format) meet size/KLD bounds but have no output tok/s: nothing is selected, and each one says why (it crashed)."""
+    serving = Serving(concurrency=[1, 4], variants=["q4km", "q8_0"])
+    rows = [row("baseline", 540, None, []),
+            row("q8_0", 144, 0.004, [{"config": "default", "status": "skipped", "error": "needs a GPU",
+                                      "step": "serving[q8_0@default]"}]),
+            row("q4km", 105, 0.058, []),
+            row("extra", 100, 0.05, [])]
+    out = select(Selection(max_size_mb=600, include_baseline=True), rows, serving)
+    assert out["selected"] is None and not out["passed"]
+    assert "4 candidate(s) meet every bound" in out["reason"] and "max_throughput" in out["reason"]
+    why = {r["variant"]: r["why"] for r in out["rejected"]}
+    assert why["q8_0"].endswith("its serving step serving[q8_0@default] was skipped (needs a GPU)")
+    assert why["q4km"].endswith("no server loads its format (see the plan's warnings)")
+    assert why["extra"].endswith("evaluation.serving.variants leaves it out")
+    assert why["baseline"].endswith("evaluation.serving.variants leaves it out")
+    assert all(w.startswith("meets every bound, but objective max_throughput cannot rank it") for w in why.values())
+    # a measured candidate still wins over the unmeasured ones, which say they could not be ranked
+    mixed = select(Selection(max_size_mb=200), [*rows, ROWS[2]], serving)
+    assert mixed["selected"]["variant"] == "q4km" and mixed["selected"]["config"] == "default"
+    assert "reason" not in mixed
+    assert {r["variant"]: r["why"] for r in mixed["rejected"]}["q8_0"].startswith(
+        "meets every bound, but objective max_throughput cannot rank it")
+    # the other objectives rank the same rows without serving numbers
+    assert select(Selection(max_size_mb=200, objective="min_size"), rows, serving)["selected"]["variant"] == "extra"
+
+
+def test_a_run_whose_variants_were_not_served_exits_3_and_records_the_run(tmp_path):
+    """`qbuild run` of a recipe with evaluation.serving and selection: whose variants no server loads: exit 3 with
+    the reason (it crashed with a traceback, and wrote neither run record nor refs); `qbuild select` agrees."""
+    data = fake_recipe(tmp_path, [{"name": "a", "method": "fake", "level": 1},
+                                  {"name": "b", "method": "fake", "level": 2}], store={"path": str(tmp_path / "s")})
+    data["evaluation"]["serving"] = {"concurrency": [1], "requests": 2}
+    data["selection"] = {"max_size_mb": 100}
+    recipe = write_recipe(tmp_path / "r.yaml", data)
+    res = qbuild("run", recipe)
+    assert res.returncode == 3, res.stderr
+    assert "Traceback" not in res.stderr
+    assert "nothing selected: 2 candidate(s) meet every bound, but none has what objective max_throughput" in res.stdout
+    assert "a @ None: meets every bound, but objective max_throughput cannot rank it: not served" in res.stdout
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / "s" / "runs").glob("*.json")]
+    assert record["selection"]["selected"] is None and record["counts"]["built"] == 2
+    assert (tmp_path / "s" / "refs" / "t" / "a" / "latest").exists()
+    sel = qbuild("select", recipe, "--json")
+    assert sel.returncode == 3 and "none has what objective max_throughput" in json.loads(sel.stdout)["reason"]
+
+
+def test_a_crash_after_the_build_keeps_refs_and_a_run_record(tmp_path, monkeypatch):
+    """Whatever fails after the steps ran (here: the selection), what was built keeps its refs and the run is
+    recorded with its steps and the error; such a record is never the "last good run" gates compare with."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("selection broke")
+
+    monkeypatch.setattr(selection, "select", broken)
+    data = fake_recipe(tmp_path, [{"name": "a", "method": "fake"}], store={"path": str(tmp_path / "s")},
+                       selection={"objective": "min_size"})
+    with pytest.raises(RuntimeError, match="selection broke"):
+        api.run(write_recipe(tmp_path / "r.yaml", data))
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / "s" / "runs").glob("*.json")]
+    assert record["error"] == "RuntimeError: selection broke" and record["counts"]["built"] == 1
+    steps = {s["name"]: s for s in record["steps"]}
+    assert steps["quantize[a]"]["status"] == "built" and record["recipe"] == "t"
+    assert Store(tmp_path / "s").get_ref("t", "a", "latest")["digest"] == steps["quantize[a]"]["digest"]
+    assert Store(tmp_path / "s").last_good_run("t") is None

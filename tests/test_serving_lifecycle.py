@@ -144,3 +144,54 @@ def test_kv_bytes_per_token_is_what_llama_cpp_allocates(llama_server_bin, gguf_m
     measured = (float(m.group(2)) + float(m.group(4))) * 2**20 / tokens
     ours = LlamaServer().kv_bytes_per_token(gguf_model, ServingConfig(name="t", **config), "")
     assert ours == pytest.approx(measured, rel=2e-3)   # the log rounds MiB to 2 decimals
+
+
+def test_a_path_holding_the_port_placeholder_is_left_as_it_is(llama_server_bin, gguf_model, tmp_path):
+    """Only the argument that is the placeholder becomes the port: a model under a folder named `{port}` is served
+    from there (the path was rewritten to the port number, and the server could not find its model)."""
+    from qbuild.serving.server import running
+
+    folder = tmp_path / "{port}"
+    folder.mkdir()
+    (folder / "model.gguf").symlink_to(gguf_model)
+    with running(launch(folder / "model.gguf"), tmp_path / "s.log", "smollm2") as srv:
+        pid, port = srv.pid, srv.port
+        argv = (tmp_path / "s.log").read_text().splitlines()[0]
+        assert f"--model {folder / 'model.gguf'} --port {port} " in argv
+        srv.check_alive()
+    gone(pid, port)
+
+
+def test_a_port_taken_before_the_server_binds_it_is_one_line(llama_server_bin, gguf_model, tmp_path, monkeypatch):
+    """free_port() finds a port free; another local process that binds it first answers the readiness probe. The
+    server started is checked to be the one answering: one line naming the port and the other process (the sweep
+    went on against whatever answered)."""
+    import http.server
+
+    from qbuild.serving import server as server_mod
+    from qbuild.serving.server import ServerError, running
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    squatter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    taken = squatter.server_address[1]
+    monkeypatch.setattr(server_mod, "free_port", lambda: taken)   # the race, made certain: the port is taken
+    try:
+        with pytest.raises(ServerError) as err, running(launch(gguf_model), tmp_path / "s.log", "smollm2",
+                                                        ready_timeout_s=60):
+            pytest.fail("the squatter was taken for the server")
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+    msg = str(err.value)
+    assert msg.startswith(f"llama.cpp server for smollm2: port {taken} on 127.0.0.1 is answered by another process "
+                          f"(pid {os.getpid()}), not the server qbuild started") and "\n" not in msg
+    assert not processes_with(str(gguf_model))

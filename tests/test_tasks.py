@@ -147,3 +147,80 @@ def test_a_task_its_include_path_does_not_declare_is_a_plan_error(tmp_path, tiny
     data["evaluation"]["tasks"][0] |= {"task": TASK, "include_path": str(tmp_path / "nowhere")}
     res = qbuild("plan", write_recipe(tmp_path / "r.yaml", data))
     assert res.returncode == 2 and "evaluation.tasks[0].include_path" in res.stderr
+
+
+FUNCTION_TASK = """task: pystdlib_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: pystdlib_mc.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: !function utils.doc_to_text
+doc_to_choice: "{{choices}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+"""
+
+
+def _function_task(root: Path) -> Path:
+    """pystdlib_mc with its prompt from Python (`!function`): lm-eval imports utils.py from the task directory."""
+    import shutil
+
+    task = root / "fn_task"
+    shutil.copytree(TASKS, task)
+    (task / "pystdlib_mc.yaml").write_text(FUNCTION_TASK)
+    (task / "utils.py").write_text('def doc_to_text(doc):\n    return f"Question: {doc[\'question\']}\\nAnswer:"\n')
+    return task
+
+
+def test_task_fingerprint_is_the_tasks_own_sources(tmp_path):
+    """Bytecode (written when lm-eval imports a `!function`, named per Python version) and other generated files
+    (hidden tool and editor caches) leave the fingerprint alone; an edited source changes it."""
+    import py_compile
+
+    from qbuild.core.fingerprint import dir_fingerprint
+
+    task = _function_task(tmp_path)
+    clean = dir_fingerprint(task, sources_only=True)
+    py_compile.compile(str(task / "utils.py"), doraise=True)   # __pycache__/utils.cpython-3XX.pyc, as an import does
+    assert list((task / "__pycache__").glob("utils.cpython-*.pyc"))
+    (task / "__pycache__" / "utils.cpython-312.pyc").write_bytes(b"\xcb\r\r\n" + bytes(12))   # another Python's
+    (task / "utils.pyc").write_bytes(b"\0" * 16)
+    (task / ".ipynb_checkpoints").mkdir()
+    (task / ".ipynb_checkpoints" / "pystdlib_mc-checkpoint.yaml").write_text(FUNCTION_TASK)
+    (task / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    assert dir_fingerprint(task, sources_only=True) == clean
+    with open(task / "utils.py", "a") as f:
+        f.write("# edited\n")
+    assert dir_fingerprint(task, sources_only=True) != clean
+    # any directory's fingerprint (a local model's, a calibration file set's) ignores bytecode too
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    before = dir_fingerprint(model)
+    (model / "__pycache__").mkdir()
+    (model / "__pycache__" / "modeling.cpython-311.pyc").write_bytes(b"\0" * 16)
+    assert dir_fingerprint(model) == before
+
+
+def test_a_function_task_keeps_its_key_after_it_runs(tmp_path, tiny_model_dir, monkeypatch):
+    """`qbuild plan` before and after a run of a task whose prompt is a `!function`: the same key, a hit (lm-eval's
+    import wrote __pycache__ into the task directory, which changed the key and rebuilt the step once more)."""
+    from qbuild import api
+
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)   # the worker writes bytecode, as Python does
+
+    task = _function_task(tmp_path)
+    data = _recipe(tmp_path, tiny_model_dir, [{"name": "a", "method": "fake"}])
+    data["evaluation"]["tasks"][0]["include_path"] = str(task)
+    recipe = write_recipe(tmp_path / "r.yaml", data)
+    before = {p.step.name: p.step.key for p in api.plan(recipe).steps if p.step.kind == "task"}
+    assert list(before) == [f"task:{TASK}[baseline]"]
+    rc, summary = run_api(recipe)
+    assert rc == 0, summary["steps"]
+    assert summary["variants"][0]["tasks"][0]["documents"] == 40
+    assert list((task / "__pycache__").glob("utils.*.pyc"))   # lm-eval imported the task's Python
+    after = {p.step.name: (p.step.key, p.status) for p in api.plan(recipe).steps if p.step.kind == "task"}
+    assert after == {name: (key, "hit") for name, key in before.items()}

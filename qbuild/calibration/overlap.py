@@ -5,10 +5,17 @@ appendix C) and the LLaMA/PaLM papers do it: lowercase, punctuation dropped, spl
 `n` consecutive words (n = 13 by default, GPT-3's choice: long enough that a shared 13-gram is copied text,
 not a common phrase) of the evaluation text is looked up in the set of the calibration text's 13-grams.
 
-- `overlap_pct`: the share of the evaluation text's 13-gram occurrences that also occur in the calibration
-  text. 0 % means no 13 words in a row of evaluation text were seen in calibration; 100 % means the
-  evaluation text is (a copy of) calibration text. This is the number the threshold applies to.
-- `documents_flagged`: evaluation documents with at least one shared 13-gram (GPT-3's "dirty" examples).
+Evaluation documents shorter than `n` words have no n-gram; each is compared whole instead, as one unit: with
+at least MIN_WORDS (8) words, it is shared when its whole run of words occurs anywhere in the calibration text
+(GPT-3's floor: shorter runs collide by chance); with fewer, when it equals a whole calibration document.
+
+- `overlap_pct`: the share of the evaluation text's units (13-gram occurrences, and short documents) that also
+  occur in the calibration text. 0 % means no 13 words in a row of evaluation text (and no short evaluation
+  document) were seen in calibration; 100 % means the evaluation text is (a copy of) calibration text. This is
+  the number the threshold applies to.
+- `evaluation_ngrams` / `shared_ngrams`: the 13-gram counts; `short_documents` / `short_documents_shared`: the
+  documents under n words, compared whole.
+- `documents_flagged`: evaluation documents with at least one shared unit (GPT-3's "dirty" examples).
 
 Why it matters: a method calibrated on the text it is evaluated on (GPTQ, AWQ, imatrix) is flattered by
 perplexity on that text (exllamav3 #108). The check reads texts only (no tokenizer, no torch) and is cached
@@ -26,7 +33,9 @@ from pathlib import Path
 from qbuild.core.hashing import canonical_json, sha256_text
 
 NGRAM = 13
-METHOD = "word-13gram-v1"   # bump when the normalization or the measure changes: cached results are then stale
+MIN_WORDS = 8   # a shorter evaluation document is shared only as a whole calibration document
+METHOD = "word-13gram-v2"   # bump when the normalization or the measure changes: cached results are then stale
+# v2: documents under n words are compared whole (v1 gave them no n-gram: a copy of short documents read 0 %)
 _WORD = re.compile(r"[^\W_]+")  # letters and digits; punctuation and underscores split words
 
 
@@ -46,22 +55,43 @@ def _hashes(ws: list[str], n: int):
 
 
 def ngram_overlap(calibration_docs, evaluation_docs, n: int = NGRAM) -> dict:
-    """How much of the evaluation text's n-grams occur in the calibration text (see the module docstring)."""
+    """How much of the evaluation text's n-grams (and short documents) occur in the calibration text (see the
+    module docstring)."""
+    evaluation = [words(_text(doc)) for doc in evaluation_docs]
+    # the short documents' runs of words, looked for while the calibration text is read (once)
+    runs: dict[int, set[int]] = {}
+    for ws in evaluation:
+        if MIN_WORDS <= len(ws) < n:
+            runs.setdefault(len(ws), set()).add(hash(" ".join(ws)))
     seen: set[int] = set()
+    whole: set[int] = set()   # calibration documents under MIN_WORDS words
+    found: set[int] = set()   # short documents' runs found in the calibration text
     for doc in calibration_docs:
-        seen.update(_hashes(words(_text(doc)), n))
-    total = shared = flagged = 0
-    docs = 0
-    for doc in evaluation_docs:
-        docs += 1
-        hits = [h in seen for h in _hashes(words(_text(doc)), n)]
-        total += len(hits)
-        k = sum(hits)
-        shared += k
+        ws = words(_text(doc))
+        seen.update(_hashes(ws, n))
+        if len(ws) < MIN_WORDS:
+            whole.add(hash(" ".join(ws)))
+        for k, wanted in runs.items():
+            found.update(h for h in _hashes(ws, k) if h in wanted)
+    total = shared = flagged = short = short_shared = 0
+    for ws in evaluation:
+        if len(ws) >= n:
+            hits = [h in seen for h in _hashes(ws, n)]
+            total += len(hits)
+            k = sum(hits)
+            shared += k
+        elif ws:
+            short += 1
+            k = hash(" ".join(ws)) in (found if len(ws) >= MIN_WORDS else whole)
+            short_shared += k
+        else:
+            k = 0
         flagged += k > 0
+    units = total + short
     return {"method": METHOD, "n": n, "evaluation_ngrams": total, "shared_ngrams": shared,
-            "overlap_pct": round(100 * shared / total, 4) if total else 0.0,
-            "evaluation_documents": docs, "documents_flagged": flagged}
+            "short_documents": short, "short_documents_shared": short_shared,
+            "overlap_pct": round(100 * (shared + short_shared) / units, 4) if units else 0.0,
+            "evaluation_documents": len(evaluation), "documents_flagged": flagged}
 
 
 def describe(identity: dict) -> str:

@@ -98,10 +98,18 @@ def check_overlap(recipe, base: Path) -> dict | None:
         raise RecipeError("evaluation.perplexity.dataset",
                           f"calibration text ({record['calibration']}) and evaluation text ({record['evaluation']}) "
                           f"overlap {record['overlap_pct']:.1f} % ({record['shared_ngrams']} of "
-                          f"{record['evaluation_ngrams']} evaluation {record['n']}-grams, "
+                          f"{record['evaluation_ngrams']} evaluation {record['n']}-grams, {_short(record)}"
                           f"{record['documents_flagged']} of {record['evaluation_documents']} documents), above "
                           f"evaluation.overlap.max_pct {ev.overlap.max_pct:g} %: evaluate on held-out text")
     return record
+
+
+def _short(record: dict) -> str:
+    """The overlap's short documents (compared whole), when the evaluation text has any."""
+    if not record.get("short_documents"):
+        return ""
+    return (f"{record['short_documents_shared']} of {record['short_documents']} documents under {record['n']} words "
+            f"compared whole, ")
 
 
 def overlapping_sources(calibration, perplexity, base: Path) -> list[str]:

@@ -77,14 +77,25 @@ def _memo_dir() -> Path:
     return cache_dir() / "fingerprints"
 
 
-def dir_fingerprint(path: Path) -> str:
+def generated(rel: str, hidden: bool = False) -> bool:
+    """Whether a file (its path relative to the fingerprinted directory) is something tools wrote beside the
+    sources, not content: Python's bytecode cache (written when a file is imported, different per Python version);
+    with `hidden`, also dot-files and dot-directories (editor, VCS, notebook and tool caches)."""
+    parts = rel.split("/")
+    if "__pycache__" in parts[:-1] or rel.endswith((".pyc", ".pyo")):
+        return True
+    return hidden and any(p.startswith(".") for p in parts)
+
+
+def dir_fingerprint(path: Path, sources_only: bool = False) -> str:
     """Content fingerprint of a directory (or file), with a stat-based memo.
 
     A file is re-hashed only when its size, mtime or inode changed, so the warm fingerprint of a
-    100 GB model costs one stat per file.
+    100 GB model costs one stat per file. Bytecode caches never count (`generated`); `sources_only` (a directory
+    of sources, such as an lm-eval task directory) also leaves out hidden files and directories.
     """
     path = path.resolve()
-    memo_file = _memo_dir() / (sha256_text(str(path))[:32] + ".json")
+    memo_file = _memo_dir() / (sha256_text(f"{path}{' sources' if sources_only else ''}")[:32] + ".json")
     try:
         memo = json.loads(memo_file.read_text())
     except (OSError, ValueError):
@@ -93,7 +104,7 @@ def dir_fingerprint(path: Path) -> str:
     rows, fresh, changed = [], {}, False
     for f in files:
         rel = f.name if f == path else f.relative_to(path).as_posix()
-        if rel.startswith(".cache/") or rel.startswith(".git/"):
+        if rel.startswith(".cache/") or rel.startswith(".git/") or (f != path and generated(rel, sources_only)):
             continue
         st = f.stat()
         fresh[rel], hashed = memo_sha256(f, st, memo.get(rel))

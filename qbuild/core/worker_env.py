@@ -6,7 +6,9 @@ phones home, then has nothing to leak. What a worker gets:
 - the process basics (PATH, HOME, locale, TMPDIR, PYTHON*), thread and BLAS settings, CUDA/torch settings,
   the model caches' locations (HF_HOME, XDG_*), CA bundles, and qbuild's own non-secret QBUILD_* settings;
 - per step kind, what that kind needs on top: only the steps that may download a data set from a hub
-  (calibration and evaluation text with `type: hf`) get HF_TOKEN, and only where HF_HUB_OFFLINE is off.
+  (calibration and evaluation text with `type: hf`) get HF_TOKEN and the proxy settings (HTTPS_PROXY,
+  HTTP_PROXY, ALL_PROXY, NO_PROXY, upper and lower case: a proxy URL may hold a password), and they reach the
+  hub only where HF_HUB_OFFLINE is off.
 A name that looks like a credential (…PASSWORD, …TOKEN, …SECRET…, …_KEY, …CREDENTIAL…) is dropped even when
 a pattern above matches it, unless its step kind names it exactly.
 """
@@ -41,7 +43,9 @@ _DENIED = re.compile("|".join(translate(p) for p in DENIED))
 
 # steps that may read a data set from a hub (datasets.load_dataset) when the user turned HF_HUB_OFFLINE off
 HUB_TOKENS = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_TOKEN_PATH", "HF_ENDPOINT")
-EXTRA_BY_KIND: dict[str, tuple[str, ...]] = {"calibrate": HUB_TOKENS, "eval-data": HUB_TOKENS}
+PROXIES = tuple(n for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "NO_PROXY") for n in (name, name.lower()))
+HUB_ACCESS = HUB_TOKENS + PROXIES
+EXTRA_BY_KIND: dict[str, tuple[str, ...]] = {"calibrate": HUB_ACCESS, "eval-data": HUB_ACCESS}
 
 
 def step_environ(kind: str | None, environ: Mapping[str, str]) -> dict[str, str]:

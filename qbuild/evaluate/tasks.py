@@ -49,7 +49,9 @@ def task_steps(ctx) -> None:
             if not _declares(path, t.task):
                 raise RecipeError(f"{field}.task", f"{t.task!r}: no task YAML under {t.include_path} declares it "
                                   "(task: NAME, or group: NAME)")
-            params["task_files"] = dir_fingerprint(path)   # content, not location: a moved task dir still hits
+            # the task's own sources, by content (a moved task dir still hits); never the bytecode lm-eval's import
+            # of a `!function` writes there, which would change the key after the first run and per Python version
+            params["task_files"] = dir_fingerprint(path, sources_only=True)
             runtime_args["include_path"] = str(path)
         reference = None
         for art, rt in evaluable_artifacts(ctx):

@@ -99,9 +99,12 @@ class CTSearch(StrictModel):
 
 
 def module_groups(layers: int, bands: int) -> list[dict]:
-    """The search's groups: each fused unit within each band of layers, with the `re:` regex of its modules."""
+    """The search's groups: each fused unit within each band of layers (1 ≤ bands ≤ layers: check_search), with the
+    `re:` regex of its modules."""
+    if not 1 <= bands <= layers:
+        raise ValueError(f"{bands} bands of {layers} layers: a band needs at least one layer")
     groups = []
-    for band in range(min(bands, layers)):
+    for band in range(bands):
         idx = [i for i in range(layers) if i * bands // layers == band]
         for unit, leaves in UNITS.items():
             name = unit if bands == 1 else f"{unit}.b{idx[0]}-{idx[-1]}"
@@ -136,9 +139,13 @@ def check_search(variant, ctx, field: str) -> None:
     from qbuild.quantize.shapes import config_linear_names
 
     names = set(config_linear_names(ctx.model_info()) or ())
-    if not names or not _layers(ctx) or not all(m in names for g in module_groups(_layers(ctx), 1) for m in g["modules"]):
+    layers = _layers(ctx)
+    if not names or not layers or not all(m in names for g in module_groups(layers, 1) for m in g["modules"]):
         raise RecipeError(f"{field}.search", "the search needs a llama-style model (model.layers.N.self_attn.q_proj "
                                              "... mlp.down_proj); this model's config does not name those layers")
+    if variant.search.layer_bands > layers:   # a band needs at least one layer
+        raise RecipeError(f"{field}.search.layer_bands", f"{variant.search.layer_bands} bands of a model with {layers} "
+                                                         f"layers: give 1 to {layers}")
 
 
 def _layers(ctx) -> int:

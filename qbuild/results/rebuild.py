@@ -11,8 +11,8 @@ written, moved or re-published. The rebuilt object is compared with the stored o
 The outcome is recorded beside the object as a mutable store record, `rebuilds/<dd>/<digest>.json` (manifests are
 immutable, content-addressed provenance; the last check is not part of the object), and `qbuild show` prints it.
 
-Timing steps (throughput: their key holds the hardware, their output is a measurement) are not re-executed: they are
-reported as "not checked" with that reason.
+Timing steps (throughput, serving: every step whose key holds the machine's hardware, `Step.per_hardware`; their
+output is a measurement) are not re-executed: they are reported as "not checked" with that reason, and counted.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from qbuild.artifacts.store import Store, now_iso, read_json
 from qbuild.core.hardware import machine_facts
 
 KEEP_HISTORY = 10          # earlier checks kept in the record, newest first
-NOT_CHECKED_KINDS = {"throughput": "a timing: its output is a measurement of this machine, never bit-identical"}
+TIMING = "a timing: its output is a measurement of this machine, never bit-identical"
 
 
 def record_file(store: Store, digest: str) -> Path:
@@ -110,7 +110,9 @@ def _closure(plan, step) -> list:
 
 def summarize_checks(rows: list[dict], st: Store) -> dict:
     checked = [r for r in rows if r["status"] in ("identical", "different", "failed")]
+    timings = [r["step"] for r in rows if r.get("reason") == TIMING]
     return {"steps": rows, "checked": len(checked), "identical": all(r["status"] == "identical" for r in checked),
+            "timings_not_rebuilt": timings,
             "where": socket.gethostname(), "when": now_iso(), "store": str(st.root)}
 
 
@@ -129,9 +131,8 @@ def check_steps(st: Store, plan, planned, *, progress=None, log=None) -> list[di
         if ps.status != PlanStatus.HIT:
             rows.append(row | {"status": "not checked", "reason": f"not stored ({ps.status})"})
             continue
-        if step.kind in NOT_CHECKED_KINDS:
-            rows.append(row | {"status": "not checked", "reason": NOT_CHECKED_KINDS[step.kind],
-                               "digest": ps.hit.digest})
+        if step.per_hardware:   # a timing (throughput, serving): the machine is in its key, its output a measurement
+            rows.append(row | {"status": "not checked", "reason": TIMING, "digest": ps.hit.digest})
             continue
         if log:
             log(f"rebuilding {step.name} ({step.key[:12]})")

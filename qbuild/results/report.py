@@ -276,7 +276,7 @@ def _serving_html(run: dict) -> str:
                    + (f"; serve it with <code>{html.escape(chosen['command'])}</code>" if chosen.get("command") else "")
                    + "</p>")
     elif sel:
-        verdict = "<p class=bad>Nothing meets every selection bound.</p>"
+        verdict = f"<p class=bad>{html.escape(sel.get('reason') or 'Nothing meets every selection bound.')}</p>"
     else:
         verdict = ""
     misses = "".join(f"<li>{html.escape(x['variant'])} @ {html.escape(str(x['config']))}: {html.escape(x['why'])}</li>"

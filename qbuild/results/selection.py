@@ -50,16 +50,21 @@ def select(sel, rows: list[dict], serving=None) -> dict:
         if row["variant"] == "baseline" and not sel.include_baseline:
             continue
         for config in _configs(row):
-            candidates.append(_judge(sel, row, config, default_c, at))
+            candidates.append(_judge(sel, row, config, default_c, at, serving))
     met = [c for c in candidates if not c["misses"]]
     best = _best(sel.objective, met)
     rejected = []
     for c in candidates:
         if c is best:
             continue
-        why = c["misses"] or [f"meets every bound; objective {sel.objective} prefers {best['variant']}"
-                              f"@{best['config']} ({_objective_text(sel.objective, best)} vs "
-                              f"{_objective_text(sel.objective, c)})"]
+        if c["misses"]:
+            why = c["misses"]
+        elif best is None or _measure(sel.objective, c) is None:
+            why = [f"meets every bound, but objective {sel.objective} cannot rank it: "
+                   f"{_unmeasured(sel.objective, c, at)}"]
+        else:
+            why = [f"meets every bound; objective {sel.objective} prefers {best['variant']}@{best['config']} "
+                   f"({_objective_text(sel.objective, best)} vs {_objective_text(sel.objective, c)})"]
         rejected.append({"variant": c["variant"], "config": c["config"], "why": "; ".join(why), "misses": c["misses"]})
     selected = None
     if best is not None:
@@ -68,11 +73,15 @@ def select(sel, rows: list[dict], serving=None) -> dict:
     bounds = {f: {"value": b[0], "concurrency": b[1]} for f, *_ in SLOS if (b := _bound(sel, f, default_c))}
     bounds.update({f: getattr(sel, f) for f in ("max_kld", "max_delta_ppl_pct", "max_size_mb", "max_memory_mb")
                    if getattr(sel, f) is not None})
-    return {"objective": sel.objective, "concurrency": at, "bounds": bounds, "selected": selected,
-            "rejected": rejected, "passed": selected is not None}
+    out = {"objective": sel.objective, "concurrency": at, "bounds": bounds, "selected": selected,
+           "rejected": rejected, "passed": selected is not None}
+    if met and best is None:   # the bounds were met: what is missing is the objective's measure, say so
+        out["reason"] = (f"{len(met)} candidate(s) meet every bound, but none has what objective {sel.objective} "
+                         f"ranks by ({MEASURES[sel.objective]}); pick an objective they were measured for")
+    return out
 
 
-def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | None) -> dict:
+def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | None, serving) -> dict:
     points = [p for p in (row.get("serving") or []) if p["config"] == config]
     misses: list[str] = []
     if row.get("status") not in ("built", "cached"):
@@ -116,7 +125,7 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
         if m:
             misses.append(m)
     pt = point(at)
-    return {"variant": row["variant"], "config": config, "misses": misses,
+    return {"variant": row["variant"], "config": config, "misses": misses, "not_served": _not_served(row, points, serving),
             "output_tok_s": pt.get("output_tok_s") if pt else None, "size_bytes": row.get("size_bytes"),
             "kld": quality.get("kld"), "command": (pt or {}).get("command") or next(
                 (p.get("command") for p in points if p.get("command")), None),
@@ -131,13 +140,49 @@ def _quality(row: dict, points: list[dict]) -> dict:
     return {"kld": source.get("kld"), "delta_ppl_pct": source.get("delta_ppl_pct")}
 
 
-def _best(objective: str, met: list[dict]) -> dict | None:
+MEASURES = {"max_throughput": "output tok/s under load", "min_size": "the artifact's size",
+            "min_kld": "KLD against the baseline"}
+
+
+def _measure(objective: str, c: dict) -> float | None:
+    """What OBJECTIVE ranks candidate c by, None where it was not measured."""
     if objective == "max_throughput":
-        ranked = [c for c in met if c["output_tok_s"] is not None]
-        return max(ranked, key=lambda c: c["output_tok_s"], default=None)
+        return c["output_tok_s"]
     if objective == "min_size":
-        return min((c for c in met if c["size_bytes"]), key=lambda c: c["size_bytes"], default=None)
-    return min((c for c in met if c["kld"] is not None), key=lambda c: c["kld"], default=None)
+        return c["size_bytes"] or None
+    return c["kld"]
+
+
+def _best(objective: str, met: list[dict]) -> dict | None:
+    ranked = [c for c in met if _measure(objective, c) is not None]
+    if objective == "max_throughput":
+        return max(ranked, key=lambda c: c["output_tok_s"], default=None)
+    return min(ranked, key=lambda c: _measure(objective, c), default=None)
+
+
+def _not_served(row: dict, points: list[dict], serving) -> str | None:
+    """Why the row has no serving measurement under this config, or None when it has one."""
+    if any(p.get("concurrency") is not None or p.get("request_rate") is not None for p in points):
+        return None
+    failed = next((p for p in points if p.get("status")), None)
+    if failed is not None:
+        return f"its serving step {failed.get('step') or ''} was {failed['status']}" + (
+            f" ({failed['error']})" if failed.get("error") else "")
+    if serving is None:
+        return "the recipe has no evaluation.serving"
+    from qbuild.serving.plan import wanted
+
+    if not wanted(serving, row["variant"]):
+        return "evaluation.serving.variants leaves it out"
+    return "not served: no server loads its format (see the plan's warnings)"
+
+
+def _unmeasured(objective: str, c: dict, at: int | None) -> str:
+    if objective == "max_throughput":
+        return c["not_served"] or f"output tok/s not measured at concurrency {at}"
+    if objective == "min_size":
+        return "its size is unknown"
+    return "its KLD was not measured (evaluation.kld)"
 
 
 def _objective_text(objective: str, c: dict) -> str:

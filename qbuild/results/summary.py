@@ -170,6 +170,20 @@ def _search_points(record: dict | None) -> dict | None:
                             "meets_budget": c.get("meets_budget")} for c in search["candidates"]]}
 
 
+def step_rows(plan: Plan, outcomes: list[StepOutcome]) -> tuple[list[dict], dict]:
+    """One row per step run (status, key, digest, time, and why a built step missed) and the count per status."""
+    planned = {ps.step.key: ps for ps in plan.steps}
+    # why each built step missed (the planner's reasons, as `qbuild plan` shows them): `qbuild diff` reads them
+    steps = [{"name": o.step.name, "kind": o.step.kind, "status": o.status, "key": o.step.key, "digest": o.digest,
+              "seconds": round(o.seconds, 2), "error": o.error, "log": o.log, "started": o.started, "ended": o.ended,
+              "why": list(planned[o.step.key].reasons) if o.step.key in planned and o.status == Outcome.BUILT else [],
+              "worker": o.worker}
+             for o in outcomes]
+    counts = {s: sum(1 for o in outcomes if o.status == s)
+              for s in (Outcome.BUILT, Outcome.CACHED, Outcome.FAILED, Outcome.SKIPPED)}
+    return steps, counts
+
+
 def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
     """One row per artifact of the plan (baseline, variants, target outputs), with its evaluations."""
     recipe = plan.recipe
@@ -192,15 +206,7 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
                 r["throughput_ratio"] = r["decode_tok_s"] / base["decode_tok_s"]
     if recipe.evaluation.serving:
         _add_serving_quality(rows, outcomes, recipe, base["ppl"] if base else None)
-    planned = {ps.step.key: ps for ps in plan.steps}
-    # why each built step missed (the planner's reasons, as `qbuild plan` shows them): `qbuild diff` reads them
-    steps = [{"name": o.step.name, "kind": o.step.kind, "status": o.status, "key": o.step.key, "digest": o.digest,
-              "seconds": round(o.seconds, 2), "error": o.error, "log": o.log, "started": o.started, "ended": o.ended,
-              "why": list(planned[o.step.key].reasons) if o.step.key in planned and o.status == Outcome.BUILT else [],
-              "worker": o.worker}
-             for o in outcomes]
-    counts = {s: sum(1 for o in outcomes if o.status == s)
-              for s in (Outcome.BUILT, Outcome.CACHED, Outcome.FAILED, Outcome.SKIPPED)}
+    steps, counts = step_rows(plan, outcomes)
     protocol = recipe.evaluation.perplexity.canonical() if recipe.evaluation.perplexity else None
     out = {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol,
            "warnings": list(plan.warnings), "overlap": plan.overlap}
@@ -322,7 +328,8 @@ def render_selection(selection: dict, console) -> None:
         if sel.get("command"):
             console.print(f"  serve it with: {escape(sel['command'])}")
     else:
-        console.print(f"[bold red]nothing meets every selection bound[/] (objective {selection['objective']})")
+        console.print(f"[bold red]nothing meets every selection bound[/] (objective {selection['objective']})"
+                      if not selection.get("reason") else f"[bold red]nothing selected[/]: {escape(selection['reason'])}")
     for r in selection["rejected"]:
         console.print(f"  {escape(r['variant'])} @ {escape(str(r['config']))}: {escape(r['why'])}")
     if selection.get("not_stored"):

@@ -18,6 +18,7 @@ import numpy as np
 from qbuild.core.recipe import ServingConfig
 from qbuild.core.step import StepContext
 from qbuild.plugins import servers
+from qbuild.serving.server import PORT
 
 RESULT = "serving.json"
 SERVER_LOG = "server.log"
@@ -116,7 +117,7 @@ def _portable(command: list[str], model: Path) -> list[str]:
     """The server command as a user would type it: the program and the model file by name, port 8080."""
     out = [Path(command[0]).name if "/" in command[0] else command[0]]
     for a in command[1:]:
-        out.append("8080" if a == "{port}" else Path(a).name if a.startswith(str(model)) else a)
+        out.append("8080" if a == PORT else Path(a).name if a.startswith(str(model)) else a)
     return out
 
 

@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 HOST = "127.0.0.1"   # never any other address: servers qbuild starts are reachable from this machine only
+PORT = "{port}"      # the argument of a ServerLaunch command that the chosen port replaces
 
 
 @dataclass(frozen=True)
 class ServerLaunch:
     """How to start one server (what a `Server` plugin returns): the command, its readiness probe, how to stop it."""
 
-    command: tuple[str, ...]        # `{port}` is replaced by the port chosen at start
+    command: tuple[str, ...]        # an argument that is exactly PORT becomes the port chosen at start
     engine: str                     # for messages: "llama.cpp", "vllm" ...
     model_name: str                 # the `model` field requests send
     ready_path: str = "/health"     # GET → 200 once the model is loaded
@@ -38,7 +39,8 @@ class ServerLaunch:
     ignore_eos: bool = True         # the engine honours `ignore_eos` in a completion request
 
     def argv(self, port: int) -> list[str]:
-        return [a.replace("{port}", str(port)) for a in self.command]
+        # only the placeholder argument itself: a model path or any other value holding "{port}" stays as it is
+        return [str(port) if a == PORT else a for a in self.command]
 
 
 class ServerError(RuntimeError):
@@ -107,6 +109,20 @@ class RunningServer:
                 raise self.fail(f"was not ready after {timeout_s:.0f} s")
             time.sleep(0.1)
 
+    def check_owner(self) -> None:
+        """The port answers from the server started here: free_port() only found it free, and another local process
+        may bind it before the server does (the server then fails to bind, and the probe reached the other one)."""
+        sockets = _listening_sockets(self.port)
+        if sockets is None:
+            return   # no /proc here: nothing to check with
+        ours = set(_group_pids(self.proc.pid)) | _descendants(self.proc.pid)   # a child may start a session of its own
+        if any(sockets & _socket_inodes(pid) for pid in ours):
+            return
+        other = next((pid for pid in _pids() if pid not in ours and sockets & _socket_inodes(pid)), None)
+        raise ServerError(f"{self.launch.engine} server for {self.variant}: port {self.port} on {HOST} is answered "
+                          f"by another process ({f'pid {other}' if other else 'not one of its own'}), not the server "
+                          f"qbuild started; it took the port first; run again (log: {self.log})")
+
     def peak_rss_bytes(self) -> int | None:
         """Peak resident memory of the server and its children (VmHWM, summed), while it runs."""
         total, found = 0, False
@@ -136,16 +152,71 @@ class RunningServer:
             self.proc.wait(10)
 
 
+def _pids() -> list[int]:
+    try:
+        return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+    except OSError:
+        return []
+
+
 def _group_pids(pgid: int) -> list[int]:
     pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if os.getpgid(int(entry.name)) == pgid:
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
+    for pid in _pids():
+        try:
+            if os.getpgid(pid) == pgid:
+                pids.append(pid)
+        except OSError:
+            continue
     return pids or [pgid]
+
+
+def _descendants(root: int) -> set[int]:
+    """`root` and every process below it (from /proc/<pid>/stat's parent pid)."""
+    children: dict[int, list[int]] = {}
+    for pid in _pids():
+        try:
+            ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {root}, [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def _listening_sockets(port: int) -> set[str] | None:
+    """Inodes of the sockets listening on HOST:port (any address that takes HOST's connections), from
+    /proc/net/tcp{,6}; None where there is no /proc."""
+    found, read = set(), False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for line in lines:
+            parts = line.split()
+            if len(parts) > 9 and parts[3] == "0A" and int(parts[1].rsplit(":", 1)[1], 16) == port:
+                found.add(parts[9])
+    return found if read else None
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    """Inodes of the sockets process `pid` holds open (empty when its fds cannot be read: another user's)."""
+    out = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    out.add(target[8:-1])
+    except OSError:
+        pass
+    return out
 
 
 def _describe_exit(code: int) -> str:
@@ -174,6 +245,7 @@ def running(launch: ServerLaunch, log: Path, variant: str, ready_timeout_s: floa
     server = RunningServer(launch, proc, port, log, variant)
     try:
         server.wait_ready(ready_timeout_s)
+        server.check_owner()
         yield server
     finally:
         server.stop()

@@ -31,14 +31,14 @@ class GPUServer(Server):
         return None
 
     def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
-        from qbuild.serving.server import ServerLaunch
+        from qbuild.serving.server import PORT, ServerLaunch
 
         written = self.write_files(config, workdir, slots=slots, context=context)
         where = (self.model_flag, str(model)) if self.model_flag else (str(model),)
         args = [str(workdir / a) if a in written else a
                 for a in self.args(config, threads=threads, slots=slots, context=context)]
         program = [sys.executable if a == "{python}" else a for a in self.program]
-        cmd = (*program, *where, "--port", "{port}", *args)
+        cmd = (*program, *where, "--port", PORT, *args)
         return ServerLaunch(cmd, engine=self.engine, model_name=SERVED_NAME, ready_path="/health", ignore_eos=True,
                             stop_timeout_s=30.0)
 

@@ -65,13 +65,13 @@ class LlamaServer(Server):
 
     def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
         from qbuild.serving.llamacpp_build import tool
-        from qbuild.serving.server import ServerLaunch
+        from qbuild.serving.server import PORT, ServerLaunch
 
         files = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else [Path(model)]
         if len(files) != 1:
             raise ValueError(f"expected one .gguf file in {model}, found {len(files)}")
         binary = tool("llama-server", log=log)
-        cmd = (str(binary), "--model", str(files[0]), "--port", "{port}",
+        cmd = (str(binary), "--model", str(files[0]), "--port", PORT,
                *self.args(config, threads=threads, slots=slots, context=context))
         return ServerLaunch(cmd, engine=self.engine, model_name=files[0].stem, ready_path="/health", ignore_eos=True)
 
