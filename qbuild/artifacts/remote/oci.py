@@ -326,7 +326,7 @@ class OciRemote(RemoteStore):
             url = link if link.startswith("http") else f"{prefix}://{self.host}{link}"
         return tags
 
-    def get_manifest(self, digest: str) -> dict | None:
+    def _read_manifest(self, digest: str) -> dict | None:
         check_digest(digest)
         oci, _ = self._get_oci_manifest(OBJ_TAG + digest)
         if oci is None:
