@@ -475,8 +475,8 @@ def _manifests(src):
     for digest in src.list_objects():
         try:
             yield src.get_manifest(digest)
-        except RemoteRefused as exc:
-            log.warning(f"{exc}; skipped")
+        except RemoteRefused as exc:   # `verify --remote` names it; here it is only no candidate
+            log.debug(f"{exc}; skipped")
 
 
 def _machine_bound_family(name: str, manifest: dict | None, all_manifests):

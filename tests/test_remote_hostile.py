@@ -127,6 +127,18 @@ def test_a_committed_record_over_a_planted_manifest_is_not_already_there(remote_
     same_files(hit.path, tmp_path / "out")
 
 
+def test_a_push_replaces_a_refused_action_record(remote_url, tmp_path):
+    """A record that is no record at all (too deep to parse) is a miss for the push, which replaces it."""
+    store = Store(tmp_path / "store")
+    hit = make_object(store, model_files(size=1 << 20))
+    remote = open_remote(remote_url)
+    remote.check()
+    plant(remote, f"actions/{hit.key[:2]}/{hit.key}.json", b"[" * 100_000)
+    res = ok(cli("push", hit.digest, "--to", remote_url, "--store", store.root))
+    assert "uploaded" in res.stdout and "Traceback" not in res.stderr
+    assert open_remote(remote_url).get_action(hit.key)["digest"] == hit.digest
+
+
 # --- 4. staging names never collide with the object's own names ------------------------------------------------------
 def test_a_file_named_like_a_staging_part_is_pulled(remote_url, tmp_path):
     """`w.part` is a real file of the object, not w's partial download. Both orders that once lost it: a large `w`
@@ -287,7 +299,7 @@ def test_an_oversized_manifest_is_refused_before_it_is_read(tmp_path):
         f.truncate(400 << 20)
     res, peak = _peak_rss_mib(["verify", "--remote", url])
     assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
-    assert f"DAMAGED {digest[:12]}" in res.stdout and "not a valid record" in res.stdout, res.stdout
+    assert f"DAMAGED {digest[:12]}" in res.stdout and "not a qbuild record" in res.stdout, res.stdout
     assert "2 object(s) checked, 1 damaged" in res.stdout    # the good object is still checked
     assert peak < 250, f"peak RSS {peak:.0f} MiB: the body was read before it was refused"
 

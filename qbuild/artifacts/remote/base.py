@@ -193,6 +193,8 @@ def bounded_json(data: bytes | str, what: str) -> object:
         return json.loads(raw)
     except RecursionError:
         raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError: named, in one line
+        raise ValueError(f"{what} is not JSON ({exc})") from None
 
 
 def read_bounded(chunks: Iterable[bytes], what: str, size: int | None = None, limit: int = MAX_JSON_BYTES) -> bytes:
@@ -494,7 +496,7 @@ class RemoteStore(Plugin, ABC):
                         if got > entry["size"]:
                             break
             if got == entry["size"] and h.hexdigest() == entry["sha256"]:
-                self._count(**({"files_down": 1} if got > start else {"files_skipped": 1}))
+                self._count(**({"files_down": 1} if got > start or not start else {"files_skipped": 1}))
                 return
             root.remove(part, within=staging)
             counter.add(-got)

@@ -8,15 +8,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteStore, remote_record
+from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteRefused, RemoteStore, remote_record
 from qbuild.artifacts.store import REF_RE, Store
 from qbuild.core.owned import OwnedRoot, output_root
 from qbuild.errors import UserError
+
+log = logging.getLogger("qbuild")
 
 
 @dataclass(frozen=True)
@@ -35,10 +38,19 @@ class RemoteHit:
 def lookup(remotes: Iterable[RemoteStore], key: str) -> RemoteHit | None:
     """First remote whose action cache has `key` with a complete object. Downloads the record only."""
     for remote in remotes:
-        record = remote_record(remote.get_action(key), key)   # a plugin remote's record is checked here too
+        record = remote_record(_action_or_none(remote, key), key)   # a plugin remote's record is checked here too
         if record is not None:
             return RemoteHit(remote, key, record["digest"], record)
     return None
+
+
+def _action_or_none(remote: RemoteStore, key: str) -> dict | None:
+    """The remote's action record of `key`; a refused one (not JSON, too large) fails alone: a miss, one warning."""
+    try:
+        return remote.get_action(key)
+    except RemoteRefused as exc:
+        log.warning(f"{exc}; taken as a miss")
+        return None
 
 
 def materialize(store: Store, remote: RemoteStore, digest: str, key: str | None = None, record: dict | None = None,
@@ -75,7 +87,7 @@ def push_hit(remote: RemoteStore, store: Store, key: str, digest: str, record: d
     only the refs are set; an interrupted upload is finished (blobs already there are skipped). `sidecars` may
     be a callable (e.g. lambda: build_sidecars(...)) so cards are rendered and artifacts signed only when an
     upload really happens. Returns True when something was uploaded."""
-    uploaded = remote.get_action(key) is None
+    uploaded = _action_or_none(remote, key) is None   # a refused record is replaced by this push
     if uploaded:
         manifest = json.loads((store.object_dir(digest) / MANIFEST).read_text())
         extra = sidecars() if callable(sidecars) else sidecars
@@ -147,7 +159,11 @@ def pull(remote: RemoteStore, name: str, out: Path, progress: Progress | None = 
         if verify_with is not None:
             from qbuild.artifacts.signing import verify
 
-            verify(tree, verify_with)
+            try:
+                verify(tree, verify_with)
+            except Exception:
+                root.remove(tree.parent)   # the staging this pull made: what the key refuses is not kept to resume
+                raise
 
     return remote.fetch_object(digest, out, progress=progress, jobs=jobs, root=root, prepare=prepare,
                                staging=out.with_name(f".{out.name}.partial-{digest[:16]}"))

@@ -129,7 +129,7 @@ class FsspecRemote(RemoteStore):
                     return read_bounded(iter(lambda: f.read(CHUNK), b""), what,
                                         size if isinstance(size, int) else None, limit)
                 except ValueError as exc:
-                    raise RemoteRefused(self.display, f"{what} is not a valid record: {first_line(exc)}") from None
+                    raise RemoteRefused(self.display, f"refused: {first_line(exc)}") from None
 
         return self._call(f"read {what}", read, missing_ok=True)
 
@@ -152,7 +152,7 @@ class FsspecRemote(RemoteStore):
         try:
             out = bounded_json(data, self._rel(path))
         except ValueError as exc:
-            raise RemoteRefused(self.display, f"{self._rel(path)} is not a valid record: {first_line(exc)}") from None
+            raise RemoteRefused(self.display, f"refused: {first_line(exc)}") from None
         return out if isinstance(out, dict) else None
 
     def _read_record(self, path: str) -> dict | None:
