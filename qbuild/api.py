@@ -583,12 +583,19 @@ def write_fresh(src: Path, dest_root: Path, rel: Path) -> Path:
 
 
 def _fetch_missing(st: Store, digest: str, progress) -> None:
+    from qbuild.artifacts.remote.base import RemoteRefused
     from qbuild.artifacts.remote.cache import materialize
 
+    refused = None
     for r in open_remotes():
-        if r.get_manifest(digest) is not None:
-            materialize(st, r, digest, progress=progress)
-            return
+        try:
+            if r.get_manifest(digest) is not None:
+                materialize(st, r, digest, progress=progress)
+                return
+        except RemoteRefused as exc:   # this remote's copy is not the object: the next remote may have it
+            refused = exc
+    if refused is not None:
+        raise refused
     raise UserError(f"object {digest[:12]} is not in store {st.root}, and no remote (QBUILD_REMOTE / --from) has it")
 
 

@@ -125,6 +125,8 @@ class FsspecRemote(RemoteStore):
         def read() -> bytes:
             with self.fs.open(path, "rb", block_size=CHUNK) as f:
                 size = getattr(f, "size", None)   # object stores: from the HEAD that opening made
+                if not isinstance(size, int):
+                    size = self.fs.size(path)     # file://: a stat
                 try:
                     return read_bounded(iter(lambda: f.read(CHUNK), b""), what,
                                         size if isinstance(size, int) else None, limit)
