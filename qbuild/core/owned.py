@@ -148,10 +148,10 @@ class OwnedRoot:
         flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | (os.O_APPEND if append else os.O_TRUNC)
         try:
             fd = os.open(p, flags, 0o644)
-        except OSError as exc:
+        except OSError:
             if os.path.islink(p):
                 raise NotOurs(f"refusing to write {p}: it is a symlink") from None
-            raise exc
+            raise
         return os.fdopen(fd, "ab" if append else "wb")
 
     def write_bytes(self, path: str | os.PathLike, data: bytes, within: str | os.PathLike | None = None,
