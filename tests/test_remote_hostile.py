@@ -311,7 +311,7 @@ def test_one_bad_record_fails_alone(remote_url, tmp_path):
     put(remote, store, good)
     bad = {"a" * 64: b"[" * 100_000 + b"]" * 100_000,                  # too deep
            "b" * 64: b"{not json",                                     # not JSON
-           "c" * 64: b'{"files": [], "pad": "' + b"x" * (17 << 20) + b'"}'}   # larger than any record
+           "c" * 64: b'{"files": [], "pad": "' + b"x" * (5 << 20) + b'"}'}   # larger than any record
     for digest, data in bad.items():
         plant(remote, f"objects/{digest[:2]}/{digest}/{MANIFEST}", data)
     plant(remote, f"actions/dd/{'d' * 64}.json", b"[" * 100_000)
