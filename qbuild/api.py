@@ -500,9 +500,15 @@ def _builds_of(manifests, target, recipe: str, variant: str) -> list[dict]:
 
 
 def _manifests(src):
-    """Every readable manifest of a store or remote (the shared reading interface, qbuild.artifacts.StoreReader)."""
+    """Every readable manifest of a store or remote (the shared reading interface, qbuild.artifacts.StoreReader);
+    a remote object whose manifest is refused is no candidate, and fails alone."""
+    from qbuild.artifacts.remote.base import RemoteRefused
+
     for digest in src.list_objects():
-        yield src.get_manifest(digest)
+        try:
+            yield src.get_manifest(digest)
+        except RemoteRefused as exc:   # `verify --remote` names it; here it is only no candidate
+            log.debug(f"{exc}; skipped")
 
 
 def _machine_bound_family(name: str, manifest: dict | None, all_manifests):
@@ -594,35 +600,34 @@ def _pull_local(name: str, st: Store, out, need, progress, force: bool = False, 
 
 
 def write_fresh(src: Path, dest_root: Path, rel: Path) -> Path:
-    """Copy src to dest_root/rel without following any link already there: a fresh file, then an atomic replace.
+    """Copy src to dest_root/rel without following any link already there (OwnedRoot.copy_in in dest_root: a fresh
+    file, then an atomic replace). A symlink at the target, or a symlinked directory on the way, is replaced (the
+    link itself removed), never written through."""
+    from qbuild.core.owned import output_root
 
-    A symlink at the target (or a symlinked directory on the way) is replaced, never written through."""
-    import os
-    import shutil
-    import uuid
-
-    parent = dest_root
+    root = output_root(dest_root)
+    parent = Path(dest_root)
     for part in rel.parts[:-1]:
         parent = parent / part
         if parent.is_symlink():
-            parent.unlink()
-        parent.mkdir(exist_ok=True)
-    target = parent / rel.parts[-1]
-    staged = parent / f".{rel.parts[-1]}.{uuid.uuid4().hex[:8]}.part"
-    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-    with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
-        shutil.copyfileobj(inp, out, 1 << 20)
-    os.replace(staged, target)   # replaces a link itself, not what it points at
-    return target
+            root.remove(parent)
+    return root.copy_in(src, Path(dest_root) / rel)
 
 
 def _fetch_missing(st: Store, digest: str, progress) -> None:
+    from qbuild.artifacts.remote.base import RemoteRefused
     from qbuild.artifacts.remote.cache import materialize
 
+    refused = None
     for r in open_remotes():
-        if r.get_manifest(digest) is not None:
-            materialize(st, r, digest, progress=progress)
-            return
+        try:
+            if r.get_manifest(digest) is not None:
+                materialize(st, r, digest, progress=progress)
+                return
+        except RemoteRefused as exc:   # this remote's copy is not the object: the next remote may have it
+            refused = exc
+    if refused is not None:
+        raise refused
     raise UserError(f"object {digest[:12]} is not in store {st.root}, and no remote (QBUILD_REMOTE / --from) has it")
 
 

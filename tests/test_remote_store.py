@@ -13,6 +13,7 @@ from remote_common import make_object, model_files, run_child
 
 from qbuild import api
 from qbuild.artifacts.remote import RemoteError, cache, open_remote
+from qbuild.artifacts.remote.base import part_name
 from qbuild.artifacts.remote.gc import gc_remote, parse_age, plan_gc, plan_store_gc
 from qbuild.artifacts.store import Store
 from qbuild.core.hashing import tree_digest
@@ -139,23 +140,34 @@ def test_kill9_during_fetch_places_nothing_and_resumes(remote_url, tmp_path):
     remote.put_object(hit.digest, hit.path, store.manifest(hit.digest))
     out = tmp_path / "b" / "model"
     staging = out.with_name(f".model.partial-{hit.digest[:16]}")
+    files = store.manifest(hit.digest)["files"]
+
+    def staged() -> dict[str, int]:   # manifest path -> bytes in its part (parts/ is named by the hash of the path)
+        sizes = {}
+        for f in files:
+            try:
+                sizes[f["path"]] = (staging / "parts" / part_name(f)).stat().st_size
+            except OSError:
+                pass
+        return sizes
 
     def one_verified_and_one_partial():
-        done = [p for p in staging.rglob("*.safetensors")] if staging.exists() else []
-        return bool(done) and any(p.stat().st_size > 0 for p in staging.rglob("*.part"))
+        sizes = {f["path"]: f["size"] for f in files}
+        done = [p for p, n in staged().items() if p.endswith(".safetensors") and n == sizes[p]]
+        return bool(done) and any(0 < n < sizes[p] for p, n in staged().items())
 
     code = FETCH_CHILD.format(url=remote_url, digest=hit.digest, out=str(out))
     assert run_child(code, kill_when=one_verified_and_one_partial) is None
     assert not out.exists(), "a killed fetch must place nothing at the destination"
-    verified = {p.name for p in staging.rglob("*.safetensors")}
-    partial = sum(p.stat().st_size for p in staging.rglob("*.part"))
+    sizes = {f["path"]: f["size"] for f in files}
+    verified = {p for p, n in staged().items() if n == sizes[p]}
+    partial = sum(n for p, n in staged().items() if n < sizes[p])
     assert verified and partial > 0
     resumed = open_remote(remote_url)
     manifest = resumed.fetch_object(hit.digest, out)
     _check_same(hit.path, manifest, out)
     total = sum(f["size"] for f in manifest["files"])
-    sizes = {f["path"]: f["size"] for f in manifest["files"]}
-    # verified files are not downloaded again, and the .part file resumes where it stopped
+    # verified files are not downloaded again, and the part resumes where it stopped
     assert resumed.stats["bytes_down"] <= total - sum(sizes[v] for v in verified) - partial
     assert not staging.exists()
 

@@ -313,8 +313,7 @@ class RayExecutor(Executor):
             return StepOutcome(step, Outcome.FAILED, seconds=time.time() - t0, log=str(log_path),
                                error=f"Ray task failed ({MAX_RETRIES} retries): {type(exc).__name__}: {first}")
         if res.get("log"):
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            log_path.write_text(res["log"])
+            self.store.owned.write_bytes(log_path, res["log"].encode(), durable=False)   # never through a link
         status = res["status"]
         if status == Outcome.FAILED:
             return StepOutcome(step, Outcome.FAILED, seconds=res.get("seconds") or 0.0, error=res.get("error"),

@@ -1,4 +1,4 @@
-"""The folders qbuild owns, and the only way qbuild deletes, moves or chmods anything.
+"""The folders qbuild owns, and the only way qbuild writes, deletes, moves or chmods anything in them.
 
 A root qbuild owns (a store, the backend-environments folder) carries a marker file naming its kind. Every
 destructive operation goes through an `OwnedRoot`:
@@ -8,13 +8,20 @@ destructive operation goes through an `OwnedRoot`:
     root.remove(root.path / "tmp" / name)                      # file, link or tree: never follows a link
     root.move(src, dst)                                        # both ends inside the root
     root.chmod(path, 0o444)
+    root.write_bytes(root.path / "refs" / r / v / t, data)   # fresh file beside, fsync, rename over: never through a link
+    with root.open_write(part, append=True) as f: ...      # a staging file opened with O_NOFOLLOW
+    root.mkdirs(root.path / "tmp" / "x")                   # each missing folder made here, none a link
 
 Each call resolves the *parent* of the path (the last component is never followed: a link is removed or
 moved as a link), checks that it lies inside the resolved root, and refuses the root itself. A tree is
 removed with shutil.rmtree, whose fd-based walk never follows a link inside it. So a wrong value handed in
 (a library's return value taken as a folder, a name from a remote record, a `--store /`) ends in one line
 (`NotOurs`, exit 2) instead of in /etc. Why: a runner once treated "/" as its export folder and moved a
-machine's /etc away (docs/store-integrity.md, "What qbuild may delete").
+machine's /etc away (docs/store-integrity.md, "What qbuild may delete"). Writes are confined the same way: a
+store's `refs/r` that is a link to another folder once had `qbuild tag` overwrite a file there.
+
+`output_root(folder)` is the folder a pull writes `--out` into: not marked (it is the user's), so it gives the
+same confined writes and moves, and removes only the names the pull itself built there.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import shutil
 import stat
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +118,99 @@ class OwnedRoot:
             raise NotOurs(f"refusing to chmod {p}: it is a symlink")
         os.chmod(p, mode)   # checked above: not a link (Linux has no lchmod)
 
+    # --- writes --------------------------------------------------------------------------------------
+    def mkdirs(self, path: str | os.PathLike, within: str | os.PathLike | None = None) -> Path:
+        """Make the folder `path` and its missing parents inside the root, one level at a time: a level that is a
+        link or not a folder is refused (NotOurs), so nothing is ever created through a link."""
+        target = self.confine(path, within)
+        parts = target.relative_to(self.real).parts
+        at = self.real
+        for part in parts:
+            at = at / part
+            try:
+                st = os.lstat(at)
+            except FileNotFoundError:
+                try:
+                    os.mkdir(at)
+                except FileExistsError:   # made by a concurrent writer: checked below like any other
+                    pass
+                st = os.lstat(at)
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotOurs(f"refusing to write under {at}: it is {'a symlink' if stat.S_ISLNK(st.st_mode) else 'not a folder'}")
+        return target
+
+    def open_write(self, path: str | os.PathLike, append: bool = False, within: str | os.PathLike | None = None):
+        """A binary file object writing `path` inside the root (its folder made with mkdirs); opened with O_NOFOLLOW,
+        so a link planted at the name is refused (ELOOP), never written through."""
+        p = self.confine(path, within)
+        if p.parent != self.real:
+            self.mkdirs(p.parent)
+        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | (os.O_APPEND if append else os.O_TRUNC)
+        try:
+            fd = os.open(p, flags, 0o644)
+        except OSError:
+            if os.path.islink(p):
+                raise NotOurs(f"refusing to write {p}: it is a symlink") from None
+            raise
+        return os.fdopen(fd, "ab" if append else "wb")
+
+    def write_bytes(self, path: str | os.PathLike, data: bytes, within: str | os.PathLike | None = None,
+                    durable: bool = True) -> Path:
+        """Replace `path` inside the root with `data`: a fresh file beside it (O_EXCL, O_NOFOLLOW), fsynced, renamed
+        over the name (a link there is replaced, never followed), the folder fsynced. A power cut leaves the old or
+        the new content. OSError (ENOSPC, EROFS...) is the caller's to translate; the fresh file is removed."""
+        def fill(fd: int) -> None:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        return self._replace(path, fill, within, durable)
+
+    def copy_in(self, src: str | os.PathLike, path: str | os.PathLike, within: str | os.PathLike | None = None,
+                durable: bool = False) -> Path:
+        """Replace `path` inside the root with a copy of the file `src`, like write_bytes (streamed)."""
+        def fill(fd: int) -> None:
+            with open(src, "rb") as inp, os.fdopen(os.dup(fd), "wb") as out:
+                shutil.copyfileobj(inp, out, 1 << 20)
+        return self._replace(path, fill, within, durable)
+
+    def _replace(self, path, fill: Callable[[int], None], within, durable: bool) -> Path:
+        p = self.confine(path, within)
+        if p.parent != self.real:
+            self.mkdirs(p.parent)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            try:
+                fill(fd)
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, p)
+        except OSError:
+            try:
+                os.unlink(tmp)   # the file this call created (O_EXCL)
+            except OSError:
+                pass
+            raise
+        if durable:
+            fsync_dir(p.parent)
+        return p
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (a rename, a new file) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
 
 def _is_under(path: Path, base: Path) -> bool:
     return path == base or base in path.parents
@@ -125,6 +226,15 @@ def owned_root(path: str | os.PathLike, kind: str) -> OwnedRoot:
         what = "has no qbuild marker" if marker is None else f"is a qbuild {marker.get('kind')}, not a {kind}"
         raise NotOurs(f"{p} is not a qbuild {kind} ({what} {MARKER}); refusing to delete or move anything in it")
     return OwnedRoot(p, _real(p), kind)
+
+
+def output_root(path: str | os.PathLike) -> OwnedRoot:
+    """The existing folder `path` that a command writes its output into (the parent of a pull's --out): not
+    qbuild's, so not marked; every write and move in it is confined to it and follows no link."""
+    p = Path(path).absolute()
+    if not p.is_dir():
+        raise NotOurs(f"{p} is not a folder")
+    return OwnedRoot(p, _real(p), "output folder")
 
 
 def claim_root(path: str | os.PathLike, kind: str, adopt: Callable[[Path], str | None] | None = None) -> OwnedRoot:
@@ -189,4 +299,4 @@ def only_these(allowed: set[str], layout: set[str]) -> Callable[[Path], str | No
     return check
 
 
-__all__ = ["MARKER", "NotOurs", "OwnedRoot", "owned_root", "claim_root", "only_these"]
+__all__ = ["MARKER", "NotOurs", "OwnedRoot", "owned_root", "output_root", "claim_root", "only_these"]

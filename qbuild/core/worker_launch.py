@@ -74,7 +74,7 @@ class WorkerLaunch:
         out = tmp / "out"
         out.mkdir()
         log_path = self.store.log_path(self.run_id, step.name)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.store.owned.mkdirs(log_path.parent)   # logs/<run>/ inside the store, no level a link
         inputs = {role: outcomes[s.key] for role, s in step.inputs.items()}
         for o in inputs.values():
             if o.path is None and o.remote is not None:  # read through: fetch what this step reads, no more

@@ -159,7 +159,7 @@ def _check_one(st: Store, plan, ps, Executor, PlannedStep, Outcome, PlanStatus, 
     step, stored_digest = ps.step, ps.hit.digest
     stored = st.manifest(stored_digest)
     root = st.owned   # claims the store (its marker) before anything is written
-    (st.root / "tmp").mkdir(parents=True, exist_ok=True)
+    root.mkdirs(st.root / "tmp")
     scratch = Path(tempfile.mkdtemp(prefix="rebuild-", dir=st.root / "tmp"))   # ours: made here, removed here
     t0 = time.perf_counter()
     try:

@@ -10,8 +10,15 @@ Ordering guarantees every backend keeps:
   put_action   is called only after put_object returned; a crash before it leaves no action record,
                so no remote record ever points at a partial object.
   fetch_object verifies every file's size and sha256 before it is placed, stages into a private
-               directory (`.part` files resume), refuses unsafe paths, and renames the finished
+               directory (`parts/` resume), refuses unsafe paths, and renames the finished
                directory into place: an interrupted fetch leaves nothing at the destination.
+
+What a remote is trusted for: nothing it says is used unchecked. An object's manifest is used only after
+get_manifest checked it against the digest it was asked for (check_manifest: its file list hashes to that
+digest, every entry is a regular file with a safe path, size and sha256); every file is then checked against
+that list as it arrives. Every JSON record is read bounded (size first, at most MAX_JSON_BYTES streamed) and a
+bad record is refused alone, naming it. Every write the fetch makes goes through the guarded helper
+(qbuild/core/owned.py): confined to the store or the --out folder, never through a link.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
@@ -32,6 +40,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from qbuild.core.hashing import sha256_file, tree_digest
 from qbuild.core.names import check_name as check_ref_name
+from qbuild.core.owned import NotOurs, OwnedRoot, output_root
 from qbuild.errors import QBuildError, UserError
 from qbuild.plugins import Plugin
 
@@ -109,6 +118,10 @@ def safe_relpath(path: str) -> str:
 
 def check_manifest(manifest: dict, digest: str) -> list[dict]:
     """The manifest's file list if it is the object `digest` and every path is safe; ValueError otherwise."""
+    if not isinstance(manifest, dict):
+        raise ValueError("manifest is not a JSON object")
+    if manifest.get("digest", digest) != digest:
+        raise ValueError(f"manifest names digest {str(manifest.get('digest'))[:16]!r}, not this object")
     files = manifest.get("files")
     if not isinstance(files, list):
         raise ValueError("manifest has no file list")
@@ -120,7 +133,9 @@ def check_manifest(manifest: dict, digest: str) -> list[dict]:
         rel = safe_relpath(f.get("path"))
         if rel == MANIFEST or rel in seen:
             raise ValueError(f"unsafe path {rel!r} (duplicate or reserved)")
-        if not isinstance(f.get("size"), int) or f["size"] < 0 or not HEX64.match(str(f.get("sha256", ""))):
+        size = f.get("size")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(f.get("sha256"), str) \
+                or not HEX64.match(f["sha256"]):
             raise ValueError(f"manifest entry {rel!r} has no valid size/sha256")
         seen.add(rel)
     for rel in seen:  # a file may not also be a directory of another entry
@@ -153,46 +168,76 @@ def check_digest(digest: str) -> str:
 # A remote is not trusted: its records are read by every machine that pulls. Every digest and key in a record is
 # checked against the digest grammar here, where it is read, before anything builds a path from it (a record
 # with digest `x/../../victim/evil` once created files outside the store).
-MAX_JSON_BYTES = 64 << 20     # a manifest of a 1,000-shard checkpoint is ~300 KB; refuse what no record needs
+MAX_JSON_BYTES = 4 << 20      # a manifest of a 1,000-shard checkpoint is ~300 KB; refuse what no record needs
 MAX_JSON_DEPTH = 64
 
 
 def bounded_json(data: bytes | str, what: str) -> object:
     """Parse JSON read from a remote, refusing more than MAX_JSON_BYTES or nesting deeper than MAX_JSON_DEPTH
-    (ValueError, one line). Never RecursionError or a parse of hundreds of megabytes."""
-    if len(data) > MAX_JSON_BYTES:
-        raise ValueError(f"{what} is {len(data):,} bytes (more than {MAX_JSON_BYTES:,}: not a qbuild record)")
-    depth = deepest = 0
-    in_string = escaped = False
-    for ch in data if isinstance(data, str) else data.decode("utf-8", "replace"):
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "[{":
-            depth += 1
-            if depth > MAX_JSON_DEPTH:
-                raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
-        elif ch in "]}":
-            depth -= 1
-        deepest = max(deepest, depth)
-    return json.loads(data)
+    (ValueError, one line naming `what`). Never RecursionError, and at most a few seconds for the worst record
+    under the bound (a Python loop over each character once took 15 s for 60 MiB). Read a remote body with
+    read_bounded first, so an oversized one is refused before it is in memory."""
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if len(raw) > MAX_JSON_BYTES:
+        raise ValueError(f"{what} is {len(raw):,} bytes (more than {MAX_JSON_BYTES:,}: not a qbuild record)")
+    try:
+        parsed = json.loads(raw)   # the C parser stops at the interpreter's recursion limit: RecursionError
+    except RecursionError:
+        raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:   # JSONDecodeError, UnicodeDecodeError: named, in one line
+        raise ValueError(f"{what} is not JSON ({exc})") from None
+    if _deeper_than(parsed, MAX_JSON_DEPTH):
+        raise ValueError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels")
+    return parsed
+
+
+def _deeper_than(obj: object, limit: int) -> bool:
+    """Whether containers nest more than `limit` levels: an explicit stack over the containers only."""
+    stack = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in node.values() if isinstance(node, dict) else node:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def read_bounded(chunks: Iterable[bytes], what: str, size: int | None = None, limit: int = MAX_JSON_BYTES) -> bytes:
+    """A remote body of at most `limit` bytes: refused from its announced `size` before a byte is read, and
+    again while streaming (a body longer than announced), so no more than `limit` bytes are ever held."""
+    if size is not None and size > limit:
+        raise ValueError(f"{what} is {size:,} bytes (more than {limit:,}: not a qbuild record)")
+    out = bytearray()
+    for chunk in chunks:
+        out += chunk
+        if len(out) > limit:
+            raise ValueError(f"{what} is more than {limit:,} bytes: not a qbuild record")
+    return bytes(out)
 
 
 def remote_record(record: object, key: str | None = None) -> dict | None:
     """An action record or ref read from a remote, or None (ignored) when it is not an object, its `digest` is not
-    a 64-hex digest, its `key` (if any) is not one, or it names another key than `key`."""
+    a 64-hex digest, its `key` (if any) is not one, it names another key than `key`, or it carries a file list
+    (an action record is its object's manifest) that is not the object it names."""
     if not isinstance(record, dict) or not isinstance(record.get("digest"), str) or not HEX64.match(record["digest"]):
         return None
     named = record.get("key")
     if named is not None and (not isinstance(named, str) or not HEX64.match(named) or (key is not None and named != key)):
         return None
+    if "files" in record:
+        try:
+            check_manifest(record, record["digest"])
+        except ValueError:
+            return None
     return record
+
+
+class RemoteRefused(RemoteError):
+    """Something a remote holds that is refused (a damaged or hostile remote), one line naming it: an object whose
+    manifest is not the object it is stored as, a record too large, too deep or not JSON. Never used: not pulled,
+    not counted as present (a push uploads the object again), a failed row of verify, a record a listing skips."""
 
 
 class _Counter:
@@ -264,12 +309,12 @@ class RemoteStore(Plugin, ABC):
         """The commit point: call only after put_object(record['digest']) returned."""
 
     @abstractmethod
-    def get_manifest(self, digest: str) -> dict | None:
-        ...
+    def _read_manifest(self, digest: str) -> dict | None:
+        """The stored manifest of `digest` as it is (read bounded), or None: get_manifest checks it before any use."""
 
     @abstractmethod
     def has_object(self, digest: str) -> bool:
-        """Manifest and every file present."""
+        """A manifest that is `digest`'s (get_manifest) and every file present."""
 
     @abstractmethod
     def put_object(self, digest: str, local_dir: Path, manifest: dict, progress: Progress | None = None,
@@ -316,9 +361,23 @@ class RemoteStore(Plugin, ABC):
         ...
 
     # --- shared --------------------------------------------------------------------------------------
+    def get_manifest(self, digest: str) -> dict | None:
+        """The manifest of object `digest`, or None when the remote has none. The one way a remote object is
+        trusted: the manifest must be `digest`'s (its file list hashes to it, every entry is a safe regular file,
+        see check_manifest) before anything reads it; otherwise RemoteRefused, one line naming the object."""
+        check_digest(digest)
+        manifest = self._read_manifest(digest)
+        if manifest is None:
+            return None
+        try:
+            check_manifest(manifest, digest)
+        except ValueError as exc:
+            raise RemoteRefused(self.display, f"object {digest[:12]} refused: {exc}") from None
+        return manifest
+
     def object_size(self, digest: str) -> int | None:
         m = self.get_manifest(digest)
-        return None if m is None else sum(f["size"] for f in m.get("files", []))
+        return None if m is None else sum(f["size"] for f in m["files"])
 
     def verify(self, digests: Iterable[str] | None = None, deep: bool = False) -> list[dict]:
         """`qbuild verify --remote R`: one row per object, like Store.verify. Every object's manifest must be
@@ -326,85 +385,90 @@ class RemoteStore(Plugin, ABC):
         file and checks its sha256 (nothing is written to disk)."""
         rows = []
         for digest in list(digests) if digests is not None else self.list_objects():
+            problems: list[str] = []
             try:
-                rows.append(self._verify_one(digest, deep))
-            except RemoteRecordError as exc:   # one bad record fails its own row, never the whole check
-                rows.append({"digest": digest, "ok": False, "problems": [exc.reason]})
+                manifest = self.get_manifest(digest)
+            except RemoteError as exc:   # one bad object (or record) fails its own row, never the whole check
+                rows.append({"digest": digest, "kind": None, "ok": False, "problems": [exc.reason]})
+                continue
+            if manifest is None:
+                rows.append({"digest": digest, "ok": False, "problems": ["no manifest"]})
+                continue
+            files = manifest["files"]
+            if not self.has_object(digest):
+                problems.append("files missing or truncated")
+            elif deep:
+                for f in files:
+                    h, n = hashlib.sha256(), 0
+                    for chunk in self._read_file(digest, f, 0):
+                        h.update(chunk)
+                        n += len(chunk)
+                    if n != f["size"] or h.hexdigest() != f["sha256"]:
+                        problems.append(f"content changed: {f['path']}")
+            rows.append({"digest": digest, "kind": manifest.get("kind"), "ok": not problems, "problems": problems})
         return rows
 
-    def _verify_one(self, digest: str, deep: bool) -> dict:
-        manifest = self.get_manifest(digest)
-        if manifest is None:
-            return {"digest": digest, "ok": False, "problems": ["no manifest"]}
-        try:
-            files = check_manifest(manifest, digest)
-        except ValueError as exc:
-            return {"digest": digest, "kind": manifest.get("kind"), "ok": False, "problems": [str(exc)]}
-        problems: list[str] = []
-        if not self.has_object(digest):
-            problems.append("files missing or truncated")
-        elif deep:
-            for f in files:
-                h, n = hashlib.sha256(), 0
-                for chunk in self._read_file(digest, f, 0):
-                    h.update(chunk)
-                    n += len(chunk)
-                if n != f["size"] or h.hexdigest() != f["sha256"]:
-                    problems.append(f"content changed: {f['path']}")
-        return {"digest": digest, "kind": manifest.get("kind"), "ok": not problems, "problems": problems}
-
     def fetch_object(self, digest: str, dest_dir: Path, progress: Progress | None = None, jobs: int | None = None,
-                     staging: Path | None = None) -> dict:
+                     staging: Path | None = None, root: OwnedRoot | None = None,
+                     prepare: Callable[[Path], None] | None = None) -> dict:
         """Download object `digest` into dest_dir (files + manifest.json); returns its manifest.
 
-        Each file is streamed into `<staging>/<path>.part`, hashed while it is written, and renamed to its
-        final name only when size and sha256 match the manifest. An interrupted fetch resumes from the
-        `.part` files and keeps the files already verified. dest_dir appears (one rename) only complete.
+        Every write stays inside `root` (the store; by default dest_dir's folder, output_root) and follows no link.
+        The staging folder holds `parts/`, one file per manifest entry named by the hash of its path (so no name
+        of the object's own can collide with it), each hashed while it is written; an interrupted fetch resumes
+        from them. Only when every part matches its size and sha256 is a fresh `tree/` built from them (nothing
+        else in it), `prepare(tree)` run (a pull adds its sidecars and checks the signature) and the tree renamed
+        to dest_dir: dest_dir appears in one rename, complete.
         """
         check_digest(digest)
-        dest_dir = Path(dest_dir)
+        dest_dir = Path(dest_dir).absolute()
         manifest = self.get_manifest(digest)
         if manifest is None:
             raise self.error(f"no object {digest[:12]} here")
-        try:
-            files = check_manifest(manifest, digest)
-        except ValueError as exc:
-            raise self.error(f"object {digest[:12]} refused: {exc}") from None
-        if (dest_dir / MANIFEST).is_file():
-            try:
-                if json.loads((dest_dir / MANIFEST).read_text()).get("digest") == digest:
-                    return manifest
-            except (OSError, ValueError):
-                pass
-        if dest_dir.exists() and any(dest_dir.iterdir()):
+        files = manifest["files"]
+        if dest_dir.is_symlink():
+            raise UserError(f"{dest_dir} is a symlink; give the folder itself (a pull never writes through a link)")
+        if _holds_exactly(dest_dir, manifest):
+            return manifest   # fetched before: every file checked again, nothing else there
+        if dest_dir.exists() and (not dest_dir.is_dir() or any(dest_dir.iterdir())):
             raise UserError(f"{dest_dir} exists and is not empty")
-        staging = Path(staging) if staging else dest_dir.with_name(f".{dest_dir.name}.partial-{digest[:16]}")
+        staging = Path(staging).absolute() if staging else dest_dir.with_name(f".{dest_dir.name}.partial-{digest[:16]}")
         try:
-            staging.mkdir(parents=True, exist_ok=True)
-            todo = []
-            for f in files:
-                final = staging / f["path"]
-                if final.is_file() and not final.is_symlink() and final.stat().st_size == f["size"] \
-                        and sha256_file(final) == f["sha256"]:
-                    self._count(files_skipped=1)
-                    continue  # verified by an earlier, interrupted fetch
-                todo.append(f)
-            need = sum(f["size"] for f in todo) - sum(_part_size(staging, f) for f in todo)
-            free = shutil.disk_usage(staging).free
+            if root is None:
+                dest_dir.parent.mkdir(parents=True, exist_ok=True)
+                root = output_root(dest_dir.parent)
+            if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+                raise NotOurs(f"staging folder {staging} is {'a symlink' if staging.is_symlink() else 'not a folder'}"
+                              "; refusing to write through it (remove it and pull again)")
+            parts, tree = staging / "parts", staging / "tree"
+            root.mkdirs(parts)
+            _reclaim_tree(root, staging, files)   # an interrupted placing: its verified files go back to parts/
+            need = sum(f["size"] for f in files) - sum(_part_size(parts, f) for f in files)
+            free = shutil.disk_usage(parts).free
             if need > free:
                 raise self.error(f"not enough disk space in {staging.parent}: the pull needs {need:,} more bytes, "
                                  f"{free:,} are free")
             counter = _Counter(sum(f["size"] for f in files), progress)
-            counter.add(sum(f["size"] for f in files if f not in todo))
-            todo.sort(key=lambda f: -f["size"])
             with ThreadPoolExecutor(max_workers=max(1, jobs or self.jobs)) as pool:
-                for fut in [pool.submit(self._fetch_file, digest, staging, f, counter) for f in todo]:
+                for fut in [pool.submit(self._fetch_file, digest, root, staging, f, counter)
+                            for f in sorted(files, key=lambda f: -f["size"])]:
                     fut.result()
-            (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
-            dest_dir.parent.mkdir(parents=True, exist_ok=True)
+            root.mkdirs(tree)
+            for f in files:
+                final = tree / f["path"]
+                if final.parent != tree:
+                    root.mkdirs(final.parent, within=tree)
+                root.move(parts / part_name(f), final, within=staging)
+            root.write_bytes(tree / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str).encode(),
+                             within=tree)
+            if prepare is not None:
+                prepare(tree)
+            if os.path.realpath(dest_dir.parent) != str(root.real):
+                root.mkdirs(dest_dir.parent)
             if dest_dir.exists():
-                dest_dir.rmdir()  # empty (checked above)
-            os.rename(staging, dest_dir)
+                os.rmdir(root.confine(dest_dir))   # the empty folder checked above (rmdir refuses any other)
+            root.move(tree, dest_dir)
+            root.remove(staging)        # what is left: the empty parts/
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise self.error(f"disk full while pulling {digest[:12]} into {dest_dir.parent}; "
@@ -412,21 +476,23 @@ class RemoteStore(Plugin, ABC):
             raise self.error(f"pull of {digest[:12]} failed: {exc}") from None
         return manifest
 
-    def _fetch_file(self, digest: str, staging: Path, entry: dict, counter: _Counter) -> None:
-        final = staging / entry["path"]
-        part = final.with_name(final.name + ".part")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        resume = part.is_file() and not part.is_symlink() and part.stat().st_size <= entry["size"]
+    def _fetch_file(self, digest: str, root: OwnedRoot, staging: Path, entry: dict, counter: _Counter) -> None:
+        """Stream one file into parts/<part_name>, resuming a part left by an interrupted fetch; it stays there
+        only when its size and sha256 are the manifest's."""
+        part = staging / "parts" / part_name(entry)
+        resume = _regular_size(part) is not None and _regular_size(part) <= entry["size"]
+        if not resume and os.path.lexists(part):
+            root.remove(part, within=staging)   # a stale part, or a link planted in its place: never written through
         while True:
             h = hashlib.sha256()
-            start = part.stat().st_size if resume else 0
+            start = _regular_size(part) if resume else 0
             if start:
                 with open(part, "rb") as f:
                     while chunk := f.read(CHUNK):
                         h.update(chunk)
                 counter.add(start)
             got = start
-            with open(part, "ab" if start else "wb") as out:
+            with root.open_write(part, append=bool(start), within=staging) as out:
                 if start < entry["size"]:
                     for chunk in self._read_file(digest, entry, start):
                         h.update(chunk)
@@ -437,15 +503,14 @@ class RemoteStore(Plugin, ABC):
                         if got > entry["size"]:
                             break
             if got == entry["size"] and h.hexdigest() == entry["sha256"]:
-                os.replace(part, final)
-                self._count(files_down=1)
+                self._count(**({"files_down": 1} if got > start or not start else {"files_skipped": 1}))
                 return
-            part.unlink(missing_ok=True)
+            root.remove(part, within=staging)
             counter.add(-got)
             if not start:
                 raise self.error(f"object {digest[:12]}: file {entry['path']} is corrupt on the remote "
                                  "(size or sha256 does not match the manifest); nothing was placed")
-            resume = False  # a stale .part: once more from scratch
+            resume = False  # a stale part: once more from scratch
 
     def _push_files(self, digest: str, manifest: dict) -> list[dict]:
         """The file list of an object about to be pushed; refuses a manifest that is not `digest`'s."""
@@ -479,9 +544,59 @@ class RemoteStore(Plugin, ABC):
                 fut.result()
 
 
-def _part_size(staging: Path, f: dict) -> int:
-    part = staging / (f["path"] + ".part")
+def part_name(entry: dict) -> str:
+    """The staging name of a manifest entry under parts/: the hash of its path, never one of the object's names."""
+    return hashlib.sha256(entry["path"].encode()).hexdigest()[:40] + ".part"
+
+
+def _regular_size(path: Path) -> int | None:
     try:
-        return min(part.stat().st_size, f["size"])
+        st = os.lstat(path)
     except OSError:
-        return 0
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _part_size(parts: Path, f: dict) -> int:
+    return min(_regular_size(parts / part_name(f)) or 0, f["size"])
+
+
+def _holds_exactly(folder: Path, manifest: dict) -> bool:
+    """True when `folder` holds object `manifest` and nothing else: its manifest.json names the digest, every file
+    is a regular file with its size and sha256, and beside them only sidecars (README.md, .qbuild/) and no link."""
+    if _regular_size(folder / MANIFEST) is None:
+        return False
+    try:
+        if json.loads((folder / MANIFEST).read_bytes()[:MAX_JSON_BYTES]).get("digest") != manifest["digest"]:
+            return False
+    except (OSError, ValueError, AttributeError):
+        return False
+    listed = {f["path"]: f for f in manifest["files"]}
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            rel = path.relative_to(folder).as_posix()
+            if os.path.islink(path):
+                return False
+            if name in filenames and rel not in listed and rel not in (MANIFEST, "README.md") \
+                    and not rel.startswith(".qbuild/"):
+                return False
+    return all(_regular_size(folder / rel) == f["size"] and sha256_file(folder / rel) == f["sha256"]
+               for rel, f in listed.items())
+
+
+def _reclaim_tree(root: OwnedRoot, staging: Path, files: list[dict]) -> None:
+    """A fetch interrupted while it placed its verified parts into tree/: move each manifest file back to parts/
+    (it is re-hashed there), then drop the tree with anything else in it (never placed)."""
+    tree = staging / "tree"
+    if not os.path.lexists(tree):
+        return
+    if os.path.isdir(tree) and not os.path.islink(tree):
+        for f in files:
+            placed = tree / f["path"]
+            if _regular_size(placed) is not None and _regular_size(staging / "parts" / part_name(f)) is None:
+                try:
+                    root.move(placed, staging / "parts" / part_name(f), within=staging)
+                except NotOurs:
+                    pass   # under a link planted in the tree: not ours to move; dropped with the tree
+    root.remove(tree, within=staging)

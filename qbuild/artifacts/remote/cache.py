@@ -8,14 +8,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
-import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteStore, remote_record
-from qbuild.artifacts.store import REF_RE, Store, atomic_write_json
+from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteRefused, RemoteStore, remote_record
+from qbuild.artifacts.store import REF_RE, Store
+from qbuild.core.owned import OwnedRoot, output_root
+from qbuild.errors import UserError
+
+log = logging.getLogger("qbuild")
 
 
 @dataclass(frozen=True)
@@ -34,10 +38,19 @@ class RemoteHit:
 def lookup(remotes: Iterable[RemoteStore], key: str) -> RemoteHit | None:
     """First remote whose action cache has `key` with a complete object. Downloads the record only."""
     for remote in remotes:
-        record = remote_record(remote.get_action(key), key)   # a plugin remote's record is checked here too
+        record = remote_record(_action_or_none(remote, key), key)   # a plugin remote's record is checked here too
         if record is not None:
             return RemoteHit(remote, key, record["digest"], record)
     return None
+
+
+def _action_or_none(remote: RemoteStore, key: str) -> dict | None:
+    """The remote's action record of `key`; a refused one (not JSON, too large) fails alone: a miss, one warning."""
+    try:
+        return remote.get_action(key)
+    except RemoteRefused as exc:
+        log.warning(f"{exc}; taken as a miss")
+        return None
 
 
 def materialize(store: Store, remote: RemoteStore, digest: str, key: str | None = None, record: dict | None = None,
@@ -51,7 +64,7 @@ def materialize(store: Store, remote: RemoteStore, digest: str, key: str | None 
     with store.lock(f"fetch-{digest}"):
         if not (dest / MANIFEST).is_file():
             remote.fetch_object(digest, dest, progress=progress, jobs=jobs,
-                                staging=store.root / "tmp" / f"fetch-{digest[:32]}")
+                                staging=store.root / "tmp" / f"fetch-{digest[:32]}", root=store.owned)
             for f in dest.rglob("*"):
                 if f.is_file() and not f.is_symlink():
                     store.owned.chmod(f, 0o444, within=dest)
@@ -63,7 +76,7 @@ def materialize(store: Store, remote: RemoteStore, digest: str, key: str | None 
 def adopt_action(store: Store, key: str, record: dict) -> None:
     """Record a remote action locally (its object must already be in the local store)."""
     if (store.object_dir(record["digest"]) / MANIFEST).is_file():
-        atomic_write_json(store.root / "actions" / key[:2] / f"{key}.json", record)
+        store.write_json(store.root / "actions" / key[:2] / f"{key}.json", record)
 
 
 def push_hit(remote: RemoteStore, store: Store, key: str, digest: str, record: dict | None = None,
@@ -74,7 +87,7 @@ def push_hit(remote: RemoteStore, store: Store, key: str, digest: str, record: d
     only the refs are set; an interrupted upload is finished (blobs already there are skipped). `sidecars` may
     be a callable (e.g. lambda: build_sidecars(...)) so cards are rendered and artifacts signed only when an
     upload really happens. Returns True when something was uploaded."""
-    uploaded = remote.get_action(key) is None
+    uploaded = _action_or_none(remote, key) is None   # a refused record is replaced by this push
     if uploaded:
         manifest = json.loads((store.object_dir(digest) / MANIFEST).read_text())
         extra = sidecars() if callable(sidecars) else sidecars
@@ -135,34 +148,38 @@ def pull(remote: RemoteStore, name: str, out: Path, progress: Progress | None = 
     """`qbuild pull NAME --from REMOTE --out DIR [--verify-with PUBKEY]` without a local store: resolve the
     name (a ref or a digest: qbuild.api picks a machine-bound build first), fetch every file verified, add the model
     card and signature sidecars, check the signature when asked (bound to `requested`, the name the user asked
-    for, else `name`), and only then make DIR appear (one rename)."""
+    for, else `name`), and only then make DIR appear (one rename). Every write stays inside DIR's folder and
+    follows no link (qbuild/core/owned.py)."""
+    out = Path(out).absolute()
+    if out.is_symlink():   # refused before anything is downloaded, like a local pull
+        raise UserError(f"--out {out} is a symlink; give the folder itself (a pull never writes through a link)")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not empty; give a new or empty folder")
     digest = resolve(remote, name)
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        from qbuild.errors import UserError
+    out.parent.mkdir(parents=True, exist_ok=True)
+    root = output_root(out.parent)
 
-        raise UserError(f"{out} exists and is not empty")
-    check = out.with_name(f".{out.name}.pull-{digest[:16]}")
-    manifest = remote.fetch_object(digest, check, progress=progress, jobs=jobs,
-                                   staging=out.with_name(f".{out.name}.partial-{digest[:16]}"))
-    write_sidecars(remote, digest, check, sidecars)
-    if verify_with is not None:
-        from qbuild.artifacts.signing import verify
+    def prepare(tree: Path) -> None:
+        write_sidecars(remote, digest, tree, sidecars, root)
+        if verify_with is not None:
+            from qbuild.artifacts.signing import verify
 
-        try:
-            verify(check, verify_with, name=requested or name)
-        except Exception:
-            if not check.is_symlink():   # the folder this pull made (its name built here from OUT and the digest)
-                shutil.rmtree(check, ignore_errors=True)
-            raise
-    if out.exists():
-        out.rmdir()
-    os.rename(check, out)
-    return manifest
+            try:
+                verify(tree, verify_with, name=requested or name)
+            except Exception:
+                root.remove(tree.parent)   # the staging this pull made: what the key refuses is not kept to resume
+                raise
+
+    return remote.fetch_object(digest, out, progress=progress, jobs=jobs, root=root, prepare=prepare,
+                               staging=out.with_name(f".{out.name}.partial-{digest[:16]}"))
 
 
-def write_sidecars(remote: RemoteStore, digest: str, out: Path, names: Iterable[str]) -> list[Path]:
-    """Place sidecars beside a pulled object: README.md (if the object has none) and .qbuild/<name>."""
+def write_sidecars(remote: RemoteStore, digest: str, out: Path, names: Iterable[str],
+                   root: OwnedRoot | None = None) -> list[Path]:
+    """Place sidecars beside a pulled object: README.md (if the object has none) and .qbuild/<name>; inside `root`
+    (by default out's folder), never through a link."""
+    out = Path(out).absolute()
+    root = root or output_root(out.parent)
     written = []
     files = {f["path"] for f in (remote.get_manifest(digest) or {}).get("files", [])}
     for name in names:
@@ -170,10 +187,5 @@ def write_sidecars(remote: RemoteStore, digest: str, out: Path, names: Iterable[
         if data is None:
             continue
         rel = name if name == "README.md" and "README.md" not in files else f".qbuild/{name}"
-        path = Path(out) / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-        written.append(path)
+        written.append(root.write_bytes(out / rel, data, within=out, durable=False))
     return written

@@ -15,6 +15,7 @@ the recipe may add only `endpoint_url` and `region`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -25,14 +26,17 @@ from qbuild.artifacts.remote.base import (
     CHUNK,
     HEX64,
     MANIFEST,
+    MAX_JSON_BYTES,
     Progress,
     RemoteConfigError,
     RemoteError,
+    RemoteRefused,
     RemoteStore,
     bounded_json,
     check_digest,
     check_name,
     check_sidecar,
+    read_bounded,
     remote_record,
 )
 from qbuild.artifacts.store import now_iso
@@ -42,6 +46,7 @@ from qbuild.errors import first_line
 CONNECT_TIMEOUT = 5
 READ_TIMEOUT = 60
 BLOB_CHUNK = 32 << 20
+log = logging.getLogger("qbuild")
 OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
 
 
@@ -112,8 +117,23 @@ class FsspecRemote(RemoteStore):
         except Exception as exc:
             raise self.error(f"{what} failed: {_describe(exc)}") from None
 
-    def _read_bytes(self, path: str) -> bytes | None:
-        return self._call(f"read {self._rel(path)}", self.fs.cat_file, path, missing_ok=True)
+    def _read_bytes(self, path: str, limit: int = MAX_JSON_BYTES) -> bytes | None:
+        """A small file (record, manifest, sidecar), or None when absent. Bounded: its size is asked first and a
+        larger one refused before a byte is read; the read itself streams and stops past `limit`."""
+        what = self._rel(path)
+
+        def read() -> bytes:
+            with self.fs.open(path, "rb", block_size=CHUNK) as f:
+                size = getattr(f, "size", None)   # object stores: from the HEAD that opening made
+                if not isinstance(size, int):
+                    size = self.fs.size(path)     # file://: a stat
+                try:
+                    return read_bounded(iter(lambda: f.read(CHUNK), b""), what,
+                                        size if isinstance(size, int) else None, limit)
+                except ValueError as exc:
+                    raise RemoteRefused(self.display, f"refused: {first_line(exc)}") from None
+
+        return self._call(f"read {what}", read, missing_ok=True)
 
     def _write_bytes(self, path: str, data: bytes) -> None:
         def write():
@@ -134,8 +154,17 @@ class FsspecRemote(RemoteStore):
         try:
             out = bounded_json(data, self._rel(path))
         except ValueError as exc:
-            raise self.error(f"{self._rel(path)} is not a valid record: {first_line(exc)}") from None
+            raise RemoteRefused(self.display, f"refused: {first_line(exc)}") from None
         return out if isinstance(out, dict) else None
+
+    def _read_record(self, path: str) -> dict | None:
+        """One record of a listing: a bad one (too large, too deep, not JSON) is skipped with a warning naming it,
+        so it fails alone; an unreachable remote still fails the listing."""
+        try:
+            return self._read_json(path)
+        except RemoteRefused as exc:
+            log.warning(str(exc))
+            return None
 
     def _rel(self, path: str) -> str:
         return path[len(self.root) + 1:] if path.startswith(self.root + "/") else path
@@ -153,19 +182,24 @@ class FsspecRemote(RemoteStore):
                 raise self.error(f"{parent} does not exist (is the share mounted?)")
             self._call("create", self.fs.makedirs, self.root, exist_ok=True)
 
-    def get_manifest(self, digest: str) -> dict | None:
+    def _read_manifest(self, digest: str) -> dict | None:
         check_digest(digest)
         return self._read_json(self._obj(digest, MANIFEST))
 
     def has_object(self, digest: str) -> bool:
-        manifest = self.get_manifest(digest)
+        """True when the object's manifest is `digest`'s (a planted or damaged one is not: a push uploads the
+        object again) and every file it lists is there with its size."""
+        try:
+            manifest = self.get_manifest(digest)
+        except RemoteRefused:
+            return False
         if manifest is None:
             return False
         listing = self._call("list", self.fs.find, self._obj(digest), detail=True, missing_ok=True) or {}
         sizes = {self._rel(p): (info.get("size") if info.get("type", "file") == "file" else None)
                  for p, info in listing.items()}
         prefix = f"objects/{digest[:2]}/{digest}/"
-        return all(sizes.get(prefix + f["path"]) == f["size"] for f in manifest.get("files", []))
+        return all(sizes.get(prefix + f["path"]) == f["size"] for f in manifest["files"])
 
     def put_object(self, digest: str, local_dir: Path, manifest: dict, progress: Progress | None = None,
                    sidecars: dict[str, bytes] | None = None) -> None:
@@ -209,12 +243,18 @@ class FsspecRemote(RemoteStore):
             offset += len(data)
 
     def get_action(self, key: str) -> dict | None:
+        """The action record of `key`, or None: None too when the record does not name a valid object, or its
+        object's manifest is gone (collected) or not that object's (so a push uploads it again, and a lookup misses).
+        A record that is no JSON record at all (too large, too deep) is refused in one line naming it."""
         check_digest(key)
         record = remote_record(self._read_json(self._action(key)), key)
         if record is None:
             return None
-        if self._read_bytes(self._obj(record["digest"], MANIFEST)) is None:
-            return None  # its object was collected
+        try:
+            if self.get_manifest(record["digest"]) is None:
+                return None  # its object was collected
+        except RemoteRefused:
+            return None
         return record
 
     def put_action(self, key: str, record: dict) -> None:
@@ -226,9 +266,9 @@ class FsspecRemote(RemoteStore):
         paths = self._call("list actions", self.fs.find, self._p("actions"), missing_ok=True) or []
         for p in paths:
             name = p.rsplit("/", 1)[-1]
-            if name.endswith(".json") and not name.startswith("."):
-                rec = remote_record(self._read_json(p))
-                if rec and HEX64.match(name[:-5]):
+            if name.endswith(".json") and not name.startswith(".") and HEX64.match(name[:-5]):
+                rec = remote_record(self._read_record(p))
+                if rec:
                     yield name[:-5], rec["digest"]
 
     def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None,
@@ -250,8 +290,10 @@ class FsspecRemote(RemoteStore):
             parts = self._rel(p).split("/")
             if len(parts) != 4 or parts[3].startswith("."):
                 continue
-            data = remote_record(self._read_json(p))
-            if data and all(valid_name(x) for x in parts[1:]):
+            if not all(valid_name(x) for x in parts[1:]):
+                continue
+            data = remote_record(self._read_record(p))
+            if data:
                 out.append({**data, "ref": f"{parts[1]}/{parts[2]}:{parts[3]}"})
         return out
 

@@ -8,11 +8,12 @@ tag or a registry alias points at, nor anything a kept object depends on (manife
 from __future__ import annotations
 
 import calendar
+import logging
 import re
 import time
 from collections.abc import Iterable
 
-from qbuild.artifacts.remote.base import RemoteStore
+from qbuild.artifacts.remote.base import RemoteRefused, RemoteStore
 from qbuild.errors import UserError
 
 AGE_RE = re.compile(r"^(\d+)\s*([smhdw])$")
@@ -72,7 +73,11 @@ def gc_remote(remote: RemoteStore, extra_roots: Iterable[str] = (), keep_last: i
     age = parse_age(older_than) if isinstance(older_than, str) else older_than
     manifests = {}
     for d in remote.list_objects():
-        m = remote.get_manifest(d)
+        try:
+            m = remote.get_manifest(d)
+        except RemoteRefused as exc:   # not an object qbuild can read: neither kept nor collected, named
+            logging.getLogger("qbuild").warning(f"{exc}; left as it is")
+            continue
         if m is not None:
             manifests[d] = m
     roots = {r["digest"] for r in remote.list_refs()} | set(extra_roots)

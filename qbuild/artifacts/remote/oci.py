@@ -456,7 +456,7 @@ class OciRemote(RemoteStore):
                                                       "not followed")
         return tags
 
-    def get_manifest(self, digest: str) -> dict | None:
+    def _read_manifest(self, digest: str) -> dict | None:
         check_digest(digest)
         oci, _ = self._get_oci_manifest(OBJ_TAG + digest)
         if oci is None:

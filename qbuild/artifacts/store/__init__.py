@@ -105,8 +105,7 @@ class Store(ObjectsMixin, IntegrityMixin, RefsMixin, RunsMixin, HousekeepingMixi
                                 "(give another --store, or run where the mount is writable)")
 
     def write_json(self, path: Path, data) -> None:
-        self.owned  # noqa: B018 (claims the root on the first write)
-        atomic_write_json(path, data, root=self.root)
+        atomic_write_json(path, data, self.owned)   # the first write claims the root
 
 
 def open_store(path: str | os.PathLike | None, recipe_default: str | None = None) -> Store:

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 from qbuild.artifacts.store.layout import DIGEST_RE, NO_SPACE
+from qbuild.core.owned import OwnedRoot, fsync_dir, output_root  # noqa: F401 (fsync_dir: imported from here by the store)
 from qbuild.errors import EXIT_USER_ERROR, QBuildError
 
 
@@ -50,20 +51,6 @@ def store_full(root: Path, what: str, needed: int | None) -> StoreFull:
                      "free some space (qbuild gc) or use another --store")
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a rename, a new file) durable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
     try:
@@ -72,32 +59,24 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_json(path: Path, data, root: Path | None = None) -> None:
-    """Write a fresh file beside `path`, fsync it, rename it over `path` (never following a link), fsync the dir.
+def atomic_write_json(path: Path, data, root: OwnedRoot | None = None) -> None:
+    """Write a record inside `root` (a store; None: a cache outside any store, confined to the record's own folder):
+    a fresh file beside `path`, fsynced, renamed over it, the folder fsynced (OwnedRoot.write_bytes: confined to
+    the root, never through a link; NotOurs otherwise).
 
     A power cut leaves either the old or the new content, never an empty record. ENOSPC → StoreFull (one line),
     with the half-written file removed."""
     text = json.dumps(data, indent=2, sort_keys=True, default=str).encode()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        try:
-            view = memoryview(text)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        if root is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            root = output_root(path.parent)
+        root.write_bytes(path, text)
     except OSError as exc:
-        with _quiet():
-            tmp.unlink()
         if exc.errno in NO_SPACE:
-            raise store_full(root or path.parent, str(path), len(text)) from None
+            raise store_full(root.path, str(path), len(text)) from None
         if exc.errno == errno.EROFS:
-            raise StoreReadOnly(f"store {root or path.parent} is read-only: cannot write {path}") from None
+            raise StoreReadOnly(f"store {root.path} is read-only: cannot write {path}") from None
         raise
 
 

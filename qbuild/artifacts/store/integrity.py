@@ -78,8 +78,8 @@ class IntegrityMixin:
             log.warning(f"object {digest[:12]} in store {self.root} is damaged ({reason}); read-only store: not used")
             return None
         dest = self.root / "quarantine" / f"{digest}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.{uuid.uuid4().hex[:6]}"
-        dest.parent.mkdir(parents=True, exist_ok=True)
         try:
+            self.owned.mkdirs(dest.parent)
             self.owned.move(obj, dest)
         except FileNotFoundError:
             dest = None  # another process quarantined it first

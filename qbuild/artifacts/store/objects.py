@@ -104,14 +104,15 @@ class ObjectsMixin:
                 files.append({"path": rel, "size": f.stat().st_size, "sha256": sha256_file(f)})
             digest = tree_digest(files)
             manifest = {"digest": digest, "key": key, **provenance, "files": files, "created": now_iso()}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str))
+            root.write_bytes(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str).encode(),
+                             within=tmp)
             for f in _walk(tmp):
                 root.chmod(f, 0o444, within=tmp)  # immutable from here on (regular files only: links were replaced)
                 fsync_file(f)
             for d in {f.parent for f in _walk(tmp)} | {tmp}:
                 fsync_dir(d)
             final = self.object_dir(digest)
-            final.parent.mkdir(parents=True, exist_ok=True)
+            root.mkdirs(final.parent)
             if final.exists():
                 problems = self.check_object(digest, full=True)
                 if problems:
@@ -166,9 +167,8 @@ class ObjectsMixin:
 
         if not re.fullmatch(r"[\w.-]{1,100}", key):
             raise ValueError(f"invalid lock name {key[:80]!r}")
-        self.owned  # noqa: B018 (claims the root on the first write)
         lock_dir = self.root / "locks"
-        lock_dir.mkdir(parents=True, exist_ok=True)
+        self.owned.mkdirs(lock_dir)   # the first write claims the root
         with FileLock(str(lock_dir / f"{key}.lock"), timeout=timeout):
             yield
 
@@ -177,11 +177,12 @@ class ObjectsMixin:
         checked_digest(key, "step key")
         root = self.owned   # the first write claims the store
         tmp_root = self.root / "tmp"
-        tmp_root.mkdir(parents=True, exist_ok=True)
+        root.mkdirs(tmp_root)
         for stale in tmp_root.glob(f"{key}.*"):  # left by a crashed build of this key
             if SCRATCH_RE.match(stale.name):
                 with _quiet():
                     root.remove(stale)
         path = tmp_root / f"{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        path.mkdir()
+        root.confine(path)
+        path.mkdir()   # a new name (pid, random) in a folder checked above: fails rather than follows
         return path
