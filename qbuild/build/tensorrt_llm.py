@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ from qbuild.build import trtllm_env
 from qbuild.build.trtllm_select import ENGINE_KIND
 from qbuild.core.schema_base import StrictModel
 from qbuild.core.step import OnUnavailable, Step, StepContext
+from qbuild.core.tool_run import run_tool
 from qbuild.errors import RecipeError, UserError
 from qbuild.formats import Format
 from qbuild.models.checkpoint import QUANT_ALGO
@@ -386,9 +386,7 @@ def run_build(ctx: StepContext) -> dict:
     ctx.log("running: " + " ".join(args))
     ctx.progress(0, 1, "trtllm-build")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        raise RuntimeError(f"trtllm-build exited with code {proc.returncode}")
+    run_tool(cmd, "trtllm-build")
     seconds = time.perf_counter() - t0
     for f in ckpt.iterdir():  # tokenizer files make the engine dir loadable by LLM(model=engine_dir)
         if f.is_file() and f.name != "config.json" and not f.name.endswith(".safetensors") and not (ctx.out / f.name).exists():

@@ -58,8 +58,9 @@ def evaluable_artifacts(ctx):
 # through a runtime whose numbers are the same bit for bit at any thread count (Runtime.thread_invariant: llama.cpp
 # on CPU), they may take cores left idle while they run; a timing or generation step keeps the threads it was given
 ELASTIC_KINDS = ("reference", "perplexity")
-# v2: no timings in the objects' files (they went to the manifest), so a rebuild is bit-identical
-IMPL_VERSIONS = {"reference": 2, "perplexity": 2, "load-check": 2}
+# v2: no timings in the objects' files (they went to the manifest), so a rebuild is bit-identical;
+# reference v3: float16 log-probs + exact top-1 (qbuild.evaluate.reference_encoding), half of v2's float32 bytes
+IMPL_VERSIONS = {"reference": 3, "perplexity": 2, "load-check": 2}
 
 
 def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, artifact: Step, inputs: dict, tools,

@@ -78,11 +78,12 @@ def _scored(logits: np.ndarray, window: Window) -> tuple[np.ndarray, np.ndarray]
 
 
 def score_rows(rows: np.ndarray, window: Window, reference: np.ndarray | None = None,
-               logprobs: bool = False) -> dict:
+               logprobs: bool = False, reference_top1: np.ndarray | None = None) -> dict:
     """One window scored from the logit rows that predict its scored tokens (`_scored`'s rows, or what a
     session's `scored_logits` returns): NLL sum and count, with `logprobs` the log-probs (float32, what a
-    reference stores), and with `reference` (the baseline's log-probs of the same rows) per-position KLD
-    and top-1 agreement.
+    reference is made from), and with `reference` (the baseline's log-probs of the same rows) per-position KLD
+    and top-1 agreement: against `reference_top1` (the baseline's argmax per row) where given, which a reference
+    read back from float16 keeps exact.
     The same arithmetic as window_nll / window_divergence, with one log-sum-exp per row."""
     rows = np.asarray(rows, dtype=np.float32)
     target = np.asarray(window.tokens[window.first_scored:])
@@ -100,7 +101,8 @@ def score_rows(rows: np.ndarray, window: Window, reference: np.ndarray | None = 
         if reference.shape != lp.shape:
             raise RuntimeError(f"reference log-probs {reference.shape} vs the model's {lp.shape}")
         kld = (np.exp(reference) * (reference - lp)).sum(axis=-1, dtype=np.float64)
-        out |= {"kld": np.maximum(kld, 0.0), "top1": reference.argmax(axis=-1) == rows.argmax(axis=-1)}
+        base_top1 = reference.argmax(axis=-1) if reference_top1 is None else reference_top1
+        out |= {"kld": np.maximum(kld, 0.0), "top1": base_top1 == rows.argmax(axis=-1)}
     return out
 
 

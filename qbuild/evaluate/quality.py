@@ -15,18 +15,22 @@ from pathlib import Path
 import numpy as np
 
 from qbuild.core.step import StepContext
+from qbuild.evaluate import reference_encoding
 from qbuild.evaluate.data import load_tokens
 from qbuild.evaluate.llamacpp_kld import llamacpp_kld, read_kld_base
 from qbuild.evaluate.protocol import score_rows, summarize, windows
 from qbuild.plugins import open_session
 
-LOGPROBS = "logprobs.npy"        # float32 [scored positions × vocab], windows in order, rows in position order
+LOGPROBS = "logprobs.npy"        # float16 [scored positions × vocab], windows in order, rows in position order
+TOP1 = "top1.npy"                # int32 [scored positions]: each row's argmax, from the float32 log-probs
 REFERENCE = "reference.json"     # what the log-probs are: protocol, runtime, per-window row offsets, format
 REFERENCE_FORMAT = {
-    "name": "qbuild-logprobs-v1",
-    "dtype": "float32",
-    "content": "log-softmax of the baseline's logits at every scored position (row i predicts scored token i)",
-    "error_bound": "0: bit-identical to the log-probs the variant step would compute from the baseline's logits",
+    "name": "qbuild-logprobs-v2",
+    "dtype": "float16",
+    "content": "log-softmax of the baseline's logits at every scored position (row i predicts scored token i), "
+               "rounded to float16; each row's float32 argmax in top1.npy; rows are renormalized on read",
+    "error_bound": "per entry |error| <= 2^-11 |log p| (float16 rounding); top-1 exact; per-position KLD error "
+                   "bounded by qbuild.evaluate.reference_encoding.kld_error_bound",
 }
 
 
@@ -93,19 +97,21 @@ def reference(ctx: StepContext) -> dict:
     t0 = time.perf_counter()
     rt = open_session(p["runtime"], ctx.inputs["model"], ctx, p["context_length"])
     n_rows = sum(len(w.tokens) - w.first_scored for w in wins)
-    offsets, nlls, row = [], [], 0
+    offsets, nlls, top1, row = [], [], [], 0
     with open(ctx.out / LOGPROBS, "wb") as f:
         for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins, ctx), strict=True)):
             scored = score_rows(rows, w, logprobs=True)
             nlls.append((scored["nll"], scored["count"]))
-            lp = np.ascontiguousarray(scored["logprobs"], dtype="<f4")
+            lp = scored["logprobs"]
             if i == 0:
                 np.lib.format.write_array_header_1_0(
-                    f, {"descr": "<f4", "fortran_order": False, "shape": (n_rows, lp.shape[1])})
-            lp.tofile(f)
+                    f, {"descr": reference_encoding.DTYPE, "fortran_order": False, "shape": (n_rows, lp.shape[1])})
+            reference_encoding.encode(lp).tofile(f)
+            top1.append(reference_encoding.top1(lp))
             offsets.append([row, len(lp)])
             row += len(lp)
             ctx.progress(i + 1, len(wins), "windows")
+    np.save(ctx.out / TOP1, np.concatenate(top1))
     # no timing in the object's files: a rebuild of the step gives the same bytes (the seconds go to the manifest)
     record = {"protocol": protocol_record(p, info), "runtime": rt.info()}
     seconds = round(time.perf_counter() - t0, 3)
@@ -142,18 +148,26 @@ class ReferenceReader:
         self.info = json.loads((self.path / REFERENCE).read_text())
         with open(self.path / LOGPROBS, "rb") as f:
             np.lib.format.read_magic(f)
-            shape, _, _ = np.lib.format.read_array_header_1_0(f)
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
             self.data_offset = f.tell()
-        self.vocab = shape[1]
+        self.vocab, self.dtype = shape[1], dtype
+        self.top1_rows = np.load(self.path / TOP1) if (self.path / TOP1).is_file() else None
 
     def __len__(self) -> int:
         return len(self.info["windows"])
 
     def window(self, i: int) -> np.ndarray:
+        """Window i's log-probs, float32 [rows × vocab], each row summing to 1 in probability."""
         start, n = self.info["windows"][i]
         with open(self.path / LOGPROBS, "rb") as f:
-            f.seek(self.data_offset + start * self.vocab * 4)
-            return np.fromfile(f, dtype="<f4", count=n * self.vocab).reshape(n, self.vocab)
+            f.seek(self.data_offset + start * self.vocab * self.dtype.itemsize)
+            stored = np.fromfile(f, dtype=self.dtype, count=n * self.vocab).reshape(n, self.vocab)
+        return stored if self.dtype == np.float32 else reference_encoding.decode(stored)
+
+    def top1(self, i: int) -> np.ndarray | None:
+        """Window i's argmax per row, as the float32 log-probs had it (None: a float32 reference, read it off them)."""
+        start, n = self.info["windows"][i]
+        return None if self.top1_rows is None else self.top1_rows[start: start + n]
 
 
 def perplexity(ctx: StepContext) -> dict:
@@ -168,7 +182,8 @@ def perplexity(ctx: StepContext) -> dict:
     rt = open_session(p["runtime"], ctx.inputs["model"], ctx, p["context_length"])
     nlls, klds, top1 = [], [], []
     for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins, ctx), strict=True)):
-        d = score_rows(rows, w, ref.window(i) if ref is not None else None)
+        d = score_rows(rows, w, ref.window(i) if ref is not None else None,
+                       reference_top1=ref.top1(i) if ref is not None else None)
         nlls.append((d["nll"], d["count"]))
         if file_base is not None:
             d |= llamacpp_kld(file_base.logprobs(i), rows)

@@ -433,12 +433,12 @@ def run_imatrix(ctx: StepContext) -> dict:
     (per tensor: in_sum2 and counts) is stored as the per-column mean (in_sum2 / counts), what llama-quantize
     derives from it and what run_quantize passes to llama_model_quantize."""
     import json
-    import subprocess
 
     import gguf
     import numpy as np
     from safetensors.numpy import save_file
 
+    from qbuild.core.tool_run import run_tool
     from qbuild.serving.llamacpp_build import tool
 
     text_file, out_file = ctx.out / "calibration.txt", ctx.out / "imatrix.gguf"
@@ -446,11 +446,12 @@ def run_imatrix(ctx: StepContext) -> dict:
     cmd = llama_imatrix_command(tool("llama-imatrix", log=ctx.log), Path(ctx.inputs["gguf"]) / OUTPUT_FILE, text_file,
                                 out_file, seq_len, ctx.threads)
     ctx.progress(0, 1, "llama-imatrix")
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    ctx.owned().remove(text_file, within=ctx.out)   # the step's own file, through its store's guarded helper
-    if done.returncode != 0 or not out_file.is_file():
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"llama-imatrix failed (exit {done.returncode}): {tail[0]}")
+    try:
+        run_tool(cmd, "llama-imatrix")
+    finally:
+        ctx.owned().remove(text_file, within=ctx.out)   # the step's own file, through its store's guarded helper
+    if not out_file.is_file():
+        raise RuntimeError(f"llama-imatrix exited with code 0 but wrote no {out_file.name}")
     reader = gguf.GGUFReader(str(out_file))
     tensors = {t.name: np.asarray(t.data, dtype=np.float32) for t in reader.tensors}
     data = {}
@@ -491,6 +492,9 @@ def run_quantize(ctx: StepContext) -> dict:
     import json
 
     import llama_cpp
+
+    from qbuild.core.tool_run import ToolFailed
+    from qbuild.quantize.llamacpp_log import llama_log_tail
 
     src = Path(ctx.inputs["gguf"]) / OUTPUT_FILE
     out = ctx.out / OUTPUT_FILE
@@ -558,8 +562,9 @@ def run_quantize(ctx: StepContext) -> dict:
         info["imatrix"] = {"step_key": digest, "entries": len(data), "chunks": im_info.get("chunks"),
                            "tokens": im_info.get("tokens"), "calibration_key": im_info.get("calibration")}
     ctx.progress(0, 1, f"llama_model_quantize {name}")
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
+    with llama_log_tail() as log_tail:
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
     if rc != 0:
-        raise RuntimeError(f"llama_model_quantize({name}) returned {rc}")
+        raise ToolFailed(f"llama_model_quantize({name})", rc, log_tail.lines(), ended="returned")
     ctx.progress(1, 1, "quantized")
     return {"format": "gguf", "metrics": {"size_bytes": out.stat().st_size}, "info": info}

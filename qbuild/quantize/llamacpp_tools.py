@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from qbuild.core.fingerprint import cache_dir, package_version
+from qbuild.core.tool_run import run_tool
 
 MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 SDIST_SHA256 = {  # llama_cpp_python-<version>.tar.gz on PyPI; add a line when scripts/constraints.txt moves
@@ -109,7 +110,5 @@ def run_converter(model_dir: Path, outfile: Path, outtype: str, log=print) -> No
     log("running " + " ".join(cmd))
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)  # the converter must use its vendored gguf-py, not PyPI's
-    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"convert_hf_to_gguf.py exited with {proc.returncode} (see the log above)")
+    run_tool(cmd, "convert_hf_to_gguf.py", env=env)
 

@@ -265,9 +265,12 @@ def render_table(summary: dict, console) -> None:
         what = names[0] if len(names) == 1 else f"{len(names)} steps ({', '.join(names[:3])}{', ...' * (len(names) > 3)})"
         console.print(f"[yellow]skipped {escape(what)}[/]: {escape(why)}")
     for s in summary["steps"]:
-        if s["status"] == "failed":
+        if s["status"] == "failed":   # the error's first line, then the lines a failed tool printed (tool_run)
             log = f"  (log: {escape(str(s['log']))})" if s.get("log") else ""
-            console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(str(s['error']))}{log}")
+            first, *tool_lines = str(s["error"]).split("\n")
+            console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(first)}{log}", soft_wrap=True)
+            for line in tool_lines:
+                console.print(escape(line), highlight=False, soft_wrap=True)
 
 
 def _render_tasks(rows: list[dict], console) -> None:

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -29,6 +27,7 @@ from pathlib import Path
 from qbuild.build import tensorrt_llm as trt
 from qbuild.core.fingerprint import cpu_model
 from qbuild.core.step import StepContext
+from qbuild.core.tool_run import run_tool
 from qbuild.errors import RecipeError
 from qbuild.plugins import EvalStepFields, Runtime, RuntimeSession, runtimes
 
@@ -48,10 +47,7 @@ def _run(ctx: StepContext, cmd: list[str], what: str) -> float:
     """Run a TensorRT-LLM command, its output into the step's log; seconds taken."""
     ctx.log("running: " + " ".join(cmd))
     t0 = time.perf_counter()
-    sys.stdout.flush()
-    proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} exited with code {proc.returncode} (see the step log)")
+    run_tool(cmd, what)
     return time.perf_counter() - t0
 
 

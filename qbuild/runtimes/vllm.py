@@ -40,6 +40,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from qbuild.core.step import OnUnavailable, StepContext
+from qbuild.core.tool_run import run_tool
 from qbuild.formats import loads_in
 from qbuild.plugins import EvalStepFields, Runtime, RuntimeSession, runtimes
 
@@ -156,11 +157,8 @@ class VllmSession(RuntimeSession):
         (work / "request.json").write_text(json.dumps(request))
         cmd = [*interpreter(self.python), str(work / SHIM.name), str(work / "request.json"), str(work / "result.json")]
         self.ctx.log("running: " + " ".join(cmd))
-        sys.stdout.flush()
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, stdout=sys.stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the vLLM shim exited with code {proc.returncode} (see the step log)")
+        run_tool(cmd, "the vLLM shim")
         try:
             result = json.loads((work / "result.json").read_text())
         except (OSError, ValueError) as exc:
