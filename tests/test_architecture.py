@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qbuild"
 # Lowest first. A module may import modules of its own layer or a lower one, never a higher one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utilities", ("qbuild.errors", "qbuild.core", "qbuild.core.hashing", "qbuild.core.names",
-                   "qbuild.core.yamlio", "qbuild.core.owned", "qbuild.core.process", "qbuild.core.worker_env",
+                   "qbuild.core.yamlio", "qbuild.core.owned", "qbuild.core.process", "qbuild.core.tool_run", "qbuild.core.worker_env",
                    "qbuild.core.schema_base", "qbuild.core.hardware", "qbuild.core.fingerprint", "qbuild.core.units")),
     # evaluate/protocol.py is self-contained (a copy of it runs in the TensorRT-LLM interpreter): the contract's Window
     ("contract", ("qbuild.formats", "qbuild.plugins", "qbuild.core.step", "qbuild.core.data_sources",
