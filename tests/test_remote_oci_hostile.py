@@ -408,3 +408,27 @@ def test_tag_list_paging_to_another_host_is_not_followed(tmp_path, fake_registry
         _one_line_failure(qbuild("verify", "--remote", fake_registry.url), "next page is on another host",
                           "not followed")
         assert other.requests == []
+
+
+def test_push_uploads_past_a_planted_object_manifest(tmp_path, two_objects, oci_url):
+    """An object tag whose qbuild manifest.json is not the object's (here: it lists no files) is not "already
+    there": a push uploads the object again, and the pull gets every file (as on fsspec remotes)."""
+    store, digests = two_objects
+    digest = digests["a"]
+    _ok(qbuild("push", "t/a", "--to", oci_url, "--store", store))
+    remote = open_remote(oci_url)
+    oci, _ = remote._get_oci_manifest("_obj-" + digest)
+    planted = remote._push_bytes(json.dumps({"files": []}).encode(), DOC, {TITLE: "manifest.json", ROLE: "manifest"})
+    others = [la for la in oci["layers"] if (la.get("annotations") or {}).get(ROLE) != "manifest"]
+    remote._put_oci_manifest("_obj-" + digest, {**oci, "layers": [*others, planted]})
+    assert not open_remote(oci_url).has_object(digest)
+    res = _ok(qbuild("push", "t/a", "--to", oci_url, "--store", store))
+    assert "already there" not in res.stdout
+    assert open_remote(oci_url).has_object(digest)
+    out = tmp_path / "pulled"
+    _ok(qbuild("pull", "t/a", "--from", oci_url, "-o", out))
+    local = store / "objects" / digest[:2] / digest
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["digest"] == digest and manifest["files"]
+    for f in manifest["files"]:
+        assert (out / f["path"]).read_bytes() == (local / f["path"]).read_bytes()

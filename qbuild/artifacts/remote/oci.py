@@ -48,6 +48,7 @@ from qbuild.artifacts.remote.base import (
     RemoteConfigError,
     RemoteError,
     RemoteRecordError,
+    RemoteRefused,
     RemoteStore,
     bounded_json,
     check_digest,
@@ -477,10 +478,19 @@ class OciRemote(RemoteStore):
         return manifest
 
     def has_object(self, digest: str) -> bool:
+        """True when the object's qbuild manifest is `digest`'s (get_manifest checks it) and a layer holds every file
+        it lists; a planted or damaged object is not (a push uploads it again), as on fsspec remotes."""
         check_digest(digest)
-        oci, _ = self._get_oci_manifest(OBJ_TAG + digest)
+        try:
+            oci, _ = self._get_oci_manifest(OBJ_TAG + digest)
+            if oci is None or (oci.get("annotations") or {}).get("org.qbuild.digest") != digest:
+                return False
+            manifest = self.get_manifest(digest)
+        except (RemoteRefused, RemoteRecordError):
+            return False
         # the registry accepts a manifest only when every blob it names is present
-        return oci is not None and (oci.get("annotations") or {}).get("org.qbuild.digest") == digest
+        layers = {(la["digest"], la["size"]) for la in oci["layers"]}
+        return manifest is not None and all(("sha256:" + f["sha256"], f["size"]) in layers for f in manifest["files"])
 
     def _object_oci(self, digest: str, manifest: dict, files: list[dict], sidecars: dict[str, dict]) -> dict:
         layers = [{"mediaType": media_type(f["path"]), "digest": "sha256:" + f["sha256"], "size": f["size"],
