@@ -208,12 +208,12 @@ def read_bounded(chunks: Iterable[bytes], what: str, size: int | None = None, li
     """A remote body of at most `limit` bytes: refused from its announced `size` before a byte is read, and
     again while streaming (a body longer than announced), so no more than `limit` bytes are ever held."""
     if size is not None and size > limit:
-        raise ValueError(f"{what} is {size:,} bytes (more than {limit:,}: not a qbuild record)")
+        raise ValueError(f"{what} is {size:,} bytes (more than {limit:,}: not a qbuild record); not read")
     out = bytearray()
     for chunk in chunks:
         out += chunk
         if len(out) > limit:
-            raise ValueError(f"{what} is more than {limit:,} bytes: not a qbuild record")
+            raise ValueError(f"{what} is more than {limit:,} bytes (not a qbuild record); stopped reading")
     return bytes(out)
 
 

@@ -54,6 +54,7 @@ from qbuild.artifacts.remote.base import (
     check_digest,
     check_name,
     check_sidecar,
+    read_bounded,
     remote_record,
 )
 from qbuild.artifacts.store import REF_RE, now_iso
@@ -317,18 +318,12 @@ class OciRemote(RemoteStore):
         """The body of a streamed response, read at most `limit` bytes: a declared Content-Length over the limit is
         refused before any byte is read, a body that runs past it as soon as it does (RemoteRecordError: the record
         is bad, not the remote)."""
+        declared = resp.headers.get("Content-Length")
         try:
-            declared = resp.headers.get("Content-Length")
-            if declared is not None and declared.isdigit() and int(declared) > limit:
-                raise RemoteRecordError(self.display, f"{what}: the registry declares {int(declared):,} bytes, more "
-                                                      f"than {limit:,} (not a qbuild record); not read")
-            body = bytearray()
-            for chunk in resp.iter_content(READ_CHUNK):
-                body += chunk
-                if len(body) > limit:
-                    raise RemoteRecordError(self.display, f"{what}: more than {limit:,} bytes (not a qbuild "
-                                                          "record); stopped reading")
-            return bytes(body)
+            return read_bounded(resp.iter_content(READ_CHUNK), what, limit=limit,
+                                size=int(declared) if declared is not None and declared.isdigit() else None)
+        except ValueError as exc:
+            raise RemoteRecordError(self.display, str(exc)) from None
         except RemoteError:
             raise
         except Exception as exc:
