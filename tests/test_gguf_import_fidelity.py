@@ -278,11 +278,10 @@ def test_sentencepiece_gguf_imports_as_sentencepiece(family, sources, imported, 
     for kind, key in (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"),
                       ("pad", "padding_token_id")):
         assert getattr(tok, f"{kind}_token_id") == meta.get(f"tokenizer.ggml.{key}"), kind
-    assert tok("x")["input_ids"][0] == meta["tokenizer.ggml.bos_token_id"]   # add_bos_token kept
+    adds_bos = tok("x")["input_ids"][0] == meta["tokenizer.ggml.bos_token_id"]
+    assert adds_bos == meta.get("tokenizer.ggml.add_bos_token", True)       # as llama.cpp (SentencePiece: BOS)
     if family == "gemma2":
         assert tok.chat_template == GEMMA_TEMPLATE
-        assert tok.convert_tokens_to_ids("<start_of_turn>") == tok("<start_of_turn>", add_special_tokens=False)[
-            "input_ids"][0]
     result = run_check(out, gguf, tmp_path / "check")
     assert result["metrics"]["kld"] < 1e-4 and result["metrics"]["top1"] > 0.9   # F16 source: close
     assert json.loads((tmp_path / "check" / "check" / "check.json").read_text())["tokens_identical"] is True
@@ -310,10 +309,11 @@ def test_imported_directory_converts_back_to_the_same_gguf_vocabulary(family, so
     source, again = gguf_tokenizer(sources[family]), gguf_tokenizer(back)
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
                 "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
-                "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.ggml.add_bos_token",
-                "tokenizer.chat_template"):
+                "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id", "tokenizer.chat_template"):
         assert again.get(key) == source.get(key), key
-    assert again.get("tokenizer.ggml.add_space_prefix", True) == source.get("tokenizer.ggml.add_space_prefix", True)
+    for key, default in (("add_space_prefix", True), ("add_bos_token", family != "bpe"), ("add_eos_token", False)):
+        key = f"tokenizer.ggml.{key}"   # where a file leaves it out, llama.cpp's default for the vocabulary type
+        assert again.get(key, default) == source.get(key, default), key
     text = eval_text()[:20000]
     assert llama_tokens(back, text) == llama_tokens(sources[family], text)
 
@@ -351,10 +351,10 @@ def _recipe(tmp: Path, gguf: Path) -> Path:
 
 
 def test_a_run_refuses_a_mismatched_import_before_any_variant(sources, tmp_path):
-    """A BPE GGUF whose pre-tokenizer qbuild does not know (deepseek-coder splits digits and newlines apart): the
+    """A BPE GGUF whose pre-tokenizer qbuild does not know (falcon splits punctuation runs apart): the
     import tokenizes unlike llama.cpp, the run exits 1 naming import-check and the first differing token, and no step
     that reads the baseline runs."""
-    gguf = _renamed_pre(sources["bpe"], tmp_path / "deepseek.gguf", "deepseek-coder")
+    gguf = _renamed_pre(sources["bpe"], tmp_path / "deepseek.gguf", "falcon")
     res = qbuild("run", _recipe(tmp_path, gguf), "--store", tmp_path / "store", "--json", "--threads", "1")
     assert res.returncode == 1, res.stderr[-3000:]
     steps = {s["name"]: s for s in json.loads(res.stdout)["steps"]}
@@ -365,7 +365,6 @@ def test_a_run_refuses_a_mismatched_import_before_any_variant(sources, tmp_path)
     assert "tokens at position" in check["error"] and "\n" not in check["error"]
     later = {n: s["status"] for n, s in steps.items() if n not in ("model", "eval-data", "import-check")}
     assert later and set(later.values()) == {"skipped"}, later          # nothing built on the baseline
-    assert "step import-check failed" in res.stderr
 
 
 def test_a_faithful_import_passes_the_check_once(sources, tmp_path):

@@ -53,8 +53,8 @@ class GGUFVocab:
     scores: list[float] | None
     merges: list[str] | None
     special: dict[str, int] = field(default_factory=dict)    # bos/eos/unk/pad → id
-    add_bos: bool | None = None
-    add_eos: bool | None = None
+    add_bos: bool = False                # as llama.cpp reads the GGUF (its default where the GGUF says nothing)
+    add_eos: bool = False
     add_space_prefix: bool | None = None
     chat_template: str | None = None
     architecture: str = ""
@@ -80,10 +80,15 @@ def read_vocab(path: Path) -> GGUFVocab:
     if not tokens:
         raise ValueError(f"{path.name} has no tokenizer.ggml.tokens: no vocabulary to import")
     types = value("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-    return GGUFVocab(model=value("tokenizer.ggml.model") or "", pre=value("tokenizer.ggml.pre"), tokens=list(tokens),
+    model, pre = value("tokenizer.ggml.model") or "", value("tokenizer.ggml.pre")
+    # where the GGUF does not say, what llama.cpp does (llama-vocab.cpp): SentencePiece and Llama-3 BPE add BOS
+    default_bos = model == "llama" or (pre in BPE_PRE and BPE_PRE[pre][0] is _LLAMA3_REGEX)
+    add_bos, add_eos = value("tokenizer.ggml.add_bos_token"), value("tokenizer.ggml.add_eos_token")
+    return GGUFVocab(model=model, pre=pre, tokens=list(tokens),
                      types=[int(t) for t in types], scores=value("tokenizer.ggml.scores"),
                      merges=value("tokenizer.ggml.merges"), special=special,
-                     add_bos=value("tokenizer.ggml.add_bos_token"), add_eos=value("tokenizer.ggml.add_eos_token"),
+                     add_bos=default_bos if add_bos is None else bool(add_bos),
+                     add_eos=False if add_eos is None else bool(add_eos),
                      add_space_prefix=value("tokenizer.ggml.add_space_prefix"),
                      chat_template=value("tokenizer.chat_template"),
                      architecture=value("general.architecture") or "")
@@ -139,10 +144,7 @@ def sentencepiece_proto(vocab: GGUFVocab):
 
 def _special_kwargs(vocab: GGUFVocab) -> dict:
     kwargs = {f"{kind}_token": vocab.token(kind) for kind in ("bos", "eos", "unk", "pad") if vocab.token(kind)}
-    if vocab.add_bos is not None:
-        kwargs["add_bos_token"] = bool(vocab.add_bos)
-    if vocab.add_eos is not None:
-        kwargs["add_eos_token"] = bool(vocab.add_eos)
+    kwargs["add_bos_token"], kwargs["add_eos_token"] = vocab.add_bos, vocab.add_eos
     if vocab.chat_template:
         kwargs["chat_template"] = vocab.chat_template
     return kwargs
@@ -170,7 +172,9 @@ def write_sentencepiece(vocab: GGUFVocab, out: Path) -> None:
     tok = cls.from_pretrained(str(out), **extra, **specials)   # converts tokenizer.model (SentencePieceExtractor)
     tok.add_tokens(_added_tokens(vocab))
     tok.save_pretrained(str(out))
-    _edit_config(out, vocab_file=None)   # where it was read from (this step's scratch), not a setting
+    # where it was read from (this step's scratch) is not a setting; add_bos/add_eos are written out even where they
+    # are the class's default, for readers (llama.cpp's converter) that do not know the default
+    _edit_config(out, vocab_file=None, **_bos_eos(vocab))
     if not (out / "tokenizer.model").is_file():   # llama.cpp's converter and sentencepiece readers need it
         (out / "tokenizer.model").write_bytes(proto.SerializeToString())
 
@@ -200,9 +204,13 @@ def write_byte_level_bpe(vocab: GGUFVocab, out: Path) -> str:
     fast.save_pretrained(str(out))
     # transformers 5 writes `TokenizersBackend`, a class transformers 4 (in serving engines) does not have; the
     # generic fast class reads tokenizer.json in both
-    _edit_config(out, tokenizer_class="PreTrainedTokenizerFast")
+    _edit_config(out, tokenizer_class="PreTrainedTokenizerFast", **_bos_eos(vocab))
     how = f"byte-level BPE, pre-tokenizer {vocab.pre!r}"
     return how if known else how + " (not one qbuild knows: GPT-2's split used; the import check compares)"
+
+
+def _bos_eos(vocab: GGUFVocab) -> dict:
+    return {"add_bos_token": vocab.add_bos, "add_eos_token": vocab.add_eos}
 
 
 def _edit_config(out: Path, **changes) -> None:

@@ -72,7 +72,7 @@ def bounds(file_type: str, dtype: str) -> tuple[float, float]:
 
 def first_difference(ours: list[int], theirs: list[int]) -> int | None:
     """Where two token sequences first differ over `ours` (llama.cpp's may run on: ours is cut at the windows)."""
-    for i, (a, b) in enumerate(zip(ours, theirs)):
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
         if a != b:
             return i
     return None if len(theirs) >= len(ours) else len(theirs)
@@ -111,7 +111,6 @@ def run(ctx: StepContext) -> dict:
     file_type = _file_type(source)
     kld_bound, top1_bound = bounds(file_type, p["dtype"])
     measured = _divergence(ctx, source, ours, info["bos_token_id"])
-    del vocab
     result = {"source": source.name, "source_file_type": file_type, "import_dtype": p["dtype"],
               "tokens_compared": len(ours), "tokens_identical": True, **measured,
               "kld_bound": kld_bound, "top1_bound": top1_bound}
