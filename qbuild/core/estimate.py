@@ -171,7 +171,7 @@ def _cold(planned, misses: dict[str, StepEstimate], cores: int) -> tuple[float |
         if p.status == PlanStatus.SOURCE:
             continue
         if p.status in (PlanStatus.NEEDS_GPU, PlanStatus.UNAVAILABLE) or \
-                any(i.key in blocked for i in p.step.inputs.values()):
+                any(i.key in blocked for i in p.step.prerequisites()):
             blocked.add(p.step.key)
             continue
         if p.status == PlanStatus.MISS:
@@ -202,7 +202,7 @@ def _schedule(steps, estimates: dict[str, StepEstimate], cores: int) -> float:
                 break
             for key, s in list(pending.items()):
                 if any(i.key in pending or (i.key not in done_at and any(r[1] == i.key for r in running))
-                       for i in s.inputs.values()):
+                       for i in s.prerequisites()):
                     continue
                 need = min(max(s.threads, 1), cores)
                 if s.per_hardware and running:

@@ -113,7 +113,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
                 before = {id(c): c.cpus for _, c in running.values()}
                 budget.take_back_idle_share([c for _, c in running.values()])
                 for ps in list(pending):
-                    inputs = [outcomes.get(s.key) for s in ps.step.inputs.values()]
+                    inputs = [outcomes.get(s.key) for s in ps.step.prerequisites()]
                     if any(o is None for o in inputs):
                         continue  # an input is still running (or waiting)
                     done = self._resolve_without_building(ps, inputs)
@@ -139,7 +139,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
                 # the waiting steps, nearest to ready first (fewest inputs still to build)
                 if not budget.exclusive:
                     self._prestart(sorted((ps.step for ps in pending if ps.status == PlanStatus.MISS),
-                                          key=lambda s: sum(outcomes.get(i.key) is None for i in s.inputs.values())))
+                                          key=lambda s: sum(outcomes.get(i.key) is None for i in s.prerequisites())))
                 budget.share_idle([c for _, c in running.values()])
                 for _, c in running.values():
                     if c.elastic and before.get(id(c), c.cpus) != c.cpus:
@@ -185,7 +185,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
 
     def _resolve_without_building(self, ps: PlannedStep, inputs: list[StepOutcome]) -> StepOutcome | None:
         step = ps.step
-        broken = [s.name for s, o in zip(step.inputs.values(), inputs, strict=True)
+        broken = [s.name for s, o in zip(step.prerequisites(), inputs, strict=True)
                   if o.status in (Outcome.FAILED, Outcome.SKIPPED)]
         if ps.status == PlanStatus.SOURCE:
             return StepOutcome(step, Outcome.SOURCE, path=step.source_path)

@@ -232,7 +232,7 @@ class RayExecutor(Executor):
         try:
             while pending or running:
                 for ps in list(pending):
-                    ins = [outcomes.get(s.key) for s in ps.step.inputs.values()]
+                    ins = [outcomes.get(s.key) for s in ps.step.prerequisites()]
                     if any(o is None for o in ins):
                         continue
                     done = self._resolve_without_building(ps, ins)

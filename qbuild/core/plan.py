@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -120,6 +120,7 @@ class PlanContext:
     overlap: dict | None = None                         # calibration vs evaluation text, measured before any step
     _by_key: dict[str, Step] = field(default_factory=dict)
     _model: Step | None = None
+    _model_check: Step | None = None    # the baseline's check against its source: what reads the baseline waits for it
     _calibration: Step | None = None
     _model_info: dict | None = None
     _envs: dict[str, BackendEnv] = field(default_factory=dict)
@@ -138,9 +139,13 @@ class PlanContext:
         return self.recipe.runtime.device
 
     def add(self, step: Step) -> Step:
-        """Add a step (its inputs must already be added); identical steps are shared, not repeated."""
+        """Add a step (its inputs must already be added); identical steps are shared, not repeated. A step that
+        reads the baseline waits for the baseline's check (`after`: its key does not change)."""
         if step.key in self._by_key:
             return self._by_key[step.key]
+        check = self._model_check
+        if check is not None and any(s.key == self._model.key for s in step.inputs.values()):
+            step = replace(step, after=(*step.after, check))
         self._by_key[step.key] = step
         self.steps.append(step)
         return step
@@ -190,7 +195,10 @@ class PlanContext:
 
     def model(self) -> Step:
         if self._model is None:
+            from qbuild.models.import_check import import_check_step
+
             self._model = self.add(model_step(self.recipe.model, self.recipe_dir))
+            self._model_check = import_check_step(self, self._model)   # its own inputs are added before it: not gated
         return self._model
 
     def model_info(self) -> dict:

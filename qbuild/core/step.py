@@ -77,6 +77,7 @@ class Step:
     on_unavailable: OnUnavailable = OnUnavailable.FAIL
     impl_version: int = 1                     # bump when the runner's output changes for the same inputs
     backend_env: BackendEnv | None = None     # runs in this interpreter (qbuild.core.envs); its versions enter the key
+    after: tuple[Step, ...] = ()              # must succeed first (a check of what it reads); not hashed, not read
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +102,10 @@ class Step:
 
     def input_keys(self) -> dict[str, str]:
         return {role: s.key for role, s in self.inputs.items()}
+
+    def prerequisites(self) -> list[Step]:
+        """What must be done before this step starts: its inputs, then the checks it waits for (`after`)."""
+        return [*self.inputs.values(), *self.after]
 
     @property
     def short(self) -> str:

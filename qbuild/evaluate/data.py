@@ -14,12 +14,18 @@ TOKENS = "tokens.safetensors"
 INFO = "tokens.json"
 
 
+def documents(dataset: dict, sources_runtime: list, tok) -> list[str]:
+    """The evaluation text's documents, as the tokenizer is given them (rendered with its chat template if asked)."""
+    docs = []
+    for src, rt in zip(dataset["sources"], sources_runtime, strict=True):
+        docs += [render(d, tok, dataset["chat_template"]) for d in read_source(src, rt)]
+    return docs
+
+
 def run(ctx: StepContext) -> dict:
     p = ctx.params
     tok = load_tokenizer(ctx.inputs["tokenizer"])
-    docs = []
-    for src, rt in zip(p["dataset"]["sources"], ctx.runtime_args["sources"], strict=True):
-        docs += [render(d, tok, p["dataset"]["chat_template"]) for d in read_source(src, rt)]
+    docs = documents(p["dataset"], ctx.runtime_args["sources"], tok)
     ids = np.array(tok("\n\n".join(docs), add_special_tokens=False)["input_ids"], dtype=np.int32)
     body = p["context_length"] - (1 if p["add_bos"] else 0)
     if p["max_windows"]:

@@ -79,10 +79,11 @@ def run(ctx: StepContext) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from qbuild.models.gguf_tokenizer import write_tokenizer
+
     src = Path(ctx.runtime_args["gguf_path"])
     ctx.progress(0, 3, "loading GGUF")
     with gguf_parsed_once():
-        tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
         model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         ctx.progress(1, 3, "dequantized")
         # The weights are now plain tensors: drop the GGUF quantizer so the checkpoint saves as a normal one.
@@ -91,33 +92,11 @@ def run(ctx: StepContext) -> dict:
             del model.config.quantization_config
         model = model.to(getattr(torch, ctx.params["dtype"]))
         model.save_pretrained(str(ctx.out))
-        tokenizer.save_pretrained(str(ctx.out))
-        fixed = restore_byte_level_bpe(src, ctx.out)
+        tokenizer = write_tokenizer(src, ctx.out)
+        if tokenizer is None:   # a vocabulary type qbuild does not rebuild: transformers' conversion, checked later
+            AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(ctx.out))
+            tokenizer = "converted by transformers"
     ctx.progress(3, 3, "saved")
     params = sum(p.numel() for p in model.parameters())
     return {"format": "hf", "metrics": {"parameters": params},
-            "info": {"architecture": type(model).__name__, "tokenizer_fix": fixed}}
-
-
-def restore_byte_level_bpe(gguf_path: Path, out: Path) -> str | None:
-    """transformers rebuilds a GGUF 'gpt2' (byte-level BPE) vocab with SentencePiece-style byte fallback.
-
-    Token ids are unaffected (every byte has a byte-level token), but llama.cpp's converter then takes
-    the vocab for a SentencePiece one, and the GGUF it writes aborts in llama.cpp's tokenizer
-    (`byte_to_token`). Restore the byte-level BPE settings the GGUF declares.
-    """
-    import json
-
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.model")
-    if field is None or field.contents() != "gpt2":
-        return None
-    path = out / "tokenizer.json"
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if data["model"].get("type") != "BPE" or not data["model"].get("byte_fallback"):
-        return None
-    data["model"]["byte_fallback"] = False
-    data["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True}
-    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-    return "byte-level BPE restored (byte_fallback off, ByteLevel decoder)"
+            "info": {"architecture": type(model).__name__, "tokenizer": tokenizer}}

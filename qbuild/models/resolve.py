@@ -79,7 +79,8 @@ def model_step(spec, recipe_dir: Path) -> Step:
                     tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format=Format.HF,
                     runtime_args={"gguf_path": str(path)},
                     preload=HF_PRELOAD,
-                    impl_version=2)  # 2: byte-level BPE tokenizers restored
+                    impl_version=3)  # 2: byte-level BPE tokenizers restored; 3: tokenizers rebuilt from the GGUF's own
+                                     # vocabulary (SentencePiece as tokenizer.model, BPE with its pre-tokenizer)
     raise AssertionError(spec)
 
 
