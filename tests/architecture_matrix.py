@@ -39,7 +39,8 @@ SERVING = {"concurrency": [1], "requests": 4, "input_len": 32, "output_len": 8, 
            "configs": [{"name": "default"}]}
 
 # (family, cell) → why it fails today; the cell is an xfail (strict) until that is fixed.
-KNOWN_FAILURES: dict[tuple[str, str], str] = {}
+_PHI3_GGUF = "llama.cpp cannot load the converted GGUF (perplexity step: Failed to load model); cause not yet found"
+KNOWN_FAILURES: dict[tuple[str, str], str] = {("phi3", c): _PHI3_GGUF for c in ("hf",) + GGUF_CELLS}
 
 
 def variant_name(cell: str) -> str:
@@ -76,8 +77,9 @@ def recipe(family: str, group: str, model: Path, store: Path) -> dict:
                        "variants": [VARIANTS[c] for c in CT_CELLS if not refusal(family, c)],
                        "evaluation": EVALUATION}
     if group == "gguf-import":
-        return base | {"model": {"source": "gguf", "path": str(model)}, "variants": [],
-                       "evaluation": {"perplexity": EVALUATION["perplexity"]}}
+        # the imported checkpoint converted again (F16): the whole way round, HF → GGUF → HF → GGUF
+        return base | {"model": {"source": "gguf", "path": str(model)}, "variants": [VARIANTS["F16"]],
+                       "evaluation": EVALUATION}
     if group == "plan":
         return base | {"variants": [VARIANTS["Q8_0"], VARIANTS["rtn"]],
                        "evaluation": {"perplexity": None, "baseline": False, "serving": SERVING}}

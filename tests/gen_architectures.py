@@ -43,7 +43,9 @@ converter, quantized and evaluated by llama.cpp against the baseline (sanity bou
 **serving plan**, `qbuild plan` of the serving steps (llama-server for the GGUF, the HF-format server for the
 compressed-tensors checkpoint).
 
-✔: the cell passes. A (family, method) pair qbuild cannot build is refused when the recipe is validated
+✔: the cell is declared to pass (its test asserts it); ✘: it fails today (an xfail with the reason). The measured
+table shows which cells the run that wrote this page covered: "—" there is a cell that run did not reach.
+A (family, method) pair qbuild cannot build is refused when the recipe is validated
 (`qbuild validate` and `qbuild plan` exit 2 with one line naming the variant's field and the reason), never found by a
 failing step; the refusals are listed below the table.
 """
@@ -122,7 +124,7 @@ def page_klds(page: str, cell: str) -> dict[str, float]:
         if header is None:
             header = cols
             continue
-        if title in header and re.match(r"^[-+.\deE]+$", cols[header.index(title)]):
+        if title in header and re.match(r"^[-+]?\d[\d.eE+-]*$", cols[header.index(title)]):
             out[cols[0]] = float(cols[header.index(title)])
     return out
 
@@ -130,7 +132,8 @@ def page_klds(page: str, cell: str) -> dict[str, float]:
 def render(results: dict[tuple[str, str], dict]) -> str:
     return (HEAD + "\n## Status\n\n" + status_table() + "\n## Measured\n\n"
             "On the tiny models (random weights: their perplexity is high and means nothing; the KLD says how far each "
-            "artifact's next-token distribution is from the baseline's), from the run that wrote this page.\n\n"
+            "artifact's next-token distribution is from the baseline's), from the run that wrote this page; — : not run "
+            "by it.\n\n"
             + measured_table(results) + TOKENIZER_NOTE)
 
 
