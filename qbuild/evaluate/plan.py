@@ -19,6 +19,7 @@ import logging
 
 from qbuild.calibration.plan import TOKENIZE_TOOLS
 from qbuild.core.step import HF_PRELOAD, Step
+from qbuild.errors import RecipeError
 from qbuild.formats import spec
 from qbuild.plugins import Runtime, runtimes_for
 
@@ -218,9 +219,16 @@ def serving_quality_step(ctx, art, config) -> Step | None:
 
 
 def effective_evaluation(ctx):
-    """The recipe's evaluation with what a kld_base file decides: a llama-perplexity base file was scored with the
-    model's own BOS rule, which is followed unless the recipe says otherwise."""
+    """The recipe's evaluation with what the model decides where the recipe does not: a model whose tokenizer has no
+    BOS token (Qwen's) is scored without one, and a llama-perplexity base file (kld_base) was scored with the
+    model's own BOS rule, which is followed."""
     ev = ctx.recipe.evaluation
+    if ev.perplexity and ev.perplexity.add_bos and not tokenizer_has_bos(ctx.model()):
+        if "add_bos" in ev.perplexity.model_fields_set:
+            raise RecipeError("evaluation.perplexity.add_bos", "the model's tokenizer has no BOS token "
+                              "(tokenizer_config.json: bos_token null), so no window can start with one: "
+                              "set add_bos: false, or leave it out")
+        ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": False})})
     if ev.kld_base and ev.perplexity and "add_bos" not in ev.perplexity.model_fields_set:
         from qbuild.models.resolve import model_adds_bos
 
@@ -228,6 +236,20 @@ def effective_evaluation(ctx):
         if adds is not None and adds != ev.perplexity.add_bos:
             ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": adds})})
     return ev
+
+
+def tokenizer_has_bos(model: Step) -> bool:
+    """False when an HF checkpoint's tokenizer_config.json says its tokenizer has no BOS token (`bos_token: null`,
+    as Qwen's do); True otherwise, and for a GGUF source, whose tokenizer is made by its import step."""
+    import json
+
+    if model.source_path is None:
+        return True
+    try:
+        config = json.loads((model.source_path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return True
+    return not isinstance(config, dict) or "bos_token" not in config or config["bos_token"] is not None
 
 
 def reference_step(ctx, perplexity, name: str = "reference[baseline]") -> tuple[Step | None, str]:
@@ -247,7 +269,6 @@ def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
     """A `perplexity[label]` step of an intermediate model (a method's own measurement, e.g. a search's): its PPL,
     KLD and top-1 against the baseline's stored log-probs, on the recipe's evaluation text, on its first
     `max_windows` windows (None: the recipe's). Shares the recipe's reference where the windows are the same."""
-    from qbuild.errors import RecipeError
 
     ev = effective_evaluation(ctx)
     perplexity = ev.perplexity
@@ -274,7 +295,6 @@ def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
 def load_check_runtimes(ctx, check, fmt: str) -> list[Runtime]:
     """The installed runtimes a load check of a `fmt` artifact uses: those named in `runtimes` (in that order) that
     read it, else every installed one that reads it."""
-    from qbuild.errors import RecipeError
     from qbuild.plugins import runtimes
 
     if check.runtimes is None:
@@ -328,7 +348,6 @@ def _kld_base_reference(ctx, ev, data: Step, name: str = "reference[baseline]") 
     and a `reference[baseline]` step that reads the baseline's PPL off it (no model runs)."""
     from qbuild.core.fingerprint import dir_fingerprint
     from qbuild.core.hashing import sha256_text
-    from qbuild.errors import RecipeError
     from qbuild.evaluate.llamacpp_kld import read_kld_base
     from qbuild.models.resolve import resolve_path
 

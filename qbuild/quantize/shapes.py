@@ -12,11 +12,13 @@ models, from config.json.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import os
 import re
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 from qbuild.errors import RecipeError
@@ -233,3 +235,45 @@ def check_module_patterns(patterns: list[str], model_dir: Path | None, info: dic
     names = weight_modules(model_dir, info)
     if names:
         check_patterns(patterns, names, field, "module of the model", matches_module, class_names=True)
+
+
+# --- architecture families a method cannot build --------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class UnsupportedFamily:
+    """Models of `model_type` (whose config meets `applies`) that `methods` cannot build, and why."""
+
+    model_type: str
+    methods: tuple[str, ...]
+    reason: str
+    condition: str = ""                                   # `applies` in words, for the refusal and the docs
+    applies: Callable[[dict], bool] = dataclasses.field(default=lambda cfg: True, compare=False)
+
+
+# Each was found by the architecture matrix (tests/test_architectures.py, docs/architectures.md): planning refuses
+# it in one line instead of a step failing, or a wrong artifact being built, later.
+UNSUPPORTED_FAMILIES: tuple[UnsupportedFamily, ...] = (
+    UnsupportedFamily(
+        "qwen3_moe", ("gguf",),
+        "llama.cpp's qwen3moe graph always renormalizes the top-k router weights (the converter writes no "
+        "norm_topk_prob), so the GGUF would compute another function than the checkpoint (F16 KLD 0.044 against "
+        "it on the matrix's tiny Qwen3-MoE, 1e-6 with norm_topk_prob: true)",
+        "norm_topk_prob is false", lambda cfg: not cfg.get("norm_topk_prob")),
+)
+
+
+def family_refusal(info: dict, method: str) -> str | None:
+    """Why `method` cannot build a model of this architecture and configuration (UNSUPPORTED_FAMILIES), or None."""
+    cfg = _text_config(info)
+    model_type = cfg.get("model_type") or info.get("model_type")
+    for rule in UNSUPPORTED_FAMILIES:
+        if rule.model_type == model_type and method in rule.methods and rule.applies(cfg):
+            return (f"its config's {rule.condition}: " if rule.condition else "") + rule.reason
+    return None
+
+
+def check_family(info: dict, method: str, field: str) -> None:
+    """RecipeError `<field>.method` when `method` cannot build this model's architecture."""
+    why = family_refusal(info, method)
+    if why:
+        model_type = _text_config(info).get("model_type") or info.get("model_type")
+        raise RecipeError(f"{field}.method", f"{method} cannot build this {model_type} model: {why}")
