@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("services", ("qbuild.artifacts", "qbuild.calibration", "qbuild.evaluate", "qbuild.models", "qbuild.serving",
                   "qbuild.quantize.base", "qbuild.quantize.shapes", "qbuild.quantize.llamacpp_tools")),
     # the recipe and the planner of each of its sections (they turn recipe entries into steps)
-    ("planning", ("qbuild.core.recipe", "qbuild.models.resolve", "qbuild.serving.plan", "qbuild.serving.bench",
+    ("planning", ("qbuild.core.recipe", "qbuild.models.resolve", "qbuild.models.fidelity_plan",
+                  "qbuild.serving.plan", "qbuild.serving.bench",
                   "qbuild.evaluate.plan", "qbuild.evaluate.tasks", "qbuild.calibration.plan")),
     ("plugins", ("qbuild.quantize", "qbuild.build", "qbuild.runtimes", "qbuild.serving.engines")),
     ("pipeline", ("qbuild.core",)),

@@ -121,7 +121,7 @@ class PlanContext:
     overlap: dict | None = None                         # calibration vs evaluation text, measured before any step
     _by_key: dict[str, Step] = field(default_factory=dict)
     _model: Step | None = None
-    _model_check: Step | None = None    # the baseline's check against its source: what reads the baseline waits for it
+    _gates: dict[str, Step] = field(default_factory=dict)   # step key → its check: what reads the step waits for it
     _calibration: Step | None = None
     _model_info: dict | None = None
     _envs: dict[str, BackendEnv] = field(default_factory=dict)
@@ -141,12 +141,13 @@ class PlanContext:
 
     def add(self, step: Step) -> Step:
         """Add a step (its inputs must already be added); identical steps are shared, not repeated. A step that
-        reads the baseline waits for the baseline's check (`after`: its key does not change)."""
+        reads a checked step (the baseline, a GGUF conversion) waits for its check (`after`: its key does not
+        change)."""
         if step.key in self._by_key:
             return self._by_key[step.key]
-        check = self._model_check
-        if check is not None and any(s.key == self._model.key for s in step.inputs.values()):
-            step = replace(step, after=(*step.after, check))
+        checks = [self._gates[s.key] for s in step.inputs.values() if s.key in self._gates]
+        if checks:
+            step = replace(step, after=(*step.after, *checks))
         self._by_key[step.key] = step
         self.steps.append(step)
         return step
@@ -196,11 +197,24 @@ class PlanContext:
 
     def model(self) -> Step:
         if self._model is None:
-            from qbuild.models.import_check import import_check_step
+            from qbuild.models.fidelity_plan import import_check_step
 
             self._model = self.add(model_step(self.recipe.model, self.recipe_dir))
-            self._model_check = import_check_step(self, self._model)   # its own inputs are added before it: not gated
+            self.gate(self._model, import_check_step(self, self._model))
         return self._model
+
+    def gate(self, checked: Step, check: Step | None) -> None:
+        """Every step added from now on that reads `checked` waits for `check` (the check's own inputs, added before
+        it, do not)."""
+        if check is not None:
+            self._gates[checked.key] = check
+
+    def check_conversion(self, convert: Step) -> None:
+        """A GGUF conversion of an HF source is compared with the checkpoint (step convert-check) before any step
+        reading it runs; repeated calls share the one check."""
+        from qbuild.models.fidelity_plan import conversion_check_step
+
+        self.gate(convert, conversion_check_step(self, convert))
 
     def model_info(self) -> dict:
         if self._model_info is None:

@@ -355,6 +355,7 @@ class GGUF(Method):
         convert = ctx.add(Step("gguf-convert", f"gguf-convert[{variant.convert_type}]", {"outtype": variant.convert_type},
                                "qbuild.quantize.gguf:run_convert", inputs={"model": model}, tools=CONVERT_TOOLS,
                                threads=ctx.threads, format=Format.GGUF))
+        ctx.check_conversion(convert)   # held to the checkpoint before any variant is built on it
         inputs = {"gguf": convert}
         if variant.uses_imatrix():
             # one per model × calibration set (× convert type), shared by every GGUF variant; a named artifact of its

@@ -26,6 +26,7 @@ def _kv_quality(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutcom
             if o.step.kind == "perplexity" and o.step.runtime_args.get("serving_kv")}
 
 
+CHECK_KINDS = ("import-check", "convert-check")
 QUALITY_FIELDS = ("ppl", "delta_ppl_pct", "kld", "top1")
 
 
@@ -210,6 +211,11 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
     protocol = recipe.evaluation.perplexity.canonical() if recipe.evaluation.perplexity else None
     out = {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol,
            "warnings": list(plan.warnings), "overlap": plan.overlap}
+    # the baseline against llama.cpp on its source file, a conversion against the checkpoint (models.import_check)
+    checks = [o for o in outcomes if o.step.kind in CHECK_KINDS and o.status in (Outcome.BUILT, Outcome.CACHED)]
+    if checks:
+        out["fidelity_checks"] = [{"step": o.step.name, **o.metrics, **(o.record.get("info", {}) if o.record else {})}
+                                  for o in checks]
     if recipe.evaluation.serving:
         out["goodput_slo"] = goodput_slo(recipe)
     if recipe.selection is not None:
@@ -251,6 +257,8 @@ def render_table(summary: dict, console) -> None:
     console.print(table)
     _render_tasks(rows, console)
     render_serving(summary, console)
+    for check in summary.get("fidelity_checks") or []:
+        _render_fidelity_check(check, console)
     c = summary["counts"]
     console.print(f"{c['built']} built, {c['cached']} cached, {c['failed']} failed, {c['skipped']} skipped")
     for r in rows:
@@ -271,6 +279,20 @@ def render_table(summary: dict, console) -> None:
             console.print(f"[bold red]step {escape(s['name'])} failed[/]: {escape(first)}{log}", soft_wrap=True)
             for line in tool_lines:
                 console.print(escape(line), highlight=False, soft_wrap=True)
+
+
+def _render_fidelity_check(check: dict, console) -> None:
+    """One line: how the imported baseline agrees with llama.cpp on its source file, or a GGUF conversion with the
+    checkpoint."""
+    what = ("import checked against llama.cpp on the source" if check["step"] == "import-check"
+            else f"{check['step']}: the GGUF conversion through llama.cpp checked against the checkpoint")
+    line = (f"{what} ({check.get('source_file_type', '?')}): "
+            f"{check.get('tokens_compared')} tokens identical, KLD {_fmt(check.get('kld'), '.4f')}, "
+            f"top-1 {_fmt(check.get('top1'), '.1%')}")
+    if check.get("ppl") is not None:
+        line += (f", PPL {check['ppl']:.3f} (transformers) vs {check['ppl_source']:.3f} (llama.cpp) "
+                 f"({check['ppl_delta_pct']:+.2f} %) on the first windows")
+    console.print(line, highlight=False, soft_wrap=True)
 
 
 def _render_tasks(rows: list[dict], console) -> None:

@@ -1,0 +1,53 @@
+"""Planning of the fidelity checks (qbuild/models/import_check.py runs them): `import-check` for a GGUF source, held to
+its file; `convert-check[<type>]` for an HF source's GGUF conversion, held to the checkpoint. PlanContext.gate makes
+every step that reads the checked step wait for its check."""
+
+from __future__ import annotations
+
+from qbuild.core.recipe import Perplexity
+from qbuild.core.step import HF_PRELOAD, Step
+
+CHECK_WINDOWS = 2          # the first evaluation windows the distributions are compared on
+TOOLS = ("torch", "transformers", "tokenizers", "gguf", "llama-cpp-python")
+
+
+def import_check_step(ctx, model: Step) -> Step | None:
+    """The `import-check` step of a GGUF import (None for other model sources): on the recipe's evaluation text and
+    protocol (its defaults where the recipe measures no perplexity), first CHECK_WINDOWS windows."""
+    if model.kind != "import-gguf":
+        return None
+
+    perplexity = ctx.recipe.evaluation.perplexity or Perplexity()
+    data = ctx.eval_data(perplexity)
+    windows = min(CHECK_WINDOWS, perplexity.max_windows or CHECK_WINDOWS)
+    params = {"protocol": perplexity.protocol, "context_length": perplexity.context_length,
+              "stride": perplexity.stride, "add_bos": perplexity.add_bos, "windows": windows,
+              "dataset": data.params["dataset"], "dtype": model.params["dtype"]}
+    return ctx.add(Step("import-check", "import-check", params, "qbuild.models.import_check:run",
+                        inputs={"model": model, "data": data}, tools=TOOLS, threads=ctx.threads,
+                        preload=HF_PRELOAD, format="metrics", impl_version=2,   # 2: perplexity agreement
+                        runtime_args={"gguf_path": model.runtime_args["gguf_path"],
+                                      "sources": data.runtime_args["sources"]}))
+
+
+def conversion_check_step(ctx, convert: Step) -> Step | None:
+    """The `convert-check[<type>]` step of an HF source's GGUF conversion (None for a GGUF source, whose import-check
+    already holds the baseline to its file): the same comparison, the converted file through llama.cpp against the
+    checkpoint through transformers, so no GGUF variant is built on a conversion that does not reproduce it."""
+    model = ctx.model()
+    if model.kind == "import-gguf":
+        return None
+
+    perplexity = ctx.recipe.evaluation.perplexity or Perplexity()
+    data = ctx.eval_data(perplexity)
+    params = {"protocol": perplexity.protocol, "context_length": perplexity.context_length,
+              "stride": perplexity.stride, "add_bos": perplexity.add_bos,
+              "windows": min(CHECK_WINDOWS, perplexity.max_windows or CHECK_WINDOWS),
+              "dataset": data.params["dataset"], "outtype": convert.params["outtype"]}
+    return ctx.add(Step("convert-check", f"convert-check[{convert.params['outtype']}]", params,
+                        "qbuild.models.import_check:run_convert_check",
+                        inputs={"model": model, "data": data, "gguf": convert}, tools=TOOLS, threads=ctx.threads,
+                        preload=HF_PRELOAD, format="metrics",
+                        runtime_args={"sources": data.runtime_args["sources"]}))
+
+
