@@ -39,8 +39,7 @@ SERVING = {"concurrency": [1], "requests": 4, "input_len": 32, "output_len": 8, 
            "configs": [{"name": "default"}]}
 
 # (family, cell) → why it fails today; the cell is an xfail (strict) until that is fixed.
-_PHI3_GGUF = "llama.cpp cannot load the converted GGUF (perplexity step: Failed to load model); cause not yet found"
-KNOWN_FAILURES: dict[tuple[str, str], str] = {("phi3", c): _PHI3_GGUF for c in ("hf",) + GGUF_CELLS}
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def variant_name(cell: str) -> str:

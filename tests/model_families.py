@@ -77,6 +77,10 @@ LLAMA3_BPE = BPE(LLAMA3_SPLIT, "llama-bpe", "<|begin_of_text|>", "<|end_of_text|
                  ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"))
 QWEN_BPE = BPE(QWEN2_SPLIT, "qwen2", None, "<|endoftext|>", ("<|endoftext|>", "<|im_start|>", "<|im_end|>"))
 LLAMA_SPM = SPM("LlamaTokenizer", ("<unk>", "<s>", "</s>", "<pad>"), unk=0, bos=1, eos=2, pad=None, dummy_prefix=True)
+# Phi-3's chat tokens are in its vocabulary; llama.cpp relies on it (its vocabulary loader looks up <|endoftext|> by
+# name for any model named phi3 and fails to load one without it)
+PHI3_SPM = SPM("LlamaTokenizer", ("<unk>", "<s>", "</s>", "<pad>"), unk=0, bos=1, eos=2, pad=None, dummy_prefix=True,
+               control=("<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>"))
 GEMMA_SPM = SPM("GemmaTokenizer", ("<unk>", "<bos>", "<eos>", "<pad>"), unk=3, bos=2, eos=1, pad=0, dummy_prefix=False,
                 control=("<mask>",))
 
@@ -156,6 +160,7 @@ class Family:
     title: str
     make: Callable            # () -> (model class, config)
     tokenizer: BPE | SPM
+    version: int = 1          # bump when this family's model or tokenizer changes: its cached build is remade
 
     @property
     def tokenizer_kind(self) -> str:
@@ -169,7 +174,7 @@ FAMILIES = (
     Family("qwen3-moe", "Qwen3-MoE", _qwen3_moe, QWEN_BPE),
     Family("gemma2", "Gemma 2", _gemma2, GEMMA_SPM),
     Family("gemma3", "Gemma 3", _gemma3, GEMMA_SPM),
-    Family("phi3", "Phi-3", _phi3, LLAMA_SPM),
+    Family("phi3", "Phi-3", _phi3, PHI3_SPM, version=2),
     Family("mistral", "Mistral", _mistral, LLAMA_SPM),
     Family("mixtral", "Mixtral", _mixtral, LLAMA_SPM),
 )
@@ -258,7 +263,7 @@ BUILD_SCRIPT = "import sys\nfrom pathlib import Path\nimport model_families as m
 
 def built(family: Family, cache: Path) -> Path:
     """The family's model under `cache`, built once (in a subprocess, one thread) and reused by later sessions."""
-    target = cache / f"{family.name}-v{BUILD_VERSION}"
+    target = cache / f"{family.name}-v{BUILD_VERSION}.{family.version}"
     if (target / "config.json").is_file():
         return target
     staging = target.with_name(target.name + f".tmp{os.getpid()}")
