@@ -240,11 +240,16 @@ def effective_evaluation(ctx):
 
 def tokenizer_has_bos(model: Step) -> bool:
     """False when an HF checkpoint's tokenizer_config.json says its tokenizer has no BOS token (`bos_token: null`,
-    as Qwen's do); True otherwise, and for a GGUF source, whose tokenizer is made by its import step."""
+    as Qwen's do), or when a GGUF source names no BOS token (tokenizer.ggml.bos_token_id: its import's tokenizer
+    has none); True otherwise."""
     import json
 
     if model.source_path is None:
-        return True
+        if model.kind != "import-gguf":
+            return True
+        from qbuild.models.resolve import model_info
+
+        return "bos_token_id" not in (info := model_info(model)) or info["bos_token_id"] is not None
     try:
         config = json.loads((model.source_path / "tokenizer_config.json").read_text())
     except (OSError, ValueError):

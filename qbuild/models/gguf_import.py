@@ -19,7 +19,30 @@ _CONFIG_KEYS = {
     "attention.head_count_kv": "num_key_value_heads",
     "context_length": "max_position_embeddings",
     "rope.freq_base": "rope_theta",
+    "expert_count": "num_local_experts",
+    "attention.key_length": "head_dim",
 }
+
+
+def unimportable(info: dict) -> str | None:
+    """Why transformers cannot import this GGUF faithfully (read from its metadata at plan time), or None."""
+    if info.get("model_type") == "llama" and (info.get("num_local_experts") or 0) > 1:
+        return ("a Mixtral-style GGUF (llama architecture with experts): transformers' GGUF loader builds a dense "
+                "Llama from it and drops the experts (KLD 1.06 against llama.cpp on the matrix's tiny Mixtral); "
+                "import the HF checkpoint instead (source: local or hub)")
+    return None
+
+
+def gemma_attention_scalar(config) -> int | None:
+    """The query scaling llama.cpp uses for Gemma 2 / 3 (1/sqrt of this): the head size, or hidden / heads for the
+    27B models. transformers' GGUF config leaves its default, 256, which is right only for a head size of 256."""
+    if getattr(config, "model_type", None) not in ("gemma2", "gemma3_text", "gemma3"):
+        return None
+    text = getattr(config, "text_config", None) or config
+    layers_27b = {"gemma2": 46, "gemma3_text": 62, "gemma3": 62}[config.model_type]
+    if text.num_hidden_layers == layers_27b:
+        return text.hidden_size // text.num_attention_heads
+    return text.head_dim
 
 
 def gguf_config(path: Path) -> dict:
@@ -41,6 +64,8 @@ def gguf_config(path: Path) -> dict:
     add_bos = value("tokenizer.ggml.add_bos_token")
     if add_bos is not None:
         config["add_bos_token"] = bool(add_bos)
+    bos = value("tokenizer.ggml.bos_token_id")   # None: the imported tokenizer has no BOS token (Qwen's GGUFs)
+    config["bos_token_id"] = None if bos is None else int(bos)
     # llama.cpp writes no output.weight for a model whose output matrix is its token embedding
     config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -75,16 +100,58 @@ def gguf_parsed_once() -> Iterator[None]:
         gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
 
 
+def llama3_rope(path: Path, config) -> dict | None:
+    """Llama 3.x's RoPE scaling, recovered from the GGUF's `rope_freqs.weight` (where llama.cpp's converter keeps it,
+    as one divisor per frequency; the metadata holds no parameters), as transformers' `rope_parameters`, or None.
+
+    llama.cpp's divisor per frequency is 1 for short wavelengths, `factor` for long ones and 1 / ((1 - s) / factor
+    + s) between, with s = (L / wavelength - low) / (high - low): s is linear in 1 / wavelength, so two of the
+    frequencies between give the band exactly. Only the ratios L / low and L / high enter transformers' formula."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    if getattr(config, "model_type", None) != "llama":
+        return None
+    tensor = next((t for t in GGUFReader(str(path)).tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is None:
+        return None
+    divisors = np.asarray(tensor.data, dtype=np.float64).reshape(-1)
+    theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+                  or getattr(config, "rope_theta", 10000.0))
+    dims = 2 * len(divisors)
+    wavelength = 2 * np.pi * theta ** (np.arange(0, dims, 2) / dims)
+    factor = float(divisors.max())
+    between = (divisors > 1 + 1e-6) & (divisors < factor * (1 - 1e-6))
+    if factor <= 1 or between.sum() < 2:
+        return None
+    s = (1 / divisors[between] - 1 / factor) / (1 - 1 / factor)
+    slope, intercept = np.polyfit(1 / wavelength[between], s, 1)   # s = (L / w - low) / (high - low)
+    # L / low = -slope / intercept and L / high = slope / (1 - intercept); with low_freq_factor 1, as every Llama 3.x
+    # has, L is the longest wavelength left unscaled and both parameters come out as the model card states them
+    original = round(-slope / intercept)
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": round(float(original * (1 - intercept) / slope), 4),
+            "original_max_position_embeddings": original}
+
+
 def run(ctx: StepContext) -> dict:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from qbuild.models.gguf_tokenizer import write_tokenizer
 
     src = Path(ctx.runtime_args["gguf_path"])
     ctx.progress(0, 3, "loading GGUF")
     with gguf_parsed_once():
-        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+        rope = llama3_rope(src, config)
+        if rope is not None:   # transformers' GGUF config drops it: without it every position is rotated wrongly
+            config.rope_parameters = rope
+        scalar = gemma_attention_scalar(config)
+        if scalar is not None:
+            (getattr(config, "text_config", None) or config).query_pre_attn_scalar = scalar
+        model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, config=config,
+                                                     dtype=torch.float32)
         ctx.progress(1, 3, "dequantized")
         # The weights are now plain tensors: drop the GGUF quantizer so the checkpoint saves as a normal one.
         model.hf_quantizer = None

@@ -79,8 +79,9 @@ def model_step(spec, recipe_dir: Path) -> Step:
                     tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format=Format.HF,
                     runtime_args={"gguf_path": str(path)},
                     preload=HF_PRELOAD,
-                    impl_version=3)  # 2: byte-level BPE tokenizers restored; 3: tokenizers rebuilt from the GGUF's own
-                                     # vocabulary (SentencePiece as tokenizer.model, BPE with its pre-tokenizer)
+                    impl_version=4)  # 2: byte-level BPE tokenizers restored; 3: tokenizers rebuilt from the GGUF's own
+                                     # vocabulary (SentencePiece as tokenizer.model, BPE with its pre-tokenizer);
+                                     # 4: Llama 3's RoPE scaling recovered from rope_freqs, Gemma's query scaling
     raise AssertionError(spec)
 
 
@@ -89,7 +90,7 @@ def model_info(step: Step) -> dict:
     if step.source_path is not None:
         return json.loads((step.source_path / "config.json").read_text())
     # Parsing a GGUF's metadata (vocab, merges) takes seconds: memoize by the file's content hash.
-    memo = fingerprint_cache() / "model-info" / f"{step.params['gguf_sha256']}.v2.json"   # v2: tie_word_embeddings
+    memo = fingerprint_cache() / "model-info" / f"{step.params['gguf_sha256']}.v4.json"   # v4: bos_token_id, experts
     try:
         return json.loads(memo.read_text())
     except (OSError, ValueError):
