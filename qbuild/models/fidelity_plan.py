@@ -11,13 +11,24 @@ CHECK_WINDOWS = 2          # the first evaluation windows the distributions are 
 TOOLS = ("torch", "transformers", "tokenizers", "gguf", "llama-cpp-python")
 
 
+def _protocol(ctx) -> Perplexity:
+    """The evaluation's perplexity protocol as the evaluation resolves it (no BOS for a tokenizer without one), or
+    its defaults where the recipe measures no perplexity: the check reads the same eval-data step."""
+    from qbuild.evaluate.plan import effective_evaluation, tokenizer_has_bos
+
+    perplexity = effective_evaluation(ctx).perplexity
+    if perplexity is not None:
+        return perplexity
+    return Perplexity(add_bos=tokenizer_has_bos(ctx.model()))
+
+
 def import_check_step(ctx, model: Step) -> Step | None:
     """The `import-check` step of a GGUF import (None for other model sources): on the recipe's evaluation text and
     protocol (its defaults where the recipe measures no perplexity), first CHECK_WINDOWS windows."""
     if model.kind != "import-gguf":
         return None
 
-    perplexity = ctx.recipe.evaluation.perplexity or Perplexity()
+    perplexity = _protocol(ctx)
     data = ctx.eval_data(perplexity)
     windows = min(CHECK_WINDOWS, perplexity.max_windows or CHECK_WINDOWS)
     params = {"protocol": perplexity.protocol, "context_length": perplexity.context_length,
@@ -38,7 +49,7 @@ def conversion_check_step(ctx, convert: Step) -> Step | None:
     if model.kind == "import-gguf":
         return None
 
-    perplexity = ctx.recipe.evaluation.perplexity or Perplexity()
+    perplexity = _protocol(ctx)
     data = ctx.eval_data(perplexity)
     params = {"protocol": perplexity.protocol, "context_length": perplexity.context_length,
               "stride": perplexity.stride, "add_bos": perplexity.add_bos,

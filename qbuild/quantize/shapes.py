@@ -247,6 +247,10 @@ class UnsupportedFamily:
     reason: str
     condition: str = ""                                   # `applies` in words, for the refusal and the docs
     applies: Callable[[dict], bool] = dataclasses.field(default=lambda cfg: True, compare=False)
+    variant_condition: str = ""                           # `variant_applies` in words
+    # on the variant's options (a recipe variant or its dict); None: every variant of the method
+    variant_applies: Callable[[Callable[[str, object], object]], bool] = dataclasses.field(
+        default=lambda option: True, compare=False)
 
 
 # Each was found by the architecture matrix (tests/test_architectures.py, docs/architectures.md): planning refuses
@@ -258,22 +262,39 @@ UNSUPPORTED_FAMILIES: tuple[UnsupportedFamily, ...] = (
         "norm_topk_prob), so the GGUF would compute another function than the checkpoint (F16 KLD 0.044 against "
         "it on the matrix's tiny Qwen3-MoE, 1e-6 with norm_topk_prob: true)",
         "norm_topk_prob is false", lambda cfg: not cfg.get("norm_topk_prob")),
+    *(UnsupportedFamily(
+        model_type, ("rtn", "gptq", "awq"),
+        "transformers (5.x) cannot load an asymmetric compressed-tensors checkpoint of Qwen3-MoE's fused experts: its "
+        "DecompressExperts step fails on the zero points, so the artifact could not be evaluated; sym: true "
+        "(no zero point) loads",
+        variant_condition="sym is false (AWQ's default)",
+        variant_applies=lambda option: option("sym", True) is False) for model_type in ("qwen3_moe",)),
 )
 
 
-def family_refusal(info: dict, method: str) -> str | None:
-    """Why `method` cannot build a model of this architecture and configuration (UNSUPPORTED_FAMILIES), or None."""
+def family_refusal(info: dict, method: str, variant=None) -> str | None:
+    """Why `method` (with the options of `variant`, a recipe variant or its dict) cannot build a model of this
+    architecture and configuration (UNSUPPORTED_FAMILIES), or None."""
     cfg = _text_config(info)
     model_type = cfg.get("model_type") or info.get("model_type")
+
+    def option(name: str, default):
+        if variant is None:
+            return default
+        return variant.get(name, default) if isinstance(variant, dict) else getattr(variant, name, default)
+
     for rule in UNSUPPORTED_FAMILIES:
-        if rule.model_type == model_type and method in rule.methods and rule.applies(cfg):
-            return (f"its config's {rule.condition}: " if rule.condition else "") + rule.reason
+        if rule.model_type == model_type and method in rule.methods and rule.applies(cfg) \
+                and rule.variant_applies(option):
+            when = [f"its config's {rule.condition}" if rule.condition else "",
+                    f"the variant's {rule.variant_condition}" if rule.variant_condition else ""]
+            return ", ".join(w for w in when if w) + (": " if any(when) else "") + rule.reason
     return None
 
 
-def check_family(info: dict, method: str, field: str) -> None:
+def check_family(info: dict, method: str, field: str, variant=None) -> None:
     """RecipeError `<field>.method` when `method` cannot build this model's architecture."""
-    why = family_refusal(info, method)
+    why = family_refusal(info, method, variant)
     if why:
         model_type = _text_config(info).get("model_type") or info.get("model_type")
         raise RecipeError(f"{field}.method", f"{method} cannot build this {model_type} model: {why}")
