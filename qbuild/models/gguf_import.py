@@ -21,7 +21,21 @@ _CONFIG_KEYS = {
     "rope.freq_base": "rope_theta",
     "expert_count": "num_local_experts",
     "attention.key_length": "head_dim",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_used_count": "num_experts_per_tok",
 }
+# what transformers' GGUF config does not map (its class default stays, right only for the family's usual sizes:
+# Qwen3's head size 128, Qwen3-MoE's expert width 768 and 8 experts per token): GGUF fact → HF config attribute
+_UNMAPPED = {"head_dim": "head_dim", "moe_intermediate_size": "moe_intermediate_size",
+             "num_experts_per_tok": "num_experts_per_tok"}
+
+
+def restore_unmapped(config, facts: dict) -> None:
+    """Set the config attributes the GGUF states and transformers' GGUF config left at their defaults."""
+    for fact, attribute in _UNMAPPED.items():
+        value = facts.get(fact)
+        if value and getattr(config, attribute, None) not in (None, value):
+            setattr(config, attribute, int(value))
 
 
 def unimportable(info: dict) -> str | None:
@@ -144,6 +158,7 @@ def run(ctx: StepContext) -> dict:
     ctx.progress(0, 3, "loading GGUF")
     with gguf_parsed_once():
         config = AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
+        restore_unmapped(config, gguf_config(src))
         rope = llama3_rope(src, config)
         if rope is not None:   # transformers' GGUF config drops it: without it every position is rotated wrongly
             config.rope_parameters = rope

@@ -269,6 +269,12 @@ UNSUPPORTED_FAMILIES: tuple[UnsupportedFamily, ...] = (
         "(no zero point) loads",
         variant_condition="sym is false (AWQ's default)",
         variant_applies=lambda option: option("sym", True) is False) for model_type in ("qwen3_moe",)),
+    UnsupportedFamily(
+        "mixtral", ("rtn", "gptq", "awq", "fp8", "smoothquant"),
+        "llm-compressor writes Mixtral's experts one module each (block_sparse_moe.experts.N), and transformers 5 "
+        "reads Mixtral's experts fused (mlp.experts.gate_up_proj): it leaves them at random (KLD 1.07-1.10 against "
+        "the baseline for every scheme on the matrix's tiny Mixtral, FP8 included), so qbuild cannot evaluate the "
+        "checkpoint"),
 )
 
 
