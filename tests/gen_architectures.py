@@ -81,10 +81,13 @@ def status_table() -> str:
             + " | ".join(_cell(f.name, c) for c in am.CELLS) + " |" for f in mf.FAMILIES]
     from qbuild.quantize.shapes import UNSUPPORTED_FAMILIES
 
-    refusals = ["", "Refused at plan time (qbuild.quantize.shapes.UNSUPPORTED_FAMILIES):", ""]
+    refusals = ["", "Refused at plan time (qbuild.quantize.shapes.UNSUPPORTED_FAMILIES, and one GGUF import):", ""]
     refusals += [f"- `{rule.model_type}` × {', '.join(rule.methods)}"
-                 + (f", when {rule.condition}" if rule.condition else "") + f": {rule.reason}"
+                 + (f", when {rule.condition}" if rule.condition else "")
+                 + (f", when {rule.variant_condition}" if rule.variant_condition else "") + f": {rule.reason}"
                  for rule in UNSUPPORTED_FAMILIES]
+    refusals += [f"- {f.title} × GGUF import (qbuild.models.gguf_import.unimportable): {am.refusal(f.name, 'gguf-import')}"
+                 for f in mf.FAMILIES if am.refusal(f.name, "gguf-import")]
     return "\n".join([head, rule, *rows, *refusals]) + "\n"
 
 
@@ -105,9 +108,29 @@ def measured_table(results: dict[tuple[str, str], dict]) -> str:
         for cell in MEASURED_CELLS:
             data = results.get((f.name, cell))
             key = "ppl" if cell in ("hf", "gguf-import") else "kld"
-            cells.append("—" if data is None else (f"{data[key]:.1f}" if key == "ppl" else _number(data[key])))
+            if data is None:
+                cells.append("refused" if am.refusal(f.name, cell) else "—")
+            else:
+                cells.append(f"{data[key]:.1f}" if key == "ppl" else _number(data[key]))
         seconds = sum(d.get("seconds") or 0 for (name, _), d in results.items() if name == f.name)
         lines.append(f"| {f.title} | " + " | ".join(cells) + f" | {seconds:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def checks_table(results: dict[tuple[str, str], dict]) -> str:
+    """The fidelity checks every GGUF cell waited for: the F16 conversion against the HF checkpoint (convert-check),
+    and the round trip's import against its GGUF (import-check)."""
+    titles = ["conversion: tokens identical", "KLD", "top-1", "ΔPPL", "round-trip import: KLD", "ΔPPL"]
+    lines = ["| family | " + " | ".join(titles) + " |", "|" + "---|" * (1 + len(titles))]
+
+    def pct(value, spec):
+        return "—" if value is None else format(value, spec)
+
+    for f in mf.FAMILIES:
+        conv, back = results.get((f.name, "hf"), {}), results.get((f.name, "gguf-import"), {})
+        lines.append(f"| {f.title} | {conv.get('check_tokens', '—')} | {_number(conv.get('check_kld'))} | "
+                     f"{pct(conv.get('check_top1'), '.1%')} | {pct(conv.get('check_ppl_pct'), '+.3f')} % | "
+                     f"{_number(back.get('check_kld'))} | {pct(back.get('check_ppl_pct'), '+.3f')} % |")
     return "\n".join(lines) + "\n"
 
 
@@ -134,7 +157,13 @@ def render(results: dict[tuple[str, str], dict]) -> str:
             "On the tiny models (random weights: their perplexity is high and means nothing; the KLD says how far each "
             "artifact's next-token distribution is from the baseline's), from the run that wrote this page; — : not run "
             "by it.\n\n"
-            + measured_table(results) + TOKENIZER_NOTE)
+            + measured_table(results)
+            + "\n## Fidelity checks\n\nEvery GGUF cell waits for the check of what it is built from "
+            "(qbuild/models/import_check.py): the F16 conversion through llama.cpp against the HF checkpoint through "
+            "transformers (`convert-check[f16]`: the evaluation text tokenized alike, token for token; KLD, top-1 "
+            "agreement and perplexity on the first 2 windows), and, for the round trip, the import against its GGUF "
+            "(`import-check`). A cell whose check fails is not built: the run stops with one line naming what "
+            "differs.\n\n" + checks_table(results) + TOKENIZER_NOTE)
 
 
 def run_matrix(results: Path) -> int:
