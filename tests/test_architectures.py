@@ -296,8 +296,8 @@ def test_recipes_of_the_matrix_parse(tmp_path):
 def test_asymmetric_compressed_tensors_qwen3_moe_is_refused(family_dir, tmp_path):
     """AWQ (asymmetric by default) on Qwen3-MoE is refused when the recipe is validated: the checkpoint llm-compressor
     writes has zero points on the fused experts that transformers' DecompressExperts cannot load (the matrix's AWQ
-    cell failed in its perplexity step before; Mixtral's AWQ loads, RTN and GPTQ, symmetric, load). The same method
-    with sym: true is not refused."""
+    cell failed in its perplexity step before; RTN and GPTQ, symmetric, load). The same method with sym: true is not
+    refused."""
     data = am.recipe("qwen3-moe", "awq", family_dir("qwen3-moe"), tmp_path / "store")
     done = qbuild("validate", write_recipe(tmp_path / "recipe.yaml", data))
     assert done.returncode == 2, done.stdout + done.stderr
@@ -306,4 +306,3 @@ def test_asymmetric_compressed_tensors_qwen3_moe_is_refused(family_dir, tmp_path
     data["variants"][0]["sym"] = True
     done = qbuild("validate", write_recipe(tmp_path / "recipe.yaml", data))
     assert done.returncode == 0, done.stderr
-    assert am.refusal("mixtral", "awq") is None
