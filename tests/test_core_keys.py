@@ -77,7 +77,8 @@ def test_evaluation_setting_keeps_quantized_models(tmp_path, setup):
     _, data, keys = setup
     data["evaluation"]["perplexity"]["max_windows"] = 3
     diff = changed(keys, keys_of(data, tmp_path))
-    assert diff == {"eval-data"} | {k for k in keys if k.startswith("perplexity[")}
+    # the conversion check compares on the evaluation text, so it is redone; no quantized model is
+    assert diff == {"eval-data", "convert-check[f16]"} | {k for k in keys if k.startswith("perplexity[")}
 
 
 def test_variant_param_misses_only_that_variant(tmp_path, setup):
@@ -109,7 +110,8 @@ def test_toolchain_change_misses_only_steps_using_it(tmp_path, setup, monkeypatc
 
     monkeypatch.setattr("qbuild.core.fingerprint.package_version", fake_version)
     diff = changed(keys, keys_of(data, tmp_path))
-    assert diff == {"gguf-convert[f16]", "quantize[q4]", "quantize[q8]", "perplexity[q4]", "perplexity[q8]"}
+    assert diff == {"gguf-convert[f16]", "convert-check[f16]", "quantize[q4]", "quantize[q8]", "perplexity[q4]",
+                    "perplexity[q8]"}
     monkeypatch.setattr("qbuild.core.fingerprint.package_version", lambda d: "0.0-unrelated" if d == "requests" else real(d))
     assert changed(keys, keys_of(data, tmp_path)) == set()
 
