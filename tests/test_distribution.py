@@ -40,7 +40,8 @@ def test_machine_b_reuses_machine_a_through_s3_and_serving_pulls_by_alias(
 
     # machine A builds, pushes (on-success) and registers
     first = _json(qbuild(recipe, "--store", a, "--json", env={"QBUILD_SIGNING_KEY": str(key)}))
-    assert first["counts"]["failed"] == 0 and first["counts"]["built"] == 5  # convert, quantize, eval-data, 2 perplexities
+    # convert, its check, quantize, eval-data, 2 perplexities
+    assert first["counts"]["failed"] == 0 and first["counts"]["built"] == 6
     assert first["remotes"]["team"]["objects"] == first["counts"]["built"]
     assert first["registered"]["q8"]["alias"] == "champion"
     ppl = {r["variant"]: r["ppl"] for r in first["variants"]}
