@@ -98,13 +98,14 @@ def compare_environment(stored: dict, rebuilt: dict) -> dict:
 
 
 def _closure(plan, step) -> list:
-    """The planned steps `step` reads, transitively, in plan order (all stored: they are served as hits)."""
-    need, stack = set(), list(step.inputs.values())
+    """The planned steps `step` reads or waits for (its checks), transitively, in plan order (all stored: they are
+    served as hits)."""
+    need, stack = set(), list(step.prerequisites())
     while stack:
         s = stack.pop()
         if s.key not in need:
             need.add(s.key)
-            stack.extend(s.inputs.values())
+            stack.extend(s.prerequisites())
     return [p for p in plan.steps if p.step.key in need]
 
 
