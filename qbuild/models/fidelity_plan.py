@@ -22,18 +22,24 @@ def _protocol(ctx) -> Perplexity:
     return Perplexity(add_bos=tokenizer_has_bos(ctx.model()))
 
 
+def _compared_on(ctx) -> tuple[Step, dict]:
+    """The eval-data step a check reads and the protocol params it compares on: the first CHECK_WINDOWS windows."""
+    perplexity = _protocol(ctx)
+    data = ctx.eval_data(perplexity)
+    return data, {"protocol": perplexity.protocol, "context_length": perplexity.context_length,
+                  "stride": perplexity.stride, "add_bos": perplexity.add_bos,
+                  "windows": min(CHECK_WINDOWS, perplexity.max_windows or CHECK_WINDOWS),
+                  "dataset": data.params["dataset"]}
+
+
 def import_check_step(ctx, model: Step) -> Step | None:
     """The `import-check` step of a GGUF import (None for other model sources): on the recipe's evaluation text and
     protocol (its defaults where the recipe measures no perplexity), first CHECK_WINDOWS windows."""
     if model.kind != "import-gguf":
         return None
 
-    perplexity = _protocol(ctx)
-    data = ctx.eval_data(perplexity)
-    windows = min(CHECK_WINDOWS, perplexity.max_windows or CHECK_WINDOWS)
-    params = {"protocol": perplexity.protocol, "context_length": perplexity.context_length,
-              "stride": perplexity.stride, "add_bos": perplexity.add_bos, "windows": windows,
-              "dataset": data.params["dataset"], "dtype": model.params["dtype"]}
+    data, params = _compared_on(ctx)
+    params["dtype"] = model.params["dtype"]
     return ctx.add(Step("import-check", "import-check", params, "qbuild.models.import_check:run",
                         inputs={"model": model, "data": data}, tools=TOOLS, threads=ctx.threads,
                         preload=HF_PRELOAD, format="metrics", impl_version=2,   # 2: perplexity agreement
@@ -49,12 +55,8 @@ def conversion_check_step(ctx, convert: Step) -> Step | None:
     if model.kind == "import-gguf":
         return None
 
-    perplexity = _protocol(ctx)
-    data = ctx.eval_data(perplexity)
-    params = {"protocol": perplexity.protocol, "context_length": perplexity.context_length,
-              "stride": perplexity.stride, "add_bos": perplexity.add_bos,
-              "windows": min(CHECK_WINDOWS, perplexity.max_windows or CHECK_WINDOWS),
-              "dataset": data.params["dataset"], "outtype": convert.params["outtype"]}
+    data, params = _compared_on(ctx)
+    params["outtype"] = convert.params["outtype"]
     return ctx.add(Step("convert-check", f"convert-check[{convert.params['outtype']}]", params,
                         "qbuild.models.import_check:run_convert_check",
                         inputs={"model": model, "data": data, "gguf": convert}, tools=TOOLS, threads=ctx.threads,
