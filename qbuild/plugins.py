@@ -265,6 +265,11 @@ class Runtime(Plugin, ABC):
     # () where the runtime has no such setting, so a quantized KV cache's quality cost is not measured through it
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()
 
+    def memory(self, kind: str) -> str:
+        """How a step of `kind` holds the model it evaluates (Step.memory, qbuild.core.memory_fit): "whole-model",
+        "layer-streamed", or "" where the runtime maps the file or runs elsewhere (not limited at plan time)."""
+        return ""
+
     def plan_fields(self, label: str, artifact: Step, ctx: PlanningContext, measure: str) -> EvalStepFields:
         """What this runtime adds to an evaluation step of `artifact` (inputs, toolchain facts, availability)."""
         return EvalStepFields()

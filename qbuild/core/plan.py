@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from qbuild.artifacts.store import Hit, Store
 from qbuild.calibration.plan import calibration_step, check_overlap, eval_data_step, overlapping_sources
 from qbuild.core.fingerprint import install_hint, package_version
+from qbuild.core.memory_fit import check_memory
 from qbuild.core.recipe import Recipe, locate
 from qbuild.core.step import PlanStatus, Step
 from qbuild.errors import RecipeError
@@ -389,11 +390,12 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (
     Every local hit is checked first (verify="fast": file set, sizes, memoized hashes; "full": re-hash)."""
     ctx = build_steps(recipe, recipe_dir)
     steps = tuple(_status(s, store, recipe.name, tuple(remotes), verify) for s in ctx.steps)
-    for limit in ctx.time_limits:
-        try:
+    try:
+        for limit in ctx.time_limits:
             check_time_limit(limit, steps, store, recipe.name)
-        except RecipeError as err:
-            raise locate(err, recipe) from None
+        check_memory(steps, ctx.model_info(), ctx.model().source_path, recipe.variants)
+    except RecipeError as err:
+        raise locate(err, recipe) from None
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
                 tuple(remotes), overlap=ctx.overlap, time_limits=tuple(ctx.time_limits))
 

@@ -89,7 +89,8 @@ class AutoRound(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, "qbuild.quantize.autoround:run",
                             inputs={"model": ctx.model(), "calibration": ctx.calibration()}, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=FORMATS[variant.format],
-                            scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self)))
+                            scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self),
+                            memory="whole-model"))
 
 
 # --- worker side ------------------------------------------------------------------------------------

@@ -85,7 +85,7 @@ class BitsAndBytes(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.bitsandbytes:run", inputs={"model": ctx.model()}, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=FORMAT,
-                            scheme=variant.scheme))
+                            scheme=variant.scheme, memory="whole-model"))
 
 
 # --- worker side ------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ class GPTQModel(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             f"{__name__}:GPTQModel.run", inputs={"model": ctx.model(), "calibration": ctx.calibration()},
                             tools=TOOLS, threads=ctx.threads, variant=variant.name, format=Format.GPTQ,
-                            scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self)))
+                            scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self),
+                            memory="whole-model"))
 
     def run(self, ctx: StepContext) -> dict:
         from qbuild.calibration.build import load_calibration

@@ -110,7 +110,8 @@ class LLMCompressorMethod(Method):
         runner = f"{type(self).__module__}:{type(self).__name__}.run"
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.COMPRESSED_TENSORS,
-                            scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self)))
+                            scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self),
+                            memory="whole-model"))
 
     @abstractmethod
     def modifiers(self, params: dict) -> list:

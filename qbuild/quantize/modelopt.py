@@ -156,7 +156,8 @@ class ModelOpt(Method):
             gpu = {"requires_gpu": True, "unavailable": why, "on_unavailable": OnUnavailable(variant.on_missing_gpu)}
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.modelopt:run", inputs=inputs, tools=TOOLS, threads=ctx.threads,
-                            variant=variant.name, format=FORMATS[variant.export], scheme=variant.scheme, **gpu))
+                            variant=variant.name, format=FORMATS[variant.export], scheme=variant.scheme,
+                            memory="whole-model", **gpu))
 
 
 def _modelopt_version() -> str:

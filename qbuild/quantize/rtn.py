@@ -69,6 +69,7 @@ class RTN(lc.LLMCompressorMethod):
                 params = {**params, "auto_ignore": list(auto_ignore)}
             return ctx.add(Step("quantize", name, params, "qbuild.quantize.ct_search:run_quantize",
                                 inputs={"model": ctx.model(), **extra}, tools=lc.TOOLS, threads=ctx.threads,
-                                format=Format.COMPRESSED_TENSORS, scheme="w8a16", backend_env=env))
+                                format=Format.COMPRESSED_TENSORS, scheme="w8a16", backend_env=env,
+                                memory="whole-model"))
 
         return plan_search(variant, ctx, quantize_step)

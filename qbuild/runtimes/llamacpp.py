@@ -1,4 +1,5 @@
-"""Runtime `llama.cpp`: GGUF files through llama-cpp-python, on CPU."""
+"""Runtime `llama.cpp`: GGUF files through llama-cpp-python, on CPU, or with every layer on the GPU where the
+installed build offloads (llama_supports_gpu_offload) and the step's device is not cpu."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from qbuild.plugins import Runtime, RuntimeSession, runtimes
 
 
 class LlamaCppSession(RuntimeSession):
-    def __init__(self, path: Path, n_ctx: int, threads: int, flash_attn: bool = False, kv_cache_dtype: str | None = None):
+    def __init__(self, path: Path, n_ctx: int, threads: int, flash_attn: bool = False, kv_cache_dtype: str | None = None,
+                 device: str = "cpu"):
         import llama_cpp
         from llama_cpp import Llama
 
@@ -24,8 +26,11 @@ class LlamaCppSession(RuntimeSession):
         # the KV-cache type a serving config runs with (type_k/type_v = llama-server's --cache-type-k/-v)
         kv = {} if not kv_cache_dtype else {"type_k": ggml_type_id(llama_cpp, kv_cache_dtype.upper()),
                                             "type_v": ggml_type_id(llama_cpp, kv_cache_dtype.upper())}
+        # every layer on the GPU where this llama.cpp build offloads (a CUDA/Metal build) and the step may use one
+        self.gpu_layers = -1 if device != "cpu" and llama_cpp.llama_supports_gpu_offload() else 0
         self.llm = Llama(model_path=str(files[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
-                         n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False, **kv)
+                         n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False,
+                         n_gpu_layers=self.gpu_layers, **kv)
         self.flash_attn, self.kv_cache_dtype = flash_attn, kv_cache_dtype
 
     def logits(self, tokens: list[int]):
@@ -102,7 +107,8 @@ class LlamaCppSession(RuntimeSession):
         import llama_cpp
 
         return {"name": LlamaCppRuntime.name, "llama_cpp_python": llama_cpp.__version__, "threads": self.threads,
-                "flash_attn": self.flash_attn, **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype else {})}
+                "flash_attn": self.flash_attn, **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype else {}),
+                **({"n_gpu_layers": "all"} if self.gpu_layers else {})}
 
 
 @runtimes.register
@@ -119,4 +125,4 @@ class LlamaCppRuntime(Runtime):
     def open(self, model: Path, ctx: StepContext, n_ctx: int) -> LlamaCppSession:
         # flash attention changes the logits in the 3rd digit: off unless the protocol asks (evaluation.perplexity)
         return LlamaCppSession(Path(model), n_ctx, ctx.threads, bool(ctx.params.get("flash_attn")),
-                               ctx.params.get("kv_cache_dtype"))
+                               ctx.params.get("kv_cache_dtype"), ctx.device)

@@ -28,16 +28,45 @@ def check_loaded(path: Path, info: dict) -> None:
 
 
 class TransformersSession(RuntimeSession):
+    """An HF checkpoint in transformers. Evaluation windows of one length go through it layer-streamed
+    (qbuild.runtimes.layer_stream: one decoder layer's weights in memory, the same logits); the rest (generation,
+    windows of mixed lengths that fit) through the whole model, loaded on first use."""
+
     def __init__(self, path: Path, threads: int, device: str):
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig
 
-        self.torch = torch
+        self.torch, self.path = torch, Path(path)
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        dtype = "auto" if self.device == "cuda" else torch.float32
-        model, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
-        check_loaded(path, info)
-        self.model = model.to(self.device).eval()
+        self.dtype = "auto" if self.device == "cuda" else torch.float32
+        self.config = AutoConfig.from_pretrained(str(path))
+        self._model = None
+        self._streamed = None
+
+    @property
+    def model(self):
+        """The whole model (loaded on first use; layer-streamed evaluation never loads it)."""
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            model, info = AutoModelForCausalLM.from_pretrained(str(self.path), dtype=self.dtype,
+                                                               output_loading_info=True)
+            check_loaded(self.path, info)
+            self._model = model.to(self.device).eval()
+        return self._model
+
+    def streamed(self):
+        """The layer-streamed model, or None where this checkpoint cannot be streamed (quantized, fused MoE
+        experts) or the whole model is already loaded."""
+        if self._streamed is None and self._model is None:
+            from qbuild.runtimes.layer_stream import LayerStreamedModel, NotStreamable
+
+            dtype = self.dtype if self.dtype != "auto" else getattr(self.config, "dtype", None) or self.torch.bfloat16
+            try:
+                self._streamed = LayerStreamedModel(self.path, self.device, dtype)
+            except NotStreamable:
+                self._streamed = False
+        return self._streamed or None
 
     def logits(self, tokens: list[int]):
         with self.torch.inference_mode():
@@ -57,15 +86,23 @@ class TransformersSession(RuntimeSession):
             return max(1, int(forced))
         if self.device != "cuda":
             return 1
-        cfg = self.model.config
+        cfg = self.config.get_text_config()
         free, _ = self.torch.cuda.mem_get_info()
         per_window = n_tokens * (cfg.vocab_size * 8 + cfg.hidden_size * 4 * 16)
         return max(1, min(64, int(free * 0.5 // per_window)))
 
     def window_logits(self, windows) -> Iterator:
-        """Logits of each window, in order; windows of equal length go through the model together."""
+        """Logits of each window, in order. Windows of one length (perplexity, KLD, the reference) stream the model
+        layer by layer on CPU, and on CUDA where the model would not fit the GPU; otherwise windows of equal length go
+        through the whole model together."""
         if not windows:
             return
+        lengths = {len(w.tokens) for w in windows}
+        if (self.device == "cpu" and len(lengths) == 1) or not self._whole_fits():
+            streamed = self.streamed()
+            if streamed is not None:
+                yield from streamed.window_logits([w.tokens for w in windows])
+                return
         bs = self.batch_size(len(windows[0].tokens))
         i = 0
         while i < len(windows):
@@ -81,6 +118,21 @@ class TransformersSession(RuntimeSession):
                 yield row.float().cpu().numpy()
             del out
             i += len(group)
+
+    def _whole_fits(self) -> bool:
+        """Whether the whole model, in the compute dtype, takes under half the memory free for it (host or GPU)."""
+        if self._model is not None:
+            return True
+        from qbuild.runtimes.layer_stream import checkpoint_bytes
+
+        need = checkpoint_bytes(self.path) * (2 if self.dtype is self.torch.float32 else 1)   # 16-bit files
+        if self.device == "cuda":
+            free, _ = self.torch.cuda.mem_get_info()
+        else:
+            import psutil
+
+            free = psutil.virtual_memory().available
+        return need < free / 2
 
     def generate_timed(self, prompts: list[list[int]], n_out: int) -> dict:
         torch = self.torch
@@ -120,7 +172,7 @@ class TransformersSession(RuntimeSession):
 
         info = {"name": TransformersRuntime.name, "transformers": transformers.__version__,
                 "torch": self.torch.__version__, "device": self.device}
-        qc = getattr(self.model.config, "quantization_config", None)
+        qc = getattr(self.config, "quantization_config", None)
         if qc is not None:   # a quantized checkpoint: which loader and Linear kernel read it (e.g. gptqmodel's)
             method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "")
             info["quant_method"] = str(getattr(method, "value", method))   # transformers' QuantizationMethod enum
@@ -141,6 +193,10 @@ class TransformersRuntime(Runtime):
     extra = "hf"
     requires = ("torch", "transformers")
     preload = HF_PRELOAD
+
+    def memory(self, kind: str) -> str:
+        # generation (throughput, load-check) runs the whole model; windows of one length stream it layer by layer
+        return "whole-model" if kind in ("throughput", "load-check") else "layer-streamed"
 
     def open(self, model: Path, ctx: StepContext, n_ctx: int) -> TransformersSession:
         return TransformersSession(Path(model), ctx.threads, ctx.device)

