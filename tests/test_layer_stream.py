@@ -2,7 +2,8 @@
 
 Each family's tiny random-weight model (tests/model_families.py: RoPE variants, sliding-window layers, Gemma's
 softcapping and scaled embeddings, Phi-3's fused projections, tied and untied heads) is evaluated on the same
-windows both ways; so is the demo's SmolLM2-135M, through the runtime session a perplexity step opens.
+windows both ways; so are compressed-tensors checkpoints of it and the demo's SmolLM2-135M, through the runtime
+session a perplexity step opens.
 """
 
 from __future__ import annotations
@@ -69,6 +70,23 @@ def test_moe_experts_fall_back_to_the_whole_model(tmp_path):
     session = TransformersSession(path, 1, "cpu")
     assert len(list(session.window_logits(_windows(1024, 2, 32)))) == 2
     assert session._model is not None and session._streamed is False
+
+
+@pytest.mark.parametrize("scheme", ["W4A16", "W8A16", "FP8_DYNAMIC", "W8A8"])
+def test_compressed_tensors_checkpoints_stream_to_the_same_logits(tmp_path, scheme):
+    """llm-compressor's output, each weight scheme (packed int4, int8, fp8; W8A8 also quantizes activations as they
+    pass): decompressed layer by layer by compressed-tensors, the same logits as transformers' whole model."""
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from transformers import AutoModelForCausalLM
+
+    src = _save("llama3", tmp_path / "src")
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    oneshot(model=model, recipe=[QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])])
+    out = tmp_path / scheme
+    model.save_pretrained(out, save_compressed=True)
+    got, want = _both(out, _windows(1024, 2, 64))
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_demo_model_streams_to_the_same_logits(smollm2_dir):

@@ -8,8 +8,9 @@ on random-weight Llama-shaped models of 135M-3B parameters (bench/bench_model_si
 - `memory="whole-model"` on a quantize step (llm-compressor, ModelOpt, GPTQModel, AutoRound, bitsandbytes):
   1.1 x the checkpoint + 1.7 GB;
 - `memory="layer-streamed"` (transformers evaluating windows of one length: qbuild.runtimes.layer_stream): the
-  weights outside the layers in fp32, one layer in fp32 and as stored, and 1.2 GB of activations and runtime; a
-  quantized or MoE checkpoint is loaded whole by transformers instead;
+  weights outside the layers in fp32, one layer in fp32 and as stored, and 1.2 GB of activations and runtime (an
+  unquantized or compressed-tensors checkpoint); a MoE checkpoint, or one another quantizer loads (bitsandbytes,
+  GPTQ, AWQ), is loaded whole by transformers instead;
 - `memory="whole-model"` on an evaluation step (generation), or a streamed one that cannot stream: 3 x the
   checkpoint (the fp32 copy and the stored file's pages);
 - `memory=""`: llama.cpp steps map the GGUF file (pages the kernel can drop) and hold about one tensor; steps on
@@ -80,21 +81,21 @@ def machine_memory() -> tuple[int, str]:
     return total, "this machine's RAM"
 
 
-def step_memory(step, size: ModelSize, quantized_input: bool) -> tuple[int, str] | None:
+def step_memory(step, size: ModelSize, loaded_whole: bool) -> tuple[int, str] | None:
     """(peak bytes, how the step holds the model) for a step that holds model weights in memory (Step.memory, as the
     plugin that made the step declares it); None otherwise."""
     if step.memory == "whole-model" and step.kind == "quantize":
         return int(1.1 * size.total + QUANTIZER_OVERHEAD), "loads the whole model to quantize it"
-    if step.memory == "whole-model" or (step.memory == "layer-streamed" and (quantized_input or size.experts)):
+    if step.memory == "whole-model" or (step.memory == "layer-streamed" and (loaded_whole or size.experts)):
         return 3 * size.total, "loads the whole model, in fp32 on CPU"
     if step.memory == "layer-streamed":
         return 2 * size.outside + 3 * size.layer + int(RUNTIME_OVERHEAD), "layer-streamed"
     return None
 
 
-def refusal(step, size: ModelSize, quantized_input: bool, memory: tuple[int, str]) -> str | None:
+def refusal(step, size: ModelSize, loaded_whole: bool, memory: tuple[int, str]) -> str | None:
     """One line saying why `step` cannot run in `memory`, or None when it fits."""
-    need = step_memory(step, size, quantized_input)
+    need = step_memory(step, size, loaded_whole)
     if need is None or need[0] <= memory[0]:
         return None
     return (f"{step.name} needs about {need[0] / GB:.1f} GB of memory ({need[1]}; a {size.parameters / 1e9:.2f}B-"
@@ -102,7 +103,7 @@ def refusal(step, size: ModelSize, quantized_input: bool, memory: tuple[int, str
             f"the step, or declare a larger budget with QBUILD_MEMORY_GB")
 
 
-SOURCE_KINDS = ("model", "import-gguf")   # an input made by these is the unquantized model
+STREAMABLE_FORMATS = ("hf", "compressed-tensors")   # what qbuild.runtimes.layer_stream reads one layer at a time
 
 
 def check_memory(planned, model_info: dict, source: Path | None, variants) -> None:
@@ -119,8 +120,8 @@ def check_memory(planned, model_info: dict, source: Path | None, variants) -> No
         if p.status != PlanStatus.MISS:
             continue
         model_input = p.step.inputs.get("model")
-        quantized = model_input is not None and model_input.kind not in SOURCE_KINDS
-        why = refusal(p.step, size, quantized, memory)
+        loaded_whole = model_input is not None and model_input.format not in STREAMABLE_FORMATS
+        why = refusal(p.step, size, loaded_whole, memory)
         if why:
             index = next((i for i, v in enumerate(variants) if f"[{v.name}" in p.step.name), None)
             field = ("model" if p.step.kind in ("import-check", "convert-check") else

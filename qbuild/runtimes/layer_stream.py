@@ -8,14 +8,19 @@ forward of the base model carries a group of windows, so every layer is read onc
 windows go through one at a time: the same shapes, kernels and order of operations as a whole-model pass of one
 window, hence the same logits to the last bit on CPU (tests/test_layer_stream.py compares them).
 
+A compressed-tensors checkpoint (llm-compressor's output) is set up as transformers' quantizer sets it up, and each
+layer's compressed weights are decompressed by compressed-tensors as they are read, as the whole model's first
+forward pass decompresses them all.
+
 Peak memory: the non-layer weights, one layer's weights (in the compute dtype, plus its stored copy while it is
 cast), the group's hidden states and one window's activations, independent of the number of layers. Checkpoints
-whose weights transformers renames or fuses while loading (MoE experts, quantized formats) are not streamable:
-`NotStreamable` says why and the caller loads the whole model instead.
+whose weights transformers renames or fuses while loading (MoE experts) or that another quantizer loads
+(bitsandbytes, GPTQ, AWQ) are not streamable: `NotStreamable` says why and the caller loads the whole model.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from collections import defaultdict
 from collections.abc import Iterator
@@ -90,15 +95,15 @@ class LayerStreamedModel:
     def __init__(self, path: Path, device: str, dtype):
         import torch
         from accelerate import init_empty_weights
+        from accelerate.utils import set_module_tensor_to_device
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.torch, self.device, self.dtype = torch, device, dtype
         self.config = AutoConfig.from_pretrained(str(path))
-        if getattr(self.config, "quantization_config", None) is not None:
-            raise NotStreamable("a quantized checkpoint is loaded by its quantizer")
         self.index = checkpoint_index(Path(path))
         with init_empty_weights():   # parameters on meta; buffers (RoPE inv_freq) real
             self.model = AutoModelForCausalLM.from_config(self.config, dtype=dtype).eval()
+            self.decompress = self._quantized_modules()
         self.model.tie_weights()     # a tied head is the embedding, read once (from_pretrained ties it the same way)
         layers_name, self.layers = _decoder_layers(self.model)
         self.base = self.model.get_submodule(self.model.base_model_prefix)
@@ -108,42 +113,71 @@ class LayerStreamedModel:
             raise NotStreamable(f"{len(missing)} parameter(s) are not stored under their own names ({missing[0]}, ...)")
         if any(b.is_meta for b in self.model.buffers()):
             raise NotStreamable("the model has buffers that are only loaded from the checkpoint")
-        outside = {n: n for n in params if not n.startswith(layers_name + ".")}
-        from accelerate.utils import set_module_tensor_to_device
-
         self._set = set_module_tensor_to_device
-        for name, tensor in _read(outside, self.index):
-            self._set(self.model, name, device, value=tensor.to(dtype))
+        outside = {n: n for n in params if not n.startswith(layers_name + ".")}
+        self._load(self.model, outside)
         self.model.tie_weights()     # loading put a new embedding in place: the tied head follows it
         unread = [n for n, p in self.model.named_parameters(remove_duplicate=False)
                   if p.is_meta and not n.startswith(layers_name + ".")]
         if unread:
             raise NotStreamable(f"{unread[0]} is tied in a way this reader does not follow")
+        self.decompress(m for m in self.model.modules() if not any(m is x for x in self.layers.modules()))
+        # each pass gets a fresh copy of the layer's empty skeleton: decompressing a quantized layer rebuilds its
+        # parameters, so the skeleton itself is never filled
+        self.skeletons = [copy.deepcopy(layer) for layer in self.layers]
         self.layer_tensors = [{n: f"{layers_name}.{i}.{n}" for n, _ in layer.named_parameters()}
                               for i, layer in enumerate(self.layers)]
         for i, layer in enumerate(self.layers):
-            layer.forward = self._streamed(i, layer, layer.forward)
+            layer.forward = self._streamed(i)
 
-    def _streamed(self, i: int, layer, forward):
+    def _quantized_modules(self):
+        """For a compressed-tensors checkpoint: set the empty model up as transformers' quantizer does when it loads
+        one (compressed parameters under their stored names), and return what decompresses a loaded module the way
+        the whole model's first forward pass does. For an unquantized one, a no-op. Other quantizers: NotStreamable."""
+        qc = getattr(self.config, "quantization_config", None)
+        if qc is None:
+            return lambda modules: None
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        if str(getattr(method, "value", method)) != "compressed-tensors":
+            raise NotStreamable(f"a {method} checkpoint is loaded by its own quantizer")
+        from compressed_tensors.compressors.base import decompress_module
+        from transformers.quantizers.auto import get_hf_quantizer
+
+        quantizer, _, _ = get_hf_quantizer(self.config, None, None, True, {})
+        quantizer.preprocess_model(model=self.model, dtype=self.dtype, device_map=None,
+                                   checkpoint_files=sorted({str(f) for f in self.index.values()}), use_kernels=False)
+        hook = getattr(self.model, "ct_decompress_hook", None)
+        if hook is not None:   # it would decompress the whole (empty) model on the first forward pass
+            hook.remove()
+
+        def decompress(modules):
+            for module in modules:
+                decompress_module(module)
+        return decompress
+
+    def _load(self, module, tensors: dict[str, str]) -> None:
+        """Read `tensors` (parameter name -> stored name) into `module`, each in the dtype its skeleton declares
+        (the compute dtype for floats, the stored integer types of packed weights)."""
+        declared = dict(module.named_parameters())
+        for name, tensor in _read(tensors, self.index):
+            self._set(module, name, self.device, value=tensor.to(declared[name].dtype))
+            del tensor
+
+    def _streamed(self, i: int):
         def run(hidden_states, *args, **kwargs):
-            for name, tensor in _read(self.layer_tensors[i], self.index):
-                self._set(layer, name, self.device, value=tensor.to(self.dtype))
-                del tensor
-            try:
-                batch = hidden_states.shape[0]
-                outs = []
-                for w in range(batch):
-                    out = forward(_slice_batch(hidden_states, w, batch),
-                                  *(_slice_batch(a, w, batch) for a in args),
-                                  **{k: v if k == "cache_position" else _slice_batch(v, w, batch)
-                                     for k, v in kwargs.items()})
-                    outs.append(out)
-                if isinstance(outs[0], tuple):   # transformers 4.x layers return (hidden_states, ...)
-                    return (self.torch.cat([o[0] for o in outs]), *outs[0][1:])
-                return self.torch.cat(outs)
-            finally:
-                for name in self.layer_tensors[i]:
-                    self._set(layer, name, "meta")
+            live = copy.deepcopy(self.skeletons[i])
+            self._load(live, self.layer_tensors[i])
+            self.decompress(live.modules())
+            batch = hidden_states.shape[0]
+            outs = []
+            for w in range(batch):
+                outs.append(live(_slice_batch(hidden_states, w, batch), *(_slice_batch(a, w, batch) for a in args),
+                                 **{k: v if k == "cache_position" else _slice_batch(v, w, batch)
+                                    for k, v in kwargs.items()}))
+            del live
+            if isinstance(outs[0], tuple):   # transformers 4.x layers return (hidden_states, ...)
+                return (self.torch.cat([o[0] for o in outs]), *outs[0][1:])
+            return self.torch.cat(outs)
         return run
 
     def window_logits(self, windows, on_group=None) -> Iterator:
