@@ -46,23 +46,33 @@ def test_an_8b_llama_config_is_sized_like_the_real_one():
     assert size.layer * 32 + size.outside == size.total
 
 
-def _planned(status: PlanStatus):
-    recipe = load_recipe(ROOT / "recipes" / "methods.yaml")
+def _planned(recipe_name: str, status: PlanStatus):
+    recipe = load_recipe(ROOT / "recipes" / recipe_name)
     ctx = build_steps(recipe, ROOT / "recipes")
     return ctx, recipe, [PlannedStep(s, status) for s in ctx.steps]
 
 
 def test_a_step_to_build_that_does_not_fit_is_refused_and_stored_ones_are_not(monkeypatch):
-    ctx, recipe, misses = _planned(PlanStatus.MISS)
+    """bitsandbytes quantizes the whole model in memory: refused where it cannot fit, unless it is stored."""
+    ctx, recipe, misses = _planned("methods-extra.yaml", PlanStatus.MISS)
     monkeypatch.setenv("QBUILD_MEMORY_GB", "1.5")
     with pytest.raises(RecipeError) as err:
         memory_fit.check_memory(misses, ctx.model_info(), ctx.model().source_path, recipe.variants)
     assert err.value.field.startswith("variants[") and "loads the whole model" in err.value.message
     assert "QBUILD_MEMORY_GB gives 1.5 GB" in err.value.message
-    _, _, hits = _planned(PlanStatus.HIT)     # everything stored: nothing to hold in memory
-    memory_fit.check_memory(hits, ctx.model_info(), ctx.model().source_path, recipe.variants)
+    _, _, hits = _planned("methods-extra.yaml", PlanStatus.HIT)     # everything stored: nothing to hold in memory
+    assert memory_fit.check_memory(hits, ctx.model_info(), ctx.model().source_path, recipe.variants) == []
     monkeypatch.setenv("QBUILD_MEMORY_GB", "64")
-    memory_fit.check_memory(misses, ctx.model_info(), ctx.model().source_path, recipe.variants)
+    assert memory_fit.check_memory(misses, ctx.model_info(), ctx.model().source_path, recipe.variants) == []
+
+
+def test_llm_compressor_steps_that_do_not_fit_are_offloaded_not_refused(monkeypatch):
+    ctx, recipe, misses = _planned("methods.yaml", PlanStatus.MISS)
+    misses = [p for p in misses if p.step.memory != "whole-model"]   # ModelOpt's NVFP4 would be refused
+    monkeypatch.setenv("QBUILD_MEMORY_GB", "1.5")
+    warnings = memory_fit.check_memory(misses, ctx.model_info(), ctx.model().source_path, recipe.variants)
+    gptq = [w for w in warnings if w.startswith("quantize[gptq-w4g64]")]
+    assert len(gptq) == 1 and "offloaded to disk" in gptq[0]
 
 
 def test_qbuild_plan_refuses_in_one_line_before_building(tmp_path):

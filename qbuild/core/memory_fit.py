@@ -5,8 +5,10 @@ The model's size comes from its config (parameters in the decoder layers and out
 bf16/fp16 checkpoints store them) or, for a local checkpoint, its safetensors files. What a step holds, measured
 on random-weight Llama-shaped models of 135M-3B parameters (bench/bench_model_size.py, docs/benchmarks.md):
 
-- `memory="whole-model"` on a quantize step (llm-compressor, ModelOpt, GPTQModel, AutoRound, bitsandbytes):
-  1.1 x the checkpoint + 1.7 GB;
+- `memory="whole-model"` on a quantize step (ModelOpt, GPTQModel, AutoRound, bitsandbytes): 1.1 x the checkpoint
+  + 1.7 GB;
+- `memory="offloads-to-disk"` (llm-compressor): the same where it fits; what does not fit is offloaded to disk
+  (compressed-tensors' offloading), so the step is not refused, and the plan says it will be slower;
 - `memory="layer-streamed"` (transformers evaluating windows of one length: qbuild.runtimes.layer_stream): the
   weights outside the layers in fp32, one layer in fp32 and as stored, and 1.2 GB of activations and runtime (an
   unquantized or compressed-tensors checkpoint); a MoE checkpoint, or one another quantizer loads (bitsandbytes,
@@ -84,7 +86,7 @@ def machine_memory() -> tuple[int, str]:
 def step_memory(step, size: ModelSize, loaded_whole: bool) -> tuple[int, str] | None:
     """(peak bytes, how the step holds the model) for a step that holds model weights in memory (Step.memory, as the
     plugin that made the step declares it); None otherwise."""
-    if step.memory == "whole-model" and step.kind == "quantize":
+    if step.memory in ("whole-model", "offloads-to-disk") and step.kind == "quantize":
         return int(1.1 * size.total + QUANTIZER_OVERHEAD), "loads the whole model to quantize it"
     if step.memory == "whole-model" or (step.memory == "layer-streamed" and (loaded_whole or size.experts)):
         return 3 * size.total, "loads the whole model, in fp32 on CPU"
@@ -96,7 +98,7 @@ def step_memory(step, size: ModelSize, loaded_whole: bool) -> tuple[int, str] | 
 def refusal(step, size: ModelSize, loaded_whole: bool, memory: tuple[int, str]) -> str | None:
     """One line saying why `step` cannot run in `memory`, or None when it fits."""
     need = step_memory(step, size, loaded_whole)
-    if need is None or need[0] <= memory[0]:
+    if need is None or need[0] <= memory[0] or step.memory == "offloads-to-disk":
         return None
     return (f"{step.name} needs about {need[0] / GB:.1f} GB of memory ({need[1]}; a {size.parameters / 1e9:.2f}B-"
             f"parameter model) and {memory[1]} gives {memory[0] / GB:.1f} GB: use a machine with more memory, drop "
@@ -106,16 +108,17 @@ def refusal(step, size: ModelSize, loaded_whole: bool, memory: tuple[int, str]) 
 STREAMABLE_FORMATS = ("hf", "compressed-tensors")   # what qbuild.runtimes.layer_stream reads one layer at a time
 
 
-def check_memory(planned, model_info: dict, source: Path | None, variants) -> None:
+def check_memory(planned, model_info: dict, source: Path | None, variants) -> list[str]:
     """Refuse the plan (RecipeError on the step's variant, the model for its checks, else `evaluation`) when a step
-    still to build would not fit this machine's memory."""
+    still to build would not fit this machine's memory; the warnings for steps that will offload to disk."""
     from qbuild.core.step import PlanStatus
     from qbuild.errors import RecipeError
 
     size = model_size(model_info, source)
     if size is None:
-        return
+        return []
     memory = machine_memory()
+    warnings = []
     for p in planned:
         if p.status != PlanStatus.MISS:
             continue
@@ -127,3 +130,9 @@ def check_memory(planned, model_info: dict, source: Path | None, variants) -> No
             field = ("model" if p.step.kind in ("import-check", "convert-check") else
                      f"variants[{index}]" if p.step.kind == "quantize" and index is not None else "evaluation")
             raise RecipeError(field, why)
+        need = step_memory(p.step, size, loaded_whole)
+        if p.step.memory == "offloads-to-disk" and need and need[0] > memory[0]:
+            warnings.append(f"{p.step.name} needs about {need[0] / GB:.1f} GB of memory and {memory[1]} gives "
+                            f"{memory[0] / GB:.1f} GB: the part of the model that does not fit is offloaded to disk "
+                            f"(slower, same result)")
+    return warnings

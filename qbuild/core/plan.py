@@ -393,7 +393,8 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (
     try:
         for limit in ctx.time_limits:
             check_time_limit(limit, steps, store, recipe.name)
-        check_memory(steps, ctx.model_info(), ctx.model().source_path, recipe.variants)
+        for warning in check_memory(steps, ctx.model_info(), ctx.model().source_path, recipe.variants):
+            ctx.warn(warning)
     except RecipeError as err:
         raise locate(err, recipe) from None
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),

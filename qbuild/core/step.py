@@ -78,8 +78,9 @@ class Step:
     impl_version: int = 1                     # bump when the runner's output changes for the same inputs
     backend_env: BackendEnv | None = None     # runs in this interpreter (qbuild.core.envs); its versions enter the key
     after: tuple[Step, ...] = ()              # must succeed first (a check of what it reads); not hashed, not read
-    memory: str = ""                          # how it holds the model: "whole-model", "layer-streamed", "" (a file
-                                              # map or another machine); plan-time memory check, not hashed
+    memory: str = ""                          # how it holds the model: "whole-model", "offloads-to-disk" (what
+                                              # does not fit), "layer-streamed", "" (a file map, another machine);
+                                              # for the plan-time memory check (qbuild.core.memory_fit), not hashed
     key: str = field(init=False)
 
     def __post_init__(self) -> None:

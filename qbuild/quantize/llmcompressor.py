@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from abc import abstractmethod
 from pathlib import Path
 from typing import Literal
@@ -111,7 +112,7 @@ class LLMCompressorMethod(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.COMPRESSED_TENSORS,
                             scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self),
-                            memory="whole-model"))
+                            memory="offloads-to-disk"))
 
     @abstractmethod
     def modifiers(self, params: dict) -> list:
@@ -157,17 +158,39 @@ def layer_progress(ctx: StepContext, total: int):
         LifecycleCallbacks.sequential_epoch_end = original
 
 
+def load_offloadable(src: Path, offload_dir: Path):
+    """(the model, whether part of it went to disk): the model in host memory as far as it fits, the rest
+    offloaded to `offload_dir` (inside the step's scratch), through compressed-tensors' `load_offloaded_model`
+    (device_map "auto_offload": CPU, then disk); llm-compressor onloads each layer as it calibrates and quantizes
+    it. The budget is what is free with 5 GB kept for the quantizer's own work, or QBUILD_MEMORY_GB less 1.7 GB
+    where the user declares one. A model that fits loads as before and gives the same bytes; one that does not
+    gives them too (tests/test_quantize_offload.py: RTN and GPTQ, in memory and on disk)."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        from compressed_tensors.offload import get_offloaded_device, load_offloaded_model
+    except ImportError:   # an environment with an older compressed-tensors: the whole model in memory, as before
+        return AutoModelForCausalLM.from_pretrained(str(src), dtype="auto"), False
+    kwargs = {"dtype": "auto", "device_map": "auto_offload", "offload_folder": str(offload_dir)}
+    budget = os.environ.get("QBUILD_MEMORY_GB")
+    if budget:
+        kwargs["max_memory"] = {"cpu": max(1, int((float(budget) - 1.7) * (1 << 30)))}
+    with load_offloaded_model():
+        model = AutoModelForCausalLM.from_pretrained(str(src), **kwargs)
+    return model, any(get_offloaded_device(m) == "disk" for m in model.modules())
+
+
 def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.AbstractContextManager | None = None) -> dict:
     """Load the model, run llm-compressor's oneshot with `recipe`, save compressed-tensors + tokenizer."""
     import torch
     from llmcompressor import oneshot
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     src = Path(ctx.inputs["model"])
     config = json.loads((src / "config.json").read_text())
     n_layers = int((config.get("text_config") or config).get("num_hidden_layers") or 1)
     ctx.progress(0, n_layers + 1, "loading model")
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
+    model, offloaded = load_offloadable(src, ctx.out.parent / "offload")
     tokenizer = AutoTokenizer.from_pretrained(str(src))
     kwargs: dict = {}
     if "calibration" in ctx.inputs:
@@ -182,11 +205,13 @@ def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.Abstract
         stack.enter_context(torch.no_grad())
         oneshot(model=model, recipe=recipe, **kwargs)
     ctx.progress(n_layers + 1, n_layers + 1, "saving compressed-tensors")
-    model.save_pretrained(str(ctx.out), save_compressed=True)
+    # a model partly on disk is saved a shard at a time (each shard is assembled in memory); otherwise one file, as
+    # before, so outputs of models that fit are unchanged
+    model.save_pretrained(str(ctx.out), save_compressed=True, **({"max_shard_size": "2GB"} if offloaded else {}))
     tokenizer.save_pretrained(str(ctx.out))
     qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
     return {"format": Format.COMPRESSED_TENSORS, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
                      "ignore": qc.get("ignore"), "calibration_samples": kwargs.get("num_calibration_samples", 0),
                      "device": "cuda" if torch.cuda.is_available() else "cpu",
-                     "threads": ctx.threads}}
+                     "threads": ctx.threads, **({"offloaded_to_disk": True} if offloaded else {})}}

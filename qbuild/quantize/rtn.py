@@ -70,6 +70,6 @@ class RTN(lc.LLMCompressorMethod):
             return ctx.add(Step("quantize", name, params, "qbuild.quantize.ct_search:run_quantize",
                                 inputs={"model": ctx.model(), **extra}, tools=lc.TOOLS, threads=ctx.threads,
                                 format=Format.COMPRESSED_TENSORS, scheme="w8a16", backend_env=env,
-                                memory="whole-model"))
+                                memory="offloads-to-disk"))
 
         return plan_search(variant, ctx, quantize_step)
