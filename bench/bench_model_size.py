@@ -11,9 +11,9 @@ downloaded. For each size, in a fresh process each (peak RSS from the kernel, `r
    512 tokens: seconds, peak RSS, and the ratio of peak RSS to the bf16 checkpoint's size;
 2. `whole`: the same windows through the whole model in fp32 (what the runtime did before), up to --whole-up-to
    (an 8B whole needs ~49 GB), and whether its logits equal the streamed ones bit for bit;
-3. with --qbuild SIZE: `qbuild run` of a recipe on that checkpoint (GGUF F16 conversion and its check against the
-   checkpoint, Q8_0, the baseline's reference, Q8_0's perplexity and KLD): its peak RSS (the largest of its process
-   tree, from wait4) and wall time.
+3. with --qbuild SIZE: `qbuild run --jobs 1` of the recipe issue 33 names on that checkpoint (GGUF F16, Q8_0 and
+   Q4_K_M with the conversion check, RTN W4A16 through llm-compressor, the baseline's reference, perplexity and KLD
+   of each): every step's wall time and peak RSS, from its manifest.
 
 The plan-time estimate (qbuild.core.memory_fit) is printed beside each measurement. Figures go to
 docs/benchmarks.md by hand; random weights measure memory and time, not quality.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -123,25 +122,31 @@ def evaluate(path: Path, mode: str, windows: int, tmp: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1]) | {"logits": str(out)}
 
 
+RECIPE_VARIANTS = [{"name": "f16", "method": "gguf", "type": "F16"}, {"name": "q8_0", "method": "gguf", "type": "Q8_0"},
+                   {"name": "q4km", "method": "gguf", "type": "Q4_K_M"},
+                   {"name": "w4a16", "method": "rtn", "bits": 4, "group_size": 64}]
+
+
 def qbuild_run(path: Path, windows: int, tmp: Path) -> dict:
+    """`qbuild run` of the issue's recipe on `path`: each step's wall time and peak RSS from its manifest."""
     recipe = tmp / "recipe.yaml"
     recipe.write_text(json.dumps({
-        "name": f"size-{path.name}", "model": {"source": "local", "path": str(path)},
-        "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}],
-        "evaluation": {"baseline": True, "kld": True, "perplexity": {"dataset": {"sources": [{"type": "pydocs", "split": "test"}]},
-                                                        "protocol": "fixed-window", "context_length": 512,
-                                                        "max_windows": windows}}}))
+        "name": f"size-{path.name}", "model": {"source": "local", "path": str(path)}, "variants": RECIPE_VARIANTS,
+        "evaluation": {"baseline": True, "kld": True,
+                       "perplexity": {"dataset": {"sources": [{"type": "pydocs", "split": "test"}]},
+                                      "protocol": "fixed-window", "context_length": 512, "max_windows": windows}}}))
     store = tmp / "store"
     t = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    done = subprocess.run([sys.executable, "-m", "qbuild", "run", str(recipe), "--store", str(store), "--json"],
-                          capture_output=True, text=True)
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    result = {"seconds": time.perf_counter() - t, "returncode": done.returncode,
-              "peak_rss": peak * 1024 if peak > before else None}
+    done = subprocess.run([sys.executable, "-m", "qbuild", "run", str(recipe), "--store", str(store), "--json",
+                           "--jobs", "1"], capture_output=True, text=True)
+    result = {"seconds": time.perf_counter() - t, "returncode": done.returncode, "steps": []}
+    for manifest in sorted((store / "objects").glob("*/*/manifest.json")):
+        m = json.loads(manifest.read_text())
+        timings = m.get("timings") or {}
+        result["steps"].append((m["name"], timings.get("seconds"), (timings.get("peak_rss_mb") or 0) * (1 << 20)))
     if done.returncode == 0:
         summary = json.loads(done.stdout)
-        result["ppl"] = {v["variant"]: v.get("ppl") for v in summary["variants"]}
+        result["numbers"] = {v["variant"]: {k: v.get(k) for k in ("ppl", "kld")} for v in summary["variants"]}
     else:
         result["error"] = (done.stderr.strip().splitlines() or [""])[-1][:200]
     return result
@@ -153,6 +158,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--whole-up-to", default="1b", help="largest size also evaluated whole (fp32)")
     ap.add_argument("--qbuild", default="", help="sizes also run through `qbuild run` (reference + perplexity)")
+    ap.add_argument("--skip-session", action="store_true", help="for --qbuild sizes, only the qbuild run")
     ap.add_argument("--keep", type=Path, help="keep the checkpoints here (reused by later runs)")
     args = ap.parse_args()
     from qbuild.core.memory_fit import machine_memory, model_size, step_memory
@@ -173,26 +179,31 @@ def main() -> None:
             class Ref:   # the reference step as the planner sees it
                 kind, memory = "reference", "layer-streamed"
             plan_gb = step_memory(Ref, est, False)[0] / GB
-            results = {"stream": evaluate(path, "stream", args.windows, tmp)}
+            results = {}
+            if size not in args.qbuild.split(",") or not args.skip_session:
+                results["stream"] = evaluate(path, "stream", args.windows, tmp)
             if order.index(size) <= order.index(args.whole_up_to):
                 results["whole"] = evaluate(path, "whole", args.windows, tmp)
-            if size in args.qbuild.split(","):
-                results["qbuild"] = qbuild_run(path, args.windows, tmp)
             for mode, r in results.items():
                 if "error" in r:
                     print(f"{size:>5} {bf16 / GB:8.2f} {mode:>7} {'-':>7} {'-':>8} {'-':>9} {plan_gb:11.2f}  {r['error']}")
                     continue
                 note = f"made in {made:.0f} s" if mode == "stream" else ""
-                if mode == "whole" and "logits" in results["stream"]:
+                if mode == "whole" and "logits" in results.get("stream", {}):
                     import numpy as np
 
                     same = np.array_equal(np.load(r["logits"]), np.load(results["stream"]["logits"]))
                     note = "logits == streamed (bit for bit)" if same else "LOGITS DIFFER"
-                if mode == "qbuild":
-                    note = f"ppl {r.get('ppl')}"
                 peak = r.get("peak_rss") or 0
                 print(f"{size:>5} {bf16 / GB:8.2f} {mode:>7} {r['seconds']:7.1f} {peak / GB:8.2f} {peak / bf16:9.2f} "
                       f"{plan_gb:11.2f}  {note}", flush=True)
+            if size in args.qbuild.split(","):
+                run = qbuild_run(path, args.windows, tmp)
+                for name, seconds, peak in run["steps"]:
+                    print(f"{size:>5} {bf16 / GB:8.2f} {name[:24]:>24} {seconds or 0:7.1f} {peak / GB:8.2f} "
+                          f"{peak / bf16:9.2f}", flush=True)
+                print(f"{size:>5} qbuild run: {run['seconds']:.0f} s, exit {run['returncode']}, "
+                      f"{run.get('numbers') or run.get('error')}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     total, where = machine_memory()
