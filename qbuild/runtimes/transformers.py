@@ -61,7 +61,10 @@ class TransformersSession(RuntimeSession):
         if self._streamed is None and self._model is None:
             from qbuild.runtimes.layer_stream import LayerStreamedModel, NotStreamable
 
-            dtype = self.dtype if self.dtype != "auto" else getattr(self.config, "dtype", None) or self.torch.bfloat16
+            dtype = self.dtype
+            if dtype == "auto":   # the checkpoint's own dtype, as from_pretrained(dtype="auto") takes it
+                stored = getattr(self.config, "dtype", None) or "bfloat16"
+                dtype = getattr(self.torch, stored) if isinstance(stored, str) else stored
             try:
                 self._streamed = LayerStreamedModel(self.path, self.device, dtype)
             except NotStreamable:
