@@ -86,6 +86,20 @@ def test_key_follows_workload_config_and_server_flags_never_selection(tmp_path, 
     assert steps(par, tmp_path)["serving[q8_0@default]"].key != base
 
 
+def test_rounds_are_part_of_the_serving_key_and_nothing_else_moves(tmp_path, no_gpu):
+    def plan(rounds):
+        return steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"],
+                                               **({} if rounds is None else {"rounds": rounds})}), tmp_path)
+
+    default, three, five, one = plan(None), plan(3), plan(5), plan(1)
+    assert default["serving[q8_0@default]"].params["workload"]["rounds"] == 3
+    assert default["serving[q8_0@default]"].key == three["serving[q8_0@default]"].key
+    assert len({p["serving[q8_0@default]"].key for p in (three, five, one)}) == 3
+    assert "rounds" not in one["serving[q8_0@default]"].params["workload"]   # one round: the key it had before
+    for other in set(default) - {"serving[q8_0@default]"}:
+        assert default[other].key == five[other].key == one[other].key, other
+
+
 @pytest.mark.parametrize("config, problem", [
     ({"name": "fp8", "kv_cache_dtype": "fp8"}, "llama.cpp has no fp8 KV cache"),
     ({"name": "nofa", "kv_cache_dtype": "q4_0", "flash_attn": False}, "only with flash attention"),

@@ -156,6 +156,9 @@ class Serving(StrictModel):
     request_rates: list[float] | None = Field(
         None, description="Open-loop points: Poisson arrivals at these requests/s (seeded), after the concurrency ones.")
     requests: int = Field(16, ge=1, le=100_000, description="Requests measured per point (after the warm-up).")
+    rounds: int = Field(3, ge=1, le=100, description="Independent rounds per point (each its own warm-up and "
+                        "prompts; round by round through the sweep): the point's figures pool them and carry 95 % "
+                        "bootstrap intervals, which selection reads. 1: one sample, no intervals. Part of the key.")
     warmup: int = Field(2, ge=0, description="Requests sent first at each point and not counted; the measured ones "
                         "follow them without a pause (steady state).")
     rampup_s: float = Field(0.0, ge=0, description="Start the concurrent streams this many seconds apart in all "

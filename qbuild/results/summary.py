@@ -108,6 +108,7 @@ def goodput_slo(recipe) -> dict:
 def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
     """artifact key → its serving points, one per (serving config, concurrency or request rate)."""
     from qbuild.serving.client import goodput
+    from qbuild.serving.confidence import ROUND_FIELDS
 
     by_artifact: dict[str, list[dict]] = {}
     for o in outcomes:
@@ -125,6 +126,9 @@ def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
             row.update({k: pt[k] for k in ("concurrency", "request_rate") if k in pt})
             row.update({k: pt.get(k) for k in SERVING_FIELDS})
             row["goodput_requests_s"] = goodput(pt, slo["ttft_ms"], slo["tpot_ms"])
+            # measured in rounds: 95 % intervals (field → [lo, hi]) and each round's own figures, samples left out
+            row["ci"] = pt.get("ci")
+            row["rounds"] = [{k: rd.get(k) for k in ROUND_FIELDS} for rd in pt.get("rounds") or []] or None
             row["peak_rss_mb"] = round(rss / 2**20, 1) if rss else None
             row["kv_bytes_per_token"] = m.get("kv_bytes_per_token")
             row["command"] = m.get("command")
@@ -314,6 +318,14 @@ def _render_tasks(rows: list[dict], console) -> None:
     console.print(table)
 
 
+def with_ci(point: dict, field: str, spec: str) -> str:
+    """A serving figure, "± half-width" of its 95 % interval where it was measured in rounds."""
+    value, ci = point.get(field), (point.get("ci") or {}).get(field)
+    if value is None or ci is None:
+        return _fmt(value, spec)
+    return f"{value:{spec}} ±{(ci[1] - ci[0]) / 2:{spec}}"
+
+
 def render_serving(summary: dict, console) -> None:
     """One table of serving points: artifact × config × concurrency (or request rate)."""
     from rich.markup import escape
@@ -324,8 +336,11 @@ def render_serving(summary: dict, console) -> None:
     if not rows:
         return
     slo = summary.get("goodput_slo") or DEFAULT_GOODPUT_SLO
+    rounds = {len(p.get("rounds") or []) or 1 for _, p in rows}
+    spread = (f"; ± half the 95 % interval over {'/'.join(map(str, sorted(rounds)))} rounds"
+              if any(p.get("ci") for _, p in rows) else "")
     table = Table(title="serving (ms; tok/s of the whole server; goodput: requests/s with TTFT ≤ "
-                  f"{slo['ttft_ms']:g} ms and TPOT ≤ {slo['tpot_ms']:g} ms)", title_justify="left")
+                  f"{slo['ttft_ms']:g} ms and TPOT ≤ {slo['tpot_ms']:g} ms{spread})", title_justify="left")
     # the artifact's quality under each config (a quantized KV cache has its own pass) beside its KV-cache bytes
     quality = [c for c, field in (("KLD", "kld"), ("ΔPPL %", "delta_ppl_pct")) if any(p.get(field) is not None
                                                                                     for _, p in rows)]
@@ -335,9 +350,10 @@ def render_serving(summary: dict, console) -> None:
     for variant, p in rows:
         where = str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s"
         extra = {"KLD": _fmt(p.get("kld"), ".4f"), "ΔPPL %": _fmt(p.get("delta_ppl_pct"), "+.2f")}
-        table.add_row(escape(variant), escape(p["config"]), where, _fmt(p["ttft_ms_p50"], ".1f"),
-                      _fmt(p["ttft_ms_p99"], ".1f"), _fmt(p["tpot_ms_p50"], ".2f"), _fmt(p["itl_ms_p99"], ".2f"),
-                      _fmt(p["output_tok_s"], ".1f"), _fmt(p["requests_s"], ".2f"), _fmt(p["goodput_requests_s"], ".2f"),
+        table.add_row(escape(variant), escape(p["config"]), where, with_ci(p, "ttft_ms_p50", ".1f"),
+                      with_ci(p, "ttft_ms_p99", ".1f"), with_ci(p, "tpot_ms_p50", ".2f"), with_ci(p, "itl_ms_p99", ".2f"),
+                      with_ci(p, "output_tok_s", ".1f"), with_ci(p, "requests_s", ".2f"),
+                      _fmt(p["goodput_requests_s"], ".2f"),
                       str(p["errors"]), f"{p['peak_rss_mb']:.0f} MiB" if p.get("peak_rss_mb") else "-",
                       _fmt(p.get("kv_bytes_per_token"), ".0f"), *(extra[c] for c in quality))
     console.print(table)

@@ -64,6 +64,8 @@ def serving_steps(ctx) -> None:
         workload = serving.model_dump(include=set(WORKLOAD_FIELDS))   # a length range as {min, max}
         if serving.rampup_s:   # left out at its default, like other new switches
             workload["rampup_s"] = serving.rampup_s
+        if serving.rounds != 1:   # left out at 1: one round is what was measured before rounds existed
+            workload["rounds"] = serving.rounds
         for i, config in enumerate(serving.configs):
             refusal = server.refusal(config)
             if refusal:
