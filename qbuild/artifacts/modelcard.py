@@ -151,6 +151,8 @@ def _serving_section(row: dict) -> list[str]:
                 f"{chosen['objective']}; bounds: {bounds or 'none'}). It met them served exactly like this "
                 "(`model.gguf`/`MODEL_DIR`: the pulled files; pick your own port):", "",
                 f"    {chosen['command']}", ""]
+        if chosen.get("tie"):
+            out += [f"It was chosen from a tie within measurement noise: {chosen['tie']}.", ""]
     points = [p for p in row.get("serving") or [] if p.get("ttft_ms_p50") is not None]
     if points:
         out += ["## Serving under load", "",

@@ -343,6 +343,14 @@ class Selection(StrictModel):
         "max_throughput", description="Among those meeting every bound: most output tok/s at the selection's "
         "concurrency, smallest artifact, or lowest KLD.")
     include_baseline: bool = Field(False, description="Let the unquantized baseline be selected too.")
+    on_uncertain: Literal["reject", "accept"] = Field(
+        "reject", description="A latency/throughput bound whose 95 % interval straddles it (within noise, measured "
+        "in rounds): reject the candidate (a miss), or accept it (noted). Default reject: ship only what clearly "
+        "meets the bounds.")
+    tie_break: list[Literal["kld", "memory", "size"]] = Field(
+        default_factory=lambda: ["kld", "memory", "size"], min_length=1,
+        description="When the best candidates' objective intervals overlap (a tie within noise): the first of these "
+        "that differs decides: lower KLD, smaller server peak RSS, smaller artifact.")
 
 
 # --- runtime and store -------------------------------------------------------------------------------

@@ -275,6 +275,12 @@ def _serving_html(run: dict) -> str:
                    f"<b>{html.escape(str(chosen['config']))}</b> (objective {html.escape(sel['objective'])})"
                    + (f"; serve it with <code>{html.escape(chosen['command'])}</code>" if chosen.get("command") else "")
                    + "</p>")
+        if sel.get("tie"):
+            from qbuild.results.summary import tie_line
+
+            verdict += f"<p>Tie: {html.escape(tie_line(sel))}</p>"
+        verdict += "".join(f"<p>Accepted within noise (on_uncertain: accept): {html.escape(n)}</p>"
+                           for n in chosen.get("uncertain") or [])
     elif sel:
         verdict = f"<p class=bad>{html.escape(sel.get('reason') or 'Nothing meets every selection bound.')}</p>"
     else:

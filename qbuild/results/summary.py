@@ -230,7 +230,8 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
         for r in rows:   # the selected artifact's row (and so its model card) carries how it met the bounds
             if chosen and r["variant"] == chosen["variant"]:
                 r["selected"] = {"config": chosen["config"], "command": chosen["command"],
-                                 "objective": recipe.selection.objective, "bounds": out["selection"]["bounds"]}
+                                 "objective": recipe.selection.objective, "bounds": out["selection"]["bounds"],
+                                 "tie": tie_line(out["selection"]) if out["selection"].get("tie") else None}
     return out
 
 
@@ -359,6 +360,16 @@ def render_serving(summary: dict, console) -> None:
     console.print(table)
 
 
+def tie_line(selection: dict) -> str:
+    """One line: which candidates tied on the objective (their intervals overlap) and how the tie was broken."""
+    tie = selection["tie"]
+    each = " and ".join(f"{c['variant']}@{c['config']} {c['output_tok_s']:.4g}"
+                        + (f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c.get("ci") else "") for c in tie["candidates"])
+    first = tie["candidates"][0]
+    return (f"{each} tok/s overlap; {tie['broken_by_text']} (tie_break: {', '.join(selection['tie_break'])}): "
+            f"{first['variant']}@{first['config']}")
+
+
 def render_selection(selection: dict, console) -> None:
     from rich.markup import escape
 
@@ -368,6 +379,10 @@ def render_selection(selection: dict, console) -> None:
                       f"(objective {selection['objective']})")
         if sel.get("command"):
             console.print(f"  serve it with: {escape(sel['command'])}")
+        for note in sel.get("uncertain") or []:   # on_uncertain: accept let these pass
+            console.print(f"  [yellow]accepted within noise[/] (on_uncertain: accept): {escape(note)}")
+    if selection.get("tie"):
+        console.print(f"[yellow]tie[/]: {escape(tie_line(selection))}", soft_wrap=True)
     else:
         console.print(f"[bold red]nothing meets every selection bound[/] (objective {selection['objective']})"
                       if not selection.get("reason") else f"[bold red]nothing selected[/]: {escape(selection['reason'])}")
