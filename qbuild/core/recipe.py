@@ -168,6 +168,9 @@ class Serving(StrictModel):
     input_len: int | LengthRange = Field(
         128, description="Prompt tokens per request (windows of the evaluation corpus), or {min, max}: drawn per "
         "request (seeded).")
+    prefix_tokens: int = Field(0, ge=0, le=1_000_000, description="A shared prefix (a system prompt) of this many "
+                               "tokens that every request's prompt starts with, before its own input_len tokens, as "
+                               "guidellm's prefix_tokens: a server with prompt caching prefills it once.")
     output_len: int | LengthRange = Field(
         32, description="Tokens generated per request (ignore_eos where the engine has it), or {min, max}: drawn per "
         "request (seeded).")

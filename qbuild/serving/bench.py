@@ -27,16 +27,22 @@ RESULT = "serving.json"
 SERVER_LOG = "server.log"
 
 
-def prompts_from(tokens: np.ndarray, input_len: int | dict, count: int, seed: int) -> list[list[int]]:
+def prompts_from(tokens: np.ndarray, input_len: int | dict, count: int, seed: int,
+                 prefix_tokens: int = 0) -> list[list[int]]:
     """`count` prompts of exactly `input_len` tokens (or of lengths drawn uniformly from {min, max}): corpus windows
-    in a seeded order (repeating if it runs out)."""
+    in a seeded order (repeating if it runs out), each after the same `prefix_tokens` (the corpus's last tokens,
+    which no window reaches)."""
     longest = input_len["max"] if isinstance(input_len, dict) else input_len
-    n = len(tokens) // longest
+    if prefix_tokens >= len(tokens):
+        raise ValueError(f"the prompt corpus has {len(tokens)} tokens, not more than prefix_tokens {prefix_tokens}")
+    n = (len(tokens) - prefix_tokens) // longest
     if n < 1:
-        raise ValueError(f"the prompt corpus has {len(tokens)} tokens, fewer than one prompt of {longest}")
+        raise ValueError(f"the prompt corpus has {len(tokens)} tokens, fewer than one prompt of {longest}"
+                         + (f" after a prefix of {prefix_tokens}" if prefix_tokens else ""))
+    prefix = tokens[len(tokens) - prefix_tokens:].tolist() if prefix_tokens else []
     order = np.random.default_rng(seed).permutation(n)
     lengths = drawn_lengths(input_len, count, seed + 1)
-    return [tokens[i * longest:i * longest + length].tolist()
+    return [prefix + tokens[i * longest:i * longest + length].tolist()
             for i, length in zip((order[k % n] for k in range(count)), lengths, strict=True)]
 
 
@@ -71,7 +77,7 @@ def run(ctx: StepContext) -> dict:
     n_points = len(w["concurrency"]) + len(w["request_rates"] or [])
     rounds = w.get("rounds", 1)
     count = n_points * (w["requests"] + w["warmup"])   # per round: each round sends prompts of its own
-    prompts = prompts_from(tokens, w["input_len"], count * rounds, w["seed"])
+    prompts = prompts_from(tokens, w["input_len"], count * rounds, w["seed"], w.get("prefix_tokens", 0))
     output_len = drawn_lengths(w["output_len"], count * rounds, w["seed"] + 2)
     launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
                            workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
