@@ -20,7 +20,7 @@ from helpers import build_module_recipe, qbuild, run_api, write_recipe
 pytest.importorskip("llama_cpp")
 pytest.importorskip("httpx")
 
-SERVING = {"concurrency": [1, 2], "requests": 4, "warmup": 1, "input_len": 32, "output_len": 8,
+SERVING = {"concurrency": [1, 2], "requests": 4, "warmup": 1, "input_len": 32, "output_len": 8, "rounds": 2,
            "variants": ["q8_0", "q4_0"],   # the HF baseline's servers need a GPU (test_serving_plan.py)
            "configs": [{"name": "default"}, {"name": "kv8", "kv_cache_dtype": "q8_0"}]}
 
@@ -53,7 +53,7 @@ def test_every_variant_served_under_every_config(built):
         assert sorted((p["config"], p["concurrency"]) for p in points) == [
             ("default", 1), ("default", 2), ("kv8", 1), ("kv8", 2)]
         for p in points:
-            assert p["status"] == "built" and p["errors"] == 0 and p["completed"] == 4
+            assert p["status"] == "built" and p["errors"] == 0 and p["completed"] == 2 * 4   # 2 rounds of 4
             for field in ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99", "output_tok_s", "requests_s"):
                 assert p[field] > 0, field
             assert p["output_tok_s"] == pytest.approx(8 * p["requests_s"], rel=1e-3)   # ignore_eos: 8 tokens each
@@ -91,13 +91,52 @@ def test_select_picks_per_objective_and_explains_the_rest(built):
         assert sel["config"] in ("default", "kv8") and sel["command"].startswith("llama-server ")
         if expect:
             assert sel["variant"] == expect
-        else:   # the most output tok/s at concurrency 2 of all four candidates
+        else:   # the most output tok/s at concurrency 2 of all four candidates, or, within noise of it, by KLD
             tok_s = {(v["variant"], p["config"]): p["output_tok_s"] for v in built["summary"]["variants"]
                      for p in v.get("serving", []) if p.get("concurrency") == 2}
-            assert (sel["variant"], sel["config"]) == max(tok_s, key=tok_s.get)
+            fastest = max(tok_s, key=tok_s.get)
+            if out["tie"] is None:
+                assert (sel["variant"], sel["config"]) == fastest
+            else:
+                tied = [(c["variant"], c["config"]) for c in out["tie"]["candidates"]]
+                assert fastest in tied and tied[0] == (sel["variant"], sel["config"])
+                kld = {(v["variant"], p["config"]): p["kld"] for v in built["summary"]["variants"]
+                       for p in v.get("serving", []) if p.get("concurrency") == 2}
+                assert out["tie"]["broken_by"] != "kld" or kld[tied[0]] == min(kld[c] for c in tied)
         assert len(out["rejected"]) == 3 and all("objective" in r["why"] for r in out["rejected"])
     human = qbuild("select", path)
     assert human.returncode == 0 and "selected" in human.stdout and "serve it with: llama-server" in human.stdout
+
+
+def test_select_json_carries_each_points_rounds_and_intervals(built):
+    """The rounds each serving step stored and the intervals drawn from them reach `qbuild select --json`, and a
+    TTFT bound inside a candidate's interval is judged within noise: rejected by default, passed under accept."""
+    model = yaml.safe_load(built["recipe"].read_text())["model"]["path"]
+    measured = {(v["variant"], p["config"]): p for v in built["summary"]["variants"] for p in v.get("serving", [])
+                if p.get("concurrency") == 2}
+    q8 = measured[("q8_0", "default")]
+    assert [set(r) >= {"ttft_ms_p99", "output_tok_s", "requests_s", "completed"} for r in q8["rounds"]] == [True] * 2
+    assert sum(r["completed"] for r in q8["rounds"]) == q8["completed"] == 8
+    lo, hi = q8["ci"]["ttft_ms_p99"]
+    assert lo <= q8["ttft_ms_p99"] <= hi and lo < hi
+    bound = (lo + hi) / 2   # inside q8_0@default's interval: within noise
+    for on_uncertain in ("reject", "accept"):
+        path = write_recipe(built["root"] / f"noise-{on_uncertain}.yaml", recipe_data(
+            model, built["store"], selection={"ttft_p99_ms": {"value": bound, "concurrency": 2},
+                                              "on_uncertain": on_uncertain}))
+        res = qbuild("select", path, "--json")
+        out = json.loads(res.stdout)
+        assert out["on_uncertain"] == on_uncertain and res.returncode in (0, 3), res.stderr
+        candidates = {(c["variant"], c["config"]): c for c in [*out["rejected"], out["selected"] or {}] if c}
+        judged = candidates[("q8_0", "default")]
+        assert judged["slo"]["ttft_p99_ms"] == {"value": q8["ttft_ms_p99"], "ci": [lo, hi], "bound": bound,
+                                                "concurrency": 2, "verdict": "uncertain"}
+        assert judged["output_tok_s_ci"] == q8["ci"]["output_tok_s"]
+        assert [r["output_tok_s"] for r in judged["rounds"]] == [r["output_tok_s"] for r in q8["rounds"]]
+        if on_uncertain == "reject":
+            assert "within noise (on_uncertain: reject)" in judged["why"]
+        else:
+            assert judged["uncertain"] and "within noise" not in judged.get("why", "")
 
 
 def test_impossible_slo_exits_3_naming_each_miss(built):

@@ -195,3 +195,27 @@ def test_a_port_taken_before_the_server_binds_it_is_one_line(llama_server_bin, g
     assert msg.startswith(f"llama.cpp server for smollm2: port {taken} on 127.0.0.1 is answered by another process "
                           f"(pid {os.getpid()}), not the server qbuild started") and "\n" not in msg
     assert not processes_with(str(gguf_model))
+
+
+def test_a_shared_prefix_is_prefilled_once(llama_server_bin, gguf_model, tmp_path):
+    """Prompts that share a 224-token prefix (evaluation.serving.prefix_tokens) before 8 tokens of their own reach
+    their first token much sooner than prompts of the same 232 tokens that share nothing: llama-server keeps the
+    prefix of the slot's last prompt and prefills only the rest (the real SmolLM2-135M, 1 thread)."""
+    import numpy as np
+
+    from qbuild.serving.bench import prompts_from
+    from qbuild.serving.client import Workload, sweep
+    from qbuild.serving.server import running
+
+    tokens = (np.arange(4000) * 7919 % 40000 + 1000).astype(np.int64)   # ids well inside SmolLM2's 49152
+    shared = prompts_from(tokens, 8, 5, seed=0, prefix_tokens=224)
+    distinct = prompts_from(tokens, 232, 5, seed=0)
+    assert len(shared[0]) == len(distinct[0]) == 232 and all(p[:224] == shared[0][:224] for p in shared)
+    ttft = {}
+    with running(launch(gguf_model), tmp_path / "s.log", "smollm2") as srv:
+        for name, prompts in (("distinct", distinct), ("shared", shared)):
+            work = Workload(prompts=prompts, output_len=2, requests=4, warmup=1, timeout_s=60)
+            (point,) = sweep(srv.url, work, [1], between=srv.check_alive)
+            assert point["errors"] == 0
+            ttft[name] = point["ttft_ms_p50"]
+    assert ttft["shared"] < 0.5 * ttft["distinct"], ttft

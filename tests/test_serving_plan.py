@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -84,6 +85,44 @@ def test_key_follows_workload_config_and_server_flags_never_selection(tmp_path, 
     assert steps(more, tmp_path)["serving[q8_0@default]"].key != base
     par = recipe(tmp_path, serving={"configs": [{"name": "default", "parallel": 2}], "variants": ["q8_0"]})
     assert steps(par, tmp_path)["serving[q8_0@default]"].key != base
+
+
+def test_a_shared_prefix_is_part_of_the_workload_and_the_context(tmp_path, no_gpu):
+    from qbuild.serving.bench import prompts_from
+
+    def plan(**extra):
+        return steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"], **extra}),
+                     tmp_path)
+
+    plain, prefixed = plan(), plan(prefix_tokens=256)
+    assert "prefix_tokens" not in plain["serving[q8_0@default]"].params["workload"]   # the key it had
+    step = prefixed["serving[q8_0@default]"]
+    assert step.params["workload"]["prefix_tokens"] == 256 and step.params["context"] == 256 + 128 + 32 + 8
+    assert step.key != plain["serving[q8_0@default]"].key
+    assert {n: s.key for n, s in prefixed.items() if n != "serving[q8_0@default]"} == {
+        n: s.key for n, s in plain.items() if n != "serving[q8_0@default]"}   # the prompts step too
+
+    tokens = np.arange(1000) % 997
+    prompts = prompts_from(tokens, 100, 20, seed=3, prefix_tokens=64)
+    assert all(p[:64] == tokens[-64:].tolist() and len(p) == 164 for p in prompts)
+    assert all(min(p[64:]) >= 0 and max(p[64:]) < 900 for p in prompts)   # windows stop short of the prefix
+    assert [p[64:] for p in prompts] == prompts_from(tokens[:-64], 100, 20, seed=3)
+    with pytest.raises(ValueError, match="after a prefix of 950"):
+        prompts_from(tokens, 100, 1, seed=0, prefix_tokens=950)
+
+
+def test_rounds_are_part_of_the_serving_key_and_nothing_else_moves(tmp_path, no_gpu):
+    def plan(rounds):
+        return steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"],
+                                               **({} if rounds is None else {"rounds": rounds})}), tmp_path)
+
+    default, three, five, one = plan(None), plan(3), plan(5), plan(1)
+    assert default["serving[q8_0@default]"].params["workload"]["rounds"] == 3
+    assert default["serving[q8_0@default]"].key == three["serving[q8_0@default]"].key
+    assert len({p["serving[q8_0@default]"].key for p in (three, five, one)}) == 3
+    assert "rounds" not in one["serving[q8_0@default]"].params["workload"]   # one round: the key it had before
+    for other in set(default) - {"serving[q8_0@default]"}:
+        assert default[other].key == five[other].key == one[other].key, other
 
 
 @pytest.mark.parametrize("config, problem", [

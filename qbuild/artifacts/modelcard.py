@@ -7,6 +7,7 @@ from __future__ import annotations
 import yaml
 
 from qbuild.core.units import human_size
+from qbuild.results.summary import with_ci
 
 METRIC_COLUMNS = (("ppl", "PPL", "{:.3f}"), ("delta_ppl", "ΔPPL", "{:+.3f}"), ("delta_ppl_pct", "ΔPPL %", "{:+.2f}"),
                   ("kld", "KLD", "{:.4f}"), ("top1", "top-1", "{:.1%}"), ("decode_tok_s", "decode tok/s", "{:.1f}"),
@@ -150,15 +151,23 @@ def _serving_section(row: dict) -> list[str]:
                 f"{chosen['objective']}; bounds: {bounds or 'none'}). It met them served exactly like this "
                 "(`model.gguf`/`MODEL_DIR`: the pulled files; pick your own port):", "",
                 f"    {chosen['command']}", ""]
+        if chosen.get("tie"):
+            out += [f"It was chosen from a tie within measurement noise: {chosen['tie']}.", ""]
     points = [p for p in row.get("serving") or [] if p.get("ttft_ms_p50") is not None]
     if points:
         out += ["## Serving under load", "",
                 "| config | concurrency | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms | output tok/s | "
                 "requests/s | errors | peak RSS MiB | KLD under the config |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        out += [f"| {p['config']} | {p.get('concurrency', str(p.get('request_rate')) + '/s')} | {p['ttft_ms_p50']:.1f} | "
-                f"{p['ttft_ms_p99']:.1f} | {p['tpot_ms_p50']:.2f} | {p['itl_ms_p99']:.2f} | {p['output_tok_s']:.1f} | "
-                f"{p['requests_s']:.2f} | {p['errors']} | {p.get('peak_rss_mb') or '-'} | "
-                f"{'-' if p.get('kld') is None else format(p['kld'], '.4g')} |" for p in points]
+        out += [f"| {p['config']} | {p.get('concurrency', str(p.get('request_rate')) + '/s')} | "
+                f"{with_ci(p, 'ttft_ms_p50', '.1f')} | {with_ci(p, 'ttft_ms_p99', '.1f')} | "
+                f"{with_ci(p, 'tpot_ms_p50', '.2f')} | {with_ci(p, 'itl_ms_p99', '.2f')} | "
+                f"{with_ci(p, 'output_tok_s', '.1f')} | {with_ci(p, 'requests_s', '.2f')} | {p['errors']} | "
+                f"{p.get('peak_rss_mb') or '-'} | {'-' if p.get('kld') is None else format(p['kld'], '.4g')} |"
+                for p in points]
+        rounds = max(len(p.get("rounds") or []) for p in points)
+        if any(p.get("ci") for p in points):
+            out += ["", f"Each point was measured in {rounds} independent rounds; ± is half the 95 % bootstrap "
+                    "interval (seeded; rounds, then requests within them, resampled)."]
         out.append("")
     return out
 

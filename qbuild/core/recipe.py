@@ -156,6 +156,9 @@ class Serving(StrictModel):
     request_rates: list[float] | None = Field(
         None, description="Open-loop points: Poisson arrivals at these requests/s (seeded), after the concurrency ones.")
     requests: int = Field(16, ge=1, le=100_000, description="Requests measured per point (after the warm-up).")
+    rounds: int = Field(3, ge=1, le=100, description="Independent rounds per point (each its own warm-up and "
+                        "prompts; round by round through the sweep): the point's figures pool them and carry 95 % "
+                        "bootstrap intervals, which selection reads. 1: one sample, no intervals. Part of the key.")
     warmup: int = Field(2, ge=0, description="Requests sent first at each point and not counted; the measured ones "
                         "follow them without a pause (steady state).")
     rampup_s: float = Field(0.0, ge=0, description="Start the concurrent streams this many seconds apart in all "
@@ -165,6 +168,9 @@ class Serving(StrictModel):
     input_len: int | LengthRange = Field(
         128, description="Prompt tokens per request (windows of the evaluation corpus), or {min, max}: drawn per "
         "request (seeded).")
+    prefix_tokens: int = Field(0, ge=0, le=1_000_000, description="A shared prefix (a system prompt) of this many "
+                               "tokens that every request's prompt starts with, before its own input_len tokens, as "
+                               "guidellm's prefix_tokens: a server with prompt caching prefills it once.")
     output_len: int | LengthRange = Field(
         32, description="Tokens generated per request (ignore_eos where the engine has it), or {min, max}: drawn per "
         "request (seeded).")
@@ -340,6 +346,14 @@ class Selection(StrictModel):
         "max_throughput", description="Among those meeting every bound: most output tok/s at the selection's "
         "concurrency, smallest artifact, or lowest KLD.")
     include_baseline: bool = Field(False, description="Let the unquantized baseline be selected too.")
+    on_uncertain: Literal["reject", "accept"] = Field(
+        "reject", description="A latency/throughput bound whose 95 % interval straddles it (within noise, measured "
+        "in rounds): reject the candidate (a miss), or accept it (noted). Default reject: ship only what clearly "
+        "meets the bounds.")
+    tie_break: list[Literal["kld", "memory", "size"]] = Field(
+        default_factory=lambda: ["kld", "memory", "size"], min_length=1,
+        description="When the best candidates' objective intervals overlap (a tie within noise): the first of these "
+        "that differs decides: lower KLD, smaller server peak RSS, smaller artifact.")
 
 
 # --- runtime and store -------------------------------------------------------------------------------

@@ -275,6 +275,12 @@ def _serving_html(run: dict) -> str:
                    f"<b>{html.escape(str(chosen['config']))}</b> (objective {html.escape(sel['objective'])})"
                    + (f"; serve it with <code>{html.escape(chosen['command'])}</code>" if chosen.get("command") else "")
                    + "</p>")
+        if sel.get("tie"):
+            from qbuild.results.summary import tie_line
+
+            verdict += f"<p>Tie: {html.escape(tie_line(sel))}</p>"
+        verdict += "".join(f"<p>Accepted within noise (on_uncertain: accept): {html.escape(n)}</p>"
+                           for n in chosen.get("uncertain") or [])
     elif sel:
         verdict = f"<p class=bad>{html.escape(sel.get('reason') or 'Nothing meets every selection bound.')}</p>"
     else:
@@ -282,8 +288,40 @@ def _serving_html(run: dict) -> str:
     misses = "".join(f"<li>{html.escape(x['variant'])} @ {html.escape(str(x['config']))}: {html.escape(x['why'])}</li>"
                      for x in sel.get("rejected", []))
     return (f'<section id="serving"><h2>Serving under load</h2>{verdict}'
-            f'{"<ul>" + misses + "</ul>" if misses else ""}{_config_quality_html(rows)}'
+            f'{"<ul>" + misses + "</ul>" if misses else ""}{_config_quality_html(rows)}{_serving_points_html(rows)}'
             f'<div class="plots">{"".join(figures)}</div></section>')
+
+
+POINT_FIGURES = (("TTFT p50 ms", "ttft_ms_p50", "{:.1f}"), ("TTFT p99 ms", "ttft_ms_p99", "{:.1f}"),
+                 ("TPOT p50 ms", "tpot_ms_p50", "{:.2f}"), ("TPOT p99 ms", "tpot_ms_p99", "{:.2f}"),
+                 ("ITL p50 ms", "itl_ms_p50", "{:.2f}"), ("ITL p99 ms", "itl_ms_p99", "{:.2f}"),
+                 ("output tok/s", "output_tok_s", "{:.1f}"), ("requests/s", "requests_s", "{:.2f}"))
+
+
+def _serving_points_html(rows: list[dict]) -> str:
+    """Every serving point's figures, each with its 95 % interval [lo, hi] where it was measured in rounds."""
+    def cell(p: dict, field: str, fmt: str) -> str:
+        v, ci = p.get(field), (p.get("ci") or {}).get(field)
+        if v is None:
+            return "-"
+        return fmt.format(v) + (f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]" if ci else "")
+
+    lines = []
+    for r in rows:
+        for p in r["serving"]:
+            if "concurrency" not in p and "request_rate" not in p:
+                continue
+            where = str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s"
+            cells = [r["variant"], p["config"], where, *(cell(p, f, fmt) for _, f, fmt in POINT_FIGURES),
+                     str(len(p.get("rounds") or []) or 1), str(p.get("errors"))]
+            lines.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    if not lines:
+        return ""
+    head = "".join(f"<th>{c}</th>" for c in ("variant", "config", "load", *(n for n, _, _ in POINT_FIGURES),
+                                               "rounds", "errors"))
+    return (f'<table class="serving-points"><caption>Serving points: each figure with its 95 % bootstrap interval '
+            f'[lo, hi] over the point\'s rounds (none with one round)</caption><tr>{head}</tr>{"".join(lines)}'
+            f'</table>')
 
 
 def _config_quality_html(rows: list[dict]) -> str:

@@ -5,6 +5,12 @@ serving configs. Each bound is checked where it applies: latency and throughput 
 that config, quality (KLD, ΔPPL %) as measured under that config (a quantized KV cache has its own pass; other configs
 carry the artifact's own numbers), size per artifact, memory as the config's server peak RSS. Every candidate
 that is not selected says why: each bound it missed and by how much, or that the objective preferred another.
+
+Serving figures measured in rounds carry 95 % intervals (qbuild.serving.confidence), and selection reads them: a
+bound is met when the whole interval is on its side, missed when the whole interval is past it, and otherwise
+within noise, which `on_uncertain` turns into a miss (reject, the default) or a pass (accept). The max_throughput
+objective compares intervals too: when the best candidates' intervals overlap, they are tied, and the first
+`tie_break` criterion (lower KLD, smaller memory, smaller file) that tells them apart decides; the verdict says so.
 """
 
 from __future__ import annotations
@@ -25,14 +31,29 @@ def _bound(sel, field: str, default_concurrency: int | None) -> tuple[float, int
     return b.value, b.concurrency
 
 
-def _miss(name: str, value: float, bound: float, kind: str, unit: str, where: str = "") -> str | None:
+def _miss(name: str, value: float, bound: float, kind: str, unit: str, where: str = "",
+          ci: list[float] | None = None) -> str | None:
     over = value - bound if kind == "max" else bound - value
     if over <= 0:
         return None
     op = ">" if kind == "max" else "<"
     pct = f", {100 * over / bound:.0f} %" if bound else ""
     u = f" {unit}" if unit else ""
-    return f"{name} {value:.4g}{u}{where} {op} {bound:.4g} ({'+' if kind == 'max' else '-'}{over:.4g}{u}{pct})"
+    return (f"{name} {value:.4g}{_interval(ci)}{u}{where} {op} {bound:.4g} "
+            f"({'+' if kind == 'max' else '-'}{over:.4g}{u}{pct})")
+
+
+def _interval(ci: list[float] | None) -> str:
+    return f" [{ci[0]:.4g}, {ci[1]:.4g}]" if ci else ""
+
+
+def verdict(value: float, ci: list[float] | None, bound: float, kind: str) -> str:
+    """"met", "missed", or "uncertain": the 95 % interval straddles the bound (without an interval, the value
+    alone decides)."""
+    lo, hi = ci if ci else (value, value)
+    if kind == "max":
+        return "met" if hi <= bound else "missed" if lo > bound else "uncertain"
+    return "met" if lo >= bound else "missed" if hi < bound else "uncertain"
 
 
 def _configs(row: dict) -> list[str | None]:
@@ -52,7 +73,8 @@ def select(sel, rows: list[dict], serving=None) -> dict:
         for config in _configs(row):
             candidates.append(_judge(sel, row, config, default_c, at, serving))
     met = [c for c in candidates if not c["misses"]]
-    best = _best(sel.objective, met)
+    best, tie = _best(sel, met)
+    tied = {id(c) for c in tie["tied"]} if tie else set()
     rejected = []
     for c in candidates:
         if c is best:
@@ -62,19 +84,25 @@ def select(sel, rows: list[dict], serving=None) -> dict:
         elif best is None or _measure(sel.objective, c) is None:
             why = [f"meets every bound, but objective {sel.objective} cannot rank it: "
                    f"{_unmeasured(sel.objective, c, at)}"]
+        elif id(c) in tied:
+            why = [f"meets every bound; tied with {best['variant']}@{best['config']} on objective {sel.objective} "
+                   f"({_objective_text(sel.objective, best)} vs {_objective_text(sel.objective, c)}: the intervals "
+                   f"overlap), {tie['broken_by_text']}"]
         else:
             why = [f"meets every bound; objective {sel.objective} prefers {best['variant']}@{best['config']} "
                    f"({_objective_text(sel.objective, best)} vs {_objective_text(sel.objective, c)})"]
-        rejected.append({"variant": c["variant"], "config": c["config"], "why": "; ".join(why), "misses": c["misses"]})
+        rejected.append({"variant": c["variant"], "config": c["config"], "why": "; ".join(why), "misses": c["misses"],
+                         **{k: c[k] for k in CANDIDATE_DETAIL}})
     selected = None
     if best is not None:
         selected = {k: best[k] for k in ("variant", "config", "output_tok_s", "size_bytes", "kld", "command",
-                                         "digest", "key")}
+                                         "digest", "key", *CANDIDATE_DETAIL)}
     bounds = {f: {"value": b[0], "concurrency": b[1]} for f, *_ in SLOS if (b := _bound(sel, f, default_c))}
     bounds.update({f: getattr(sel, f) for f in ("max_kld", "max_delta_ppl_pct", "max_size_mb", "max_memory_mb")
                    if getattr(sel, f) is not None})
-    out = {"objective": sel.objective, "concurrency": at, "bounds": bounds, "selected": selected,
-           "rejected": rejected, "passed": selected is not None}
+    out = {"objective": sel.objective, "concurrency": at, "bounds": bounds, "on_uncertain": sel.on_uncertain,
+           "tie_break": list(sel.tie_break), "selected": selected, "rejected": rejected, "passed": selected is not None,
+           "tie": {k: v for k, v in tie.items() if k != "tied"} if tie else None}
     if met and best is None:   # the bounds were met: what is missing is the objective's measure, say so
         out["reason"] = (f"{len(met)} candidate(s) meet every bound, but none has what objective {sel.objective} "
                          f"ranks by ({MEASURES[sel.objective]}); pick an objective they were measured for")
@@ -84,6 +112,8 @@ def select(sel, rows: list[dict], serving=None) -> dict:
 def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | None, serving) -> dict:
     points = [p for p in (row.get("serving") or []) if p["config"] == config]
     misses: list[str] = []
+    uncertain: list[str] = []   # bounds within noise: misses under on_uncertain reject, notes under accept
+    slo: dict[str, dict] = {}
     if row.get("status") not in ("built", "cached"):
         misses.append(f"not built ({row.get('status')})")
 
@@ -105,9 +135,17 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
         if value is None:
             misses.append(f"{field}: not measured at concurrency {c}")
             continue
-        m = _miss(field, value, bound, kind, unit, f" at concurrency {c}")
-        if m:
-            misses.append(m)
+        ci = (pt.get("ci") or {}).get(pfield)
+        slo[field] = {"value": value, "ci": ci, "bound": bound, "concurrency": c,
+                      "verdict": verdict(value, ci, bound, kind)}
+        if slo[field]["verdict"] == "missed":
+            misses.append(_miss(field, value, bound, kind, unit, f" at concurrency {c}", ci))
+        elif slo[field]["verdict"] == "uncertain":
+            u = f" {unit}" if unit else ""
+            uncertain.append(f"{field} {value:.4g}{_interval(ci)}{u} at concurrency {c} straddles {bound:.4g}: "
+                             f"within noise")
+            if sel.on_uncertain == "reject":
+                misses.append(f"{uncertain[-1]} (on_uncertain: reject)")
     quality = _quality(row, points)
     under = f" under config {config}" if config is not None else ""
     for field, value, bound, unit, where in (
@@ -115,7 +153,7 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
             ("max_delta_ppl_pct", quality.get("delta_ppl_pct"), sel.max_delta_ppl_pct, "%", under),
             ("max_size_mb", row["size_bytes"] / 2**20 if row.get("size_bytes") else None, sel.max_size_mb, "MiB", ""),
             ("max_memory_mb", max((p.get("peak_rss_mb") or 0 for p in points), default=None) or None,
-             sel.max_memory_mb, "MiB", under)):
+             sel.max_memory_mb, "MiB", under)):   # the same as the candidate's memory_mb below
         if bound is None:
             continue
         if value is None:
@@ -125,7 +163,11 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
         if m:
             misses.append(m)
     pt = point(at)
+    memory = max((p.get("peak_rss_mb") or 0 for p in points), default=None) or None
     return {"variant": row["variant"], "config": config, "misses": misses, "not_served": _not_served(row, points, serving),
+            "uncertain": uncertain, "slo": slo, "memory_mb": memory,
+            "output_tok_s_ci": ((pt or {}).get("ci") or {}).get("output_tok_s"),
+            "rounds": (pt or {}).get("rounds"),
             "output_tok_s": pt.get("output_tok_s") if pt else None, "size_bytes": row.get("size_bytes"),
             "kld": quality.get("kld"), "command": (pt or {}).get("command") or next(
                 (p.get("command") for p in points if p.get("command")), None),
@@ -153,11 +195,62 @@ def _measure(objective: str, c: dict) -> float | None:
     return c["kld"]
 
 
-def _best(objective: str, met: list[dict]) -> dict | None:
+# what every candidate of the verdict carries besides its name: each SLO's value, interval and verdict, the bounds
+# within noise, its memory, and the objective's interval and rounds at the selection's concurrency
+CANDIDATE_DETAIL = ("slo", "uncertain", "memory_mb", "output_tok_s_ci", "rounds")
+TIE_BREAK = {"kld": ("kld", "lower KLD", "KLD {:.4g}"), "memory": ("memory_mb", "smaller memory", "{:.0f} MiB"),
+             "size": ("size_bytes", "smaller file", "{:,} bytes")}
+
+
+def _best(sel, met: list[dict]) -> tuple[dict | None, dict | None]:
+    """The best candidate by the objective, and the tie it was chosen from (None when it won outright): under
+    max_throughput, every ranked candidate whose output tok/s interval overlaps the leader's, broken by
+    `sel.tie_break` (then by the objective's value and the names, so the outcome never depends on order)."""
+    objective = sel.objective
     ranked = [c for c in met if _measure(objective, c) is not None]
-    if objective == "max_throughput":
-        return max(ranked, key=lambda c: c["output_tok_s"], default=None)
-    return min(ranked, key=lambda c: _measure(objective, c), default=None)
+    if objective != "max_throughput":
+        return min(ranked, key=lambda c: _measure(objective, c), default=None), None
+    leader = max(ranked, key=lambda c: (c["output_tok_s"], _name(c)), default=None)
+    if leader is None:
+        return None, None
+    tied = [c for c in ranked if c is not leader and _overlap(_span(c), _span(leader))]
+    if not tied:
+        return leader, None
+
+    def order(c: dict) -> tuple:
+        values = tuple(float("inf") if c[TIE_BREAK[k][0]] is None else c[TIE_BREAK[k][0]] for k in sel.tie_break)
+        return (*values, -c["output_tok_s"], _name(c))
+
+    group = sorted([leader, *tied], key=order)
+    winner, runner_up = group[0], group[1]
+    decided = next((k for i, k in enumerate(sel.tie_break) if order(winner)[i] != order(runner_up)[i]), None)
+    if decided is None:
+        text = f"tie_break {'/'.join(sel.tie_break)} cannot tell them apart: the higher output tok/s decides"
+    else:
+        field, words, fmt = TIE_BREAK[decided]
+        text = (f"broken by {words} ({_fmt_or_unknown(winner[field], fmt)} vs "
+                f"{_fmt_or_unknown(runner_up[field], fmt)})")
+    return winner, {"candidates": [{"variant": c["variant"], "config": c["config"], "output_tok_s": c["output_tok_s"],
+                                    "ci": c["output_tok_s_ci"]} for c in group],
+                    "broken_by": decided or "output_tok_s", "broken_by_text": text,
+                    "tied": [c for c in group if c is not winner]}
+
+
+def _name(c: dict) -> tuple[str, str]:
+    return c["variant"], str(c["config"])
+
+
+def _span(c: dict) -> tuple[float, float]:
+    ci = c["output_tok_s_ci"]
+    return (ci[0], ci[1]) if ci else (c["output_tok_s"], c["output_tok_s"])
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def _fmt_or_unknown(v, fmt: str) -> str:
+    return "unknown" if v is None else fmt.format(v)
 
 
 def _not_served(row: dict, points: list[dict], serving) -> str | None:
@@ -187,7 +280,8 @@ def _unmeasured(objective: str, c: dict, at: int | None) -> str:
 
 def _objective_text(objective: str, c: dict) -> str:
     if objective == "max_throughput":
-        return f"{c['output_tok_s']:.4g} tok/s" if c["output_tok_s"] is not None else "not measured"
+        return (f"{c['output_tok_s']:.4g}{_interval(c['output_tok_s_ci'])} tok/s" if c["output_tok_s"] is not None
+                else "not measured")
     if objective == "min_size":
         return f"{c['size_bytes'] / 2**20:.1f} MiB" if c["size_bytes"] else "size unknown"
     return f"KLD {c['kld']:.4g}" if c["kld"] is not None else "KLD not measured"

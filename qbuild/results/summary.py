@@ -108,6 +108,7 @@ def goodput_slo(recipe) -> dict:
 def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
     """artifact key → its serving points, one per (serving config, concurrency or request rate)."""
     from qbuild.serving.client import goodput
+    from qbuild.serving.confidence import ROUND_FIELDS
 
     by_artifact: dict[str, list[dict]] = {}
     for o in outcomes:
@@ -125,6 +126,9 @@ def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
             row.update({k: pt[k] for k in ("concurrency", "request_rate") if k in pt})
             row.update({k: pt.get(k) for k in SERVING_FIELDS})
             row["goodput_requests_s"] = goodput(pt, slo["ttft_ms"], slo["tpot_ms"])
+            # measured in rounds: 95 % intervals (field → [lo, hi]) and each round's own figures, samples left out
+            row["ci"] = pt.get("ci")
+            row["rounds"] = [{k: rd.get(k) for k in ROUND_FIELDS} for rd in pt.get("rounds") or []] or None
             row["peak_rss_mb"] = round(rss / 2**20, 1) if rss else None
             row["kv_bytes_per_token"] = m.get("kv_bytes_per_token")
             row["command"] = m.get("command")
@@ -226,7 +230,8 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
         for r in rows:   # the selected artifact's row (and so its model card) carries how it met the bounds
             if chosen and r["variant"] == chosen["variant"]:
                 r["selected"] = {"config": chosen["config"], "command": chosen["command"],
-                                 "objective": recipe.selection.objective, "bounds": out["selection"]["bounds"]}
+                                 "objective": recipe.selection.objective, "bounds": out["selection"]["bounds"],
+                                 "tie": tie_line(out["selection"]) if out["selection"].get("tie") else None}
     return out
 
 
@@ -314,6 +319,14 @@ def _render_tasks(rows: list[dict], console) -> None:
     console.print(table)
 
 
+def with_ci(point: dict, field: str, spec: str) -> str:
+    """A serving figure, "± half-width" of its 95 % interval where it was measured in rounds."""
+    value, ci = point.get(field), (point.get("ci") or {}).get(field)
+    if value is None or ci is None:
+        return _fmt(value, spec)
+    return f"{value:{spec}} ±{(ci[1] - ci[0]) / 2:{spec}}"
+
+
 def render_serving(summary: dict, console) -> None:
     """One table of serving points: artifact × config × concurrency (or request rate)."""
     from rich.markup import escape
@@ -324,8 +337,11 @@ def render_serving(summary: dict, console) -> None:
     if not rows:
         return
     slo = summary.get("goodput_slo") or DEFAULT_GOODPUT_SLO
+    rounds = {len(p.get("rounds") or []) or 1 for _, p in rows}
+    spread = (f"; ± half the 95 % interval over {'/'.join(map(str, sorted(rounds)))} rounds"
+              if any(p.get("ci") for _, p in rows) else "")
     table = Table(title="serving (ms; tok/s of the whole server; goodput: requests/s with TTFT ≤ "
-                  f"{slo['ttft_ms']:g} ms and TPOT ≤ {slo['tpot_ms']:g} ms)", title_justify="left")
+                  f"{slo['ttft_ms']:g} ms and TPOT ≤ {slo['tpot_ms']:g} ms{spread})", title_justify="left")
     # the artifact's quality under each config (a quantized KV cache has its own pass) beside its KV-cache bytes
     quality = [c for c, field in (("KLD", "kld"), ("ΔPPL %", "delta_ppl_pct")) if any(p.get(field) is not None
                                                                                     for _, p in rows)]
@@ -335,12 +351,23 @@ def render_serving(summary: dict, console) -> None:
     for variant, p in rows:
         where = str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s"
         extra = {"KLD": _fmt(p.get("kld"), ".4f"), "ΔPPL %": _fmt(p.get("delta_ppl_pct"), "+.2f")}
-        table.add_row(escape(variant), escape(p["config"]), where, _fmt(p["ttft_ms_p50"], ".1f"),
-                      _fmt(p["ttft_ms_p99"], ".1f"), _fmt(p["tpot_ms_p50"], ".2f"), _fmt(p["itl_ms_p99"], ".2f"),
-                      _fmt(p["output_tok_s"], ".1f"), _fmt(p["requests_s"], ".2f"), _fmt(p["goodput_requests_s"], ".2f"),
+        table.add_row(escape(variant), escape(p["config"]), where, with_ci(p, "ttft_ms_p50", ".1f"),
+                      with_ci(p, "ttft_ms_p99", ".1f"), with_ci(p, "tpot_ms_p50", ".2f"), with_ci(p, "itl_ms_p99", ".2f"),
+                      with_ci(p, "output_tok_s", ".1f"), with_ci(p, "requests_s", ".2f"),
+                      _fmt(p["goodput_requests_s"], ".2f"),
                       str(p["errors"]), f"{p['peak_rss_mb']:.0f} MiB" if p.get("peak_rss_mb") else "-",
                       _fmt(p.get("kv_bytes_per_token"), ".0f"), *(extra[c] for c in quality))
     console.print(table)
+
+
+def tie_line(selection: dict) -> str:
+    """One line: which candidates tied on the objective (their intervals overlap) and how the tie was broken."""
+    tie = selection["tie"]
+    each = " and ".join(f"{c['variant']}@{c['config']} {c['output_tok_s']:.4g}"
+                        + (f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c.get("ci") else "") for c in tie["candidates"])
+    first = tie["candidates"][0]
+    return (f"{each} tok/s overlap; {tie['broken_by_text']} (tie_break: {', '.join(selection['tie_break'])}): "
+            f"{first['variant']}@{first['config']}")
 
 
 def render_selection(selection: dict, console) -> None:
@@ -352,6 +379,10 @@ def render_selection(selection: dict, console) -> None:
                       f"(objective {selection['objective']})")
         if sel.get("command"):
             console.print(f"  serve it with: {escape(sel['command'])}")
+        for note in sel.get("uncertain") or []:   # on_uncertain: accept let these pass
+            console.print(f"  [yellow]accepted within noise[/] (on_uncertain: accept): {escape(note)}")
+    if selection.get("tie"):
+        console.print(f"[yellow]tie[/]: {escape(tie_line(selection))}", soft_wrap=True)
     else:
         console.print(f"[bold red]nothing meets every selection bound[/] (objective {selection['objective']})"
                       if not selection.get("reason") else f"[bold red]nothing selected[/]: {escape(selection['reason'])}")

@@ -178,7 +178,10 @@ def summarize_point(results: list[RequestResult], seconds: float | None = None,
            **pcts("e2e_ms", [r.e2e_s for r in ok]),
            # per request (ms), so goodput can be computed later against any SLO without measuring again
            "samples": {"ttft_ms": [round(r.ttft_s * 1000, 2) for r in ok],
-                       "tpot_ms": [round(r.tpot_s * 1000, 3) if r.tpot_s is not None else None for r in ok]}}
+                       "tpot_ms": [round(r.tpot_s * 1000, 3) if r.tpot_s is not None else None for r in ok],
+                       # and what a point measured in rounds pools and resamples (qbuild.serving.confidence)
+                       "itl_ms": [[round(g * 1000, 3) for g in r.itl_s] for r in ok],
+                       "e2e_ms": [round(r.e2e_s * 1000, 2) for r in ok]}}
     first_error = next((r.error for r in results if not r.ok), None)
     if first_error:
         out["first_error"] = first_error

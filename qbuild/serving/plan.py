@@ -51,7 +51,8 @@ def serving_steps(ctx) -> None:
     if serving is None:
         return
     data = None
-    context = longest(serving.input_len) + longest(serving.output_len) + 8   # per request; room for BOS/templates
+    # per request; room for BOS/templates
+    context = serving.prefix_tokens + longest(serving.input_len) + longest(serving.output_len) + 8
     slots = max(serving.concurrency)
     for art in ctx.artifacts:
         if not spec(art.step.format).model or not wanted(serving, art.label):
@@ -64,6 +65,10 @@ def serving_steps(ctx) -> None:
         workload = serving.model_dump(include=set(WORKLOAD_FIELDS))   # a length range as {min, max}
         if serving.rampup_s:   # left out at its default, like other new switches
             workload["rampup_s"] = serving.rampup_s
+        if serving.prefix_tokens:
+            workload["prefix_tokens"] = serving.prefix_tokens
+        if serving.rounds != 1:   # left out at 1: one round is what was measured before rounds existed
+            workload["rounds"] = serving.rounds
         for i, config in enumerate(serving.configs):
             refusal = server.refusal(config)
             if refusal:
