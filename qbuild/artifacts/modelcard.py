@@ -7,7 +7,7 @@ from __future__ import annotations
 import yaml
 
 from qbuild.core.units import human_size
-from qbuild.results.summary import with_ci
+from qbuild.serving.confidence import with_ci
 
 METRIC_COLUMNS = (("ppl", "PPL", "{:.3f}"), ("delta_ppl", "ΔPPL", "{:+.3f}"), ("delta_ppl_pct", "ΔPPL %", "{:+.2f}"),
                   ("kld", "KLD", "{:.4f}"), ("top1", "top-1", "{:.1%}"), ("decode_tok_s", "decode tok/s", "{:.1f}"),

@@ -8,6 +8,7 @@ from qbuild.core.step import Outcome
 from qbuild.core.units import human_size
 from qbuild.evaluate.tasks import add_deltas as add_task_deltas
 from qbuild.evaluate.tasks import summary_rows as task_rows
+from qbuild.serving.confidence import with_ci
 
 # "reference" is the baseline's one pass with KLD on (its perplexity + reference log-probs); a variant's
 # "perplexity" step carries its KLD and top-1 agreement when KLD is on
@@ -317,14 +318,6 @@ def _render_tasks(rows: list[dict], console) -> None:
                           *((str(f["right_to_wrong"]), str(f["wrong_to_right"]), f"{f['pct']:.1f} %") if f else
                             ("-", "-", "-" if r["variant"] != "baseline" else "ref")))
     console.print(table)
-
-
-def with_ci(point: dict, field: str, spec: str) -> str:
-    """A serving figure, "± half-width" of its 95 % interval where it was measured in rounds."""
-    value, ci = point.get(field), (point.get("ci") or {}).get(field)
-    if value is None or ci is None:
-        return _fmt(value, spec)
-    return f"{value:{spec}} ±{(ci[1] - ci[0]) / 2:{spec}}"
 
 
 def render_serving(summary: dict, console) -> None:

@@ -108,3 +108,13 @@ def _request_table(round_: dict) -> dict:
             "tpot_ms": np.array([np.nan if v is None else v for v in s["tpot_ms"]], dtype=float),
             "itl_ms": np.array([g for req in gaps for g in req], dtype=float),
             "itl_lengths": np.array([len(req) for req in gaps], dtype=int)}
+
+
+def with_ci(point: dict, field: str, spec: str) -> str:
+    """A serving figure, "± half-width" of its 95 % interval where it was measured in rounds ("-" if absent)."""
+    value, ci = point.get(field), (point.get("ci") or {}).get(field)
+    if value is None:
+        return "-"
+    if ci is None:
+        return format(value, spec)
+    return f"{value:{spec}} ±{(ci[1] - ci[0]) / 2:{spec}}"
