@@ -127,11 +127,12 @@ RECIPE_VARIANTS = [{"name": "f16", "method": "gguf", "type": "F16"}, {"name": "q
                    {"name": "w4a16", "method": "rtn", "bits": 4, "group_size": 64}]
 
 
-def qbuild_run(path: Path, windows: int, tmp: Path) -> dict:
+def qbuild_run(path: Path, windows: int, tmp: Path, variants: list[str] | None = None) -> dict:
     """`qbuild run` of the issue's recipe on `path`: each step's wall time and peak RSS from its manifest."""
     recipe = tmp / "recipe.yaml"
     recipe.write_text(json.dumps({
-        "name": f"size-{path.name}", "model": {"source": "local", "path": str(path)}, "variants": RECIPE_VARIANTS,
+        "name": f"size-{path.name}", "model": {"source": "local", "path": str(path)},
+        "variants": [v for v in RECIPE_VARIANTS if not variants or v["name"] in variants],
         "evaluation": {"baseline": True, "kld": True,
                        "perplexity": {"dataset": {"sources": [{"type": "pydocs", "split": "test"}]},
                                       "protocol": "fixed-window", "context_length": 512, "max_windows": windows}}}))
@@ -158,6 +159,8 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--whole-up-to", default="1b", help="largest size also evaluated whole (fp32)")
     ap.add_argument("--qbuild", default="", help="sizes also run through `qbuild run` (reference + perplexity)")
+    ap.add_argument("--variants", default="", help="only these of the recipe's variants (f16,q8_0,q4km,w4a16); "
+                    "an 8B run of all four needs ~60 GB of disk")
     ap.add_argument("--skip-session", action="store_true", help="for --qbuild sizes, only the qbuild run")
     ap.add_argument("--keep", type=Path, help="keep the checkpoints here (reused by later runs)")
     args = ap.parse_args()
@@ -198,7 +201,7 @@ def main() -> None:
                 print(f"{size:>5} {bf16 / GB:8.2f} {mode:>7} {r['seconds']:7.1f} {peak / GB:8.2f} {peak / bf16:9.2f} "
                       f"{plan_gb:11.2f}  {note}", flush=True)
             if size in args.qbuild.split(","):
-                run = qbuild_run(path, args.windows, tmp)
+                run = qbuild_run(path, args.windows, tmp, args.variants.split(",") if args.variants else None)
                 for name, seconds, peak in run["steps"]:
                     print(f"{size:>5} {bf16 / GB:8.2f} {name[:24]:>24} {seconds or 0:7.1f} {peak / GB:8.2f} "
                           f"{peak / bf16:9.2f}", flush=True)

@@ -48,6 +48,15 @@ def checkpoint_index(path: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+def read_headers(path: Path) -> None:
+    """Read every safetensors file's header: a truncated or corrupt file raises safetensors' own error."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            f.keys()
+
+
 def checkpoint_bytes(path: Path) -> int:
     """Bytes of the checkpoint's weight files."""
     return sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))

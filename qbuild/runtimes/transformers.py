@@ -40,6 +40,9 @@ class TransformersSession(RuntimeSession):
         self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
         self.dtype = "auto" if self.device == "cuda" else torch.float32
         self.config = AutoConfig.from_pretrained(str(path))
+        from qbuild.runtimes.layer_stream import read_headers
+
+        read_headers(self.path)   # a checkpoint that cannot load fails here, on open, as when it was loaded whole
         self._model = None
         self._streamed = None
 
