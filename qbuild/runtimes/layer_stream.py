@@ -21,6 +21,7 @@ whose weights transformers renames or fuses while loading (MoE experts) or that 
 from __future__ import annotations
 
 import copy
+import gc
 import json
 from collections import defaultdict
 from collections.abc import Iterator
@@ -144,6 +145,7 @@ class LayerStreamedModel:
         one (compressed parameters under their stored names), and return what decompresses a loaded module the way
         the whole model's first forward pass does. For an unquantized one, a no-op. Other quantizers: NotStreamable."""
         qc = getattr(self.config, "quantization_config", None)
+        self.quantized = qc is not None
         if qc is None:
             return lambda modules: None
         method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
@@ -184,6 +186,8 @@ class LayerStreamedModel:
                                  **{k: v if k == "cache_position" else _slice_batch(v, w, batch)
                                     for k, v in kwargs.items()}))
             del live
+            if self.quantized:   # compressed-tensors' forward wrappers bind the module to itself: only the cycle
+                gc.collect()     # collector frees the layer's decompressed weights, and it runs by count, not size
             if isinstance(outs[0], tuple):   # transformers 4.x layers return (hidden_states, ...)
                 return (self.torch.cat([o[0] for o in outs]), *outs[0][1:])
             return self.torch.cat(outs)
