@@ -72,10 +72,11 @@ def test_moe_experts_fall_back_to_the_whole_model(tmp_path):
     assert session._model is not None and session._streamed is False
 
 
-@pytest.mark.parametrize("scheme", ["W4A16", "W8A16", "FP8_DYNAMIC", "W8A8"])
+@pytest.mark.parametrize("scheme", ["W4A16", "W4A16_ASYM", "W8A16", "FP8_DYNAMIC", "W8A8"])
 def test_compressed_tensors_checkpoints_stream_to_the_same_logits(tmp_path, scheme):
-    """llm-compressor's output, each weight scheme (packed int4, int8, fp8; W8A8 also quantizes activations as they
-    pass): decompressed layer by layer by compressed-tensors, the same logits as transformers' whole model."""
+    """llm-compressor's output, each weight scheme (packed int4, with packed zero points when asymmetric, int8,
+    fp8; W8A8 also quantizes activations as they pass): decompressed layer by layer by compressed-tensors, the
+    same logits as transformers' whole model."""
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import QuantizationModifier
     from transformers import AutoModelForCausalLM

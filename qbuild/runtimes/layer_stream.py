@@ -171,7 +171,12 @@ class LayerStreamedModel:
         (the compute dtype for floats, the stored integer types of packed weights)."""
         declared = dict(module.named_parameters())
         for name, tensor in _read(tensors, self.index):
-            self._set(module, name, self.device, value=tensor.to(declared[name].dtype))
+            if tensor.shape == declared[name].shape:
+                self._set(module, name, self.device, value=tensor.to(declared[name].dtype))
+            else:   # stored packed, as stored (an asymmetric scheme's int4 zero points): the decompressor unpacks it,
+                owner, _, leaf = name.rpartition(".")   # as it does when transformers loads the model
+                module.get_submodule(owner)._parameters[leaf] = self.torch.nn.Parameter(tensor.to(self.device),
+                                                                                         requires_grad=False)
             del tensor
 
     def _streamed(self, i: int):
