@@ -88,6 +88,11 @@ def test_compressed_tensors_checkpoints_stream_to_the_same_logits(tmp_path, sche
     model.save_pretrained(out, save_compressed=True)
     got, want = _both(out, _windows(1024, 2, 64))
     assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    streamed = TransformersSession(out, 1, "cpu")
+    list(streamed.window_logits(_windows(1024, 1, 16)))
+    info = streamed.info()   # recorded with every result: naming the Linear class must not load the whole model
+    assert info["quant_method"] == "compressed-tensors" and info["linear_class"].endswith("Linear")
+    assert streamed._model is None
 
 
 def test_demo_model_streams_to_the_same_logits(smollm2_dir):

@@ -95,11 +95,8 @@ def step_memory(step, size: ModelSize, loaded_whole: bool) -> tuple[int, str] | 
     return None
 
 
-def refusal(step, size: ModelSize, loaded_whole: bool, memory: tuple[int, str]) -> str | None:
-    """One line saying why `step` cannot run in `memory`, or None when it fits."""
-    need = step_memory(step, size, loaded_whole)
-    if need is None or need[0] <= memory[0] or step.memory == "offloads-to-disk":
-        return None
+def refusal(step, need: tuple[int, str], size: ModelSize, memory: tuple[int, str]) -> str:
+    """One line saying why `step`, needing `need` (step_memory), cannot run in `memory`."""
     return (f"{step.name} needs about {need[0] / GB:.1f} GB of memory ({need[1]}; a {size.parameters / 1e9:.2f}B-"
             f"parameter model) and {memory[1]} gives {memory[0] / GB:.1f} GB: use a machine with more memory, drop "
             f"the step, or declare a larger budget with QBUILD_MEMORY_GB")
@@ -124,15 +121,16 @@ def check_memory(planned, model_info: dict, source: Path | None, variants) -> li
             continue
         model_input = p.step.inputs.get("model")
         loaded_whole = model_input is not None and model_input.format not in STREAMABLE_FORMATS
-        why = refusal(p.step, size, loaded_whole, memory)
-        if why:
-            index = next((i for i, v in enumerate(variants) if f"[{v.name}" in p.step.name), None)
-            field = ("model" if p.step.kind in ("import-check", "convert-check") else
-                     f"variants[{index}]" if p.step.kind == "quantize" and index is not None else "evaluation")
-            raise RecipeError(field, why)
         need = step_memory(p.step, size, loaded_whole)
-        if p.step.memory == "offloads-to-disk" and need and need[0] > memory[0]:
+        if need is None or need[0] <= memory[0]:
+            continue
+        if p.step.memory == "offloads-to-disk":
             warnings.append(f"{p.step.name} needs about {need[0] / GB:.1f} GB of memory and {memory[1]} gives "
                             f"{memory[0] / GB:.1f} GB: the part of the model that does not fit is offloaded to disk "
                             f"(slower, same result)")
+            continue
+        index = next((i for i, v in enumerate(variants) if f"[{v.name}" in p.step.name), None)
+        field = ("model" if p.step.kind in ("import-check", "convert-check") else
+                 f"variants[{index}]" if p.step.kind == "quantize" and index is not None else "evaluation")
+        raise RecipeError(field, refusal(p.step, need, size, memory))
     return warnings

@@ -131,7 +131,8 @@ class LayerStreamedModel:
                   if p.is_meta and not n.startswith(layers_name + ".")]
         if unread:
             raise NotStreamable(f"{unread[0]} is tied in a way this reader does not follow")
-        self.decompress(m for m in self.model.modules() if not any(m is x for x in self.layers.modules()))
+        in_layers = {id(m) for m in self.layers.modules()}
+        self.decompress(m for m in self.model.modules() if id(m) not in in_layers)
         # each pass gets a fresh copy of the layer's empty skeleton: decompressing a quantized layer rebuilds its
         # parameters, so the skeleton itself is never filled
         self.skeletons = [copy.deepcopy(layer) for layer in self.layers]

@@ -182,7 +182,9 @@ class TransformersSession(RuntimeSession):
         if qc is not None:   # a quantized checkpoint: which loader and Linear kernel read it (e.g. gptqmodel's)
             method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", "")
             info["quant_method"] = str(getattr(method, "value", method))   # transformers' QuantizationMethod enum
-            linear = next((m for n, m in self.model.named_modules() if n.endswith("q_proj")), None)
+            # a streamed model's skeleton has the same module classes: naming one must not load the whole model
+            model = self._streamed.model if self._streamed else self.model
+            linear = next((m for n, m in model.named_modules() if n.endswith("q_proj")), None)
             if linear is not None:
                 info["linear_class"] = f"{type(linear).__module__}.{type(linear).__qualname__}"
         if self.device == "cuda":
