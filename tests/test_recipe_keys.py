@@ -33,7 +33,7 @@ def pinned_toolchain(step) -> dict[str, str]:
 
 def planned_keys(recipe: Path, store: Path) -> dict[str, str]:
     import qbuild
-    from qbuild.core.step import Step
+    from qbuild.contract.step import Step
 
     original = Step.toolchain
     Step.toolchain = pinned_toolchain

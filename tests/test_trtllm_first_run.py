@@ -17,7 +17,7 @@ from test_trtllm_eval import _plan
 
 from qbuild.build import tensorrt_llm as trt
 from qbuild.build import trtllm_env
-from qbuild.core.step import Step
+from qbuild.contract.step import Step
 from qbuild.errors import RecipeError, UserError
 from qbuild.models.checkpoint import CheckpointError, validate_trtllm_checkpoint
 

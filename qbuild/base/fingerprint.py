@@ -13,7 +13,7 @@ from functools import cache, lru_cache
 from importlib import metadata
 from pathlib import Path
 
-from qbuild.core.hashing import canonical_json, memo_sha256, sha256_text, tree_digest
+from qbuild.base.hashing import canonical_json, memo_sha256, sha256_text, tree_digest
 
 
 @cache

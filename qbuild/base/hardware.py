@@ -89,7 +89,7 @@ def machine_facts() -> dict:
     """Facts about the machine and environment a step ran in that its key does not hold (recorded in manifests)."""
     import platform
 
-    from qbuild.core.fingerprint import cpu_model
+    from qbuild.base.fingerprint import cpu_model
 
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "machine": platform.machine(), "os": platform.platform(),
             "python": platform.python_version()}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from urllib.parse import urlsplit, urlunsplit
 
-from qbuild.errors import UserError
+from qbuild.base.errors import UserError
 
 NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}"
 NAME_PATTERN = rf"^{NAME}$"           # for pydantic Field(pattern=...): recipe names, variants, tags

@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qbuild.errors import UserError
+from qbuild.base.errors import UserError
 
 MARKER = ".qbuild-root.json"
 

@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 
-from qbuild.core.names import redact_url
+from qbuild.base.names import redact_url
 
 TAIL_BYTES = 64 * 1024     # of the tool's output, kept to find its error in (the log has all of it)
 CONTEXT_LINES = 4          # lines shown before the error line

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from qbuild.errors import RecipeError
+from qbuild.base.errors import RecipeError
 
 Loc = tuple[str | int, ...]
 

@@ -6,7 +6,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field, field_validator
 
-from qbuild.core.schema_base import StrictModel
+from qbuild.base.schema_base import StrictModel
 
 
 class _SourceBase(StrictModel):

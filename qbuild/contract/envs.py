@@ -12,7 +12,7 @@ environment directory (`<envs root>/<name>-<hash>`), so a new backend version is
 never changes one in place. The resolved versions enter the key of every step run there (Step.env), so
 changing a backend version rebuilds exactly the steps that used it. Creation (`uv venv` + `uv pip sync`)
 happens once, under a file lock, and is marked complete only at its end: an interrupted creation is
-redone. The step's worker runs `<env>/bin/python -m qbuild.core.worker`; qbuild's own package reaches it
+redone. The step's worker runs `<env>/bin/python -m qbuild.pipeline.worker`; qbuild's own package reaches it
 through a directory holding a link to it (never qbuild's site-packages, which would leak its libraries).
 
 Index: uv reads UV_FIND_LINKS / UV_INDEX_URL; qbuild passes pip's PIP_FIND_LINKS / PIP_INDEX_URL on
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from qbuild.core.owned import OwnedRoot, claim_root
-from qbuild.errors import UserError
+from qbuild.base.errors import UserError
+from qbuild.base.owned import OwnedRoot, claim_root
 
 MARKER = ".qbuild-env.json"          # written last: an environment without it is incomplete
 RESOLVE_TIMEOUT_S = 300

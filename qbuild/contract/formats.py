@@ -2,7 +2,7 @@
 and with what command.
 
 A format's declaration names the runtimes that read it (`evaluated_by`, in order of preference;
-qbuild.plugins.runtimes_for asks it), so a method that writes a new format transformers or llama.cpp
+runtimes_for asks it), so a method that writes a new format transformers or llama.cpp
 can read declares it in its own module (`register_format`) and is evaluated, summarised and reported
 like the built-in ones, with no runtime of its own; a format nothing reads is shown as "not evaluated:
 no runtime for FORMAT". `load_commands` gives the model card's command per engine.
@@ -15,10 +15,13 @@ manifest records `loads_in` from it when the artifact is built, and `qbuild show
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qbuild.contract.plugin import Runtime
 
 
 class Format(StrEnum):
@@ -46,8 +49,8 @@ class FormatSpec:
     model: bool = True                 # a model artifact: evaluated and given a summary row
     loads_in: tuple[str, ...] = ()     # a plugin format's engines, for any scheme (becomes its LOADS_IN row)
     load_tools: tuple[str, ...] = ()   # distributions a runtime needs to read it: they enter evaluation keys
-    eval_env: str | None = None        # backend environment (qbuild.core.envs) its evaluation runs in; None: qbuild's
-    evaluated_by: tuple[str, ...] = ()  # runtimes (qbuild.plugins) that read it, preferred first
+    eval_env: str | None = None        # backend environment (qbuild.contract.envs) its evaluation runs in; None: qbuild's
+    evaluated_by: tuple[str, ...] = ()  # runtimes (qbuild.contract.plugin) that read it, preferred first
     # engine → how to load it, for the model card: `{dir}` the artifact's folder, `{file}` its model file. Engines not
     # named here use HF_LOAD_COMMANDS (a Hugging Face checkpoint folder)
     load_commands: tuple[tuple[str, str], ...] = ()
@@ -70,12 +73,14 @@ _plugins_loaded = False
 
 
 def _load_plugin_formats() -> None:
-    """Methods declare their own formats in their modules: load the plugin modules once, by name, as the registries
-    do (this module sits below the plugin contract and never imports it)."""
+    """Methods declare their own formats in their modules: load the plugin modules once, through the registries
+    (qbuild.contract.plugin, which never imports this module)."""
     global _plugins_loaded
     if not _plugins_loaded:
         _plugins_loaded = True
-        importlib.import_module("qbuild.plugins").load_all()
+        from qbuild.contract.plugin import load_all
+
+        load_all()
 
 
 def spec(name: str) -> FormatSpec:
@@ -227,3 +232,13 @@ def manifest_loads_in(fmt: str, scheme: str | None, info: dict | None) -> list[s
     if not spec(fmt).model:
         return None
     return list(loads_in(fmt, scheme, (info or {}).get("part_types") or ()))
+
+
+def runtimes_for(fmt: str) -> list[Runtime]:
+    """Registered runtimes that evaluate `fmt`: those its declaration names (`evaluated_by`), then any runtime that
+    names it in its own `formats`; installed ones first, fallbacks after the others (declaration order otherwise)."""
+    from qbuild.contract.plugin import runtimes
+
+    declared = [runtimes.get(n) for n in spec(fmt).evaluated_by if n in runtimes]
+    found = declared + [r for r in runtimes.all() if fmt in r.formats and r not in declared]
+    return sorted(found, key=lambda r: (bool(r.missing()), r.fallback))

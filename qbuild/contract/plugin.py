@@ -1,55 +1,38 @@
-"""The plugin contract: quantization methods, build targets and evaluation runtimes.
+"""The plugin contract: the kinds of plugins the pipeline calls (quantization methods, build targets, evaluation
+runtimes, inference servers), what their plan-time code sees (PlanningContext) and their registries.
 
-Each is a class that declares everything the core needs, registered by name:
-
-    from qbuild.plugins import Method, methods
-
-    @methods.register
-    class MyMethod(Method):
-        name = "my-method"            # the recipe's `method:` value
-        options = MyVariant           # pydantic model of the recipe entry (method: Literal["my-method"])
-        extra = "my-extra"            # pip install 'qbuild[my-extra]' (or your package) provides...
-        requires = ("mylib",)         # ...these import names, checked at plan time (never imported then)
-        def plan(self, variant, ctx: PlanningContext) -> Step: ...
-
-In-tree plugins are the modules of qbuild.quantize, qbuild.build and qbuild.runtimes (every module
-there is imported when a registry is first used: adding one is adding a file). Out-of-tree plugins
-are Python entry points in the groups `qbuild.methods`, `qbuild.targets` and `qbuild.runtimes`,
-each naming a plugin class (`name = "package.module:Class"`). Plugin modules must stay light at
-import: heavy libraries are imported inside the functions their steps run.
-See docs/plugins.md for a worked example.
+Each is a class that declares everything the pipeline needs, registered by name (plugin authors import these
+names from qbuild.plugins). The registries scan the in-tree plugin packages named here (PLUGIN_PACKAGES, and
+qbuild.serving.engines for servers) and the entry point groups: discovery by name, never an import of this module.
+Plugin modules must stay light at import: heavy libraries are imported inside the functions their steps run.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import pkgutil
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from pydantic import Field
 
-from qbuild.core.schema_base import StrictModel
-from qbuild.errors import MissingBackendError, RecipeError, UserError
+from qbuild.base.errors import RecipeError
+from qbuild.base.registry import Plugin, Registry
+from qbuild.base.schema_base import StrictModel
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from qbuild.core.envs import BackendEnv
-    from qbuild.core.step import OnUnavailable, Step, StepContext
-    from qbuild.evaluate.protocol import Window
+    from qbuild.contract.envs import BackendEnv
+    from qbuild.contract.protocol import Window
+    from qbuild.contract.step import OnUnavailable, Step, StepContext
 
 
 class PlanningContext(Protocol):
-    """What a plugin's plan-time code may use of the plan being built (qbuild.core.plan.PlanContext is the one)."""
+    """What a plugin's plan-time code may use of the plan being built (qbuild.pipeline.plan.PlanContext is the one)."""
 
-    recipe: Any                                        # the qbuild.core.recipe.Recipe being planned
+    recipe: Any                                        # the qbuild.planning.recipe.Recipe being planned
 
     @property
     def threads(self) -> int: ...                      # threads each step may use (recipe `runtime.threads`)
@@ -72,31 +55,12 @@ class PlanningContext(Protocol):
     def warn(self, message: str) -> None: ...          # shown with the plan and logged
 
 
-class Plugin:
-    name: ClassVar[str]
-    extra: ClassVar[str] = ""                  # the pip extra (or package) that provides `requires`
-    requires: ClassVar[tuple[str, ...]] = ()   # import names, checked with find_spec (never imported at plan time)
-    origin: ClassVar[str] = "qbuild"           # set at registration: "qbuild" or the entry point's distribution
-
-    @classmethod
-    def missing(cls) -> list[str]:
-        return [m for m in cls.requires if importlib.util.find_spec(m) is None]
-
-    @classmethod
-    def require(cls, field: str, what: str) -> None:
-        """Raise the one-line error that names the extra to install, if a required module is missing."""
-        missing = cls.missing()
-        if missing:
-            raise MissingBackendError(f"{what} needs the Python module {missing[0]!r}, which", cls.extra or cls.origin,
-                                      field=field)
-
-
 # --- quantization methods ------------------------------------------------------------------------------
 class Method(Plugin, ABC):
     """A quantization method: recipe `variants[i].method: NAME`."""
 
-    options: ClassVar[type[StrictModel]]   # subclass of qbuild.quantize.base.VariantBase
-    # backend environments (qbuild/core/envs.py): whether the variant's `env:` is honoured, and the default one
+    options: ClassVar[type[StrictModel]]   # subclass of qbuild.contract.variant.VariantBase
+    # backend environments (qbuild/contract/envs.py): whether the variant's `env:` is honoured, and the default one
     # (None: qbuild's own environment). A method that honours it passes ctx.backend_env(variant, self) to its Step.
     runs_in_env: ClassVar[bool] = False
     default_env: ClassVar[str | None] = None
@@ -108,7 +72,7 @@ class Method(Plugin, ABC):
     def plan(self, variant, ctx) -> Step:
         """Add this variant's steps to the plan (ctx.add) and return the step that produces its artifact.
 
-        That step sets `variant`, `format` (qbuild.formats) and `scheme`, which is what targets and
+        That step sets `variant`, `format` (qbuild.contract.formats) and `scheme`, which is what targets and
         runtimes select on."""
 
 
@@ -223,7 +187,7 @@ class RuntimeSession:
         Default: the growing sequence re-run through `window_logits` for each token, which needs nothing but
         logits and is fine for the few tokens a load check asks for; runtimes with a decoder override it."""
 
-        from qbuild.evaluate.protocol import Window
+        from qbuild.contract.protocol import Window
 
         sequence = [int(t) for t in prompt_tokens]
         for _ in range(n):
@@ -250,7 +214,7 @@ class EvalStepFields:
 class Runtime(Plugin, ABC):
     """Evaluates model artifacts (perplexity, KLD, throughput) of the formats whose declaration names it."""
 
-    # formats it reads besides those whose declaration names it (qbuild.formats `evaluated_by`): an out-of-tree
+    # formats it reads besides those whose declaration names it (qbuild.contract.formats `evaluated_by`): an out-of-tree
     # runtime that reads an existing format lists it here
     formats: ClassVar[tuple[str, ...]] = ()
     tools: ClassVar[tuple[str, ...]] = ()        # distributions whose versions enter evaluation keys
@@ -266,7 +230,7 @@ class Runtime(Plugin, ABC):
     kv_cache_dtypes: ClassVar[tuple[str, ...]] = ()
 
     def memory(self, kind: str) -> str:
-        """How a step of `kind` holds the model it evaluates (Step.memory, qbuild.core.memory_fit): "whole-model",
+        """How a step of `kind` holds the model it evaluates (Step.memory, qbuild.pipeline.memory_fit): "whole-model",
         "layer-streamed", or "" where the runtime maps the file or runs elsewhere (not limited at plan time)."""
         return ""
 
@@ -294,7 +258,7 @@ class Runtime(Plugin, ABC):
 class Server(Plugin, ABC):
     """An inference server that serves artifacts the way they are deployed (OpenAI-compatible, streaming).
 
-    It declares the engine name (as `qbuild.formats.LOADS_IN` spells it: an artifact is served by the servers of
+    It declares the engine name (as `qbuild.contract.formats.LOADS_IN` spells it: an artifact is served by the servers of
     the engines that load it), the distributions whose versions enter the serving keys (`tools`), whether it needs
     a GPU, and `launch()`: the command, readiness probe and stop of one server for one artifact and serving config
     (qbuild/serving/server.py starts it on 127.0.0.1, a free port, and always stops and reaps it). Settings of a
@@ -319,7 +283,7 @@ class Server(Plugin, ABC):
 
     @abstractmethod
     def args(self, config, *, threads: int, slots: int, context: int) -> list[str]:
-        """The server's flags for a serving config (a qbuild.core.recipe.ServingConfig), without program, model and port:
+        """The server's flags for a serving config (a qbuild.planning.recipe.ServingConfig), without program, model and port:
         `slots` requests decoded at once, `context` tokens per request. They enter the serving step's key."""
 
     @abstractmethod
@@ -336,96 +300,13 @@ class Server(Plugin, ABC):
 
 
 # --- registries ------------------------------------------------------------------------------------------------
-P = TypeVar("P", bound=Plugin)
-
 # in-tree plugin packages: every module in them is imported when a registry is first used
 PLUGIN_PACKAGES = ("qbuild.quantize", "qbuild.build", "qbuild.runtimes")
 
 
-class Registry(Generic[P]):
-    """Plugins of one kind by name: the modules of `packages` (in-tree, registering with `register`)
-    and the entry points of `group` (out of tree), loaded once, on first use."""
-
-    def __init__(self, group: str, base: type[P], what: str, packages: tuple[str, ...] = PLUGIN_PACKAGES,
-                 discriminator: str | None = None):
-        self.group, self.base, self.what, self.packages = group, base, what, packages
-        self.discriminator = discriminator  # the options field whose literal must be the plugin's name
-        self._classes: dict[str, type[P]] = {}
-        self._instances: dict[str, P] = {}
-        self._loaded = False
-
-    def register(self, cls: type[P]) -> type[P]:
-        """Class decorator: make `cls` available under `cls.name`."""
-        if not (isinstance(cls, type) and issubclass(cls, self.base)):
-            raise TypeError(f"{cls!r} is not a {self.base.__name__} plugin")
-        name = getattr(cls, "name", None)
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"{cls.__name__} declares no name")
-        known = self._classes.get(name)
-        if known is not None and known is not cls:
-            raise UserError(f"{self.what} {name!r} from {cls.origin} clashes with the one from {known.origin}")
-        self._classes[name] = cls
-        return cls
-
-    def _load(self) -> None:
-        if self._loaded:
-            return
-        self._loaded = True
-        for package in self.packages:
-            pkg = importlib.import_module(package)
-            for mod in pkgutil.iter_modules(pkg.__path__):
-                if not mod.name.startswith("_"):
-                    importlib.import_module(f"{package}.{mod.name}")
-        for ep in metadata.entry_points(group=self.group):
-            dist = ep.dist.name if ep.dist else "?"
-            try:
-                cls = ep.load()
-            except Exception as exc:  # any import failure of someone else's package: one line, exit 2
-                raise UserError(f"plugin {ep.name!r} ({self.group} = {ep.value}, from {dist}) failed to load: "
-                                f"{type(exc).__name__}: {exc}") from None
-            if not (isinstance(cls, type) and issubclass(cls, self.base)):
-                raise UserError(f"plugin {ep.name!r} ({self.group} = {ep.value}, from {dist}) is not a "
-                                f"{self.base.__module__}.{self.base.__name__} subclass")
-            if cls.__dict__.get("origin") is None:
-                cls.origin = dist
-            self.register(cls)
-        if self.discriminator:
-            for cls in self._classes.values():
-                _check_discriminator(cls, self.discriminator)
-
-    def names(self) -> list[str]:
-        self._load()
-        return list(self._classes)
-
-    def get(self, name: str) -> P:
-        self._load()
-        if name not in self._instances:
-            self._instances[name] = self._classes[name]()
-        return self._instances[name]
-
-    def classes(self) -> list[type[P]]:
-        self._load()
-        return list(self._classes.values())
-
-    def all(self) -> list[P]:
-        return [self.get(n) for n in self.names()]
-
-    def __contains__(self, name: str) -> bool:
-        self._load()
-        return name in self._classes
-
-
-def _check_discriminator(plugin: type[Plugin], field: str) -> None:
-    """The options model's `method:`/`type:` literal must be the plugin's name (the recipe key maps 1:1)."""
-    info = plugin.options.model_fields.get(field)
-    if info is None or typing.get_args(info.annotation) != (plugin.name,):
-        raise UserError(f"plugin {plugin.name!r} (from {plugin.origin}): its options model "
-                        f"{plugin.options.__name__} must declare {field}: Literal[{plugin.name!r}]")
-
-
-methods: Registry[Method] = Registry("qbuild.methods", Method, "method", discriminator="method")
-targets: Registry[Target] = Registry("qbuild.targets", Target, "target", discriminator="type")
-runtimes: Registry[Runtime] = Registry("qbuild.runtimes", Runtime, "runtime")
+methods: Registry[Method] = Registry("qbuild.methods", Method, "method", PLUGIN_PACKAGES, discriminator="method")
+targets: Registry[Target] = Registry("qbuild.targets", Target, "target", PLUGIN_PACKAGES, discriminator="type")
+runtimes: Registry[Runtime] = Registry("qbuild.runtimes", Runtime, "runtime", PLUGIN_PACKAGES)
 servers: Registry[Server] = Registry("qbuild.servers", Server, "server", packages=("qbuild.serving.engines",))
 
 
@@ -439,14 +320,3 @@ def load_all() -> None:
 def open_session(runtime: str, model: Path, ctx: StepContext, n_ctx: int) -> RuntimeSession:
     """A session of the registered runtime `runtime` (recorded in the step's params) on `model`."""
     return runtimes.get(runtime).open(model, ctx, n_ctx)
-
-
-def runtimes_for(fmt: str) -> list[Runtime]:
-    """Registered runtimes that evaluate `fmt`: those its declaration names (qbuild.formats, `evaluated_by`), then any
-    runtime that names it in its own `formats`; installed ones first, fallbacks after the others (declaration order
-    otherwise)."""
-    from qbuild.formats import spec
-
-    declared = [runtimes.get(n) for n in spec(fmt).evaluated_by if n in runtimes]
-    found = declared + [r for r in runtimes.all() if fmt in r.formats and r not in declared]
-    return sorted(found, key=lambda r: (bool(r.missing()), r.fallback))

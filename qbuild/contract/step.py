@@ -16,11 +16,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qbuild.core.fingerprint import hardware, toolchain
-from qbuild.core.hashing import step_key
+from qbuild.base.fingerprint import hardware, toolchain
+from qbuild.base.hashing import step_key
 
 if TYPE_CHECKING:
-    from qbuild.core.envs import BackendEnv
+    from qbuild.contract.envs import BackendEnv
 
 
 class PlanStatus(StrEnum):
@@ -66,7 +66,7 @@ class Step:
     preload: tuple[str, ...] = ()             # modules its worker imports: a standby worker imports them ahead
     per_hardware: bool = False                # timings: the machine is part of the key
     variant: str | None = None                # set on steps whose output is a named artifact (ref)
-    format: str = ""                          # output format (qbuild.formats): gguf, compressed-tensors, metrics ...
+    format: str = ""                          # output format (qbuild.contract.formats): gguf, compressed-tensors, metrics ...
     scheme: str = ""                          # quantization scheme of a model artifact: Q4_K_M, w4a16, fp8-dynamic ...
     source_path: Path | None = None           # external input (local model dir): not built, fingerprinted
     source_digest: str | None = None
@@ -76,11 +76,11 @@ class Step:
     unavailable: str = ""                     # why this machine cannot run the step; "" = it can
     on_unavailable: OnUnavailable = OnUnavailable.FAIL
     impl_version: int = 1                     # bump when the runner's output changes for the same inputs
-    backend_env: BackendEnv | None = None     # runs in this interpreter (qbuild.core.envs); its versions enter the key
+    backend_env: BackendEnv | None = None     # runs in this interpreter (qbuild.contract.envs); its versions enter the key
     after: tuple[Step, ...] = ()              # must succeed first (a check of what it reads); not hashed, not read
     memory: str = ""                          # how it holds the model: "whole-model", "offloads-to-disk" (what
                                               # does not fit), "layer-streamed", "" (a file map, another machine);
-                                              # for the plan-time memory check (qbuild.core.memory_fit), not hashed
+                                              # for the plan-time memory check (qbuild.pipeline.memory_fit), not hashed
     key: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -134,7 +134,7 @@ class StepContext:
     def owned(self):
         """The step's store as a root qbuild owns (its marker checked): a runner deletes or moves files only through
         it, confined to its own output (`root.remove(p, within=ctx.out)`)."""
-        from qbuild.core.owned import NotOurs, owned_root
+        from qbuild.base.owned import NotOurs, owned_root
 
         if self.store_root is None:
             raise NotOurs(f"step {self.step_name} has no store: refusing to delete or move files under {self.out}")

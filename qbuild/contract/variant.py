@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
-from qbuild.core.names import NAME_PATTERN  # the one name grammar (qbuild/core/names.py)
-from qbuild.core.schema_base import StrictModel
+from qbuild.base.names import NAME_PATTERN  # the one name grammar (qbuild/base/names.py)
+from qbuild.base.schema_base import StrictModel
 
 
 class EnvOption(StrictModel):

@@ -19,8 +19,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from qbuild.core.fingerprint import cache_dir, package_version
-from qbuild.core.tool_run import run_tool
+from qbuild.base.fingerprint import cache_dir, package_version
+from qbuild.base.tool_run import run_tool
 
 MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
 SDIST_SHA256 = {  # llama_cpp_python-<version>.tar.gz on PyPI; add a line when scripts/constraints.txt moves
@@ -97,7 +97,7 @@ def extract_vendored(sdist: Path, staged: Path, members: tuple[str, ...] | None 
 
 def check_sdist(sdist: Path, pinned: str) -> None:
     """Refuse a downloaded sdist whose sha256 is not the pinned one (never extract unverified code)."""
-    from qbuild.core.hashing import sha256_file
+    from qbuild.base.hashing import sha256_file
 
     got = sha256_file(sdist)
     if got != pinned:

@@ -21,7 +21,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
-from qbuild.errors import RecipeError
+from qbuild.base.errors import RecipeError
 
 # Linear layers of a decoder block, grouped by the config dimension that is their input size.
 # Llama-style names (llama, mistral, qwen2/3, gemma, phi3 after unfusing, smollm ...).

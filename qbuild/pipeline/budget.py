@@ -7,7 +7,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from qbuild.core.step import Step
+from qbuild.contract.step import Step
 
 
 def cpu_count() -> int:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qbuild.artifacts.store import MANIFEST, Store, read_json
-from qbuild.core.units import human_seconds
+from qbuild.base.units import human_seconds
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = N
                   fallback: dict[str, float] | None = None) -> PlanEstimate:
     """Estimates for the misses of `planned` (PlannedStep rows of a Plan) and the plan's total. `fallback`: step key
     → seconds to use where the store has no history of it (a planner's own size-based guess); counted as known."""
-    from qbuild.core.step import PlanStatus
+    from qbuild.contract.step import PlanStatus
 
     cores = max(1, cores or os.cpu_count() or 1)
     misses = [p for p in planned if p.status == PlanStatus.MISS]
@@ -163,7 +163,7 @@ def _cold(planned, misses: dict[str, StepEstimate], cores: int) -> tuple[float |
     manifest's timings), each miss at its estimate, scheduled as the executor runs them; and how many steps are left
     out because this machine cannot build them or their inputs (a run skips or refuses those). None when a step has
     no time (a miss without history, a step stored before timings were recorded)."""
-    from qbuild.core.step import PlanStatus
+    from qbuild.contract.step import PlanStatus
 
     times: dict[str, StepEstimate] = {}
     steps, blocked = [], set()

@@ -12,7 +12,7 @@ The executor rewrites such a step's allowance file (`threads` in its scratch) an
 forward passes; before another step starts, every elastic step is given back its own share.
 
 Standby workers. While steps that declare heavy imports (Step.preload: torch and transformers take 4-6 s)
-wait, one worker process is started ahead (`qbuild.core.worker --standby`) and imports them; the first of those
+wait, one worker process is started ahead (`qbuild.pipeline.worker --standby`) and imports them; the first of those
 steps to start is handed to it instead of a fresh process. Still one process per step, with its own variables.
 
 Warm workers. Every other step's worker (qbuild's own interpreter) is forked by the run's fork server
@@ -37,15 +37,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import NO_SPACE, Hit, Store, free_bytes, now_iso, store_full
-from qbuild.core.budget import Budget, Claim, available_memory_mb, cpu_count
-from qbuild.core.hardware import gpu_devices
-from qbuild.core.outcome import Origin, StepOutcome
-from qbuild.core.plan import PlannedStep
-from qbuild.core.standby import Standby, StandbyWorkers
-from qbuild.core.step import OnUnavailable, Outcome, PlanStatus, Step
-from qbuild.core.worker_launch import WorkerLaunch, escape
-from qbuild.errors import StepFailed, UserError
-from qbuild.formats import spec as format_spec
+from qbuild.base.errors import StepFailed, UserError
+from qbuild.base.hardware import gpu_devices
+from qbuild.contract.formats import spec as format_spec
+from qbuild.contract.step import OnUnavailable, Outcome, PlanStatus, Step
+from qbuild.pipeline.budget import Budget, Claim, available_memory_mb, cpu_count
+from qbuild.pipeline.outcome import Origin, StepOutcome
+from qbuild.pipeline.plan import PlannedStep
+from qbuild.pipeline.standby import Standby, StandbyWorkers
+from qbuild.pipeline.worker_launch import WorkerLaunch, escape
 
 if TYPE_CHECKING:
     pass
@@ -64,7 +64,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
                  jobs: int | None = None, remotes: tuple = (), materialize: bool = False, verify: str = "fast",
                  time_limits=()):
         self.store = store
-        # a TimeLimit (qbuild.core.plan) of each limited step, and when each limit's first step started
+        # a TimeLimit (qbuild.pipeline.plan) of each limited step, and when each limit's first step started
         self._limits = {s.key: limit for limit in time_limits for s in limit.steps}
         self._limit_started: dict[str, float] = {}
         self._limit_hit: set[str] = set()
@@ -259,7 +259,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
             return
         last = self.store.last_build(origin.recipe, step.name)
         if last is None or last.get("key") != step.key:
-            from qbuild.core.names import redact_tree
+            from qbuild.base.names import redact_tree
 
             self.store.remember_build(origin.recipe, step.name, {
                 "key": step.key, "params": redact_tree(step.params), "inputs": step.input_keys(),

@@ -28,13 +28,13 @@ from pathlib import Path
 
 from qbuild.artifacts.remote.cache import RemoteHit, push_hit
 from qbuild.artifacts.store import Store
-from qbuild.core.budget import Claim
-from qbuild.core.executor import UNBUILDABLE, Executor
-from qbuild.core.outcome import Origin, StepOutcome
-from qbuild.core.plan import PlannedStep
-from qbuild.core.step import Outcome, Step
-from qbuild.core.worker_launch import escape
-from qbuild.errors import UserError, first_line
+from qbuild.base.errors import UserError, first_line
+from qbuild.contract.step import Outcome, Step
+from qbuild.pipeline.budget import Claim
+from qbuild.pipeline.executor import UNBUILDABLE, Executor
+from qbuild.pipeline.outcome import Origin, StepOutcome
+from qbuild.pipeline.plan import PlannedStep
+from qbuild.pipeline.worker_launch import escape
 
 MAX_RETRIES = 3          # a step whose node (or worker process) dies is run again, up to this many times
 CANCEL_GRACE_S = 10      # on Ctrl-C, how long a task may take to stop its worker and remove its scratch (a loaded node)
@@ -63,7 +63,7 @@ def remote_spec(remote) -> dict:
 
 
 def node_store() -> Store:
-    from qbuild.core.fingerprint import cache_dir
+    from qbuild.base.fingerprint import cache_dir
 
     return Store(Path(os.environ.get("QBUILD_NODE_STORE") or cache_dir() / "ray-store"))
 
@@ -263,7 +263,7 @@ class RayExecutor(Executor):
                     outcomes[ps.step.key] = self._outcome(ray, ref, ps.step, t0)
         except BaseException:
             # Ctrl-C / SIGTERM: each task stops its worker process and removes its scratch (KeyboardInterrupt in
-            # the task); one that has not within CANCEL_GRACE_S is killed (its qbuild.core.worker dies with it, and
+            # the task); one that has not within CANCEL_GRACE_S is killed (its qbuild.pipeline.worker dies with it, and
             # its scratch goes when the node's next task starts)
             for ref in running:
                 ray.cancel(ref, force=False)

@@ -1,8 +1,8 @@
 """Warm workers: a fork server that has imported qbuild's worker modules once and forks a fresh worker per step.
 
 A fresh interpreter per step costs ~180 ms on 2 cores before the step does anything (starting Python ~40 ms, then
-qbuild.core.step, qbuild.plugins and pydantic ~140 ms): that was most of a trivial step's overhead, paid by every
-candidate of a mixed-precision search. The executor starts one server per run (`python -m qbuild.core.worker
+qbuild.contract.step, qbuild.contract.plugin and pydantic ~140 ms): that was most of a trivial step's overhead, paid by every
+candidate of a mixed-precision search. The executor starts one server per run (`python -m qbuild.pipeline.worker
 SCRATCH --fork-server FD MODULE...`); it imports MODULE... (torch-free modules only: nothing that reads the thread
 count when it loads, nothing that starts a thread) and then, for each step, forks a child that is a worker exactly
 like a fresh one: its own process (memory goes back to the OS at its end, a crash fails one step), its own
@@ -31,8 +31,8 @@ import traceback
 from pathlib import Path
 
 MAX_JOB_BYTES = 1 << 20
-# what every worker imports before its runner (qbuild.core.worker.main): torch-free, thread-free (tests check it)
-PRELOAD = ("qbuild.core.step", "qbuild.plugins", "qbuild.quantize.base", "qbuild.formats")
+# what every worker imports before its runner (qbuild.pipeline.worker.main): torch-free, thread-free (tests check it)
+PRELOAD = ("qbuild.contract.step", "qbuild.contract.plugin", "qbuild.contract.variant", "qbuild.contract.formats")
 # libraries that size a thread pool from the environment when they load: never imported in the server, where the
 # count would be the server's and not each step's
 THREAD_POOLS = ("numpy", "torch", "scipy", "numexpr", "tensorflow", "jax")
@@ -53,9 +53,9 @@ class ForkServer:
 
     def __init__(self, scratch_root: Path, env: dict, preload: tuple[str, ...]):
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # the scratch root in its command line: `pgrep -f "qbuild.core.worker STORE"` finds it and its workers
+        # the scratch root in its command line: `pgrep -f "qbuild.pipeline.worker STORE"` finds it and its workers
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "qbuild.core.worker", str(scratch_root), "--fork-server", str(theirs.fileno()),
+            [sys.executable, "-m", "qbuild.pipeline.worker", str(scratch_root), "--fork-server", str(theirs.fileno()),
              *preload], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             pass_fds=(theirs.fileno(),), env=env, start_new_session=True)
         theirs.close()
@@ -217,6 +217,6 @@ def _child(job: dict, status: socket.socket, progress_fd: int, inherited: list, 
             traceback.print_exc()
         finally:
             os._exit(1)
-    from qbuild.core.process import exit_without_teardown
+    from qbuild.base.process import exit_without_teardown
 
     exit_without_teardown(code)

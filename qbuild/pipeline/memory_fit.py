@@ -43,7 +43,7 @@ class ModelSize:
 
 
 def model_size(info: dict, source: Path | None = None) -> ModelSize | None:
-    """The checkpoint's size from its config (HF config.json keys, as qbuild.models.resolve.model_info gives them);
+    """The checkpoint's size from its config (HF config.json keys, as qbuild.planning.models.model_info gives them);
     None where the config lacks the dimensions."""
     text = info.get("text_config") or info
     try:
@@ -108,8 +108,8 @@ STREAMABLE_FORMATS = ("hf", "compressed-tensors")   # what qbuild.runtimes.layer
 def check_memory(planned, model_info: dict, source: Path | None, variants) -> list[str]:
     """Refuse the plan (RecipeError on the step's variant, the model for its checks, else `evaluation`) when a step
     still to build would not fit this machine's memory; the warnings for steps that will offload to disk."""
-    from qbuild.core.step import PlanStatus
-    from qbuild.errors import RecipeError
+    from qbuild.base.errors import RecipeError
+    from qbuild.contract.step import PlanStatus
 
     size = model_size(model_info, source)
     if size is None:

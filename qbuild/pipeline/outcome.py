@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qbuild.core.step import Outcome, Step
+from qbuild.contract.step import Outcome, Step
 
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.cache import RemoteHit

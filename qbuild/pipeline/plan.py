@@ -8,22 +8,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import Hit, Store
-from qbuild.calibration.plan import calibration_step, check_overlap, eval_data_step, overlapping_sources
-from qbuild.core.fingerprint import install_hint, package_version
-from qbuild.core.memory_fit import check_memory
-from qbuild.core.recipe import Recipe, locate
-from qbuild.core.step import PlanStatus, Step
-from qbuild.errors import RecipeError
-from qbuild.evaluate.plan import evaluation_steps
-from qbuild.evaluate.tasks import task_steps
-from qbuild.models.resolve import model_info, model_step
-from qbuild.plugins import methods, targets
-from qbuild.quantize.shapes import check_family
-from qbuild.serving.plan import serving_steps
+from qbuild.base.errors import RecipeError
+from qbuild.base.fingerprint import install_hint, package_version
+from qbuild.contract.plugin import methods, targets
+from qbuild.contract.step import PlanStatus, Step
+from qbuild.models.shapes import check_family
+from qbuild.pipeline.memory_fit import check_memory
+from qbuild.planning.calibration import calibration_step, check_overlap, eval_data_step, overlapping_sources
+from qbuild.planning.evaluation import evaluation_steps
+from qbuild.planning.models import model_info, model_step
+from qbuild.planning.recipe import Recipe, locate
+from qbuild.planning.serving import serving_steps
+from qbuild.planning.tasks import task_steps
 
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.cache import RemoteHit
-    from qbuild.core.envs import BackendEnv
+    from qbuild.contract.envs import BackendEnv
 
 log = logging.getLogger("qbuild")
 
@@ -64,7 +64,7 @@ class Plan:
     not_evaluated: dict[str, str]        # artifact label → why it gets no evaluation
     warnings: tuple[str, ...]
     remotes: tuple = ()                  # the remote tiers looked up (RemoteStore), in order
-    estimate: object = None              # qbuild.core.estimate.PlanEstimate: `qbuild plan` adds it (run does not need it)
+    estimate: object = None              # qbuild.pipeline.estimate.PlanEstimate: `qbuild plan` adds it (run does not need it)
     overlap: dict | None = None          # calibration vs evaluation text (qbuild.calibration.overlap)
     time_limits: tuple = ()              # TimeLimit: wall-time limits on sets of steps, enforced by the executor too
 
@@ -180,7 +180,7 @@ class PlanContext:
         """A BackendEnv for a built-in name, an EnvOption, or None; errors name `field`."""
         if option is None:
             return None
-        from qbuild.core import envs
+        from qbuild.contract import envs
 
         cache_key = option if isinstance(option, str) else option.model_dump_json()
         if cache_key not in self._envs:
@@ -198,7 +198,7 @@ class PlanContext:
 
     def model(self) -> Step:
         if self._model is None:
-            from qbuild.models.fidelity_plan import import_check_step
+            from qbuild.planning.fidelity import import_check_step
 
             self._model = self.add(model_step(self.recipe.model, self.recipe_dir))
             if self._model.kind == "import-gguf":
@@ -219,7 +219,7 @@ class PlanContext:
     def check_conversion(self, convert: Step) -> None:
         """A GGUF conversion of an HF source is compared with the checkpoint (step convert-check) before any step
         reading it runs; repeated calls share the one check."""
-        from qbuild.models.fidelity_plan import conversion_check_step
+        from qbuild.planning.fidelity import conversion_check_step
 
         self.gate(convert, conversion_check_step(self, convert))
 
@@ -313,7 +313,7 @@ def change_reasons(old: dict, new: dict) -> list[dict]:
     reasons = []
     if not all(isinstance(d.get(k, {}), dict) for d in (old, new) for k in ("params", "inputs", "toolchain", "input_steps")):
         return [{"kind": "key", "detail": "key changed"}]   # a record from another version or edited by hand
-    from qbuild.core.names import redact_tree
+    from qbuild.base.names import redact_tree
 
     changed = _diff(old.get("params", {}), redact_tree(new.get("params", {})))   # history is stored redacted
     if changed:
@@ -403,9 +403,9 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (
 
 def check_time_limit(limit: TimeLimit, planned: tuple[PlannedStep, ...], store: Store, recipe_name: str) -> None:
     """Refuse (RecipeError on limit.field) when the limit's steps still to build are estimated to take longer than
-    its minutes: the store's history of the same or similar steps (qbuild.core.estimate), else the planner's
+    its minutes: the store's history of the same or similar steps (qbuild.pipeline.estimate), else the planner's
     size-based guess. A limit on wall time decides only whether to start; it never changes a step or its key."""
-    from qbuild.core.estimate import estimate_plan
+    from qbuild.pipeline.estimate import estimate_plan
 
     own = {s.key for s in limit.steps}
     misses = [p for p in planned if p.step.key in own and p.status == PlanStatus.MISS]

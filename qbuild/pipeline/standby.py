@@ -8,9 +8,9 @@ import os
 import subprocess
 import sys
 
-from qbuild.core.budget import Claim, Standby
-from qbuild.core.fork_server import ForkServer, kill_group, warm_modules
-from qbuild.core.step import Step
+from qbuild.contract.step import Step
+from qbuild.pipeline.budget import Claim, Standby
+from qbuild.pipeline.fork_server import ForkServer, kill_group, warm_modules
 
 log = logging.getLogger("qbuild")
 
@@ -41,7 +41,7 @@ class StandbyWorkers:
             if self._cancelled.is_set():
                 os.close(read_fd), os.close(write_fd)
                 return
-            proc = subprocess.Popen([sys.executable, "-m", "qbuild.core.worker", "--standby", *preload],
+            proc = subprocess.Popen([sys.executable, "-m", "qbuild.pipeline.worker", "--standby", *preload],
                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     pass_fds=(write_fd,), env=env, start_new_session=True)
             self._standby = Standby(proc, read_fd, env, preload,

@@ -1,13 +1,13 @@
-"""Entry point of a step's own process: `python -m qbuild.core.worker SPEC.json`.
+"""Entry point of a step's own process: `python -m qbuild.pipeline.worker SPEC.json`.
 
 Heavy steps run here so memory is returned to the OS and a crash or OOM fails one step only.
 stdout/stderr go to the step's log; progress goes to a dedicated pipe (QBUILD_PROGRESS_FD).
 
-`python -m qbuild.core.worker --standby MODULE...` is a worker started before its step is ready: it imports
+`python -m qbuild.pipeline.worker --standby MODULE...` is a worker started before its step is ready: it imports
 the modules (torch and transformers take 4-6 s) while its step's inputs are still being built, then reads
 its step from stdin and runs it like the first form. One process still runs one step.
 
-`python -m qbuild.core.worker SCRATCH --fork-server FD MODULE...` is the run's fork server (fork_server.py): it
+`python -m qbuild.pipeline.worker SCRATCH --fork-server FD MODULE...` is the run's fork server (fork_server.py): it
 imports qbuild's own worker modules once and forks each step's worker from there, a fresh process per step
 without a fresh interpreter's start-up.
 """
@@ -22,7 +22,7 @@ import time
 import traceback
 from pathlib import Path
 
-from qbuild.core.process import exit_without_teardown
+from qbuild.base.process import exit_without_teardown
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -47,7 +47,7 @@ def main(spec_path: str, parent: int | None = None) -> int:
     die_with_parent(parent)
     spec = json.loads(Path(spec_path).read_text())
     try:   # in a backend environment qbuild's own imports can fail too (a missing core dependency): say which
-        from qbuild.core.step import StepContext
+        from qbuild.contract.step import StepContext
     except ImportError as exc:
         traceback.print_exc()
         Path(spec["result"]).write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
@@ -122,8 +122,8 @@ def resolve_runner(runner: str):
 
 
 def fork_server(control_fd: int, modules: list[str]) -> int:
-    """Import `modules` once, then fork a worker per step handed over `control_fd` (qbuild.core.fork_server)."""
-    from qbuild.core.fork_server import serve
+    """Import `modules` once, then fork a worker per step handed over `control_fd` (qbuild.pipeline.fork_server)."""
+    from qbuild.pipeline.fork_server import serve
 
     die_with_parent()
     for name in modules:

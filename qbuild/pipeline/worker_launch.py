@@ -15,14 +15,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.store import Hit, free_bytes
-from qbuild.core.hardware import machine_facts
-from qbuild.core.step import Step
-from qbuild.errors import StepFailed
-from qbuild.formats import manifest_loads_in
+from qbuild.base.errors import StepFailed
+from qbuild.base.hardware import machine_facts
+from qbuild.contract.formats import manifest_loads_in
+from qbuild.contract.step import Step
 
 if TYPE_CHECKING:
-    from qbuild.core.budget import Claim
-    from qbuild.core.outcome import StepOutcome
+    from qbuild.pipeline.budget import Claim
+    from qbuild.pipeline.outcome import StepOutcome
 
 log = logging.getLogger("qbuild")
 
@@ -119,9 +119,9 @@ class WorkerLaunch:
             "run_id": self.run_id, "machine": machine_facts(),   # not in the key: `verify --rebuild` compares it
         }
         engines = manifest_loads_in(provenance["format"], step.scheme, provenance["info"])
-        if engines is not None:   # which engines load it: one table (qbuild.formats.LOADS_IN), not a guess per run
+        if engines is not None:   # which engines load it: one table (qbuild.contract.formats.LOADS_IN), not a guess per run
             provenance["loads_in"] = engines
-        from qbuild.core.names import redact_tree
+        from qbuild.base.names import redact_tree
 
         return self.store.publish(step.key, out, redact_tree(provenance),   # no URL password in a manifest
                                   link_roots=model_link_roots(inputs.values(), step))
@@ -130,7 +130,7 @@ class WorkerLaunch:
         """The Python that runs `step`'s worker: qbuild's own, or its backend environment (created on first use)."""
         if step.backend_env is None:
             return sys.executable
-        from qbuild.core.envs import EnvError, ensure
+        from qbuild.contract.envs import EnvError, ensure
 
         def note(message: str) -> None:
             log.info(message)
@@ -143,11 +143,11 @@ class WorkerLaunch:
             raise StepFailed(step.name, f"{exc} (variant {step.variant or '-'})") from None
 
     def _worker_env(self, backend_env, progress_fd: int, threads: int, gpu: str | None, kind: str | None = None) -> dict:
-        from qbuild.core.worker_env import step_environ
+        from qbuild.base.worker_env import step_environ
 
         env = step_environ(kind, os.environ)   # an allow-list per step kind: no worker gets AWS_*, *_PASSWORD, ...
         if backend_env is not None:
-            from qbuild.core.envs import worker_environ
+            from qbuild.contract.envs import worker_environ
 
             env = worker_environ(backend_env, env)
         env.update({"QBUILD_PROGRESS_FD": str(progress_fd), "OMP_NUM_THREADS": str(threads),
@@ -206,7 +206,7 @@ class WorkerLaunch:
                     # its own session: a terminal's Ctrl-C reaches qbuild, which cancels workers (and their
                     # children). cwd: the step's scratch, so what a library writes to its working directory
                     # (gptqmodel's logs/) stays out of the user's directory and goes with the scratch
-                    proc = subprocess.Popen([python, "-m", "qbuild.core.worker", str(spec)], stdout=log,
+                    proc = subprocess.Popen([python, "-m", "qbuild.pipeline.worker", str(spec)], stdout=log,
                                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, pass_fds=(write_fd,),
                                             env=env, start_new_session=True, cwd=spec.parent)
             pid = proc.pid if proc is not None else forked.pid

@@ -5,11 +5,11 @@ from __future__ import annotations
 import platform
 from pathlib import Path
 
-from qbuild.core.fingerprint import dir_fingerprint
-from qbuild.core.step import HF_PRELOAD, Step
-from qbuild.errors import RecipeError
-from qbuild.formats import Format
-from qbuild.models.resolve import resolve_path
+from qbuild.base.errors import RecipeError
+from qbuild.base.fingerprint import dir_fingerprint
+from qbuild.contract.formats import Format
+from qbuild.contract.step import HF_PRELOAD, Step
+from qbuild.planning.models import resolve_path
 
 TOKENIZE_TOOLS = ("transformers", "tokenizers")
 

@@ -5,7 +5,7 @@ One forward pass per model and evaluation: with `kld`, the baseline's pass is `r
 runtime, so every variant and every later recipe with the same baseline reuses it), and each
 variant's `perplexity[...]` step reads that object and gives PPL, KLD and top-1 from its one pass.
 
-The runtime is chosen by the artifact's format (qbuild.plugins.runtimes_for). An artifact no
+The runtime is chosen by the artifact's format (qbuild.contract.formats.runtimes_for). An artifact no
 installed runtime can evaluate is recorded in ctx.not_evaluated, which `qbuild plan` and the run
 summary show: nothing is dropped silently.
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import logging
 
-from qbuild.calibration.plan import TOKENIZE_TOOLS
-from qbuild.core.step import HF_PRELOAD, Step
-from qbuild.errors import RecipeError
-from qbuild.formats import spec
-from qbuild.plugins import Runtime, runtimes_for
+from qbuild.base.errors import RecipeError
+from qbuild.contract.formats import runtimes_for, spec
+from qbuild.contract.plugin import Runtime
+from qbuild.contract.step import HF_PRELOAD, Step
+from qbuild.planning.calibration import TOKENIZE_TOOLS
 
 log = logging.getLogger("qbuild")
 
@@ -230,7 +230,7 @@ def effective_evaluation(ctx):
                               "set add_bos: false, or leave it out")
         ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": False})})
     if ev.kld_base and ev.perplexity and "add_bos" not in ev.perplexity.model_fields_set:
-        from qbuild.models.resolve import model_adds_bos
+        from qbuild.planning.models import model_adds_bos
 
         adds = model_adds_bos(ctx.model())
         if adds is not None and adds != ev.perplexity.add_bos:
@@ -247,7 +247,7 @@ def tokenizer_has_bos(model: Step) -> bool:
     if model.source_path is None:
         if model.kind != "import-gguf":
             return True
-        from qbuild.models.resolve import model_info
+        from qbuild.planning.models import model_info
 
         return "bos_token_id" not in (info := model_info(model)) or info["bos_token_id"] is not None
     try:
@@ -300,7 +300,7 @@ def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
 def load_check_runtimes(ctx, check, fmt: str) -> list[Runtime]:
     """The installed runtimes a load check of a `fmt` artifact uses: those named in `runtimes` (in that order) that
     read it, else every installed one that reads it."""
-    from qbuild.plugins import runtimes
+    from qbuild.contract.plugin import runtimes
 
     if check.runtimes is None:
         return [rt for rt in runtimes_for(fmt) if not rt.missing()]
@@ -351,10 +351,10 @@ def load_check_steps(ctx, check) -> None:
 def _kld_base_reference(ctx, ev, data: Step, name: str = "reference[baseline]") -> Step:
     """A user's llama-perplexity KL-divergence base file as the reference: a source (fingerprinted, never built),
     and a `reference[baseline]` step that reads the baseline's PPL off it (no model runs)."""
-    from qbuild.core.fingerprint import dir_fingerprint
-    from qbuild.core.hashing import sha256_text
+    from qbuild.base.fingerprint import dir_fingerprint
+    from qbuild.base.hashing import sha256_text
     from qbuild.evaluate.llamacpp_kld import read_kld_base
-    from qbuild.models.resolve import resolve_path
+    from qbuild.planning.models import resolve_path
 
     path = resolve_path(ev.kld_base, ctx.recipe_dir, "evaluation.kld_base")
     try:

@@ -4,8 +4,8 @@ every step that reads the checked step wait for its check."""
 
 from __future__ import annotations
 
-from qbuild.core.recipe import Perplexity
-from qbuild.core.step import HF_PRELOAD, Step
+from qbuild.contract.step import HF_PRELOAD, Step
+from qbuild.planning.recipe import Perplexity
 
 CHECK_WINDOWS = 2          # the first evaluation windows the distributions are compared on
 TOOLS = ("torch", "transformers", "tokenizers", "gguf", "llama-cpp-python")
@@ -14,7 +14,7 @@ TOOLS = ("torch", "transformers", "tokenizers", "gguf", "llama-cpp-python")
 def _protocol(ctx) -> Perplexity:
     """The evaluation's perplexity protocol as the evaluation resolves it (no BOS for a tokenizer without one), or
     its defaults where the recipe measures no perplexity: the check reads the same eval-data step."""
-    from qbuild.evaluate.plan import effective_evaluation, tokenizer_has_bos
+    from qbuild.planning.evaluation import effective_evaluation, tokenizer_has_bos
 
     perplexity = effective_evaluation(ctx).perplexity
     if perplexity is not None:

@@ -7,13 +7,13 @@ import json
 from pathlib import Path
 
 from qbuild.artifacts.store import atomic_write_json
-from qbuild.core.fingerprint import cache_dir as fingerprint_cache
-from qbuild.core.fingerprint import dir_fingerprint
-from qbuild.core.hashing import sha256_text
-from qbuild.core.recipe import GGUFModel, HubModel, LocalModel
-from qbuild.core.step import HF_PRELOAD, Step
-from qbuild.errors import RecipeError
-from qbuild.formats import Format
+from qbuild.base.errors import RecipeError
+from qbuild.base.fingerprint import cache_dir as fingerprint_cache
+from qbuild.base.fingerprint import dir_fingerprint
+from qbuild.base.hashing import sha256_text
+from qbuild.contract.formats import Format
+from qbuild.contract.step import HF_PRELOAD, Step
+from qbuild.planning.recipe import GGUFModel, HubModel, LocalModel
 
 HF_TOOLS = ("torch", "transformers", "safetensors")
 

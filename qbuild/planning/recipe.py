@@ -9,13 +9,13 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from qbuild.artifacts.remote.config import RegisterSpec, RemoteSpec
-from qbuild.core.data_sources import DataSource
-from qbuild.core.names import NAME_PATTERN
-from qbuild.core.schema_base import StrictModel
-from qbuild.core.yamlio import Loc, line_for, load_yaml_file
-from qbuild.errors import RecipeError, quoted
+from qbuild.base.errors import RecipeError, quoted
+from qbuild.base.names import NAME_PATTERN
+from qbuild.base.schema_base import StrictModel
+from qbuild.base.yamlio import Loc, line_for, load_yaml_file
+from qbuild.contract.data_sources import DataSource
 
-NAME_RE = NAME_PATTERN   # the one name grammar (qbuild/core/names.py)
+NAME_RE = NAME_PATTERN   # the one name grammar (qbuild/base/names.py)
 
 
 # --- model sources -----------------------------------------------------------------------------
@@ -416,13 +416,13 @@ def _plugin_union(registry, discriminator: str):
 
 
 def _variant_union():
-    from qbuild.plugins import methods
+    from qbuild.contract.plugin import methods
 
     return _plugin_union(methods, "method")
 
 
 def _target_union():
-    from qbuild.plugins import targets
+    from qbuild.contract.plugin import targets
 
     return _plugin_union(targets, "type")
 

@@ -1,11 +1,11 @@
 """Plan-time side of serving: a `serving[<artifact>@<config>]` step per served artifact and serving config.
 
-The server is chosen by what loads the artifact (qbuild.formats.loads_in → the `Server` plugins of those engines):
+The server is chosen by what loads the artifact (qbuild.contract.formats.loads_in → the `Server` plugins of those engines):
 the first one this machine can run, else the first one (planned `needs-gpu` / `unavailable` and skipped, so a
 CPU machine still builds and serves the rest). A serving config a server cannot express is refused here, in one
 line. The step's key holds the workload, the config, the server's flags, the server's version and build, and the
 hardware (it is a timing step: it runs alone). A config that quantizes the KV cache (llama.cpp q8_0/q4_0) also gets
-the artifact's quality under that cache (qbuild.evaluate.plan.serving_quality_step), shown beside its serving numbers.
+the artifact's quality under that cache (qbuild.planning.evaluation.serving_quality_step), shown beside its serving numbers.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from __future__ import annotations
 from dataclasses import replace
 from types import SimpleNamespace
 
-from qbuild.core.recipe import longest
-from qbuild.core.step import OnUnavailable, Step
-from qbuild.errors import RecipeError
-from qbuild.evaluate.plan import serving_quality_step
-from qbuild.formats import loads_in, spec
-from qbuild.plugins import Server, servers
+from qbuild.base.errors import RecipeError
+from qbuild.contract.formats import loads_in, spec
+from qbuild.contract.plugin import Server, servers
+from qbuild.contract.step import OnUnavailable, Step
+from qbuild.planning.evaluation import serving_quality_step
+from qbuild.planning.recipe import longest
 
-RUNNER = "qbuild.serving.bench:run"
+RUNNER = "qbuild.planning.serving_bench:run"
 IMPL_VERSION = 3   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
 # 3: a point's warm-up requests lead into the measured ones without a pause (it was measured from an idle server)
 WORKLOAD_FIELDS = ("concurrency", "request_rates", "requests", "warmup", "input_len", "output_len", "seed", "timeout_s")
@@ -76,7 +76,7 @@ def serving_steps(ctx) -> None:
                                   f"config {config.name!r} cannot be served by {server.name} (variant {art.label!r}): "
                                   f"{refusal} (evaluation.serving.variants picks what is served)")
             if data is None:   # the evaluation corpus, tokenized whole: prompts are windows of it
-                from qbuild.calibration.plan import eval_data_step
+                from qbuild.planning.calibration import eval_data_step
 
                 data = ctx.add(replace(eval_data_step(SimpleNamespace(
                     dataset=serving.dataset, context_length=longest(serving.input_len), max_windows=None, add_bos=False),

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from qbuild.core.recipe import ServingConfig
-from qbuild.core.step import StepContext
-from qbuild.plugins import servers
+from qbuild.contract.plugin import servers
+from qbuild.contract.step import StepContext
+from qbuild.planning.recipe import ServingConfig
 from qbuild.serving.server import PORT
 
 RESULT = "serving.json"

@@ -1,4 +1,4 @@
-"""Quantization methods: one module per method, each a `qbuild.plugins.Method` registered by name.
+"""Quantization methods: one module per method, each a `qbuild.contract.plugin.Method` registered by name.
 
 gguf.py (llama.cpp), gptq.py / awq.py / fp8.py / rtn.py / smoothquant.py (llm-compressor, sharing
 llmcompressor.py), bitsandbytes.py (bitsandbytes through transformers), autoround.py (auto-round);

@@ -17,14 +17,14 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qbuild.core.schema_base import StrictModel
-from qbuild.core.step import Step, StepContext
-from qbuild.errors import RecipeError
-from qbuild.formats import Format
-from qbuild.plugins import Method, methods
-from qbuild.quantize.base import VariantBase
+from qbuild.base.errors import RecipeError
+from qbuild.base.schema_base import StrictModel
+from qbuild.contract.formats import Format
+from qbuild.contract.plugin import Method, methods
+from qbuild.contract.step import Step, StepContext
+from qbuild.contract.variant import VariantBase
+from qbuild.models.shapes import check_patterns, checkpoint_weight_names, config_linear_names
 from qbuild.quantize.gguf_search import GGUFSearch, check_search, plan_search
-from qbuild.quantize.shapes import check_patterns, checkpoint_weight_names, config_linear_names
 
 TOOLS = ("llama-cpp-python",)
 CONVERT_TOOLS = ("llama-cpp-python", "torch", "transformers", "safetensors")
@@ -385,7 +385,7 @@ class GGUF(Method):
 
 
 def run_convert(ctx: StepContext) -> dict:
-    from qbuild.quantize.llamacpp_tools import run_converter
+    from qbuild.models.llamacpp_tools import run_converter
 
     ctx.progress(0, 1, "convert_hf_to_gguf.py")
     out = ctx.out / OUTPUT_FILE
@@ -396,7 +396,7 @@ def run_convert(ctx: StepContext) -> dict:
 
 def imatrix_toolchain() -> dict[str, str]:
     """The llama.cpp tools build the imatrix step runs (its cmake flags and targets enter the key)."""
-    from qbuild.core.fingerprint import package_version
+    from qbuild.base.fingerprint import package_version
     from qbuild.serving.llamacpp_build import build_id
 
     return {"llama.cpp-tools": build_id(package_version("llama-cpp-python"))}
@@ -439,7 +439,7 @@ def run_imatrix(ctx: StepContext) -> dict:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from qbuild.core.tool_run import run_tool
+    from qbuild.base.tool_run import run_tool
     from qbuild.serving.llamacpp_build import tool
 
     text_file, out_file = ctx.out / "calibration.txt", ctx.out / "imatrix.gguf"
@@ -494,7 +494,7 @@ def run_quantize(ctx: StepContext) -> dict:
 
     import llama_cpp
 
-    from qbuild.core.tool_run import ToolFailed
+    from qbuild.base.tool_run import ToolFailed
     from qbuild.quantize.llamacpp_log import llama_log_tail
 
     src = Path(ctx.inputs["gguf"]) / OUTPUT_FILE

@@ -25,13 +25,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from qbuild.base.errors import RecipeError
 from qbuild.build import trtllm_env
-from qbuild.core.step import OnUnavailable, Step, StepContext
-from qbuild.errors import RecipeError
-from qbuild.formats import Format
+from qbuild.contract.formats import Format
+from qbuild.contract.plugin import Method, methods
+from qbuild.contract.step import OnUnavailable, Step, StepContext
+from qbuild.contract.variant import VariantBase
 from qbuild.models.checkpoint import QUANT_ALGO, linear_in_features
-from qbuild.plugins import Method, methods
-from qbuild.quantize.base import VariantBase
 
 TOOLS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
 
@@ -161,7 +161,7 @@ class ModelOpt(Method):
 
 
 def _modelopt_version() -> str:
-    from qbuild.core.fingerprint import package_version
+    from qbuild.base.fingerprint import package_version
 
     return package_version("nvidia-modelopt")
 

@@ -5,7 +5,7 @@ write_through  every object of the run that a remote lacks is uploaded (files, s
                signing key, SLSA provenance + signature) and their refs; a named object that is no model
                (RECIPE/imatrix) gets its refs only. Called when no step failed, for
                remotes whose policy is `always` or `on-success`; `always` remotes already got each object
-               right after it was built (qbuild/core/executor.py), this adds what only the end of a run knows.
+               right after it was built (qbuild/pipeline/executor.py), this adds what only the end of a run knows.
 register       one MLflow model version per variant artifact, pointing at the store that holds it; the
                alias (e.g. champion) moves only when every quality gate passed, and with `selection:` only to
                the selected artifact (tagged with its serving config and server command).
@@ -20,14 +20,14 @@ import logging
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.remote.cache import build_sidecars, push_hit, should_push
-from qbuild.core.step import Outcome
-from qbuild.formats import spec as format_spec
+from qbuild.contract.formats import spec as format_spec
+from qbuild.contract.step import Outcome
 
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.base import RemoteStore
     from qbuild.artifacts.store import Store
-    from qbuild.core.outcome import StepOutcome
-    from qbuild.core.plan import Plan
+    from qbuild.pipeline.outcome import StepOutcome
+    from qbuild.pipeline.plan import Plan
 
 log = logging.getLogger("qbuild")
 
@@ -140,7 +140,7 @@ def register(plan: Plan, outcomes: list[StepOutcome], summary: dict, store: Stor
     spec = plan.recipe.model_registry
     uri = spec.tracking_uri or tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
-        from qbuild.errors import UserError
+        from qbuild.base.errors import UserError
 
         raise UserError("register: needs an MLflow tracking URI (register.tracking_uri, tracking.mlflow.uri, "
                         "--mlflow or MLFLOW_TRACKING_URI)")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from qbuild.artifacts.store import Store, now_iso, read_json
-from qbuild.core.hardware import machine_facts
+from qbuild.base.hardware import machine_facts
 
 KEEP_HISTORY = 10          # earlier checks kept in the record, newest first
 TIMING = "a timing: its output is a measurement of this machine, never bit-identical"
@@ -119,9 +119,9 @@ def summarize_checks(rows: list[dict], st: Store) -> dict:
 
 def check_steps(st: Store, plan, planned, *, progress=None, log=None) -> list[dict]:
     """One result row per planned step: re-executed and compared, or why it was not checked."""
-    from qbuild.core.executor import Executor
-    from qbuild.core.plan import PlannedStep
-    from qbuild.core.step import Outcome, PlanStatus
+    from qbuild.contract.step import Outcome, PlanStatus
+    from qbuild.pipeline.executor import Executor
+    from qbuild.pipeline.plan import PlannedStep
 
     rows = []
     for ps in planned:
@@ -144,7 +144,7 @@ def check_steps(st: Store, plan, planned, *, progress=None, log=None) -> list[di
 def after_run(st: Store, the_plan, wanted: list[str], progress=None) -> tuple[dict, list[dict]]:
     """A recipe's `runtime.rebuild_check` (step kinds or names): those steps re-executed right after the run, and
     one gate row per step (passed: bit-identical), so a nightly job fails (exit 3) on a step that is not."""
-    from qbuild.core.plan import _status
+    from qbuild.pipeline.plan import _status
 
     chosen = [p.step for p in the_plan.steps if p.step.kind in wanted or p.step.name in wanted]
     planned = [_status(s, st, the_plan.recipe.name) for s in chosen]   # built by the run: stored now

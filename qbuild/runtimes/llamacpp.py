@@ -6,8 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from qbuild.core.step import StepContext
-from qbuild.plugins import Runtime, RuntimeSession, runtimes
+from qbuild.contract.plugin import Runtime, RuntimeSession, runtimes
+from qbuild.contract.step import StepContext
 
 
 class LlamaCppSession(RuntimeSession):

@@ -17,10 +17,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.core.step import Step, StepContext
-from qbuild.formats import FormatSpec, register_format
+from qbuild.contract.formats import FormatSpec, register_format
+from qbuild.contract.step import Step, StepContext
+from qbuild.contract.variant import VariantBase
 from qbuild.plugins import Method
-from qbuild.quantize.base import VariantBase
 
 FORMAT = "hf-int8-simulated"
 SCALES = "int8_scales.safetensors"
