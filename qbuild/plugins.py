@@ -18,6 +18,8 @@ each naming a plugin class (`name = "package.module:Class"`). What lives where: 
 qbuild/base/ (the registry mechanism, errors); see docs/plugins.md for a worked example.
 """
 
+from pydantic import Field
+
 from qbuild.base.errors import MissingBackendError, RecipeError, UserError
 from qbuild.base.registry import Plugin, Registry
 from qbuild.base.schema_base import StrictModel
@@ -44,7 +46,7 @@ from qbuild.contract.step import OnUnavailable, Step, StepContext
 from qbuild.contract.variant import EnvOption, VariantBase
 
 __all__ = [
-    "ANY", "PLUGIN_PACKAGES", "EnvOption", "EvalStepFields", "Format", "FormatSpec", "Method", "MissingBackendError",
+    "ANY", "PLUGIN_PACKAGES", "EnvOption", "EvalStepFields", "Field", "Format", "FormatSpec", "Method", "MissingBackendError",
     "OnUnavailable", "PlanningContext", "Plugin", "PullOption", "RecipeError", "Registry", "Runtime", "RuntimeSession",
     "Server", "Step", "StepContext", "StrictModel", "Target", "TargetOptions", "UserError", "VariantBase", "load_all",
     "methods", "open_session", "register_format", "runtimes", "runtimes_for", "servers", "targets",

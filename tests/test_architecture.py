@@ -215,3 +215,12 @@ def test_the_package_api_is_not_shadowed_by_module_names():
 def test_the_protocol_module_is_self_contained():
     """The TensorRT-LLM shim loads a copy of contract/protocol.py in an interpreter without qbuild."""
     assert G["qbuild.contract.protocol"] == set()
+
+
+def test_the_architecture_page_states_these_layers():
+    """docs/architecture.md's layer table names the same layers, in the same order, with the same folders."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = text[text.index("### Layers"):]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| ")]
+    stated = [(r[0], set(re.findall(r"`([^`]+)`", r[1]))) for r in rows[1:]]
+    assert stated == [(name, set(folders)) for name, folders in LAYERS]

@@ -296,7 +296,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 
 def test_registry_credentials_are_not_sent_to_a_host_a_registry_tag_names(tmp_path, monkeypatch):
     pytest.importorskip("oras")
-    from qbuild import api
+    from qbuild.artifacts import pull
     from qbuild.artifacts.remote import RemoteError
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
@@ -308,13 +308,13 @@ def test_registry_credentials_are_not_sent_to_a_host_a_registry_tag_names(tmp_pa
         monkeypatch.setenv("QBUILD_REGISTRY_PASSWORD", "hunter2hunter2")
         monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
         monkeypatch.delenv("QBUILD_REMOTE", raising=False)
-        remote = api._remote_named_by_registry(url)     # a URL read from a model version's tags
+        remote = pull._remote_named_by_registry(url)     # a URL read from a model version's tags
         with pytest.raises(RemoteError, match="requires credentials"):
             remote.check()
         assert _Recorder.seen and all(h is None for h in _Recorder.seen)
         _Recorder.seen.clear()
         monkeypatch.setenv("QBUILD_REMOTE", f"oci://{host}/team/models")   # the user configured this registry
-        remote = api._remote_named_by_registry(url)
+        remote = pull._remote_named_by_registry(url)
         with pytest.raises(RemoteError):
             remote.check()
         assert any(h and h.startswith("Basic ") for h in _Recorder.seen)

@@ -129,10 +129,10 @@ def test_the_adapter_is_an_lm_eval_model_beside_lm_evals_own():
     from lm_eval.api.model import LM
     from lm_eval.api.registry import get_model
 
-    from qbuild.evaluate.tasks import _lm_class
+    from qbuild.evaluate.task_run import registered
 
-    cls = _lm_class()
-    assert issubclass(cls, LM) and get_model("qbuild") is cls and _lm_class() is cls
+    cls = registered()
+    assert issubclass(cls, LM) and get_model("qbuild") is cls and registered() is cls
     assert get_model("hf").__name__ == "HFLM"
 
 

@@ -48,6 +48,8 @@ class FormatSpec:
     description: str
     model: bool = True                 # a model artifact: evaluated and given a summary row
     loads_in: tuple[str, ...] = ()     # a plugin format's engines, for any scheme (becomes its LOADS_IN row)
+    # where engines differ by scheme: (scheme, engines) rows, each its own LOADS_IN row (loads_in: the other schemes)
+    loads_in_by_scheme: tuple[tuple[str, tuple[str, ...]], ...] = ()
     load_tools: tuple[str, ...] = ()   # distributions a runtime needs to read it: they enter evaluation keys
     eval_env: str | None = None        # backend environment (qbuild.contract.envs) its evaluation runs in; None: qbuild's
     evaluated_by: tuple[str, ...] = ()  # runtimes (qbuild.contract.plugin) that read it, preferred first
@@ -66,6 +68,8 @@ def register_format(spec: FormatSpec) -> FormatSpec:
     FORMATS[spec.name] = spec
     if spec.loads_in:
         LOADS_IN.setdefault((spec.name, ANY), spec.loads_in)
+    for scheme, engines in spec.loads_in_by_scheme:
+        LOADS_IN.setdefault((spec.name, scheme), tuple(engines))
     return spec
 
 

@@ -361,7 +361,8 @@ def _not_installed(step: Step) -> str:
     return f"needs {', '.join(absent)}, not installed here ({install_hint(absent)})"
 
 
-def _status(step: Step, store: Store, recipe_name: str, remotes: tuple = (), verify: str = "fast") -> PlannedStep:
+def step_status(step: Step, store: Store, recipe_name: str, remotes: tuple = (), verify: str = "fast") -> PlannedStep:
+    """The step as planned against `store` (and `remotes`): source, hit, remote hit or miss, with why it misses."""
     if step.source_path is not None:
         return PlannedStep(step, PlanStatus.SOURCE, reason=str(step.source_path))
     hit = store.lookup(step.key, verify=verify)
@@ -389,7 +390,7 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (
 
     Every local hit is checked first (verify="fast": file set, sizes, memoized hashes; "full": re-hash)."""
     ctx = build_steps(recipe, recipe_dir)
-    steps = tuple(_status(s, store, recipe.name, tuple(remotes), verify) for s in ctx.steps)
+    steps = tuple(step_status(s, store, recipe.name, tuple(remotes), verify) for s in ctx.steps)
     try:
         for limit in ctx.time_limits:
             check_time_limit(limit, steps, store, recipe.name)

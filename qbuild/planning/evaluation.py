@@ -29,7 +29,7 @@ RUNNERS = {"perplexity": "qbuild.evaluate.quality:perplexity",
            "perplexity-reuse": "qbuild.evaluate.quality:perplexity_of_a_measured_file",
            "reference": "qbuild.evaluate.quality:reference",
            "throughput": "qbuild.evaluate.throughput:run", "load-check": "qbuild.evaluate.loadcheck:run",
-           "task": "qbuild.evaluate.tasks:run"}
+           "task": "qbuild.evaluate.task_run:run"}
 
 
 def pick_runtime(fmt: str) -> tuple[Runtime | None, str]:

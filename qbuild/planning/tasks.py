@@ -1,6 +1,6 @@
 """The plan side of lm-eval tasks (torch-free): one `task:<name>[<artifact>]` step per task and model artifact, keyed
 by the artifact × the task (its name and the contents of its include_path) × lm-eval's version × the runtime. A
-variant's step reads the baseline's step (`reference`). The step's worker side: qbuild/evaluate/tasks.py."""
+variant's step reads the baseline's step (`reference`). The step's worker side: qbuild/evaluate/task_run.py."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.remote.cache import build_sidecars, push_hit, should_push
+from qbuild.base.errors import QBuildError
 from qbuild.contract.formats import spec as format_spec
 from qbuild.contract.step import Outcome
 
@@ -175,3 +176,33 @@ def register(plan: Plan, outcomes: list[StepOutcome], summary: dict, store: Stor
             if not e["alias"] and e["name"] not in holders:
                 mlflow_registry.drop_alias(uri, e["name"], spec.alias)
     return out
+
+
+def push(name: str, to: str, *, store=None, progress=None) -> dict:
+    """Upload NAME (ref or digest) from the local store to a remote: files, sidecars, manifest, action record, ref."""
+    from qbuild.artifacts.access import open_store
+    from qbuild.artifacts.remote import open_remote
+    from qbuild.artifacts.signing import signing_key
+    from qbuild.artifacts.store import REF_RE
+
+    st = open_store(store)
+    digest = st.resolve(name)
+    manifest = st.manifest(digest)
+    problems = st.check_object(digest, full=True)
+    if problems or not isinstance(manifest.get("key"), str):
+        raise QBuildError(f"{name}: object {digest[:12]} is damaged: {'; '.join(problems) or 'manifest has no key'} "
+                          "(run `qbuild verify --repair`, then rebuild); nothing pushed")
+    remote = open_remote(to)
+    m = REF_RE.match(name)
+    refs = [(m.group("recipe"), m.group("variant"), m.group("tag") or "latest")] if m else []
+    names = [f"{recipe}/{variant}" for recipe, variant, _ in refs]   # what the signature binds (signing.verify)
+
+    def sidecars(previous=None):
+        return build_sidecars(st, digest, names=names, previous=previous)
+
+    uploaded = push_hit(remote, st, manifest["key"], digest, None, sidecars=sidecars, refs=(), progress=progress)
+    if not uploaded and signing_key() is not None:   # already there: its signature must name this ref too
+        refresh_signature(remote, digest, sidecars, names)
+    for recipe, variant, tag in refs:
+        remote.set_ref(recipe, variant, tag, digest, manifest["key"])
+    return {"digest": digest, "remote": remote.display, "uploaded": uploaded, "refs": [f"{a}/{b}:{c}" for a, b, c in refs]}
