@@ -54,7 +54,7 @@ def modelopt_export(out: Path, model_type: str, scheme: str = "none", vocab: int
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qbuild.quantize.modelopt import DECODER_TYPES, quant_config
+    from qbuild.quantize.modelopt.run import DECODER_TYPES, quant_config
 
     cfg = tiny_config(model_type, vocab)
     torch.manual_seed(0)

@@ -34,7 +34,7 @@ from qbuild.base.errors import RecipeError
 from qbuild.base.schema_base import StrictModel
 from qbuild.contract.step import Step, StepContext
 
-OUTPUT_FILE = "model.gguf"   # qbuild.quantize.gguf's file name (a quantize step's one file)
+OUTPUT_FILE = "model.gguf"   # qbuild.quantize.gguf.options' file name (a quantize step's one file)
 ALLOCATION_FILE = "allocation.json"
 SEARCH_FILE = "search.json"   # the artifact's own short record (budget, chosen types, command) beside the .gguf
 RECORD_RESERVE = 8192         # bytes of the budget kept for search.json, so the whole artifact meets it
