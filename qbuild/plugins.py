@@ -42,12 +42,14 @@ from qbuild.contract.plugin import (
     servers,
     targets,
 )
+from qbuild.contract.shapes import check_group_size, check_module_patterns, check_patterns
 from qbuild.contract.step import OnUnavailable, Step, StepContext
 from qbuild.contract.variant import EnvOption, VariantBase
 
 __all__ = [
     "ANY", "PLUGIN_PACKAGES", "EnvOption", "EvalStepFields", "Field", "Format", "FormatSpec", "Method", "MissingBackendError",
     "OnUnavailable", "PlanningContext", "Plugin", "PullOption", "RecipeError", "Registry", "Runtime", "RuntimeSession",
-    "Server", "Step", "StepContext", "StrictModel", "Target", "TargetOptions", "UserError", "VariantBase", "load_all",
+    "Server", "Step", "StepContext", "StrictModel", "Target", "TargetOptions", "UserError", "VariantBase",
+    "check_group_size", "check_module_patterns", "check_patterns", "load_all",
     "methods", "open_session", "register_format", "runtimes", "runtimes_for", "servers", "targets",
 ]

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from qbuild.contract.shapes import config_linear_names, weight_modules
 from qbuild.errors import RecipeError
-from qbuild.models.shapes import config_linear_names, weight_modules
 from qbuild.pipeline.plan import build_steps
 from qbuild.planning.recipe import parse_recipe
 

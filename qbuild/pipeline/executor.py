@@ -85,22 +85,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
 
     # --- scheduling ------------------------------------------------------------------------------------
     def run(self, planned: list[PlannedStep]) -> list[StepOutcome]:
-        blocked = [ps for ps in planned if ps.status in UNBUILDABLE and ps.step.on_unavailable != OnUnavailable.SKIP]
-        if blocked:  # fail before any work (exit 2), naming each step and why
-            hint = " (set on_missing_gpu: skip on the target to build the rest)" \
-                if any(ps.status == PlanStatus.NEEDS_GPU for ps in blocked) else ""
-            by_reason: dict[str, list[str]] = {}   # one reason said once, with every step it stops
-            for ps in blocked:
-                by_reason.setdefault(ps.reason, []).append(ps.step.name)
-            raise UserError("cannot run on this machine: " + "; ".join(
-                f"step{'s' if len(names) > 1 else ''} {', '.join(names)}: {reason}"
-                for reason, names in by_reason.items()) + hint)
-        to_build = [ps.step.name for ps in planned if ps.status == PlanStatus.MISS]
-        if to_build:  # a read-only store serves hits; building needs a writable one (say so before any work)
-            self.store.require_writable(f"building {len(to_build)} step(s) ({', '.join(to_build[:3])}"
-                                        f"{', ...' if len(to_build) > 3 else ''})")
-            self.store.clean_stale()
-            self._start_fork_server([ps.step for ps in planned if ps.status == PlanStatus.MISS])
+        self._prepare(planned)
         budget = Budget(cpus=cpu_count(), jobs=self.jobs, memory_mb=available_memory_mb() * 0.9,
                         gpus=gpu_devices() if any(ps.step.requires_gpu and ps.status == PlanStatus.MISS
                                                   for ps in planned) else [])
@@ -112,30 +97,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
             while pending or running:
                 before = {id(c): c.cpus for _, c in running.values()}
                 budget.take_back_idle_share([c for _, c in running.values()])
-                for ps in list(pending):
-                    inputs = [outcomes.get(s.key) for s in ps.step.prerequisites()]
-                    if any(o is None for o in inputs):
-                        continue  # an input is still running (or waiting)
-                    done = self._resolve_without_building(ps, inputs)
-                    if done is not None:
-                        outcomes[ps.step.key] = done
-                        pending.remove(ps)
-                        continue
-                    stopped = self._past_time_limit(ps.step, outcomes)
-                    if stopped is not None:
-                        outcomes[ps.step.key] = stopped
-                        pending.remove(ps)
-                        continue
-                    claim = budget.claim(ps.step, self._memory_estimate(ps.step, outcomes), ps.step.per_hardware)
-                    if claim is None:
-                        continue
-                    pending.remove(ps)
-                    if ps.step.key in self._limits:
-                        self._limit_started.setdefault(self._limits[ps.step.key].field, time.monotonic())
-                    claim.standby = self._take_standby(ps.step, claim)   # here, before _prestart looks again
-                    if claim.alone and claim.standby is None:
-                        self._retire_standby()   # nothing may run beside a timing step, a standby's imports neither
-                    running[pool.submit(self._build, ps.step, outcomes, claim)] = (ps, claim)
+                self._start_ready(pending, outcomes, budget, pool, running)
                 # the waiting steps, nearest to ready first (fewest inputs still to build)
                 if not budget.exclusive:
                     self._prestart(sorted((ps.step for ps in pending if ps.status == PlanStatus.MISS),
@@ -165,6 +127,52 @@ class Executor(StandbyWorkers, WorkerLaunch):
             if outcomes[ps.step.key].status in (Outcome.BUILT, Outcome.CACHED):
                 self._remember(ps.step)
         return [outcomes[ps.step.key] for ps in planned]
+
+    def _prepare(self, planned: list[PlannedStep]) -> None:
+        """Before any work: refuse steps this machine cannot run (exit 2, each step and why), and where steps are to
+        be built, a writable store (a read-only one serves hits), its stale scratch cleaned, the fork server up."""
+        blocked = [ps for ps in planned if ps.status in UNBUILDABLE and ps.step.on_unavailable != OnUnavailable.SKIP]
+        if blocked:
+            hint = " (set on_missing_gpu: skip on the target to build the rest)" \
+                if any(ps.status == PlanStatus.NEEDS_GPU for ps in blocked) else ""
+            by_reason: dict[str, list[str]] = {}   # one reason said once, with every step it stops
+            for ps in blocked:
+                by_reason.setdefault(ps.reason, []).append(ps.step.name)
+            raise UserError("cannot run on this machine: " + "; ".join(
+                f"step{'s' if len(names) > 1 else ''} {', '.join(names)}: {reason}"
+                for reason, names in by_reason.items()) + hint)
+        to_build = [ps.step.name for ps in planned if ps.status == PlanStatus.MISS]
+        if to_build:
+            self.store.require_writable(f"building {len(to_build)} step(s) ({', '.join(to_build[:3])}"
+                                        f"{', ...' if len(to_build) > 3 else ''})")
+            self.store.clean_stale()
+            self._start_fork_server([ps.step for ps in planned if ps.status == PlanStatus.MISS])
+
+    def _start_ready(self, pending: list[PlannedStep], outcomes: dict[str, StepOutcome], budget: Budget,
+                     pool: ThreadPoolExecutor, running: dict) -> None:
+        """Settle or start every pending step whose inputs are done: a hit or a skip without building, a step past its
+        time limit stopped, the others started in `pool` as far as the budget lets them."""
+        for ps in list(pending):
+            inputs = [outcomes.get(s.key) for s in ps.step.prerequisites()]
+            if any(o is None for o in inputs):
+                continue  # an input is still running (or waiting)
+            done = self._resolve_without_building(ps, inputs)
+            if done is None:
+                done = self._past_time_limit(ps.step, outcomes)
+            if done is not None:
+                outcomes[ps.step.key] = done
+                pending.remove(ps)
+                continue
+            claim = budget.claim(ps.step, self._memory_estimate(ps.step, outcomes), ps.step.per_hardware)
+            if claim is None:
+                continue
+            pending.remove(ps)
+            if ps.step.key in self._limits:
+                self._limit_started.setdefault(self._limits[ps.step.key].field, time.monotonic())
+            claim.standby = self._take_standby(ps.step, claim)   # here, before _prestart looks again
+            if claim.alone and claim.standby is None:
+                self._retire_standby()   # nothing may run beside a timing step, a standby's imports neither
+            running[pool.submit(self._build, ps.step, outcomes, claim)] = (ps, claim)
 
     def _past_time_limit(self, step: Step, outcomes: dict[str, StepOutcome]) -> StepOutcome | None:
         """A step of a time-limited set (a search's max_minutes) is not started once the set has run longer than its

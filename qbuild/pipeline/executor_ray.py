@@ -262,15 +262,7 @@ class RayExecutor(Executor):
                         self.progress.update(bar, visible=False)
                     outcomes[ps.step.key] = self._outcome(ray, ref, ps.step, t0)
         except BaseException:
-            # Ctrl-C / SIGTERM: each task stops its worker process and removes its scratch (KeyboardInterrupt in
-            # the task); one that has not within CANCEL_GRACE_S is killed (its qbuild.pipeline.worker dies with it, and
-            # its scratch goes when the node's next task starts)
-            for ref in running:
-                ray.cancel(ref, force=False)
-            _, late = ray.wait(list(running), num_returns=len(running), timeout=CANCEL_GRACE_S) if running \
-                else ([], [])
-            for ref in late:
-                ray.cancel(ref, force=True)
+            _cancel(ray, running)
             raise
         for ps in planned:
             if outcomes[ps.step.key].status in (Outcome.BUILT, Outcome.CACHED):
@@ -325,3 +317,14 @@ class RayExecutor(Executor):
         if self.materialize_all:
             self.materialize(outcome)
         return outcome
+
+
+def _cancel(ray, running: dict) -> None:
+    """Ctrl-C / SIGTERM: each task stops its worker process and removes its scratch (KeyboardInterrupt in the task);
+    one that has not within CANCEL_GRACE_S is killed (its qbuild.pipeline.worker dies with it, and its scratch goes
+    when the node's next task starts)."""
+    for ref in running:
+        ray.cancel(ref, force=False)
+    _, late = ray.wait(list(running), num_returns=len(running), timeout=CANCEL_GRACE_S) if running else ([], [])
+    for ref in late:
+        ray.cancel(ref, force=True)

@@ -11,8 +11,8 @@ from qbuild.artifacts.store import Hit, Store
 from qbuild.base.errors import RecipeError
 from qbuild.base.fingerprint import install_hint, package_version
 from qbuild.contract.plugin import methods, targets
+from qbuild.contract.shapes import check_family
 from qbuild.contract.step import PlanStatus, Step
-from qbuild.models.shapes import check_family
 from qbuild.pipeline.memory_fit import check_memory
 from qbuild.planning.calibration import calibration_step, check_overlap, eval_data_step, overlapping_sources
 from qbuild.planning.evaluation import evaluation_steps

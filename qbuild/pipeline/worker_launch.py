@@ -159,6 +159,46 @@ class WorkerLaunch:
             env["CUDA_VISIBLE_DEVICES"] = gpu
         return env
 
+    def _fork(self, job: dict, write_fd: int):
+        """A warm worker from the fork server (a fork, not a fresh interpreter), or None: no server, or it is gone
+        (killed from outside), and then this and later steps start fresh."""
+        server = self._fork_server
+        if server is None:
+            return None
+        forked = server.start(job, write_fd)
+        if forked is not None and forked.started() is None and forked.lost:
+            forked.wait()
+            forked = None
+        if forked is None:
+            self._stop_fork_server()
+        return forked
+
+    def _abandon(self, read_fd: int, write_fd: int | None, sb, forked) -> None:
+        """Cancelled before the step's worker started its work: close the pipe, kill the standby or forked worker."""
+        os.close(read_fd)
+        if write_fd is not None:
+            os.close(write_fd)
+        for pid in (sb.proc.pid if sb else None, forked.pid if forked else None):
+            if pid is not None:
+                self._kill_group(pid)
+        if forked is not None:
+            forked.wait()
+
+    def _follow_progress(self, read_fd: int, task) -> None:
+        """Pass each progress line the worker writes to `task` until the worker closes its end of the pipe."""
+        buf = b""
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            while True:
+                ready, _, _ = select.select([pipe], [], [], 0.5)
+                if ready:
+                    chunk = pipe.read(65536)
+                    if not chunk:
+                        break
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    for line in lines:
+                        self._on_progress(task, line)
+
     def _spawn(self, spec: Path, log_path: Path, step: Step, task, claim: Claim,
                python: str = sys.executable) -> tuple[dict, int]:
         sb, claim.standby = claim.standby, None
@@ -173,25 +213,11 @@ class WorkerLaunch:
             env = self._worker_env(None, int(sb.env["QBUILD_PROGRESS_FD"]), step.threads, claim.gpu, step.kind)
         job = {"spec": str(spec), "log": str(log_path), "cwd": str(spec.parent), "env": env}
         t0 = time.perf_counter()
-        forked = proc = None
-        server = self._fork_server
-        if sb is None and python == sys.executable and server is not None:
-            forked = server.start(job, write_fd)   # a warm worker: a fork, not a fresh interpreter
-            if forked is not None and forked.started() is None and forked.lost:
-                forked.wait()
-                forked = None
-            if forked is None:   # the server is gone (killed from outside): this and later steps start fresh
-                self._stop_fork_server()
+        forked = self._fork(job, write_fd) if sb is None and python == sys.executable else None
+        proc = None
         with self._lock:
             if self._cancelled.is_set():
-                os.close(read_fd)
-                if write_fd is not None:
-                    os.close(write_fd)
-                for pid in (sb.proc.pid if sb else None, forked.pid if forked else None):
-                    if pid is not None:
-                        self._kill_group(pid)
-                if forked is not None:
-                    forked.wait()
+                self._abandon(read_fd, write_fd, sb, forked)
                 return {"wall": 0.0, "cpu": 0.0, "peak_rss_mb": 0.0}, -signal.SIGKILL
             if sb is not None:
                 job["env"] = {k: v for k, v in env.items() if sb.env.get(k) != v}
@@ -214,25 +240,9 @@ class WorkerLaunch:
                 self._procs[step.key] = pid
         if write_fd is not None:
             os.close(write_fd)
-        buf = b""
         try:
-            with os.fdopen(read_fd, "rb", buffering=0) as pipe:
-                while True:
-                    ready, _, _ = select.select([pipe], [], [], 0.5)
-                    if ready:
-                        chunk = pipe.read(65536)
-                        if not chunk:
-                            break
-                        buf += chunk
-                        *lines, buf = buf.split(b"\n")
-                        for line in lines:
-                            self._on_progress(task, line)
-            if forked is not None:
-                rc, cpu, peak_rss_mb = forked.wait()
-            else:
-                _, status, usage = os.wait4(pid, 0)
-                rc, cpu, peak_rss_mb = (os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime,
-                                        round(usage.ru_maxrss / 1024, 1))
+            self._follow_progress(read_fd, task)
+            rc, cpu, peak_rss_mb = forked.wait() if forked is not None else _exit_status(pid)
         except BaseException:
             # interrupted here (Ctrl-C, a Ray task's cancel): the worker dies before its scratch is removed, and
             # before its pid leaves _procs, where cancel() would have looked for it
@@ -268,3 +278,9 @@ class WorkerLaunch:
         desc = f"{self.progress.tasks[task].fields.get('step', '')}"
         self.progress.update(task, completed=p["done"], total=p["total"] or None,
                              description=f"{desc}{': ' if desc else ''}{escape(str(p.get('desc', '')))}")
+
+
+def _exit_status(pid: int) -> tuple[int, float, float]:
+    """(exit code, CPU seconds, peak RSS in MB) of the worker process `pid`, once it has ended."""
+    _, status, usage = os.wait4(pid, 0)
+    return os.waitstatus_to_exitcode(status), usage.ru_utime + usage.ru_stime, round(usage.ru_maxrss / 1024, 1)

@@ -25,9 +25,9 @@ from pydantic import Field, model_validator
 
 from qbuild.contract.formats import HF_RUNTIMES, Format, FormatSpec, register_format
 from qbuild.contract.plugin import Method, methods
+from qbuild.contract.shapes import is_ignored
 from qbuild.contract.step import Step, StepContext
 from qbuild.contract.variant import dir_size
-from qbuild.models.shapes import is_ignored
 from qbuild.quantize import llmcompressor as lc
 
 TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")

@@ -136,7 +136,7 @@ def check_search(variant, ctx, field: str) -> None:
         raise RecipeError(f"{field}.bits", "search chooses each layer's bits: remove bits (or give search.schemes)")
     if not variant.sym:
         raise RecipeError(f"{field}.sym", "a search mixes W8A16, which vLLM serves symmetric only: set sym: true")
-    from qbuild.models.shapes import config_linear_names
+    from qbuild.contract.shapes import config_linear_names
 
     names = set(config_linear_names(ctx.model_info()) or ())
     layers = _layers(ctx)

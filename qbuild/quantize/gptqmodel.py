@@ -17,9 +17,9 @@ from pydantic import Field, field_validator
 
 from qbuild.contract.formats import Format
 from qbuild.contract.plugin import Method, methods
+from qbuild.contract.shapes import check_group_size
 from qbuild.contract.step import Step, StepContext
 from qbuild.contract.variant import VariantBase, dir_size, group_size_value
-from qbuild.models.shapes import check_group_size
 
 # distributions whose versions (in the gptqmodel environment) enter the key
 TOOLS = ("gptqmodel", "torch", "transformers", "safetensors", "numpy")

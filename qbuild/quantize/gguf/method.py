@@ -17,8 +17,8 @@ from pathlib import Path
 from qbuild.base.errors import RecipeError
 from qbuild.contract.formats import Format
 from qbuild.contract.plugin import Method, methods
+from qbuild.contract.shapes import check_patterns, checkpoint_weight_names, config_linear_names
 from qbuild.contract.step import Step
-from qbuild.models.shapes import check_patterns, checkpoint_weight_names, config_linear_names
 from qbuild.quantize.gguf.options import (
     CONVERT_TOOLS,
     DEFAULT_TENSOR_TYPE,
