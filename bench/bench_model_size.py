@@ -17,6 +17,10 @@ downloaded. For each size, in a fresh process each (peak RSS from the kernel, `r
 
 The plan-time estimate (qbuild.pipeline.memory_fit) is printed beside each measurement. Figures go to
 docs/benchmarks.md by hand; random weights measure memory and time, not quality.
+
+`--project 8b,70b` makes no checkpoint: it prints what each step of that recipe needs at the real Llama-3.1
+shapes (128,256-token vocabulary), from the planner's own estimates (host memory) and the formulas under
+PROJECTED_GPU (one GPU's memory), against a 24 GB CPU machine and one 80 GB GPU. Projections, not measurements.
 """
 
 from __future__ import annotations
@@ -39,6 +43,51 @@ SHAPES = {   # hidden, intermediate, layers, heads, kv heads: Llama-3.2-1B/3B an
 }
 VOCAB = 49152
 GB = 1 << 30
+LLAMA31 = {   # hidden, intermediate, layers, heads, kv heads of Llama-3.1-8B / -70B, for --project
+    "8b": (4096, 14336, 32, 32, 8),
+    "70b": (8192, 28672, 80, 64, 8),
+}
+GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q4_K_M": 4.85}   # bits a weight, llama.cpp's figures for these types
+
+
+def project(size: str, host_gb: float = 24, gpu_gb: float = 80) -> None:
+    """What each step of the issue-33 recipe needs at Llama-3.1 `size`: host memory from qbuild.pipeline.memory_fit (what
+    the planner refuses on), GPU memory from PROJECTED_GPU below. Printed as a table; nothing is built."""
+    from qbuild.pipeline.memory_fit import model_size, step_memory
+
+    hidden, ffn, layers, heads, kv = LLAMA31[size]
+    est = model_size({"hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
+                      "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": 128256,
+                      "tie_word_embeddings": False})
+    act = 1.0 * GB   # windows' hidden states, one window's logits (512 x 128,256 fp32 = 0.26 GB), the CUDA context
+
+    class S:   # a step as the planner sees it
+        def __init__(self, kind, memory):
+            self.kind, self.memory = kind, memory
+
+    # PROJECTED_GPU: streamed evaluation keeps the embeddings and head and one layer, in bf16, on the GPU; whole-model
+    # evaluation all of it; llm-compressor's sequential onloading one layer plus its calibration activations; llama.cpp
+    # with every layer offloaded the whole GGUF (more than the card: the runtime offloads the layers that fit)
+    rows = [("gguf-convert / quantize (llama.cpp)", None, "CPU: about the largest tensor", None)]
+    for t, bits in GGUF_BITS.items():
+        rows.append((f"perplexity[{t.lower()}] (llama.cpp)", None, "maps the file", est.parameters * bits / 8 + act))
+    rows += [
+        ("quantize[w4a16] (llm-compressor RTN)", step_memory(S("quantize", "offloads-to-disk"), est, False),
+         "host: whole model, else offloaded to disk", est.layer * 2 + 2 * GB),
+        ("reference / perplexity (transformers, streamed)", step_memory(S("reference", "layer-streamed"), est, False),
+         "layer-streamed", est.outside + est.layer + act),
+        ("generation / MoE (transformers, whole)", step_memory(S("reference", "whole-model"), est, False),
+         "whole model", est.total + act),
+    ]
+    print(f"\nLlama-3.1-{size.upper()} projection: {est.parameters / 1e9:.1f}B parameters, {est.total / GB:.0f} GiB bf16; "
+          f"host {host_gb:g} GB, one {gpu_gb:g} GB GPU")
+    print(f"{'step':48} {'host GiB':>9} {'fits':>5} {'GPU GiB':>8} {'fits':>5}  how")
+    for name, host, how, gpu_need in rows:
+        h = f"{host[0] / GB:9.1f}" if host else f"{'-':>9}"
+        hf = ("yes" if host[0] <= host_gb * GB else ("disk" if "offload" in how else "no")) if host else "yes"
+        g = f"{gpu_need / GB:8.1f}" if gpu_need else f"{'-':>8}"
+        gf = ("yes" if gpu_need <= gpu_gb * GB else "part") if gpu_need else "-"
+        print(f"{name:48} {h} {hf:>5} {g} {gf:>5}  {how}")
 
 
 def make_checkpoint(size: str, out: Path) -> Path:
@@ -163,7 +212,12 @@ def main() -> None:
                     "an 8B run of all four needs ~60 GB of disk")
     ap.add_argument("--skip-session", action="store_true", help="for --qbuild sizes, only the qbuild run")
     ap.add_argument("--keep", type=Path, help="keep the checkpoints here (reused by later runs)")
+    ap.add_argument("--project", default="", help="only print the projection at these Llama-3.1 sizes (8b,70b)")
     args = ap.parse_args()
+    if args.project:
+        for size in args.project.split(","):
+            project(size)
+        return
     from qbuild.pipeline.memory_fit import machine_memory, model_size, step_memory
 
     tmp = Path(tempfile.mkdtemp(prefix="qbuild-size-"))

@@ -2,18 +2,26 @@
 
     .venv/bin/python bench/bench_pull.py                      # S3 (moto server) and OCI (docker-registry)
     .venv/bin/python bench/bench_pull.py --size-mb 200 --backends s3 --repeat 2
+    .venv/bin/python bench/bench_pull.py --size-mb 3000 --backends local --repeat 2   # issue 33's store check
 
 qbuild: RemoteStore.fetch_object (every file's sha256 checked before it is placed, staged, parallel).
 raw:    s3fs `get` of the object's prefix (no verification); for OCI: oras-py `pull` of the same tag
         (and skopeo copy, a Go client, where it is installed).
 Both servers run as separate processes on 127.0.0.1 with an empty temp storage, stopped at the end.
 Printed ratio = raw seconds / qbuild seconds (1.0 = as fast as the raw download; goal ≥ 0.8).
+
+local: `qbuild pull REF --out DIR` from the local store, `qbuild push REF --to file://DIR` and
+`qbuild pull REF --from file://DIR --out DIR`, each against hashing the object once (`sha256sum` of its files)
+and a plain `cp -r`; printed as qbuild seconds / the seconds of one hashlib pass over its files (OpenSSL's
+sha256, faster here than coreutils' `sha256sum`, which is printed too) (goal: pull ≤ 1.5×). The page cache is not
+dropped (no root here): every command reads a cached object, so the ratio is CPU (hashing) and writes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import os
 import shutil
 import socket
@@ -195,6 +203,50 @@ def bench_oci(root: Path, store, hit, repeat: int, jobs: int) -> None:
             report("oci", qb, raw, size, "skopeo copy ")
 
 
+def bench_local(root: Path, store, hit, repeat: int, jobs: int) -> None:
+    """The store operations through the CLI a user runs, against hashing the object once and `cp -r`."""
+    size = sum(f["size"] for f in hit.record["files"])
+    files = [str(hit.path / f["path"]) for f in hit.record["files"]]
+    dest, remote = root / "pull-local", root / "remote"
+
+    def cli(*args: str) -> None:
+        subprocess.run([sys.executable, "-m", "qbuild", *args], check=True, capture_output=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    def reset():
+        shutil.rmtree(dest, ignore_errors=True)
+
+    def reset_remote():
+        reset()
+        shutil.rmtree(remote, ignore_errors=True)
+
+    def hash_once() -> None:   # OpenSSL's sha256 through hashlib, one read: the fastest single pass here
+        buf = memoryview(bytearray(1 << 20))
+        for path in files:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while n := f.readinto(buf):
+                    h.update(buf[:n])
+
+    hashed = timed(lambda: subprocess.run(["sha256sum", *files], check=True, capture_output=True), repeat, reset)
+    hashed_once = timed(hash_once, repeat, reset)
+    copied = timed(lambda: subprocess.run(["cp", "-r", str(hit.path), str(dest)], check=True), repeat, reset)
+    pulled = timed(lambda: cli("pull", hit.digest, "--store", str(store.root), "--out", str(dest)), repeat, reset)
+    pushed = timed(lambda: cli("push", hit.digest, "--store", str(store.root), "--to", f"file://{remote}"),
+                   repeat, reset_remote)
+    cli("push", hit.digest, "--store", str(store.root), "--to", f"file://{remote}")
+    fetched = timed(lambda: cli("pull", hit.digest, "--from", f"file://{remote}", "--out", str(dest)), repeat, reset)
+    reset_remote()
+    # best of the runs: on a shared machine the least disturbed run is the closest to each command's own cost
+    h, once, cp = min(hashed), min(hashed_once), min(copied)
+    print(f"local (best of {repeat}): sha256sum {h:.2f} s ({size / h / 1e6:.0f} MB/s); hashlib one pass {once:.2f} s "
+          f"({size / once / 1e6:.0f} MB/s); cp -r {cp:.2f} s")
+    for label, runs in (("pull (store -> dir)", pulled), ("push file://", pushed), ("pull --from file://", fetched)):
+        m = min(runs)
+        print(f"local: qbuild {label:20s} {m:6.2f} s = {m / once:4.2f}x hashing once (hashlib), {m / h:4.2f}x "
+              f"sha256sum, {m / cp:4.2f}x cp -r  (runs: {', '.join(f'{x:.2f}' for x in runs)})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size-mb", type=int, default=500)
@@ -213,6 +265,8 @@ def main() -> None:
             bench_s3(root, store, hit, args.repeat, args.jobs)
         if "oci" in args.backends:
             bench_oci(root, store, hit, args.repeat, args.jobs)
+        if "local" in args.backends:
+            bench_local(root, store, hit, args.repeat, args.jobs)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qbuild.artifacts.access import gc, open_remotes, open_store, refs, register_model, tag, verify
-from qbuild.artifacts.pull import machine_bound_targets, pull_options, verified_as, write_fresh
+from qbuild.artifacts.pull import machine_bound_targets, pull_options, verified_as
 from qbuild.base.errors import UserError
 from qbuild.pipeline.catalog import create_environments, environments, plugins, recipe_schema, remove_environments
 from qbuild.pipeline.run import backend_envs, load, recipe_files, validate
@@ -35,7 +35,7 @@ __all__ = [
     "find_run", "gc", "history", "keygen", "load", "machine_bound_targets", "open_remotes", "open_store", "plan",
     "plugins", "pull", "pull_options", "push", "rebuild_check", "recipe_files", "recipe_schema", "refs",
     "register_model", "remove_environments", "report", "run", "run_many", "select", "set_refs", "show", "tag",
-    "track", "validate", "verified_as", "verify", "write_fresh",
+    "track", "validate", "verified_as", "verify",
 ]
 
 

@@ -210,7 +210,9 @@ def _print_plan(the_plan, as_json):
     table = Table(title=f"plan · {the_plan.recipe.name}", title_justify="left")
     with_env = any(r["env"] for r in data["steps"])   # the column appears when a step runs in a backend environment
     with_est = data["to_build"] > 0 and "estimate" in data   # ...and the estimate column when something must be built
-    for col in ("step", "key", "status", "why") + (("env",) if with_env else ()) + (("est.",) if with_est else ()):
+    with_gpu = any(r["device"] == "cuda" for r in data["steps"])   # ...and where each step runs when one uses a GPU
+    for col in ("step", "key", "status", "why") + (("env",) if with_env else ()) + (("device",) if with_gpu else ()) \
+            + (("est.",) if with_est else ()):
         table.add_column(col, overflow="fold")
     style = {"hit": "cyan", "hit-remote": "cyan", "miss": "yellow", "source": "dim", "needs-gpu": "magenta",
              "unavailable": "magenta"}
@@ -219,6 +221,7 @@ def _print_plan(the_plan, as_json):
         table.add_row(escape(r["step"]), r["key"][:12], f"[{style[r['status']]}]{escape(status)}[/]",
                       "" if r["status"] in ("hit", "hit-remote") else escape(r["reason"]),
                       *((escape(r["env"] or "-"),) if with_env else ()),
+                      *((r["device"] or "-",) if with_gpu else ()),
                       *((_estimate_cell(r),) if with_est else ()))
     console = _console()
     console.print(table)
@@ -230,7 +233,8 @@ def _print_plan(the_plan, as_json):
                       f"({escape(o['calibration'])} vs {escape(o['evaluation'])}; limit {o['max_pct']:g} %)")
     hits = sum(r["status"] == "hit" for r in data["steps"])
     remote = sum(r["status"] == "hit-remote" for r in data["steps"])
-    console.print(f"{data['to_build']} step(s) to build, {hits} cached" + (f", {remote} in a remote" if remote else ""))
+    console.print(f"{data['to_build']} step(s) to build, {hits} cached" + (f", {remote} in a remote" if remote else "")
+                  + ("" if with_gpu else "; every step runs on the CPU"))
     if the_plan.estimate is not None:
         from qbuild.output import history_note
 

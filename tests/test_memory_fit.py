@@ -94,3 +94,42 @@ def test_machine_memory_is_the_ram_or_the_declared_budget(monkeypatch):
     assert total <= ram and total > ram / 64 and where
     monkeypatch.setenv("QBUILD_MEMORY_GB", "2")
     assert memory_fit.machine_memory() == (2 << 30, "QBUILD_MEMORY_GB")
+
+
+def _plan_rows(tmp_path, recipe: str, fake_gpu: str) -> dict[str, str]:
+    import json
+
+    out = qbuild("plan", ROOT / "recipes" / recipe, "--store", tmp_path / "store", "--json",
+                 env={"QBUILD_FAKE_GPU": fake_gpu})
+    assert out.returncode == 0, out.stderr
+    return {r["step"]: r["device"] for r in json.loads(out.stdout)["steps"]}
+
+
+def test_the_plan_says_which_device_each_step_uses(tmp_path):
+    """On a machine with a GPU (device: auto), evaluation through transformers or llama.cpp runs there; llama.cpp's
+    converter and quantizer run on the CPU. Without one every step is on the CPU."""
+    h100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
+    gpu = _plan_rows(tmp_path, "demo.yaml", h100)
+    assert gpu["reference[baseline]"] == gpu["perplexity[q4km]"] == gpu["import-check"] == "cuda", gpu
+    assert gpu["quantize[q4km]"] == gpu["gguf-convert[f16]"] == gpu["eval-data"] == "cpu", gpu
+    none = _plan_rows(tmp_path, "demo.yaml", "none")
+    assert set(none.values()) == {"cpu"} and none.keys() == gpu.keys()
+    table = qbuild("plan", ROOT / "recipes" / "demo.yaml", "--store", tmp_path / "store", env={"QBUILD_FAKE_GPU": h100})
+    assert "device" in table.stdout and "cuda" in table.stdout, table.stdout
+    cpu_only = qbuild("plan", ROOT / "recipes" / "demo.yaml", "--store", tmp_path / "store",
+                      env={"QBUILD_FAKE_GPU": "none"})
+    assert "every step runs on the CPU" in cpu_only.stdout and "cuda" not in cpu_only.stdout
+
+
+def test_llama_cpp_offloads_the_layers_that_fit_the_gpu():
+    """A GGUF larger than the GPU's free memory (a 70B F16 on an 80 GB card) goes partly on the GPU: as many of its
+    layers as fit beside the runtime's reserve, read from the file's own block count; a file that fits goes whole."""
+    from qbuild.runtimes.llamacpp import GPU_RESERVE, gguf_block_count, gpu_layers
+    from tests.conftest import smollm2_gguf_path
+
+    gguf = smollm2_gguf_path()
+    size = gguf.stat().st_size
+    assert gguf_block_count(gguf) == 30   # SmolLM2-135M
+    assert gpu_layers(gguf, 512, free=size + int(GPU_RESERVE)) == -1
+    assert gpu_layers(gguf, 512, free=int(GPU_RESERVE) + size // 2) == 15   # half the file: half of 31 slices
+    assert gpu_layers(gguf, 512, free=int(GPU_RESERVE) // 2) == 0

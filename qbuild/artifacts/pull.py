@@ -160,38 +160,15 @@ def _pull_local(name: str, st: Store, out, need, progress, force: bool = False, 
     target, family = _machine_bound_family(name, st.manifest(digest), lambda: _manifests(st))
     if target is not None:
         digest = _choose_build(target, family, need, machine, name)
-    rows = st.verify([digest])
-    if not rows[0]["ok"]:
-        raise QBuildError(f"{name}: object {digest[:12]} is damaged: " + "; ".join(rows[0]["problems"])
-                          + " (run `qbuild verify --repair`, then rebuild)")
-    src = st.object_dir(digest)
     if out is None:
-        return digest, src
-    dest = Path(out)
-    if dest.is_symlink():
-        raise UserError(f"--out {dest} is a symlink; give the folder itself (a pull never writes through a link)")
-    if dest.is_dir() and any(dest.iterdir()) and not force:
-        raise UserError(f"--out {dest} exists and is not empty; give a new or empty folder (or --force to write "
-                        "the artifact's files into it)")
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in sorted(p for p in src.rglob("*") if p.is_file() and not p.is_symlink()):
-        write_fresh(f, dest, f.relative_to(src))
-    return digest, dest
+        rows = st.verify([digest])
+        if not rows[0]["ok"]:
+            raise QBuildError(f"{name}: object {digest[:12]} is damaged: " + "; ".join(rows[0]["problems"])
+                              + " (run `qbuild verify --repair`, then rebuild)")
+        return digest, st.object_dir(digest)
+    from qbuild.artifacts.store.export import export_object
 
-
-def write_fresh(src: Path, dest_root: Path, rel: Path) -> Path:
-    """Copy src to dest_root/rel without following any link already there (OwnedRoot.copy_in in dest_root: a fresh
-    file, then an atomic replace). A symlink at the target, or a symlinked directory on the way, is replaced (the
-    link itself removed), never written through."""
-    from qbuild.base.owned import output_root
-
-    root = output_root(dest_root)
-    parent = Path(dest_root)
-    for part in rel.parts[:-1]:
-        parent = parent / part
-        if parent.is_symlink():
-            root.remove(parent)
-    return root.copy_in(src, Path(dest_root) / rel)
+    return digest, export_object(st, digest, Path(out), name, force=force)
 
 
 def _fetch_missing(st: Store, digest: str, progress) -> None:

@@ -64,6 +64,19 @@ def _probe_gpu() -> GPU | None:
     return parse_nvidia_smi(out.stdout) if out.returncode == 0 else None
 
 
+def gpu_free_bytes(index: int = 0) -> int | None:
+    """Free memory of GPU `index` (nvidia-smi's memory.free), or None without nvidia-smi (or a fake GPU)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None or os.environ.get(FAKE_GPU) is not None:
+        return None
+    try:
+        out = subprocess.run([exe, f"--id={index}", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=15)
+        return int(out.stdout.split()[0]) << 20 if out.returncode == 0 else None   # MiB
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+
+
 def gpu_devices() -> list[str]:
     """The GPUs steps may use: CUDA_VISIBLE_DEVICES if set, else those nvidia-smi lists."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")

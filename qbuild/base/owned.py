@@ -26,6 +26,7 @@ same confined writes and moves, and removes only the names the pull itself built
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -166,11 +167,21 @@ class OwnedRoot:
         return self._replace(path, fill, within, durable)
 
     def copy_in(self, src: str | os.PathLike, path: str | os.PathLike, within: str | os.PathLike | None = None,
-                durable: bool = False) -> Path:
-        """Replace `path` inside the root with a copy of the file `src`, like write_bytes (streamed)."""
+                durable: bool = False, sha256: str | None = None) -> Path:
+        """Replace `path` inside the root with a copy of the file `src`, like write_bytes (streamed).
+
+        With `sha256`, the bytes are hashed as they are copied (one read of src: a copy that verifies costs what
+        hashing costs) and the copy replaces `path` only when they hash to it; ContentMismatch otherwise, with
+        nothing left behind. Where the filesystem can share extents (a reflink: btrfs, XFS), the copy is one and
+        only src is read, to hash it."""
         def fill(fd: int) -> None:
             with open(src, "rb") as inp, os.fdopen(os.dup(fd), "wb") as out:
-                shutil.copyfileobj(inp, out, 1 << 20)
+                if sha256 is None:
+                    shutil.copyfileobj(inp, out, 1 << 20)
+                    return
+                got = _copy_hashing(inp, out)
+                if got != sha256:
+                    raise ContentMismatch(f"{src} does not hash to {sha256[:12]} (it hashes to {got[:12]})")
         return self._replace(path, fill, within, durable)
 
     def _replace(self, path, fill: Callable[[int], None], within, durable: bool) -> Path:
@@ -187,7 +198,7 @@ class OwnedRoot:
             finally:
                 os.close(fd)
             os.replace(tmp, p)
-        except OSError:
+        except BaseException:   # a failed write, a content mismatch, an interrupt: never a half file left
             try:
                 os.unlink(tmp)   # the file this call created (O_EXCL)
             except OSError:
@@ -196,6 +207,32 @@ class OwnedRoot:
         if durable:
             fsync_dir(p.parent)
         return p
+
+
+class ContentMismatch(ValueError):
+    """A verified copy (OwnedRoot.copy_in with sha256=) whose bytes are not the expected ones; nothing was placed."""
+
+
+FICLONE = 0x40049409   # linux/fs.h: share src's extents with dst (copy-on-write), where the filesystem can
+
+
+def _copy_hashing(inp, out) -> str:
+    """Copy the open file `inp` into `out` and return the sha256 of what was copied, reading `inp` once."""
+    h = hashlib.sha256()
+    out.flush()
+    try:
+        import fcntl
+
+        fcntl.ioctl(out.fileno(), FICLONE, inp.fileno())
+        cloned = True
+    except (OSError, ImportError):
+        cloned = False   # ext4, tmpfs, another filesystem, not Linux: copy the bytes
+    buf = memoryview(bytearray(1 << 20))
+    while n := inp.readinto(buf):
+        h.update(buf[:n])
+        if not cloned:
+            out.write(buf[:n])
+    return h.hexdigest()
 
 
 def fsync_dir(path: Path) -> None:

@@ -81,6 +81,8 @@ class Step:
     memory: str = ""                          # how it holds the model: "whole-model", "offloads-to-disk" (what
                                               # does not fit), "layer-streamed", "" (a file map, another machine);
                                               # for the plan-time memory check (qbuild.pipeline.memory_fit), not hashed
+    gpu_capable: bool = False                 # runs on the GPU where the recipe's device gives one (cuda, or auto
+                                              # on a machine with one); False: CPU only. The plan shows it; not hashed
     key: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from qbuild.artifacts.store import Hit, Store
 from qbuild.base.errors import RecipeError
 from qbuild.base.fingerprint import install_hint, package_version
+from qbuild.base.hardware import gpu_devices
 from qbuild.contract.plugin import methods, targets
 from qbuild.contract.shapes import check_family
 from qbuild.contract.step import PlanStatus, Step
@@ -75,9 +76,22 @@ class Plan:
     def artifact_steps(self) -> dict[str, Step]:
         return {a.label: a.step for a in self.artifacts if not a.baseline}
 
+    def device(self, step: Step) -> str:
+        """Where `step` runs: cuda for a step that needs a GPU, or one that can use it when the recipe's device gives
+        one (runtime.device cuda, or auto on a machine with a GPU); cpu otherwise; "" for a source (nothing runs)."""
+        if step.source_path is not None or step.source_digest is not None:
+            return ""
+        if step.requires_gpu:
+            return "cuda"
+        wanted = self.recipe.runtime.device
+        if step.gpu_capable and (wanted == "cuda" or (wanted == "auto" and gpu_devices())):
+            return "cuda"
+        return "cpu"
+
     def as_dict(self) -> dict:
         estimates = self.estimate.steps if self.estimate is not None else {}
         rows = [{"step": p.step.name, "kind": p.step.kind, "status": p.status, "key": p.step.key, "reason": p.reason,
+                 "device": self.device(p.step),
                  "reasons": list(p.reasons),
                  "digest": p.hit.digest if p.hit else (p.remote_hit.digest if p.remote_hit else None),
                  "env": p.step.backend_env.label if p.step.backend_env else None,

@@ -83,7 +83,8 @@ def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, arti
     return ctx.add(Step(kind, name, params, runner, inputs={**inputs, **fields.extra_inputs}, tools=tools,
                         threads=ctx.threads, elastic_threads=elastic,
                         preload=runtime.preload if env is None else (),
-                        backend_env=env, runtime_args=runtime_args, memory=runtime.memory(kind), **extra, **kw))
+                        backend_env=env, runtime_args=runtime_args, memory=runtime.memory(kind), gpu_capable=True, **extra,
+                        **kw))
 
 
 def evaluation_steps(ctx) -> None:

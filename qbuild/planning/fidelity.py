@@ -42,7 +42,8 @@ def import_check_step(ctx, model: Step) -> Step | None:
     params["dtype"] = model.params["dtype"]
     return ctx.add(Step("import-check", "import-check", params, "qbuild.models.import_check:run",
                         inputs={"model": model, "data": data}, tools=TOOLS, threads=ctx.threads,
-                        preload=HF_PRELOAD, format="metrics", impl_version=2, memory="layer-streamed",   # 2: perplexity agreement
+                        preload=HF_PRELOAD, format="metrics", impl_version=2, memory="layer-streamed", gpu_capable=True,
+                        # impl 2: perplexity agreement
                         runtime_args={"gguf_path": model.runtime_args["gguf_path"],
                                       "sources": data.runtime_args["sources"]}))
 
@@ -60,7 +61,7 @@ def conversion_check_step(ctx, convert: Step) -> Step | None:
     return ctx.add(Step("convert-check", f"convert-check[{convert.params['outtype']}]", params,
                         "qbuild.models.import_check:run_convert_check",
                         inputs={"model": model, "data": data, "gguf": convert}, tools=TOOLS, threads=ctx.threads,
-                        preload=HF_PRELOAD, format="metrics", memory="layer-streamed",
+                        preload=HF_PRELOAD, format="metrics", memory="layer-streamed", gpu_capable=True,
                         runtime_args={"sources": data.runtime_args["sources"]}))
 
 

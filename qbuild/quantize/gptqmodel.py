@@ -67,7 +67,7 @@ class GPTQModel(Method):
                             f"{__name__}:GPTQModel.run", inputs={"model": ctx.model(), "calibration": ctx.calibration()},
                             tools=TOOLS, threads=ctx.threads, variant=variant.name, format=Format.GPTQ,
                             scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self),
-                            memory="whole-model"))
+                            memory="whole-model", gpu_capable=True))
 
     def run(self, ctx: StepContext) -> dict:
         from qbuild.calibration.build import load_calibration

@@ -188,7 +188,7 @@ def push(name: str, to: str, *, store=None, progress=None) -> dict:
     st = open_store(store)
     digest = st.resolve(name)
     manifest = st.manifest(digest)
-    problems = st.check_object(digest, full=True)
+    problems = st.check_object(digest)   # the upload hashes each file as it sends it (one read)
     if problems or not isinstance(manifest.get("key"), str):
         raise QBuildError(f"{name}: object {digest[:12]} is damaged: {'; '.join(problems) or 'manifest has no key'} "
                           "(run `qbuild verify --repair`, then rebuild); nothing pushed")

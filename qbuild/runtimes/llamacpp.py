@@ -1,5 +1,6 @@
-"""Runtime `llama.cpp`: GGUF files through llama-cpp-python, on CPU, or with every layer on the GPU where the
-installed build offloads (llama_supports_gpu_offload) and the step's device is not cpu."""
+"""Runtime `llama.cpp`: GGUF files through llama-cpp-python, on CPU, or with its layers on the GPU where the
+installed build offloads (llama_supports_gpu_offload) and the step's device is not cpu: every layer when the file
+fits the GPU's free memory, else as many as fit (a 70B F16 file on an 80 GB card), the rest on the CPU."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ class LlamaCppSession(RuntimeSession):
         # the KV-cache type a serving config runs with (type_k/type_v = llama-server's --cache-type-k/-v)
         kv = {} if not kv_cache_dtype else {"type_k": ggml_type_id(llama_cpp, kv_cache_dtype.upper()),
                                             "type_v": ggml_type_id(llama_cpp, kv_cache_dtype.upper())}
-        # every layer on the GPU where this llama.cpp build offloads (a CUDA/Metal build) and the step may use one
-        self.gpu_layers = -1 if device != "cpu" and llama_cpp.llama_supports_gpu_offload() else 0
+        # the layers that fit on the GPU where this llama.cpp build offloads (a CUDA/Metal build) and the step may use one
+        self.gpu_layers = gpu_layers(files[0], n_ctx) if device != "cpu" and llama_cpp.llama_supports_gpu_offload() \
+            else 0
         self.llm = Llama(model_path=str(files[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                          n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False,
                          n_gpu_layers=self.gpu_layers, **kv)
@@ -108,7 +110,37 @@ class LlamaCppSession(RuntimeSession):
 
         return {"name": LlamaCppRuntime.name, "llama_cpp_python": llama_cpp.__version__, "threads": self.threads,
                 "flash_attn": self.flash_attn, **({"kv_cache_dtype": self.kv_cache_dtype} if self.kv_cache_dtype else {}),
-                **({"n_gpu_layers": "all"} if self.gpu_layers else {})}
+                **({"n_gpu_layers": "all" if self.gpu_layers < 0 else self.gpu_layers} if self.gpu_layers else {})}
+
+
+GPU_RESERVE = 1.5 * (1 << 30)   # CUDA context, compute buffers and a KV cache of evaluation windows
+
+
+def gpu_layers(gguf: Path, n_ctx: int, free: int | None = None) -> int:
+    """n_gpu_layers for `gguf`: -1 (all) when the file fits the GPU's free memory with GPU_RESERVE to spare, else the
+    number of repeating layers that fit (the output and embeddings count as one more); -1 when the free memory
+    cannot be read (llama.cpp's own default on a GPU build)."""
+    from qbuild.base.hardware import gpu_free_bytes
+
+    free = gpu_free_bytes() if free is None else free
+    size = gguf.stat().st_size
+    if free is None or size + GPU_RESERVE <= free:
+        return -1
+    blocks = gguf_block_count(gguf) or 1
+    return max(0, int((free - GPU_RESERVE) // (size / (blocks + 1))))
+
+
+def gguf_block_count(gguf: Path) -> int | None:
+    """The file's number of repeating layers (`<arch>.block_count`), read from its metadata without loading it."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+    arch = fields.get("general.architecture")
+    if arch is None:
+        return None
+    name = bytes(arch.parts[arch.data[0]]).decode()
+    count = fields.get(f"{name}.block_count")
+    return int(count.parts[count.data[0]][0]) if count is not None else None
 
 
 @runtimes.register

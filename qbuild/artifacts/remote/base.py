@@ -522,7 +522,9 @@ class RemoteStore(Plugin, ABC):
 
     def _upload_files(self, local_dir: Path, files: list[dict], exists: Callable[[dict], bool],
                       put: Callable[[Path, dict], None], progress: Progress | None) -> None:
-        """Parallel upload of the files not yet on the remote, each verified locally first."""
+        """Parallel upload of the files not yet on the remote. Each is read once: `put` checks its sha256 while
+        it uploads (hash_while_uploading, or a registry that verifies the blob's digest) and leaves no file of
+        that name behind when the bytes are not the manifest's (mismatch())."""
         counter = _Counter(sum(f["size"] for f in files), progress)
         local_dir = Path(local_dir)
 
@@ -532,9 +534,8 @@ class RemoteStore(Plugin, ABC):
                 counter.add(f["size"])
                 self._count(files_skipped=1)
                 return
-            if src.is_symlink() or not src.is_file() or src.stat().st_size != f["size"] or sha256_file(src) != f["sha256"]:
-                raise self.error(f"local file {f['path']} does not match its manifest; not uploaded "
-                                 "(run qbuild verify)")
+            if src.is_symlink() or not src.is_file() or src.stat().st_size != f["size"]:
+                raise self.mismatch(f)
             put(src, f)
             counter.add(f["size"])
             self._count(bytes_up=f["size"], files_up=1)
@@ -542,6 +543,22 @@ class RemoteStore(Plugin, ABC):
         with ThreadPoolExecutor(max_workers=max(1, self.jobs)) as pool:
             for fut in [pool.submit(one, f) for f in sorted(files, key=lambda f: -f["size"])]:
                 fut.result()
+
+
+    def mismatch(self, entry: dict) -> RemoteError:
+        return self.error(f"local file {entry['path']} does not match its manifest; not uploaded (run qbuild verify)")
+
+
+def hash_while_uploading(src: Path, out, entry: dict) -> bool:
+    """Write the file `src` into the open remote file `out`, hashing each chunk as it goes (one read of src);
+    True when it hashed to the entry's sha256. The caller closes `out` and removes it on False."""
+    h = hashlib.sha256()
+    buf = memoryview(bytearray(CHUNK))
+    with open(src, "rb") as inp:
+        while n := inp.readinto(buf):
+            h.update(buf[:n])
+            out.write(bytes(buf[:n]))
+    return h.hexdigest() == entry["sha256"]
 
 
 def part_name(entry: dict) -> str:

@@ -36,6 +36,7 @@ from qbuild.artifacts.remote.base import (
     check_digest,
     check_name,
     check_sidecar,
+    hash_while_uploading,
     read_bounded,
     remote_record,
 )
@@ -218,16 +219,27 @@ class FsspecRemote(RemoteStore):
                 parent = dst.rsplit("/", 1)[0]
                 self._call("mkdir", self.fs.makedirs, parent, exist_ok=True)
                 tmp = f"{parent}/.{f['path'].rsplit('/', 1)[-1]}.{uuid.uuid4().hex[:8]}.tmp"
-                self._call(f"upload {f['path']}", self.fs.put_file, str(src), tmp)
+                self._upload_verified(src, tmp, f)
                 self._call(f"upload {f['path']}", self.fs.mv, tmp, dst)
             else:
-                self._call(f"upload {f['path']}", self.fs.put_file, str(src), dst)
+                self._upload_verified(src, dst, f)
 
         self._upload_files(local_dir, files, lambda f: have.get(prefix + f["path"]) == f["size"], put, progress)
         for name, data in (sidecars or {}).items():
             self.put_sidecar(digest, name, data)
         self._write_bytes(self._obj(digest, MANIFEST),
                           json.dumps(manifest, indent=2, sort_keys=True, default=str).encode())
+
+    def _upload_verified(self, src: Path, path: str, entry: dict) -> None:
+        """Stream src to `path`, hashed on the way; bytes that are not the manifest's do not stay on the remote
+        (the object's manifest, written after every file, is never written for them either)."""
+        def upload() -> bool:
+            with self.fs.open(path, "wb", block_size=BLOB_CHUNK) as out:
+                return hash_while_uploading(src, out, entry)
+
+        if not self._call(f"upload {entry['path']}", upload):
+            self._call(f"remove {entry['path']}", self.fs.rm, path, missing_ok=True)
+            raise self.mismatch(entry)
 
     def _read_file(self, digest: str, entry: dict, offset: int) -> Iterator[bytes]:
         path = self._obj(digest, entry["path"])

@@ -59,6 +59,7 @@ from qbuild.artifacts.remote.base import (
 )
 from qbuild.artifacts.store import REF_RE, now_iso
 from qbuild.base.errors import UserError, first_line
+from qbuild.base.hashing import sha256_file
 
 log = logging.getLogger("qbuild")
 
@@ -521,8 +522,14 @@ class OciRemote(RemoteStore):
                 if (d.get("annotations") or {}).get(ROLE) == "sidecar" and "org.qbuild.sidecar" in d["annotations"]}
         if existing is None:
             def put(src: Path, f: dict) -> None:
-                self._push_file(src, {"mediaType": media_type(f["path"]), "digest": "sha256:" + f["sha256"],
-                                      "size": f["size"], "annotations": {TITLE: f["path"]}})
+                # the registry hashes the upload and refuses a blob that is not its digest's: one read here
+                try:
+                    self._push_file(src, {"mediaType": media_type(f["path"]), "digest": "sha256:" + f["sha256"],
+                                          "size": f["size"], "annotations": {TITLE: f["path"]}})
+                except RemoteError:
+                    if sha256_file(src) != f["sha256"]:
+                        raise self.mismatch(f) from None
+                    raise
 
             self._upload_files(local_dir, files, lambda f: self._blob_exists("sha256:" + f["sha256"], f["size"]),
                                put, progress)
