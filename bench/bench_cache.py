@@ -30,7 +30,7 @@ def timed_run(recipe: Path, store: Path) -> float:
 
 
 def bench_fingerprint(gb: float, root: Path) -> tuple[float, float]:
-    from qbuild.core.fingerprint import dir_fingerprint
+    from qbuild.base.fingerprint import dir_fingerprint
 
     model = root / "big-model"
     model.mkdir()

@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--llama-perplexity", default=os.environ.get("LLAMA_PERPLEXITY") or shutil.which("llama-perplexity"))
     args = ap.parse_args()
 
-    from qbuild.evaluate.protocol import score_rows, summarize, window_nll, windows
+    from qbuild.contract.protocol import score_rows, summarize, window_nll, windows
     from qbuild.runtimes.llamacpp import LlamaCppSession
 
     path = stored(args.variant, args.store)

@@ -34,8 +34,8 @@ def qbuild(*args) -> str:
 
 
 def perplexity(model_dir: Path, tokens_dir: Path, threads: int) -> float:
+    from qbuild.contract.protocol import summarize, window_nll, windows
     from qbuild.evaluate.data import load_tokens
-    from qbuild.evaluate.protocol import summarize, window_nll, windows
     from qbuild.runtimes.transformers import TransformersSession
 
     ids, info = load_tokens(tokens_dir)

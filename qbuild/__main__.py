@@ -2,13 +2,13 @@
 
 
 def main() -> None:
-    from qbuild.core import process
+    from qbuild.base import process
 
     process.guard_interrupts()
     try:
         from qbuild.cli import main as cli_main
 
-        cli_main()   # ends the process itself (qbuild.core.process.finish)
+        cli_main()   # ends the process itself (qbuild.base.process.finish)
     except BaseException as exc:
         if process.interrupted() and not isinstance(exc, SystemExit):   # before the command began: nothing started
             process.leave_interrupted()

@@ -1,20 +1,20 @@
 """What the CLI prints and how it exits, in one place: tables and reports rendered from the API's data, sizes and
 durations for people, redaction of anything that may hold a credential, and the process's interrupt handling.
-qbuild/cli.py imports this module, qbuild.api and qbuild.errors, nothing else of qbuild's.
+qbuild/cli.py imports this module, qbuild.api and qbuild.base.errors, nothing else of qbuild's.
 
 The renderers are imported on first use (module __getattr__), so `qbuild --help` and a command's error path stay
-light; they all sit below this module (qbuild.results, qbuild.evaluate.gates, qbuild.core.estimate)."""
+light; they all sit below this module (qbuild.results, qbuild.evaluate.gates, qbuild.pipeline.estimate)."""
 
 from __future__ import annotations
 
 import importlib
 
-from qbuild.core.names import check_name, redact_tree, redact_url
-from qbuild.core.process import EXIT_INTERRUPTED, finish, guard_interrupts, interrupted
-from qbuild.core.units import human_seconds, human_size
+from qbuild.base.names import check_name, redact_tree, redact_url
+from qbuild.base.process import EXIT_INTERRUPTED, finish, guard_interrupts, interrupted
+from qbuild.base.units import human_seconds, human_size
 
 _RENDERERS = {
-    "history_note": ("qbuild.core.estimate", "history_note"),
+    "history_note": ("qbuild.pipeline.estimate", "history_note"),
     "render_gates": ("qbuild.evaluate.gates", "render_gates"),
     "render_diff": ("qbuild.results.diff", "render"),
     "write_junit": ("qbuild.results.junit", "write_junit"),

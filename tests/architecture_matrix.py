@@ -69,14 +69,14 @@ def refusal(family: str, cell: str) -> str | None:
         return unimportable({"model_type": arch, "num_local_experts": cfg.get("num_local_experts")})
     if cell not in VARIANTS:
         return None
-    from qbuild.quantize.shapes import family_refusal
+    from qbuild.contract.shapes import family_refusal
 
     return family_refusal(config(family), VARIANTS[cell]["method"], _variant(cell))
 
 
 def _variant(cell: str):
     """The cell's variant as the recipe schema reads it (its method's defaults filled in, AWQ's sym: false)."""
-    from qbuild.core.recipe import parse_recipe
+    from qbuild.planning.recipe import parse_recipe
 
     recipe = parse_recipe({"name": "cell", "model": {"source": "local", "path": "."}, "calibration": CALIBRATION,
                            "variants": [VARIANTS[cell]]})

@@ -62,7 +62,7 @@ IMPORT_SCRIPT = """
 import sys
 from pathlib import Path
 from qbuild.models.gguf_import import run
-from qbuild.core.step import StepContext
+from qbuild.contract.step import StepContext
 run(StepContext(params={{"dtype": "float32"}}, inputs={{}}, input_manifests={{}}, out=Path(sys.argv[1]), threads=1,
                 device="cpu", step_name="import-gguf", runtime_args={{"gguf_path": {gguf!r}}}))
 """

@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 from typing import Literal
 
-from qbuild.core.step import Step, StepContext
+from qbuild.contract.step import Step, StepContext
+from qbuild.contract.variant import VariantBase
 from qbuild.plugins import Method
-from qbuild.quantize.base import VariantBase
 
 TOOLS = ("pydantic",)
 

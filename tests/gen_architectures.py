@@ -5,7 +5,7 @@
                                                        #   (pytest ... with QBUILD_ARCH_RESULTS=DIR)
 
 The status table is what the matrix code declares (tests/architecture_matrix.py, tests/model_families.py and
-qbuild's own refusals, qbuild.quantize.shapes.UNSUPPORTED_FAMILIES); tests/test_architectures.py checks that the
+qbuild's own refusals, qbuild.contract.shapes.UNSUPPORTED_FAMILIES); tests/test_architectures.py checks that the
 committed page carries it. The measured table holds the figures the passing cells wrote.
 """
 
@@ -79,9 +79,9 @@ def status_table() -> str:
     rule = "|" + "---|" * (3 + len(am.CELLS))
     rows = [f"| {f.title} | `{am.model_type(f.name)}` | {f.tokenizer_kind} | "
             + " | ".join(_cell(f.name, c) for c in am.CELLS) + " |" for f in mf.FAMILIES]
-    from qbuild.quantize.shapes import UNSUPPORTED_FAMILIES
+    from qbuild.contract.shapes import UNSUPPORTED_FAMILIES
 
-    refusals = ["", "Refused at plan time (qbuild.quantize.shapes.UNSUPPORTED_FAMILIES, and one GGUF import):", ""]
+    refusals = ["", "Refused at plan time (qbuild.contract.shapes.UNSUPPORTED_FAMILIES, and one GGUF import):", ""]
     refusals += [f"- `{rule.model_type}` × {', '.join(rule.methods)}"
                  + (f", when {rule.condition}" if rule.condition else "")
                  + (f", when {rule.variant_condition}" if rule.variant_condition else "") + f": {rule.reason}"

@@ -1,41 +1,38 @@
 """The code's shape (docs/architecture.md), checked from its imports: no cycles, no module importing from a layer
-above its own, no core module naming a plugin module (plugins are reached through qbuild.plugins' registries),
-and a CLI over the API alone. Imports under `if TYPE_CHECKING:` count for cycles (a reader follows them too), not
-for layering (an annotation may name a type from above)."""
+above its own, every folder in a layer, no module outside the plugin packages naming a plugin module (plugins are
+reached through the registries), and a CLI over the API alone. Imports are read as a reader follows them: `import`
+statements anywhere (in functions too), `importlib.import_module("qbuild...")` / `__import__("qbuild...")` with a
+constant name, and a step's runner named as "qbuild.module:function" (the worker imports it). Imports under
+`if TYPE_CHECKING:` count for cycles (a reader follows them too), not for layering (an annotation may name a type
+from above)."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qbuild"
 
-# Lowest first. A module may import modules of its own layer or a lower one, never a higher one.
+# Lowest first, as paths under qbuild/: a folder ("name/") holds its subfolders unless a longer prefix names them;
+# a module at the top is named as a file. A module may import modules of its own layer or a lower one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("utilities", ("qbuild.errors", "qbuild.core", "qbuild.core.hashing", "qbuild.core.names",
-                   "qbuild.core.yamlio", "qbuild.core.owned", "qbuild.core.process", "qbuild.core.tool_run", "qbuild.core.worker_env",
-                   "qbuild.core.schema_base", "qbuild.core.hardware", "qbuild.core.fingerprint", "qbuild.core.units")),
-    # evaluate/protocol.py is self-contained (a copy of it runs in the TensorRT-LLM interpreter): the contract's Window
-    ("contract", ("qbuild.formats", "qbuild.plugins", "qbuild.core.step", "qbuild.core.data_sources",
-                  "qbuild.core.envs", "qbuild.evaluate.protocol")),
-    ("services", ("qbuild.artifacts", "qbuild.calibration", "qbuild.evaluate", "qbuild.models", "qbuild.serving",
-                  "qbuild.quantize.base", "qbuild.quantize.shapes", "qbuild.quantize.llamacpp_tools")),
-    # the recipe and the planner of each of its sections (they turn recipe entries into steps)
-    ("planning", ("qbuild.core.recipe", "qbuild.models.resolve", "qbuild.models.fidelity_plan",
-                  "qbuild.serving.plan", "qbuild.serving.bench",
-                  "qbuild.evaluate.plan", "qbuild.evaluate.tasks", "qbuild.calibration.plan")),
-    ("plugins", ("qbuild.quantize", "qbuild.build", "qbuild.runtimes", "qbuild.serving.engines")),
-    ("pipeline", ("qbuild.core",)),
-    ("results", ("qbuild.results",)),
-    ("api", ("qbuild", "qbuild.api", "qbuild.output")),   # the package re-exports the API
-    ("cli", ("qbuild.cli", "qbuild.__main__")),
+    ("base", ("base/",)),
+    ("contract", ("contract/", "plugins.py")),   # qbuild.plugins: the contract, as plugin authors import it
+    ("services", ("artifacts/", "calibration/", "evaluate/", "models/", "serving/")),
+    ("planning", ("planning/",)),
+    ("plugins", ("quantize/", "build/", "runtimes/", "serving/engines/")),
+    ("pipeline", ("pipeline/",)),
+    ("results", ("results/",)),
+    ("api", ("__init__.py", "api.py", "output.py", "errors.py")),   # errors.py: the public name of base/errors.py
+    ("cli", ("cli.py", "__main__.py")),
 ]
 PLUGIN_PACKAGES = ("qbuild.quantize", "qbuild.build", "qbuild.runtimes", "qbuild.serving.engines")
-# what plugins share with the core: the variant schema base, shape facts and the llama.cpp tool paths
-PLUGIN_SHARED = ("qbuild.quantize.base", "qbuild.quantize.shapes", "qbuild.quantize.llamacpp_tools")
 CLI_MAY_IMPORT = ("qbuild", "qbuild.api", "qbuild.errors", "qbuild.output")
+DYNAMIC_IMPORT = {"import_module", "__import__"}
+RUNNER = re.compile(r"^(qbuild(?:\.\w+)+):\w[\w.]*$")   # Step(runner="qbuild.evaluate.quality:run_perplexity")
 
 
 def module_name(path: Path) -> str:
@@ -43,21 +40,30 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def layer_of(module: str) -> int:
+def layer_of_path(rel: str) -> int | None:
+    """The layer of a file or folder (a path under qbuild/, folders ending in "/"): its longest prefix's."""
     best, best_len = None, -1
     for i, (_, prefixes) in enumerate(LAYERS):
         for p in prefixes:
-            exact_only = p in ("qbuild", "qbuild.core") and LAYERS[i][0] != "pipeline"   # the packages themselves
-            hit = module == p if exact_only else (module == p or module.startswith(p + "."))
+            hit = rel == p or (p.endswith("/") and rel.startswith(p))
             if hit and len(p) > best_len:
                 best, best_len = i, len(p)
-    assert best is not None, f"{module} is in no layer of tests/test_architecture.py"
     return best
+
+
+FILES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def layer_of(module: str) -> int:
+    rel = FILES[module].relative_to(PACKAGE).as_posix()
+    found = layer_of_path(rel)
+    assert found is not None, f"{rel} is in no layer of tests/test_architecture.py"
+    return found
 
 
 def imports_of(path: Path, modules: set[str], annotations: bool = False) -> set[str]:
     tree = ast.parse(path.read_text())
-    here = module_name(path)
+    here = module_name(path) if path.is_relative_to(PACKAGE.parent) else path.stem
     is_pkg = path.name == "__init__.py"
     found: set[str] = set()
 
@@ -69,6 +75,19 @@ def imports_of(path: Path, modules: set[str], annotations: bool = False) -> set[
                     self.visit(n)
                 return
             self.generic_visit(node)
+
+        def visit_Call(self, node: ast.Call) -> None:
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            if name in DYNAMIC_IMPORT and node.args and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str) and node.args[0].value.startswith("qbuild"):
+                found.add(node.args[0].value)
+            self.generic_visit(node)
+
+        def visit_Constant(self, node: ast.Constant) -> None:
+            runner = RUNNER.match(node.value) if isinstance(node.value, str) else None
+            if runner:
+                found.add(runner.group(1))
 
         def visit_Import(self, node: ast.Import) -> None:
             for a in node.names:
@@ -84,7 +103,7 @@ def imports_of(path: Path, modules: set[str], annotations: bool = False) -> set[
                 mod = node.module or ""
             if not mod.startswith("qbuild"):
                 return
-            for a in node.names:   # `from qbuild.core import step` imports the module qbuild.core.step
+            for a in node.names:   # `from qbuild.contract import step` imports the module qbuild.contract.step
                 sub = f"{mod}.{a.name}"
                 found.add(sub if sub in modules else mod)
 
@@ -93,9 +112,8 @@ def imports_of(path: Path, modules: set[str], annotations: bool = False) -> set[
 
 
 def graph(annotations: bool = False) -> dict[str, set[str]]:
-    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    modules = set(files)
-    return {m: imports_of(p, modules, annotations) for m, p in files.items()}
+    modules = set(FILES)
+    return {m: imports_of(p, modules, annotations) for m, p in FILES.items()}
 
 
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
@@ -138,13 +156,37 @@ def test_no_upward_imports():
     assert not bad, "\n".join(bad)
 
 
-def test_no_core_module_imports_a_plugin_module():
+def test_every_folder_and_module_is_in_a_layer():
+    places = {p.relative_to(PACKAGE).as_posix() + ("/" if p.is_dir() else "") for p in PACKAGE.rglob("*")
+              if p.name != "__pycache__" and "__pycache__" not in p.parts and (p.is_dir() or p.suffix == ".py")}
+    assert not sorted(x for x in places if layer_of_path(x) is None), "in no layer of tests/test_architecture.py"
+
+
+def test_no_module_outside_the_plugin_packages_imports_a_plugin_module():
     def is_plugin(m: str) -> bool:
-        return m.startswith(tuple(p + "." for p in PLUGIN_PACKAGES)) and not m.startswith(PLUGIN_SHARED)
+        return m.startswith(tuple(p + "." for p in PLUGIN_PACKAGES))
 
     bad = sorted(f"{m} imports {n}" for m, deps in G.items() if not is_plugin(m) and not m.startswith(PLUGIN_PACKAGES)
                  for n in deps if is_plugin(n))
     assert not bad, "\n".join(bad)
+
+
+def test_the_import_reader_sees_dynamic_imports_and_runners(tmp_path):
+    """What the layering checks would miss if the reader did not see them: a module loaded by name, a runner."""
+    src = tmp_path / "m.py"
+    src.write_text('import importlib\n'
+                   'def f():\n'
+                   '    importlib.import_module("qbuild.api")\n'
+                   '    __import__("qbuild.cli")\n'
+                   '    return dict(runner="qbuild.results.report:render", name="qbuild.output is not a runner")\n')
+    modules = {"qbuild.api", "qbuild.cli", "qbuild.results.report", "qbuild.output"}
+    assert imports_of(src, modules) == {"qbuild.api", "qbuild.cli", "qbuild.results.report"}
+
+
+def test_a_folder_outside_the_layers_is_refused():
+    assert layer_of_path("newfolder/x.py") is None and layer_of_path("newfolder/") is None
+    assert layer_of_path("serving/engines/vllm.py") == [n for n, _ in LAYERS].index("plugins")
+    assert layer_of_path("serving/server.py") == [n for n, _ in LAYERS].index("services")
 
 
 def test_cli_imports_only_the_api_and_output_helpers():
@@ -158,12 +200,12 @@ def test_the_cycle_finder_finds_cycles(cycle_graph, expected):
 
 def test_the_package_api_is_not_shadowed_by_module_names():
     """`qbuild.plan(...)` is the API's function even after the pipeline's modules were imported (they live in
-    qbuild.core and qbuild.results, not beside the API's names)."""
+    qbuild.pipeline and qbuild.results, not beside the API's names)."""
     import importlib
 
     import qbuild
 
-    for module in ("qbuild.core.plan", "qbuild.results.report", "qbuild.results.selection"):
+    for module in ("qbuild.pipeline.plan", "qbuild.results.report", "qbuild.results.selection"):
         importlib.import_module(module)
     for name in qbuild.__all__:
         assert not isinstance(getattr(qbuild, name), type(qbuild)), f"qbuild.{name} is a module"
@@ -171,5 +213,14 @@ def test_the_package_api_is_not_shadowed_by_module_names():
 
 
 def test_the_protocol_module_is_self_contained():
-    """The TensorRT-LLM shim loads a copy of evaluate/protocol.py in an interpreter without qbuild."""
-    assert G["qbuild.evaluate.protocol"] == set()
+    """The TensorRT-LLM shim loads a copy of contract/protocol.py in an interpreter without qbuild."""
+    assert G["qbuild.contract.protocol"] == set()
+
+
+def test_the_architecture_page_states_these_layers():
+    """docs/architecture.md's layer table names the same layers, in the same order, with the same folders."""
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    table = text[text.index("### Layers"):]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| ")]
+    stated = [(r[0], set(re.findall(r"`([^`]+)`", r[1]))) for r in rows[1:]]
+    assert stated == [(name, set(folders)) for name, folders in LAYERS]

@@ -250,7 +250,7 @@ def test_qwen3_moe_without_renormalised_routing_is_refused_for_gguf(family_dir, 
     assert "renormalizes the top-k router weights" in lines[0]
     assert not (tmp_path / "store").exists()
     assert am.refusal("qwen3-moe", "Q8_0") is None and am.refusal("qwen3-moe", "rtn") is None
-    from qbuild.quantize.shapes import family_refusal
+    from qbuild.contract.shapes import family_refusal
 
     assert family_refusal(json.loads((model / "config.json").read_text()), "rtn") is None
 
@@ -287,7 +287,7 @@ def test_docs_page_declares_the_matrix():
 
 def test_recipes_of_the_matrix_parse(tmp_path):
     """Each group's recipe parses as qbuild's schema (a cheap guard for the generator and the cells)."""
-    from qbuild.core.recipe import parse_recipe
+    from qbuild.planning.recipe import parse_recipe
 
     for group in am.GROUPS:
         parse_recipe(yaml.safe_load(yaml.safe_dump(am.recipe("llama3", group, tmp_path, tmp_path / "store"))))

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.core.plan import build_steps
-from qbuild.core.recipe import parse_recipe
 from qbuild.errors import RecipeError
+from qbuild.pipeline.plan import build_steps
+from qbuild.planning.recipe import parse_recipe
 from qbuild.plugins import runtimes_for
 
 from helpers import fake_model, qbuild, run_api, write_recipe
@@ -335,8 +335,8 @@ def test_plan_says_how_an_awq_artifact_is_evaluated(tmp_path):
 def test_planning_an_autoawq_variant_never_imports_torch(tmp_path):
     variant = {"name": "g", "method": "awq", "group_size": 64, "checkpoint_format": "autoawq"}
     data = json.dumps(recipe_for(fake_model(tmp_path), tmp_path / "s", [variant]))
-    code = ("import json, sys; from pathlib import Path; from qbuild.core.plan import build_steps; "
-            "from qbuild.core.recipe import parse_recipe; "
+    code = ("import json, sys; from pathlib import Path; from qbuild.pipeline.plan import build_steps; "
+            "from qbuild.planning.recipe import parse_recipe; "
             f"ctx = build_steps(parse_recipe(json.loads({data!r})), Path('.')); "
             "assert 'convert[g]' in [s.name for s in ctx.steps]; "
             "bad = [m for m in ('torch', 'transformers', 'safetensors', 'compressed_tensors') if m in sys.modules]; "

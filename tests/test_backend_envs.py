@@ -1,4 +1,4 @@
-"""Backend environments (qbuild/core/envs.py): real uv-created environments, a real gptqmodel GPTQ-format run in its
+"""Backend environments (qbuild/contract/envs.py): real uv-created environments, a real gptqmodel GPTQ-format run in its
 own environment, its output read back by transformers (through gptqmodel) in that environment, and the errors.
 
 The environments live in one directory per test session (pytest's cache: reused by later sessions too), so the
@@ -50,7 +50,7 @@ def recipe(tmp_path: Path, model: Path, variants: list[dict], name="envs", perpl
 
 def test_gptqmodel_runs_in_its_own_environment_and_transformers_reads_it_back(tmp_path, tiny_model_dir, envs_dir):
     from qbuild.artifacts.store import Store
-    from qbuild.core import envs
+    from qbuild.contract import envs
 
     env = envs.backend("gptqmodel")
     # an interrupted creation (a directory without the completion marker) is redone, not trusted
@@ -113,8 +113,8 @@ def test_environment_versions_enter_only_the_keys_of_steps_run_there(tmp_path, t
 
 
 def test_key_follows_the_resolved_versions(tmp_path):
-    from qbuild.core.envs import BackendEnv
-    from qbuild.core.step import Step
+    from qbuild.contract.envs import BackendEnv
+    from qbuild.contract.step import Step
 
     def step(env):
         return Step("quantize", "quantize[x]", {"bits": 4}, "m:f", tools=("gptqmodel", "torch"), backend_env=env)

@@ -13,10 +13,10 @@ import pytest
 from qbuild.calibration.build import load_calibration, split_counts
 from qbuild.calibration.build import run as run_calibration
 from qbuild.calibration.corpus import pydocs_documents
-from qbuild.calibration.plan import calibration_step
-from qbuild.core.plan import PlanContext
-from qbuild.core.recipe import parse_recipe
-from qbuild.core.step import StepContext
+from qbuild.contract.step import StepContext
+from qbuild.pipeline.plan import PlanContext
+from qbuild.planning.calibration import calibration_step
+from qbuild.planning.recipe import parse_recipe
 
 from helpers import fake_recipe, qbuild, write_recipe
 

@@ -31,8 +31,8 @@ def _recipe(tmp_path, model_dir, variants=None):
 def test_every_gguf_step_waits_for_the_conversion_check(tiny_model_dir, tmp_path):
     """Planning: one convert-check per conversion, reading the checkpoint, the evaluation text and the converted file;
     the quantize steps (and the imatrix) wait for it, and waiting leaves their keys as they were."""
-    from qbuild.core.plan import build_steps
-    from qbuild.core.recipe import load_recipe
+    from qbuild.pipeline.plan import build_steps
+    from qbuild.planning.recipe import load_recipe
 
     recipe = _recipe(tmp_path, tiny_model_dir, [{"name": "q8", "method": "gguf", "type": "Q8_0"},
                                                 {"name": "q4", "method": "gguf", "type": "Q4_0"}])

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from qbuild.artifacts.store import Store
-from qbuild.core import fingerprint
-from qbuild.core.plan import build_steps, make_plan
-from qbuild.core.recipe import parse_recipe
+from qbuild.base import fingerprint
+from qbuild.pipeline.plan import build_steps, make_plan
+from qbuild.planning.recipe import parse_recipe
 
 from helpers import fake_model, qbuild, write_recipe
 
@@ -108,11 +108,11 @@ def test_toolchain_change_misses_only_steps_using_it(tmp_path, setup, monkeypatc
     def fake_version(dist):
         return "9.9.9" if dist == "llama-cpp-python" else real(dist)
 
-    monkeypatch.setattr("qbuild.core.fingerprint.package_version", fake_version)
+    monkeypatch.setattr("qbuild.base.fingerprint.package_version", fake_version)
     diff = changed(keys, keys_of(data, tmp_path))
     assert diff == {"gguf-convert[f16]", "convert-check[f16]", "quantize[q4]", "quantize[q8]", "perplexity[q4]",
                     "perplexity[q8]"}
-    monkeypatch.setattr("qbuild.core.fingerprint.package_version", lambda d: "0.0-unrelated" if d == "requests" else real(d))
+    monkeypatch.setattr("qbuild.base.fingerprint.package_version", lambda d: "0.0-unrelated" if d == "requests" else real(d))
     assert changed(keys, keys_of(data, tmp_path)) == set()
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from qbuild.core.recipe import load_recipe
 from qbuild.errors import MissingBackendError, RecipeError
+from qbuild.planning.recipe import load_recipe
 
 from helpers import fake_model, fake_recipe, qbuild, write_recipe
 
@@ -98,9 +98,9 @@ def test_a_step_whose_package_is_not_installed_stops_the_run_before_any_work(tmp
     needs which package and the extra that installs it, and run exits 2 in one line before building anything."""
     from click.testing import CliRunner
 
+    from qbuild.base.fingerprint import install_hint
     from qbuild.cli import cli
-    from qbuild.core import plan
-    from qbuild.core.fingerprint import install_hint
+    from qbuild.pipeline import plan
 
     assert install_hint(["lm_eval"]) == "pip install 'qbuild[tasks]'"   # the extra, from qbuild's own metadata
     assert install_hint(["bitsandbytes", "no-such-dist"]) == "pip install 'qbuild[bitsandbytes]' no-such-dist"

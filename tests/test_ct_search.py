@@ -12,9 +12,9 @@ import pytest
 from pydantic import ValidationError
 
 from qbuild.artifacts.store import Store
-from qbuild.core.plan import build_steps
-from qbuild.core.recipe import parse_recipe
 from qbuild.errors import RecipeError
+from qbuild.pipeline.plan import build_steps
+from qbuild.planning.recipe import parse_recipe
 from qbuild.quantize.ct_search import assignment, module_groups
 from qbuild.quantize.rtn import RTNVariant
 
@@ -56,7 +56,7 @@ def test_groups_are_vllm_fused_units():
 
 def allocate_ctx(tmp_path, budget: dict, candidates=2):
     """An allocation step's context over made-up measurements: 4 groups, W4A16 saves 100-400 bytes and adds KLD."""
-    from qbuild.core.step import StepContext
+    from qbuild.contract.step import StepContext
 
     groups = module_groups(2, 1)
     saved = {"attn_qkv": 300, "attn_o": 100, "mlp_gate_up": 400, "mlp_down": 200}
@@ -135,7 +135,7 @@ def test_planning_a_search_imports_no_torch(tiny_model_dir, tmp_path):
     import sys
 
     recipe = write_recipe(tmp_path / "r.yaml", recipe_for(tiny_model_dir, tmp_path / "s", {"max_bits": 6}))
-    code = ("import sys, pathlib; from qbuild.core.plan import build_steps; from qbuild.core.recipe import load_recipe; "
+    code = ("import sys, pathlib; from qbuild.pipeline.plan import build_steps; from qbuild.planning.recipe import load_recipe; "
             f"steps = build_steps(load_recipe({str(recipe)!r}), pathlib.Path({str(tmp_path)!r})).steps; "
             "print(len(steps), sorted(m for m in ('torch', 'transformers', 'llmcompressor') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,5 +1,5 @@
 """`qbuild plan` estimates each miss from the store's history of similar steps, and the plan's total the way the
-executor schedules it (qbuild/core/estimate.py). The fake method sleeps a set time, so the history is known."""
+executor schedules it (qbuild/pipeline/estimate.py). The fake method sleeps a set time, so the history is known."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 from qbuild import api
 from qbuild.artifacts.store import Store
-from qbuild.core.estimate import _schedule, estimate_plan
-from qbuild.core.step import Step
+from qbuild.contract.step import Step
+from qbuild.pipeline.estimate import _schedule, estimate_plan
 
 from helpers import fake_recipe, qbuild, run_api, write_recipe
 
@@ -57,7 +57,7 @@ def _step(name, inputs=(), threads=1, timing=False):
 
 
 def test_the_total_schedules_misses_like_the_executor():
-    from qbuild.core.estimate import StepEstimate
+    from qbuild.pipeline.estimate import StepEstimate
 
     a, b = _step("a"), _step("b")
     c = _step("c", inputs=(a,))
@@ -80,8 +80,8 @@ def test_estimate_plan_without_misses_reads_nothing(tmp_path, store_dir):
 
 def test_a_similar_evaluation_is_scaled_by_the_tokens_it_scores(store_dir):
     """A search's 2-window sensitivity pass estimated from an 8-window pass of another recipe: a quarter of it."""
-    from qbuild.core.plan import PlannedStep
-    from qbuild.core.step import PlanStatus
+    from qbuild.contract.step import PlanStatus
+    from qbuild.pipeline.plan import PlannedStep
 
     st = Store(store_dir)
     old = Step("perplexity", "perplexity[a]", {"max_windows": 8, "context_length": 512, "runtime": "llama.cpp"}, "m:f")
@@ -101,9 +101,9 @@ def test_a_similar_evaluation_is_scaled_by_the_tokens_it_scores(store_dir):
 def test_a_cold_build_leaves_out_what_this_machine_cannot_build(store_dir):
     """A GPU engine and what evaluates it are skipped by a run here, so the cold estimate leaves them out, and says so."""
     from qbuild.artifacts.store import Hit
-    from qbuild.core.estimate import history_note
-    from qbuild.core.plan import PlannedStep
-    from qbuild.core.step import PlanStatus
+    from qbuild.contract.step import PlanStatus
+    from qbuild.pipeline.estimate import history_note
+    from qbuild.pipeline.plan import PlannedStep
 
     a, b = _step("a"), _step("b")
     engine = _step("engine", inputs=(a,))

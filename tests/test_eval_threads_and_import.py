@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from conftest import smollm2_gguf_path
 
-from qbuild.core.step import StepContext
-from qbuild.evaluate.protocol import Window
+from qbuild.contract.protocol import Window
+from qbuild.contract.step import StepContext
 from qbuild.evaluate.quality import scored_rows
 
 TOKENS = [int(t) for t in np.random.default_rng(0).integers(100, 40000, size=96)]

@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from qbuild.core.recipe import Gate
+from qbuild.contract.protocol import window_divergence, window_nll, windows
 from qbuild.evaluate.gates import check_gates
-from qbuild.evaluate.protocol import window_divergence, window_nll, windows
+from qbuild.planning.recipe import Gate
 
 from helpers import fake_recipe, qbuild, write_recipe
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.core.budget import cpu_count
+from qbuild.pipeline.budget import cpu_count
 
 from helpers import fake_recipe, qbuild, run_api, step_infos, write_recipe
 
@@ -85,7 +85,7 @@ def _start_slow_run(tmp_path, store_dir, sleep=20.0):
 
 def _workers_of(store_dir: Path) -> list[int]:
     """Worker processes still running for this store (found by their spec path)."""
-    out = subprocess.run(["pgrep", "-f", f"qbuild.core.worker {store_dir}"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", f"qbuild.pipeline.worker {store_dir}"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
@@ -122,7 +122,7 @@ def test_workers_die_with_a_killed_qbuild(tmp_path, store_dir):
 # --- elastic threads and standby workers ----------------------------------------------------------------------
 def _standbys() -> list[int]:
     """Standby workers these tests start (they preload the test module fake_heavy: a real run's preload torch)."""
-    out = subprocess.run(["pgrep", "-f", "qbuild.core.worker --standby fake_heavy"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", "qbuild.pipeline.worker --standby fake_heavy"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
@@ -240,10 +240,10 @@ def test_a_time_limited_set_stops_starting_steps_past_its_limit_and_a_rerun_resu
     """A search's max_minutes at run time: once the set's first step has run longer than the limit, the next step of
     the set fails with one line naming the field and what is stored, the rest are skipped; a rerun builds only those."""
     from qbuild.artifacts.store import Store
-    from qbuild.core.executor import Executor
-    from qbuild.core.outcome import Outcome
-    from qbuild.core.plan import TimeLimit, make_plan
-    from qbuild.core.recipe import parse_recipe
+    from qbuild.pipeline.executor import Executor
+    from qbuild.pipeline.outcome import Outcome
+    from qbuild.pipeline.plan import TimeLimit, make_plan
+    from qbuild.planning.recipe import parse_recipe
 
     variants = [{"name": f"v{i}", "method": "fake", "level": i, "sleep": 0.5} for i in range(3)]
     recipe = parse_recipe(fake_recipe(tmp_path, variants, runtime={"threads": 1}))
@@ -267,11 +267,11 @@ def test_an_interrupt_inside_a_step_kills_its_worker_before_its_scratch_goes(tmp
     """A Ray task's cancel raises KeyboardInterrupt in the thread that waits on the step's worker (here: on its first
     progress line): the worker dies there and then, and its scratch goes after it, with nothing written since."""
     from qbuild.artifacts.store import Store
-    from qbuild.core.budget import Claim
-    from qbuild.core.executor import Executor
-    from qbuild.core.outcome import Outcome, StepOutcome
-    from qbuild.core.plan import make_plan
-    from qbuild.core.recipe import parse_recipe
+    from qbuild.pipeline.budget import Claim
+    from qbuild.pipeline.executor import Executor
+    from qbuild.pipeline.outcome import Outcome, StepOutcome
+    from qbuild.pipeline.plan import make_plan
+    from qbuild.planning.recipe import parse_recipe
 
     class Interrupted(Executor):
         def _on_progress(self, task, line):
@@ -284,7 +284,7 @@ def test_an_interrupt_inside_a_step_kills_its_worker_before_its_scratch_goes(tmp
     ex = Interrupted(store, store.new_run_id(), {}, jobs=1)
     with pytest.raises(KeyboardInterrupt):
         ex._build(step, outcomes, Claim(cpus=1, memory_mb=0, gpu=None, alone=False, key=step.key, base=1))
-    workers = subprocess.run(["pgrep", "-f", f"qbuild.core.worker {store_dir}"], capture_output=True, text=True)
+    workers = subprocess.run(["pgrep", "-f", f"qbuild.pipeline.worker {store_dir}"], capture_output=True, text=True)
     assert workers.stdout == "", "the step's worker outlived the interrupt"
     time.sleep(0.5)   # a worker still alive would write its result into the scratch now
     assert not list((store_dir / "tmp").iterdir())

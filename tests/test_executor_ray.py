@@ -64,8 +64,8 @@ def _objects(store: Path) -> dict[str, str]:
 
 
 def _workers(root: Path) -> list[int]:
-    """qbuild.core.worker processes building into this cluster's node stores (found by their spec path)."""
-    out = subprocess.run(["pgrep", "-f", f"qbuild.core.worker {root}"], capture_output=True, text=True)
+    """qbuild.pipeline.worker processes building into this cluster's node stores (found by their spec path)."""
+    out = subprocess.run(["pgrep", "-f", f"qbuild.pipeline.worker {root}"], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
@@ -172,8 +172,8 @@ def test_a_dead_cluster_address_fails_in_seconds_in_one_line(tmp_path):
 
 
 def test_step_resources_for_ray():
-    from qbuild.core.executor_ray import resources
-    from qbuild.core.step import Step
+    from qbuild.contract.step import Step
+    from qbuild.pipeline.executor_ray import resources
 
     cpu = Step("quantize", "quantize[a]", {"x": 1}, "m:f", threads=8)
     assert resources(cpu, max_cpus=4) == {"num_cpus": 4}   # never more than the largest node has: no infeasible task

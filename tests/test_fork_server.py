@@ -1,4 +1,4 @@
-"""Warm workers (qbuild.core.fork_server): each step's worker is forked from the run's fork server, a fresh process
+"""Warm workers (qbuild.pipeline.fork_server): each step's worker is forked from the run's fork server, a fresh process
 per step that sees what a fresh interpreter's worker sees; the server loads no library that sizes a thread pool from
 its own environment; a server killed from outside fails only the step it was running, and the rest start fresh.
 (A kill -9 of qbuild taking the server and its workers with it: test_executor_parallel.py, whose pgrep finds them.)"""
@@ -13,8 +13,8 @@ import time
 import types
 from pathlib import Path
 
-from qbuild.core.executor import Executor
-from qbuild.core.fork_server import PRELOAD, THREAD_POOLS, warm_modules
+from qbuild.pipeline.executor import Executor
+from qbuild.pipeline.fork_server import PRELOAD, THREAD_POOLS, warm_modules
 
 from helpers import fake_recipe, run_api, step_infos, write_recipe
 
@@ -43,7 +43,7 @@ def test_each_step_runs_in_its_own_forked_worker_that_sees_what_a_fresh_one_sees
 
 def test_the_server_imports_nothing_that_sizes_a_thread_pool(monkeypatch):
     # what the server imports, in a clean interpreter: no thread-pool library, no thread started
-    code = ("import importlib, json, os, sys; from qbuild.core.fork_server import PRELOAD, THREAD_POOLS\n"
+    code = ("import importlib, json, os, sys; from qbuild.pipeline.fork_server import PRELOAD, THREAD_POOLS\n"
             "for m in PRELOAD: importlib.import_module(m)\nimport fake_method\n"
             "print(json.dumps({'pools': [m for m in THREAD_POOLS if m in sys.modules], "
             "'threads': len(os.listdir('/proc/self/task'))}))")
@@ -71,7 +71,7 @@ def test_a_server_killed_from_outside_fails_only_its_step_and_the_rest_start_fre
             time.sleep(0.1)
         time.sleep(0.5)   # the quick steps (if they went first) are done: what runs now is "slow"
         # the oldest of the processes with the server's command line (its forked workers share it)
-        server = subprocess.run(["pgrep", "-o", "-f", f"qbuild.core.worker {store_dir}/tmp --fork-server"],
+        server = subprocess.run(["pgrep", "-o", "-f", f"qbuild.pipeline.worker {store_dir}/tmp --fork-server"],
                                 capture_output=True, text=True).stdout.split()
         assert len(server) == 1, server
         os.kill(int(server[0]), 9)
@@ -83,5 +83,5 @@ def test_a_server_killed_from_outside_fails_only_its_step_and_the_rest_start_fre
     built = {json.loads(m.read_text())["name"] for m in (store_dir / "objects").glob("*/*/manifest.json")}
     assert built == {"quantize[q0]", "quantize[q1]"}
     assert not list((store_dir / "tmp").glob("*")), "scratch left behind"
-    left = subprocess.run(["pgrep", "-f", f"qbuild.core.worker {store_dir}"], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-f", f"qbuild.pipeline.worker {store_dir}"], capture_output=True, text=True)
     assert not left.stdout.split(), "a worker outlived its server"

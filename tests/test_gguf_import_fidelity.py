@@ -41,7 +41,7 @@ runpy.run_path(conv + "/convert_hf_to_gguf.py", run_name="__main__")
 
 
 def _converter() -> Path:
-    from qbuild.quantize.llamacpp_tools import converter_dir
+    from qbuild.models.llamacpp_tools import converter_dir
 
     try:
         return converter_dir(log=lambda *_: None)
@@ -148,7 +148,7 @@ def _bpe_dir(hf: Path, corpus: Path) -> Path:
 
 
 def import_gguf(gguf: Path, out: Path) -> dict:
-    from qbuild.core.step import StepContext
+    from qbuild.contract.step import StepContext
     from qbuild.models.gguf_import import run
 
     out.mkdir(parents=True)
@@ -186,7 +186,7 @@ def gguf_tokenizer(path: Path) -> dict:
 
 def run_check(model_dir: Path, gguf: Path, work: Path, windows: int = 2) -> dict:
     """The eval-data step on the imported tokenizer, then the import-check step: its result (or its exception)."""
-    from qbuild.core.step import StepContext
+    from qbuild.contract.step import StepContext
     from qbuild.evaluate import data
     from qbuild.models import import_check
 
@@ -385,8 +385,8 @@ def test_every_step_that_reads_the_baseline_waits_for_the_check(sources, tmp_pat
     it, and waiting leaves its key as it was (`after` is not hashed)."""
     from dataclasses import replace
 
-    from qbuild.core.plan import build_steps
-    from qbuild.core.recipe import load_recipe
+    from qbuild.pipeline.plan import build_steps
+    from qbuild.planning.recipe import load_recipe
 
     recipe_path = _recipe(tmp_path, sources["llama"])
     ctx = build_steps(load_recipe(recipe_path), tmp_path)

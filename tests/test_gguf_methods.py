@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from qbuild.artifacts.store import Store
-from qbuild.core.plan import build_steps
-from qbuild.core.recipe import parse_recipe
 from qbuild.errors import RecipeError
+from qbuild.pipeline.plan import build_steps
+from qbuild.planning.recipe import parse_recipe
 
 from helpers import build_module_recipe, fake_model, run_api
 
@@ -206,9 +206,9 @@ def test_imatrix_is_llama_imatrix_own_output(built, tiny_model_dir, tmp_path):
     import llama_cpp
     from safetensors.numpy import load_file
 
+    from qbuild.base.fingerprint import package_version
     from qbuild.calibration.build import load_calibration
-    from qbuild.core.fingerprint import package_version
-    from qbuild.quantize.gguf import llama_imatrix_command, write_calibration_text
+    from qbuild.quantize.gguf.run import llama_imatrix_command, write_calibration_text
     from qbuild.serving.llamacpp_build import build_id, tool
 
     store = built["store"]

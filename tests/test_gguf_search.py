@@ -13,8 +13,8 @@ import pytest
 from pydantic import ValidationError
 
 from qbuild.artifacts.store import Store
-from qbuild.core.plan import build_steps
-from qbuild.core.recipe import parse_recipe
+from qbuild.pipeline.plan import build_steps
+from qbuild.planning.recipe import parse_recipe
 from qbuild.quantize.gguf import GGUFVariant
 from qbuild.quantize.gguf_search import allocate, smallest_within, tensor_groups
 
@@ -192,8 +192,8 @@ def test_plan_refuses_a_search_without_kld(tiny_model_dir, tmp_path):
 def test_max_minutes_refuses_a_search_estimated_longer(tiny_model_dir, tmp_path):
     """max_minutes is checked against the estimate of the search's steps still to build (an empty store: the
     model-size guess) before anything runs; it is in no key, so a search within it plans the same steps."""
-    from qbuild.core.plan import make_plan
     from qbuild.errors import RecipeError
+    from qbuild.pipeline.plan import make_plan
 
     search = {"max_size_mb": 36, "types": ["Q4_0", "Q2_K"], "max_candidates": 2}
     store = Store(tmp_path / "s")

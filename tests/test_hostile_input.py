@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from qbuild.base.names import check_name, redact_tree, redact_url, valid_name
+from qbuild.base.yamlio import load_yaml
 from qbuild.cli import cli
-from qbuild.core.names import check_name, redact_tree, redact_url, valid_name
-from qbuild.core.yamlio import load_yaml
 from qbuild.errors import RecipeError
 
 from helpers import fake_recipe, qbuild, run_api, write_recipe
@@ -280,7 +280,7 @@ def test_unreachable_mlflow_is_bounded_warned_once_and_changes_nothing(tmp_path,
 
 # --- supply chain: the llama.cpp converter comes from a pinned sdist -----------------------------------------------
 def test_llama_cpp_sdist_is_pinned_for_the_constrained_version_and_checked(tmp_path, monkeypatch):
-    from qbuild.quantize import llamacpp_tools
+    from qbuild.models import llamacpp_tools
 
     pinned = next(line.split("==")[1].strip() for line in (REPO / "scripts" / "constraints.txt").read_text().splitlines()
                   if line.startswith("llama-cpp-python=="))

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from qbuild.core.recipe import parse_recipe
+from qbuild.planning.recipe import parse_recipe
 
 from helpers import run_api, write_recipe
 

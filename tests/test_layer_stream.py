@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from qbuild.evaluate.protocol import Window
+from qbuild.contract.protocol import Window
 from qbuild.runtimes import layer_stream
 from qbuild.runtimes.transformers import TransformersSession
 from tests.model_families import BY_NAME, SEED

@@ -59,7 +59,7 @@ def test_concurrent_requests_build_once(tmp_path, monkeypatch):
                 (build_dir / t).write_text("#!/bin/sh\n")
                 (build_dir / t).chmod(0o755)
 
-    import qbuild.quantize.llamacpp_tools as tools
+    import qbuild.models.llamacpp_tools as tools
 
     monkeypatch.setattr(tools, "download_sdist", fake_sdist)
     monkeypatch.setattr(tools, "extract_vendored", fake_extract)

@@ -12,8 +12,8 @@ import struct
 import numpy as np
 import pytest
 
+from qbuild.contract.protocol import score_rows, windows
 from qbuild.evaluate.llamacpp_kld import encode_rows, llamacpp_kld, read_kld_base, write_kld_base
-from qbuild.evaluate.protocol import score_rows, windows
 
 
 def _reference_encode(row: np.ndarray) -> bytes:
@@ -167,7 +167,7 @@ def test_kld_base_follows_the_models_bos_rule_unless_the_recipe_sets_it(tmp_path
 
 def test_flash_attention_is_a_protocol_switch_of_the_llamacpp_runtime(tmp_path):
     """Off by default (the key of a recipe that does not mention it is unchanged); on, it is part of the key."""
-    from qbuild.core.recipe import Perplexity
+    from qbuild.planning.recipe import Perplexity
 
     assert "flash_attn" not in Perplexity().canonical()
     assert Perplexity(flash_attn=True).canonical()["flash_attn"] is True

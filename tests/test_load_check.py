@@ -14,11 +14,11 @@ import pytest
 from test_backend_envs import envs_dir  # noqa: F401  (fixture: the session's backend environments directory)
 
 from qbuild.artifacts.store import Store
-from qbuild.core.plan import build_steps
-from qbuild.core.recipe import LOAD_CHECK_PROMPT, parse_recipe
-from qbuild.core.step import StepContext
+from qbuild.contract.step import StepContext
 from qbuild.errors import RecipeError
 from qbuild.evaluate.loadcheck import RESULT, leading_matches
+from qbuild.pipeline.plan import build_steps
+from qbuild.planning.recipe import LOAD_CHECK_PROMPT, parse_recipe
 
 from helpers import build_module_recipe, fake_model, run_api, write_recipe
 

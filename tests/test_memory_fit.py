@@ -1,4 +1,4 @@
-"""Plan-time memory check (qbuild.core.memory_fit): a step that cannot fit is refused in one line before anything
+"""Plan-time memory check (qbuild.pipeline.memory_fit): a step that cannot fit is refused in one line before anything
 is built; the model's size is read from its config the way transformers counts it."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.core import memory_fit
-from qbuild.core.plan import PlannedStep, build_steps
-from qbuild.core.recipe import load_recipe
-from qbuild.core.step import PlanStatus
+from qbuild.contract.step import PlanStatus
 from qbuild.errors import RecipeError
+from qbuild.pipeline import memory_fit
+from qbuild.pipeline.plan import PlannedStep, build_steps
+from qbuild.planning.recipe import load_recipe
 from tests.helpers import qbuild
 from tests.model_families import FAMILIES
 

@@ -277,7 +277,7 @@ def test_existing_modelopt_keys_unchanged():
     ("w4a8-mxfp4-fp8", {"quant_algo": "MXFP4", "group_size": 32}, False),   # W4A4 MXFP4: no TRT-LLM Linear kernel
 ])
 def test_fp4_export_check(tmp_path, scheme, quant, ok):
-    from qbuild.quantize.modelopt import check_fp4_export
+    from qbuild.quantize.modelopt.run import check_fp4_export
 
     (tmp_path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": quant}))
     if ok:

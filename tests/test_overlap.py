@@ -129,8 +129,8 @@ def test_overlap_is_cached_and_recorded_when_it_passes(tmp_path, monkeypatch, ti
 
 def test_a_cached_overlap_costs_no_text_reading(tmp_path):
     """The demo's texts (pydocs train/test): measured once, then a re-plan reads one JSON file."""
-    from qbuild.calibration.plan import check_overlap
-    from qbuild.core.recipe import parse_recipe
+    from qbuild.planning.calibration import check_overlap
+    from qbuild.planning.recipe import parse_recipe
 
     r = parse_recipe({"name": "d", "model": {"source": "local", "path": "x"}, "variants": [{"name": "a", "method": "fake"}],
                       "calibration": {"sources": [{"type": "pydocs", "split": "train"}]}})

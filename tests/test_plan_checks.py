@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.core.plan import build_steps
-from qbuild.core.recipe import parse_recipe
+from qbuild.contract.shapes import config_linear_names, weight_modules
 from qbuild.errors import RecipeError
-from qbuild.quantize.shapes import config_linear_names, weight_modules
+from qbuild.pipeline.plan import build_steps
+from qbuild.planning.recipe import parse_recipe
 
 from helpers import fake_model, qbuild, write_recipe
 
@@ -180,7 +180,8 @@ def test_tensor_types_are_the_ggml_types_llama_cpp_quantizes_to():
     import gguf
     import llama_cpp
 
-    from qbuild.quantize.gguf import TENSOR_TYPES, block_size, ggml_type_id
+    from qbuild.quantize.gguf import TENSOR_TYPES, block_size
+    from qbuild.quantize.gguf.run import ggml_type_id
 
     exported = {n.removeprefix("GGML_TYPE_") for n in dir(llama_cpp) if n.startswith("GGML_TYPE_")} - {"COUNT"}
     mirrored = set(gguf.GGMLQuantizationType.__members__)   # llama-cpp-python leaves out BF16, TQ1_0, TQ2_0
@@ -268,7 +269,7 @@ def test_new_types_and_overrides_quantize_and_record_where_they_load(tiny_model_
 
 # --- loads_in: one table, keyed by format and scheme --------------------------------------------------------------
 def test_loads_in_rows_name_known_engines_and_formats():
-    from qbuild.formats import ANY, ENGINES, FORMATS, LOADS_IN
+    from qbuild.contract.formats import ANY, ENGINES, FORMATS, LOADS_IN
 
     for (fmt, scheme), engines in LOADS_IN.items():
         assert fmt in FORMATS and FORMATS[fmt].model, (fmt, scheme)
@@ -277,7 +278,7 @@ def test_loads_in_rows_name_known_engines_and_formats():
 
 
 def test_loads_in_follows_the_quantization_not_the_format():
-    from qbuild.formats import loads_in
+    from qbuild.contract.formats import loads_in
 
     assert "vllm" in loads_in("compressed-tensors", "w4a16") and "vllm" not in loads_in("compressed-tensors", "w3a16")
     assert "trtllm-pytorch" in loads_in("compressed-tensors", "fp8-dynamic")
@@ -291,8 +292,8 @@ def test_loads_in_follows_the_quantization_not_the_format():
 
 def test_trtllm_pytorch_column_agrees_with_the_target():
     """Two places know what TensorRT-LLM's PyTorch backend reads: the target's `accepts` and the table."""
-    from qbuild.core.step import Step
-    from qbuild.formats import ANY, LOADS_IN
+    from qbuild.contract.formats import ANY, LOADS_IN
+    from qbuild.contract.step import Step
     from qbuild.plugins import targets
 
     target = targets.get("trtllm-pytorch")
@@ -304,7 +305,7 @@ def test_trtllm_pytorch_column_agrees_with_the_target():
 
 
 def test_plugin_format_declares_its_engines(monkeypatch):
-    from qbuild import formats
+    from qbuild.contract import formats
 
     monkeypatch.setattr(formats, "FORMATS", dict(formats.FORMATS))
     monkeypatch.setattr(formats, "LOADS_IN", dict(formats.LOADS_IN))

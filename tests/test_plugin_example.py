@@ -108,3 +108,17 @@ def test_broken_plugin_is_one_line_exit_2(tmp_path):
         assert res.returncode == 2, (args, res.stderr)
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and "plugin 'broken'" in lines[0] and "broken-plugin" in lines[0], (args, res.stderr)
+
+
+def test_the_example_imports_only_qbuild_plugins():
+    """A plugin author needs one module of qbuild (issue 35): the example imports nothing else of it, nor pydantic."""
+    import ast
+
+    found = set()
+    for path in (EXAMPLE / "qbuild_example").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found.add(node.module)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+    assert {m for m in found if m.split(".")[0] in ("qbuild", "pydantic")} == {"qbuild.plugins"}

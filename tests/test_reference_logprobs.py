@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from qbuild.artifacts.store import Store
+from qbuild.contract.protocol import divergence_from_logprobs, scored_logprobs, window_divergence, windows
 from qbuild.evaluate import reference_encoding
-from qbuild.evaluate.protocol import divergence_from_logprobs, scored_logprobs, window_divergence, windows
 from qbuild.evaluate.quality import LOGPROBS, REFERENCE, TOP1, ReferenceReader
 
 from helpers import qbuild, write_recipe
@@ -88,7 +88,7 @@ def test_reader_names_a_missing_object(tmp_path, bad):
 
 
 def test_score_rows_is_window_nll_and_window_divergence_in_one():
-    from qbuild.evaluate.protocol import score_rows, window_nll
+    from qbuild.contract.protocol import score_rows, window_nll
 
     rng = np.random.default_rng(1)
     for w in windows(np.arange(10, 200), "llama.cpp", 64, True, 1, None) + \
@@ -138,7 +138,7 @@ def test_float16_reference_moves_kld_within_its_bound_on_real_logits(tiny_model_
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qbuild.evaluate.protocol import score_rows
+    from qbuild.contract.protocol import score_rows
 
     ids = np.random.default_rng(bits).integers(200, 40000, size=260)
     wins = windows(ids, "fixed-window", 128, True, 1, None)

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from qbuild.core.recipe import load_recipe
 from qbuild.errors import RecipeError
+from qbuild.planning.recipe import load_recipe
 
 from helpers import fake_recipe, qbuild, run_api, write_recipe
 

@@ -244,8 +244,8 @@ def test_disk_full_while_pulling_then_resume(tmp_path):
 def test_recipe_remote_sections(tmp_path):
     from pydantic import ValidationError
 
-    from qbuild.core.recipe import StoreConfig, parse_recipe
     from qbuild.errors import RecipeError
+    from qbuild.planning.recipe import StoreConfig, parse_recipe
 
     from helpers import fake_recipe
 

@@ -16,7 +16,7 @@ from qbuild.artifacts.remote import RemoteError, cache, open_remote
 from qbuild.artifacts.remote.base import part_name
 from qbuild.artifacts.remote.gc import gc_remote, parse_age, plan_gc, plan_store_gc
 from qbuild.artifacts.store import Store
-from qbuild.core.hashing import tree_digest
+from qbuild.base.hashing import tree_digest
 from qbuild.errors import UserError
 
 BACKENDS = ["file", "s3", "oci"]

@@ -22,7 +22,7 @@ from qbuild.artifacts.store import Store
 
 from helpers import fake_recipe, qbuild, run_api, write_recipe
 
-MARKER = ".qbuild-root.json"   # qbuild.core.owned.MARKER (imported in the tests, so this module runs on older code too)
+MARKER = ".qbuild-root.json"   # qbuild.base.owned.MARKER (imported in the tests, so this module runs on older code too)
 
 
 def fake_home(root: Path) -> tuple[Path, dict[Path, bytes]]:
@@ -49,7 +49,7 @@ def assert_intact(files: dict[Path, bytes]) -> None:
 
 # --- the guarded operations themselves ----------------------------------------------------------------------------
 def test_owned_root_confines_every_operation_and_never_follows_a_link(tmp_path):
-    from qbuild.core.owned import NotOurs, claim_root, owned_root
+    from qbuild.base.owned import NotOurs, claim_root, owned_root
 
     home, precious = fake_home(tmp_path)
     root = claim_root(tmp_path / "store", "store")
@@ -216,7 +216,7 @@ def test_json_from_a_remote_is_bounded(tmp_path):
 
 # --- 4. auto-round's export folder ------------------------------------------------------------------------------------
 def test_lift_export_refuses_a_symlinked_export_folder(tmp_path):
-    from qbuild.core.owned import claim_root
+    from qbuild.base.owned import claim_root
     from qbuild.quantize.autoround import lift_export
 
     home, precious = fake_home(tmp_path)
@@ -296,7 +296,7 @@ class _Recorder(http.server.BaseHTTPRequestHandler):
 
 def test_registry_credentials_are_not_sent_to_a_host_a_registry_tag_names(tmp_path, monkeypatch):
     pytest.importorskip("oras")
-    from qbuild import api
+    from qbuild.artifacts import pull
     from qbuild.artifacts.remote import RemoteError
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
@@ -308,13 +308,13 @@ def test_registry_credentials_are_not_sent_to_a_host_a_registry_tag_names(tmp_pa
         monkeypatch.setenv("QBUILD_REGISTRY_PASSWORD", "hunter2hunter2")
         monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
         monkeypatch.delenv("QBUILD_REMOTE", raising=False)
-        remote = api._remote_named_by_registry(url)     # a URL read from a model version's tags
+        remote = pull._remote_named_by_registry(url)     # a URL read from a model version's tags
         with pytest.raises(RemoteError, match="requires credentials"):
             remote.check()
         assert _Recorder.seen and all(h is None for h in _Recorder.seen)
         _Recorder.seen.clear()
         monkeypatch.setenv("QBUILD_REMOTE", f"oci://{host}/team/models")   # the user configured this registry
-        remote = api._remote_named_by_registry(url)
+        remote = pull._remote_named_by_registry(url)
         with pytest.raises(RemoteError):
             remote.check()
         assert any(h and h.startswith("Basic ") for h in _Recorder.seen)
@@ -336,7 +336,7 @@ def test_workers_get_no_credentials(tmp_path, store_dir):
     assert not names & set(secrets), names & set(secrets)
     assert {"PATH", "HOME", "OMP_NUM_THREADS", "QBUILD_EVAL_BATCH_SIZE", "QBUILD_PROGRESS_FD"} <= names
 
-    from qbuild.core.worker_env import step_environ
+    from qbuild.base.worker_env import step_environ
 
     assert "HF_TOKEN" in step_environ("calibrate", secrets) and "HF_TOKEN" not in step_environ("quantize", secrets)
     assert "AWS_SECRET_ACCESS_KEY" not in step_environ("calibrate", secrets)
@@ -345,7 +345,7 @@ def test_workers_get_no_credentials(tmp_path, store_dir):
 def test_proxy_settings_reach_the_steps_that_may_read_a_hub_only(tmp_path, store_dir):
     """HTTPS_PROXY & co. (either case; a proxy URL may carry a password) go to the steps that may download from a
     hub (calibration and evaluation text), and to no other: they were dropped for every step."""
-    from qbuild.core.worker_env import step_environ
+    from qbuild.base.worker_env import step_environ
 
     proxies = {"HTTPS_PROXY": "http://u:pw@proxy:3128", "HTTP_PROXY": "http://proxy:3128", "NO_PROXY": "127.0.0.1",
                "https_proxy": "http://proxy:3128", "http_proxy": "http://proxy:3128", "no_proxy": "localhost",
@@ -384,7 +384,7 @@ def test_keygen_never_writes_through_a_link_or_over_a_file(tmp_path):
 
 # --- 10. redaction is linear; a bad value is quoted short --------------------------------------------------------------------
 def test_redaction_is_linear_and_an_error_quotes_a_long_value_short(tmp_path):
-    from qbuild.core.names import redact_url
+    from qbuild.base.names import redact_url
 
     t0 = time.perf_counter()
     assert redact_url("a" * (1 << 20)) == "a" * (1 << 20)   # was quadratic: ~35 min of one core at this size

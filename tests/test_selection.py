@@ -10,7 +10,7 @@ import pytest
 
 from qbuild import api
 from qbuild.artifacts.store import Store
-from qbuild.core.recipe import Selection, Serving
+from qbuild.planning.recipe import Selection, Serving
 from qbuild.results import selection
 from qbuild.results.selection import select
 

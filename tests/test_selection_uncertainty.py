@@ -11,8 +11,8 @@ import itertools
 import pytest
 from rich.console import Console
 
-from qbuild.core.recipe import Selection, Serving, parse_recipe
 from qbuild.errors import RecipeError
+from qbuild.planning.recipe import Selection, Serving, parse_recipe
 from qbuild.results.selection import select, verdict
 from qbuild.results.summary import render_selection
 

@@ -37,7 +37,7 @@ def gguf_model():
 
 
 def launch(model, **config):
-    from qbuild.core.recipe import ServingConfig
+    from qbuild.planning.recipe import ServingConfig
     from qbuild.serving.engines.llamacpp import LlamaServer
 
     return LlamaServer().launch(model, ServingConfig(name="t", **config), threads=1, slots=2, context=256,
@@ -129,7 +129,7 @@ def test_kv_bytes_per_token_is_what_llama_cpp_allocates(llama_server_bin, gguf_m
     """llama.cpp's own account of its KV cache (logged at -lv 4): K + V MiB over the context's tokens."""
     import re
 
-    from qbuild.core.recipe import ServingConfig
+    from qbuild.planning.recipe import ServingConfig
     from qbuild.serving.engines.llamacpp import LlamaServer
     from qbuild.serving.server import running
 
@@ -203,7 +203,7 @@ def test_a_shared_prefix_is_prefilled_once(llama_server_bin, gguf_model, tmp_pat
     prefix of the slot's last prompt and prefills only the rest (the real SmolLM2-135M, 1 thread)."""
     import numpy as np
 
-    from qbuild.serving.bench import prompts_from
+    from qbuild.planning.serving_bench import prompts_from
     from qbuild.serving.client import Workload, sweep
     from qbuild.serving.server import running
 

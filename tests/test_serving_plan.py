@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import yaml
 
-from qbuild.core.plan import build_steps
-from qbuild.core.recipe import ServingConfig, parse_recipe
 from qbuild.errors import RecipeError
+from qbuild.pipeline.plan import build_steps
+from qbuild.planning.recipe import ServingConfig, parse_recipe
 
 from helpers import fake_model, qbuild, write_recipe
 
@@ -88,7 +88,7 @@ def test_key_follows_workload_config_and_server_flags_never_selection(tmp_path, 
 
 
 def test_a_shared_prefix_is_part_of_the_workload_and_the_context(tmp_path, no_gpu):
-    from qbuild.serving.bench import prompts_from
+    from qbuild.planning.serving_bench import prompts_from
 
     def plan(**extra):
         return steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"], **extra}),
@@ -211,7 +211,7 @@ def test_gpu_servers_refuse_llamacpp_settings(server):
 
 
 def test_lengths_drawn_from_a_range(tmp_path, no_gpu):
-    from qbuild.serving.bench import drawn_lengths, prompts_from
+    from qbuild.planning.serving_bench import drawn_lengths, prompts_from
 
     fixed = steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"]}), tmp_path)
     work = fixed["serving[q8_0@default]"].params["workload"]

@@ -160,7 +160,7 @@ def test_model_card_front_matter_and_tables():
     ("awq", {}, {"vLLM", "TGI", "LMDeploy", "transformers"}, {"llama.cpp", "ExLlamaV2"}),
 ])
 def test_load_table_follows_the_format(fmt, info, yes, no):
-    # the scheme each of these formats' manifests records (it selects the row of qbuild.formats.LOADS_IN)
+    # the scheme each of these formats' manifests records (it selects the row of qbuild.contract.formats.LOADS_IN)
     scheme = {"hf-modelopt": "fp8", "compressed-tensors": "w4a16", "gptq": "w4a16", "awq": "w4a16"}.get(fmt)
     if info.get("checkpoint_format") == "compressed-tensors":
         scheme = "w4a16"

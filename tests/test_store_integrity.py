@@ -118,7 +118,7 @@ def test_warm_hit_check_uses_the_stamp_and_costs_milliseconds(tmp_path, store_di
     store = Store(store_dir)
     key = next(s["key"] for s in first["steps"] if s["name"] == "quantize[a]")
     assert store.lookup(key) is not None
-    import qbuild.core.hashing as hashing_module  # where a file is hashed (store and fingerprint memos share it)
+    import qbuild.base.hashing as hashing_module  # where a file is hashed (store and fingerprint memos share it)
 
     calls = []
     real = hashing_module.sha256_file
@@ -477,7 +477,7 @@ def test_ls_in_a_pipe_prints_complete_lines(tmp_path, store_dir):
 
 
 def test_a_step_that_cannot_fit_is_refused_before_it_runs(tmp_path, store_dir, monkeypatch):
-    import qbuild.core.executor as executor_module
+    import qbuild.pipeline.executor as executor_module
     from qbuild.artifacts.store import StoreFull
 
     recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [{"name": "a", "method": "fake"}]))

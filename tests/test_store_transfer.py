@@ -15,7 +15,7 @@ from remote_common import make_object, model_files
 from qbuild import api
 from qbuild.artifacts.remote import RemoteError, open_remote
 from qbuild.artifacts.store import Store
-from qbuild.core.owned import ContentMismatch, output_root
+from qbuild.base.owned import ContentMismatch, output_root
 from qbuild.errors import QBuildError
 
 WEIGHTS = "model.safetensors"

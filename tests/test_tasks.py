@@ -84,8 +84,8 @@ def test_baseline_accuracy_equals_lm_eval_hf_model(built, tiny_model_dir):
 
 
 def test_gates_on_accuracy_drop_and_flips(built):
-    from qbuild.core.recipe import Gate
     from qbuild.evaluate.gates import check_gates
+    from qbuild.planning.recipe import Gate
 
     # bounds no result can meet (constructed: the recipe schema refuses a negative flips bound)
     rows = check_gates([Gate.model_construct(max_acc_drop_pct=-100, max_flips_pct=-1)], built["summary"])
@@ -129,10 +129,10 @@ def test_the_adapter_is_an_lm_eval_model_beside_lm_evals_own():
     from lm_eval.api.model import LM
     from lm_eval.api.registry import get_model
 
-    from qbuild.evaluate.tasks import _lm_class
+    from qbuild.evaluate.task_run import registered
 
-    cls = _lm_class()
-    assert issubclass(cls, LM) and get_model("qbuild") is cls and _lm_class() is cls
+    cls = registered()
+    assert issubclass(cls, LM) and get_model("qbuild") is cls and registered() is cls
     assert get_model("hf").__name__ == "HFLM"
 
 
@@ -180,7 +180,7 @@ def test_task_fingerprint_is_the_tasks_own_sources(tmp_path):
     (hidden tool and editor caches) leave the fingerprint alone; an edited source changes it."""
     import py_compile
 
-    from qbuild.core.fingerprint import dir_fingerprint
+    from qbuild.base.fingerprint import dir_fingerprint
 
     task = _function_task(tmp_path)
     clean = dir_fingerprint(task, sources_only=True)

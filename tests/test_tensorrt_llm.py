@@ -14,12 +14,12 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from qbuild.base import hardware
 from qbuild.build import tensorrt_llm as trt
 from qbuild.build import trtllm_env
 from qbuild.build import trtllm_pytorch as trtpt
 from qbuild.build.trtllm_select import engine_manifests, select_engine
-from qbuild.core import hardware
-from qbuild.core.step import Step
+from qbuild.contract.step import Step
 from qbuild.errors import RecipeError, UserError
 from qbuild.models.checkpoint import CheckpointError, validate_hf_export, validate_trtllm_checkpoint
 
@@ -57,8 +57,8 @@ def _recipe(tmp_path: Path, model_dir: Path, variants: list, targets: list, cali
 
 def _plan(path: Path):
     from qbuild.artifacts.store import Store
-    from qbuild.core.plan import make_plan
-    from qbuild.core.recipe import load_recipe
+    from qbuild.pipeline.plan import make_plan
+    from qbuild.planning.recipe import load_recipe
 
     r = load_recipe(path)
     return make_plan(r, path.parent, Store(Path(r.store.path))).steps
@@ -329,7 +329,7 @@ def test_engine_key_sensitivity(monkeypatch):
 
 
 def test_engine_key_ignores_unrelated_packages(monkeypatch):
-    from qbuild.core import fingerprint
+    from qbuild.base import fingerprint
 
     base = _engine_key(monkeypatch).key
     real = fingerprint.package_version
@@ -386,7 +386,7 @@ def test_plan_shows_needs_gpu_and_run_exits_2(tmp_path, tiny_model_dir):
 
 def test_engine_hit_on_machine_without_gpu(tmp_path, tiny_model_dir, monkeypatch):
     """An engine already stored for the pinned SM/toolchain plans as a hit, even without a GPU."""
-    from qbuild.core.recipe import load_recipe
+    from qbuild.planning.recipe import load_recipe
 
     path, store = _store_fake_checkpoint(tmp_path, tiny_model_dir)
     data = yaml.safe_load(path.read_text())

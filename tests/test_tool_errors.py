@@ -1,5 +1,5 @@
 """A failed tool says why on the console: its last meaningful lines come with the step's error, not only in the
-step's log (qbuild.core.tool_run)."""
+step's log (qbuild.base.tool_run)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.core.tool_run import CONTEXT_LINES, LINE_CHARS, ToolFailed, failure_lines, run_tool
+from qbuild.base.tool_run import CONTEXT_LINES, LINE_CHARS, ToolFailed, failure_lines, run_tool
 
 from helpers import qbuild, write_recipe
 

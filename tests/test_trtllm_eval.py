@@ -50,8 +50,8 @@ def _recipe(tmp_path: Path, model_dir: Path, evaluation: dict, **target) -> Path
 
 def _plan(path: Path) -> dict:
     from qbuild.artifacts.store import Store
-    from qbuild.core.plan import make_plan
-    from qbuild.core.recipe import load_recipe
+    from qbuild.pipeline.plan import make_plan
+    from qbuild.planning.recipe import load_recipe
 
     r = load_recipe(path)
     return {p.step.name: p for p in make_plan(r, path.parent, Store(Path(r.store.path))).steps}
@@ -104,7 +104,7 @@ def test_engine_eval_steps_planned_with_engine_facts_in_key(tmp_path, fake_model
 
 
 def test_engine_eval_key_sensitivity(tmp_path, fake_model, monkeypatch):
-    from qbuild.core import fingerprint
+    from qbuild.base import fingerprint
 
     ev = {**EVAL, "throughput": {"batch_sizes": [1], "input_len": 32, "output_len": 8}}
     path = _recipe(tmp_path, fake_model, ev)
@@ -198,8 +198,8 @@ def _run(path: Path) -> tuple[int, dict, str]:
 
 def test_engine_ppl_kld_throughput_end_to_end_with_fake_interpreter(tmp_path, tiny_model_dir):
     from qbuild.artifacts.store import Store
+    from qbuild.contract.protocol import summarize, window_nll, windows
     from qbuild.evaluate.data import load_tokens
-    from qbuild.evaluate.protocol import summarize, window_nll, windows
 
     fake_logits = stub_fake_logits()   # the stub's deterministic logits, to check against
 
@@ -281,7 +281,7 @@ def _runner_ctx(tmp_path: Path, gather: bool, sm: str = "9.0", engine_vocab: int
     import numpy as np
     from safetensors.numpy import save_file
 
-    from qbuild.core.step import StepContext
+    from qbuild.contract.step import StepContext
 
     engine, tok, data = tmp_path / "engine", tmp_path / "tok", tmp_path / "data"
     for d in (engine, tok, data):
@@ -308,9 +308,9 @@ def _runner_ctx(tmp_path: Path, gather: bool, sm: str = "9.0", engine_vocab: int
 
 
 def test_runner_sliding_window_through_shim(tmp_path):
+    from qbuild.contract.protocol import summarize, window_nll, windows
     from qbuild.evaluate import quality
     from qbuild.evaluate.data import load_tokens
-    from qbuild.evaluate.protocol import summarize, window_nll, windows
 
     fake_logits = stub_fake_logits()
     ctx = _runner_ctx(tmp_path, gather=True)
@@ -325,9 +325,9 @@ def test_runner_sliding_window_through_shim(tmp_path):
 def test_runner_slices_padded_engine_logits_to_source_vocab(tmp_path):
     """Issue 24, point 6: an AWQ engine's vocabulary is ModelOpt's padded one (a multiple of 64); its extra columns
     (zero-weight rows: logit 0) are cut before scoring, so PPL is the source vocabulary's."""
+    from qbuild.contract.protocol import summarize, window_nll, windows
     from qbuild.evaluate import quality
     from qbuild.evaluate.data import load_tokens
-    from qbuild.evaluate.protocol import summarize, window_nll, windows
 
     fake_logits = stub_fake_logits()
     ctx = _runner_ctx(tmp_path, gather=True, engine_vocab=64)   # source vocab 50, padded to 64
@@ -370,8 +370,8 @@ def test_build_and_bench_args_for_evaluation():
 
 
 def test_gates_apply_to_engines_only_when_named():
-    from qbuild.core.recipe import Gate
     from qbuild.evaluate.gates import check_gates
+    from qbuild.planning.recipe import Gate
 
     summary = {"variants": [{"variant": "fp8", "kld": 0.05, "target": None},
                             {"variant": "fp8.trtllm", "kld": None, "target": "tensorrt-llm"}]}

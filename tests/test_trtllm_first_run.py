@@ -17,7 +17,7 @@ from test_trtllm_eval import _plan
 
 from qbuild.build import tensorrt_llm as trt
 from qbuild.build import trtllm_env
-from qbuild.core.step import Step
+from qbuild.contract.step import Step
 from qbuild.errors import RecipeError, UserError
 from qbuild.models.checkpoint import CheckpointError, validate_trtllm_checkpoint
 
@@ -54,7 +54,7 @@ def modelopt_export(out: Path, model_type: str, scheme: str = "none", vocab: int
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qbuild.quantize.modelopt import DECODER_TYPES, quant_config
+    from qbuild.quantize.modelopt.run import DECODER_TYPES, quant_config
 
     cfg = tiny_config(model_type, vocab)
     torch.manual_seed(0)

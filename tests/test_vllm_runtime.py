@@ -78,7 +78,7 @@ def _runner_ctx(tmp_path: Path, monkeypatch, vocab: int = 50):
     """A perplexity step's context on a tiny 'model' (a config: the stub reads nothing else) and token data."""
     from safetensors.numpy import save_file
 
-    from qbuild.core.step import StepContext
+    from qbuild.contract.step import StepContext
 
     monkeypatch.setenv(gpu_env.FAKE_GPU, H100)
     monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
@@ -102,9 +102,9 @@ def _runner_ctx(tmp_path: Path, monkeypatch, vocab: int = 50):
 def test_runner_perplexity_through_the_shim(tmp_path, monkeypatch):
     """The runner -> request -> shim -> prompt_logprobs (vLLM's nested layout) -> rows -> protocol path: the PPL is
     the protocol's on the stub's full-vocabulary log-probs, to float32 rounding."""
+    from qbuild.contract.protocol import summarize, window_nll, windows
     from qbuild.evaluate import quality
     from qbuild.evaluate.data import load_tokens
-    from qbuild.evaluate.protocol import summarize, window_nll, windows
 
     fake_logprobs = stub_fake_logprobs()
     ctx = _runner_ctx(tmp_path, monkeypatch)
@@ -195,8 +195,8 @@ def test_perplexity_kld_and_load_check_end_to_end_through_the_shim(tmp_path, tin
     from test_trtllm_eval import _plan
 
     from qbuild.artifacts.store import Store
+    from qbuild.contract.protocol import summarize, window_nll, windows
     from qbuild.evaluate.data import load_tokens
-    from qbuild.evaluate.protocol import summarize, window_nll, windows
 
     from helpers import run_api
 

@@ -1,4 +1,4 @@
-"""A step's worker ends without Python's module teardown (qbuild.core.worker.exit_without_teardown: ~1.2 s per step
+"""A step's worker ends without Python's module teardown (qbuild.pipeline.worker.exit_without_teardown: ~1.2 s per step
 with torch loaded), yet loses nothing a step leaves behind: buffered files it never closed, non-daemon threads
 still writing, thread pools, temporary directories cleaned by finalizers, atexit handlers, its exit code."""
 
@@ -60,7 +60,7 @@ def _worker(tmp: Path, params: dict) -> tuple[subprocess.CompletedProcess, Path,
     (tmp / "job" / "spec.json").write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp / "mod"), os.environ.get("PYTHONPATH", "")])}
     env.pop("QBUILD_PARENT_PID", None)
-    proc = subprocess.run([sys.executable, "-m", "qbuild.core.worker", str(tmp / "job" / "spec.json")],
+    proc = subprocess.run([sys.executable, "-m", "qbuild.pipeline.worker", str(tmp / "job" / "spec.json")],
                           capture_output=True, text=True, env=env, timeout=120)
     return proc, out, tmp / "job" / "result.json"
 

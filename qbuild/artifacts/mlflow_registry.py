@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import urlsplit
 
-from qbuild.errors import MissingBackendError, QBuildError, UserError
+from qbuild.base.errors import MissingBackendError, QBuildError, UserError
 
 MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[\w.-]+)|/(?P<version>\d+))$")
 TIMEOUT_ENV = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "30", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import yaml
 
-from qbuild.core.units import human_size
+from qbuild.base.units import human_size
 from qbuild.serving.confidence import with_ci
 
 METRIC_COLUMNS = (("ppl", "PPL", "{:.3f}"), ("delta_ppl", "ΔPPL", "{:+.3f}"), ("delta_ppl_pct", "ΔPPL %", "{:+.2f}"),
                   ("kld", "KLD", "{:.4f}"), ("top1", "top-1", "{:.1%}"), ("decode_tok_s", "decode tok/s", "{:.1f}"),
                   ("prefill_tok_s", "prefill tok/s", "{:.1f}"), ("ttft_ms", "TTFT ms", "{:.1f}"))
 ENGINES = ("vLLM", "SGLang", "TGI", "LMDeploy", "transformers", "llama.cpp", "TensorRT-LLM", "ExLlamaV2")
-# qbuild.formats' engine names (manifest `loads_in`) → the card's
+# qbuild.contract.formats' engine names (manifest `loads_in`) → the card's
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "tgi": "TGI", "lmdeploy": "LMDeploy", "transformers": "transformers",
                 "llama.cpp": "llama.cpp", "trtllm-pytorch": "TensorRT-LLM", "tensorrt-llm": "TensorRT-LLM",
                 "trtllm-build": "TensorRT-LLM", "exllamav2": "ExLlamaV2"}
@@ -44,8 +44,8 @@ def _gguf_file(manifest: dict) -> str:
 
 def load_table(manifest: dict, name: str = "MODEL_DIR") -> list[tuple[str, bool, str]]:
     """(engine, loads it, how) for every engine. Which engines load it is the manifest's `loads_in` (the one
-    table in qbuild/formats.py, worked out for manifests older than it); the command is the format's declared one."""
-    from qbuild.formats import manifest_loads_in
+    table in qbuild/contract/formats.py, worked out for manifests older than it); the command is the format's declared one."""
+    from qbuild.contract.formats import manifest_loads_in
 
     fmt = manifest.get("format") or ""
     info = manifest.get("info") or {}
@@ -66,7 +66,7 @@ def load_table(manifest: dict, name: str = "MODEL_DIR") -> list[tuple[str, bool,
 
 
 def _how(engine: str, fmt: str, manifest: dict, name: str) -> str:
-    from qbuild.formats import load_command
+    from qbuild.contract.formats import load_command
 
     how = load_command(fmt, engine, name, _gguf_file(manifest)) or f"load `{name}` with {ENGINE_NAMES[engine]}"
     tc = manifest.get("toolchain") or {}

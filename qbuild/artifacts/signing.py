@@ -30,7 +30,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from qbuild.errors import MissingBackendError, QBuildError, UserError
+from qbuild.base.errors import MissingBackendError, QBuildError, UserError
 
 ENV_KEY = "QBUILD_SIGNING_KEY"
 STATEMENT = "provenance.intoto.json"

@@ -1,6 +1,6 @@
 """Everything TensorRT-LLM-specific, in one place.
 
-modelopt.py         method `modelopt`: NVIDIA ModelOpt quantization, exported as a TensorRT-LLM
+quantize/modelopt/  method `modelopt`: NVIDIA ModelOpt quantization, exported as a TensorRT-LLM
                     checkpoint (engine path) or an HF checkpoint (PyTorch-backend path)
 checkpoint.py       validation of those exports against the source model (the RoPE-base trap ...)
 engine.py           target `tensorrt-llm`: trtllm-build engines (TensorRT-LLM 1.2.x), keyed by GPU SM

@@ -29,15 +29,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from qbuild.base.errors import RecipeError, UserError
+from qbuild.base.schema_base import StrictModel
+from qbuild.base.tool_run import run_tool
 from qbuild.build import trtllm_env
 from qbuild.build.trtllm_select import ENGINE_KIND
-from qbuild.core.schema_base import StrictModel
-from qbuild.core.step import OnUnavailable, Step, StepContext
-from qbuild.core.tool_run import run_tool
-from qbuild.errors import RecipeError, UserError
-from qbuild.formats import Format
+from qbuild.contract.formats import Format
+from qbuild.contract.plugin import PullOption, Target, TargetOptions, targets
+from qbuild.contract.step import OnUnavailable, Step, StepContext
 from qbuild.models.checkpoint import QUANT_ALGO
-from qbuild.plugins import PullOption, Target, TargetOptions, targets
 
 ENGINE_LINE = (1, 2)                 # the last TensorRT-LLM line with the TensorRT engine builder
 BUILD_INFO = "qbuild-engine.json"

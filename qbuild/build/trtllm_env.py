@@ -1,8 +1,8 @@
-"""Cheap probes of the two facts a TensorRT-LLM engine depends on: the GPU (qbuild.core.hardware) and the
+"""Cheap probes of the two facts a TensorRT-LLM engine depends on: the GPU (qbuild.base.hardware) and the
 TensorRT-LLM install.
 
 Neither probe imports tensorrt_llm (its import needs libcuda and takes seconds):
-  gpu()        qbuild.core.hardware.gpu(): `nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader`
+  gpu()        qbuild.base.hardware.gpu(): `nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader`
   trtllm(py)   versions read from package metadata, in qbuild's own Python (find_spec) or in a
                configured one (recipe `python:` or QBUILD_TRTLLM_PYTHON, e.g. a wrapper that runs
                python inside NVIDIA's release container with the same paths mounted)
@@ -24,10 +24,10 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from qbuild.core import hardware
+from qbuild.base import hardware
 
 # the machine facts an engine is keyed on come from the core's probe (one nvidia-smi call per process)
-from qbuild.core.hardware import FAKE_ARCH, FAKE_GPU, GPU, gpu, host_arch, sm_tag  # noqa: F401
+from qbuild.base.hardware import FAKE_ARCH, FAKE_GPU, GPU, gpu, host_arch, sm_tag  # noqa: F401
 
 ENV_PYTHON = "QBUILD_TRTLLM_PYTHON"
 FAKE_TRTLLM = "QBUILD_FAKE_TRTLLM"

@@ -19,10 +19,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.core.schema_base import StrictModel
-from qbuild.core.step import Step, StepContext
-from qbuild.formats import Format
-from qbuild.plugins import Target, TargetOptions, targets
+from qbuild.base.schema_base import StrictModel
+from qbuild.contract.formats import Format
+from qbuild.contract.plugin import Target, TargetOptions, targets
+from qbuild.contract.step import Step, StepContext
 
 KIND = "trtllm-pytorch-package"
 OPTIONS_FILE = "extra_llm_api_options.yaml"

@@ -7,7 +7,7 @@ import json
 import numpy as np
 
 from qbuild.calibration.sources import read_source
-from qbuild.core.step import StepContext
+from qbuild.contract.step import StepContext
 
 OUTPUT = "calibration.safetensors"
 INFO = "calibration.json"

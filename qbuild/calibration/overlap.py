@@ -30,7 +30,7 @@ import os
 import re
 from pathlib import Path
 
-from qbuild.core.hashing import canonical_json, sha256_text
+from qbuild.base.hashing import canonical_json, sha256_text
 
 NGRAM = 13
 MIN_WORDS = 8   # a shorter evaluation document is shared only as a whole calibration document
@@ -107,7 +107,7 @@ def describe(identity: dict) -> str:
 
 
 def _cache_file(key: str) -> Path:
-    from qbuild.core.fingerprint import cache_dir
+    from qbuild.base.fingerprint import cache_dir
 
     return cache_dir() / "overlap" / f"{key}.json"
 

@@ -8,7 +8,7 @@ import numpy as np
 
 from qbuild.calibration.build import load_tokenizer, render
 from qbuild.calibration.sources import read_source
-from qbuild.core.step import StepContext
+from qbuild.contract.step import StepContext
 
 TOKENS = "tokens.safetensors"
 INFO = "tokens.json"

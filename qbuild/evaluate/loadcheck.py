@@ -17,8 +17,8 @@ import json
 import time
 from pathlib import Path
 
-from qbuild.core.step import StepContext
-from qbuild.plugins import open_session
+from qbuild.contract.plugin import open_session
+from qbuild.contract.step import StepContext
 
 PROMPT = "prompt.json"        # {prompt, token_ids, add_special_tokens}
 TOKENIZER = "tokenizer"       # the baseline's tokenizer files, which decode every check's tokens

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from qbuild.core.step import StepContext
+from qbuild.contract.plugin import open_session
+from qbuild.contract.protocol import score_rows, summarize, windows
+from qbuild.contract.step import StepContext
 from qbuild.evaluate import reference_encoding
 from qbuild.evaluate.data import load_tokens
 from qbuild.evaluate.llamacpp_kld import llamacpp_kld, read_kld_base
-from qbuild.evaluate.protocol import score_rows, summarize, windows
-from qbuild.plugins import open_session
 
 LOGPROBS = "logprobs.npy"        # float16 [scored positions × vocab], windows in order, rows in position order
 TOP1 = "top1.npy"                # int32 [scored positions]: each row's argmax, from the float32 log-probs
@@ -207,7 +207,7 @@ def perplexity(ctx: StepContext) -> dict:
 
 def perplexity_of_a_measured_file(ctx: StepContext) -> dict:
     """A `perplexity` step of an artifact that is, byte for byte, one of its measured candidates (a search's chosen
-    finalist; qbuild.evaluate.plan.measured_candidates): that candidate's measurement, same params and inputs, is
+    finalist; qbuild.planning.evaluation.measured_candidates): that candidate's measurement, same params and inputs, is
     this step's result, so its files and metrics are copied instead of running the model again. Which candidate it is
     is decided by content: the one whose files all appear in the artifact with the same sha256; none is an error
     (the planner paired an artifact that is not one of its candidates)."""

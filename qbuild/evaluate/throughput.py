@@ -7,9 +7,9 @@ import statistics
 
 import numpy as np
 
-from qbuild.core.fingerprint import cpu_model
-from qbuild.core.step import StepContext
-from qbuild.plugins import open_session
+from qbuild.base.fingerprint import cpu_model
+from qbuild.contract.plugin import open_session
+from qbuild.contract.step import StepContext
 
 
 def run(ctx: StepContext) -> dict:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from qbuild.core.step import StepContext
+from qbuild.contract.step import StepContext
 
 # GGUF metadata key suffix → HF config name, for plan-time shape checks
 _CONFIG_KEYS = {

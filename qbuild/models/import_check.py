@@ -12,7 +12,7 @@ Two things must agree, or the import fails in one line and no step that reads th
   weights), so a quantized source is close, not bit-exact.
 
 The step is keyed on the import (its key), the evaluation text (the eval-data step) and the protocol, so a passing
-check is stored and costs once. Plan side: qbuild/models/fidelity_plan.py; PlanContext.gate makes every step that
+check is stored and costs once. Plan side: qbuild/planning/fidelity.py; PlanContext.gate makes every step that
 reads the baseline wait for it.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qbuild.core.step import StepContext
+from qbuild.contract.step import StepContext
 
 # the source's general.file_type (gguf.LlamaFileType name) → (mean KLD bound, top-1 agreement bound): what llama.cpp's
 # arithmetic on that type (activations rounded to F16 or Q8 in its matrix products) leaves against exact float32 on
@@ -155,8 +155,8 @@ def _divergence(ctx: StepContext, source: Path, ids: list[int], bos: int | None)
     """KL(llama.cpp on the source ‖ transformers on the import) and top-1 agreement on the first windows."""
     import numpy as np
 
-    from qbuild.evaluate.protocol import score_rows, windows
-    from qbuild.plugins import open_session
+    from qbuild.contract.plugin import open_session
+    from qbuild.contract.protocol import score_rows, windows
 
     p = ctx.params
     wins = windows(np.asarray(ids), p["protocol"], p["context_length"], p["add_bos"], bos, p["windows"], p["stride"])

@@ -1,8 +1,10 @@
-"""Quantization methods: one module per method, each a `qbuild.plugins.Method` registered by name.
+"""Quantization methods: one module per method, each a `qbuild.plugins.Method` registered by name; a method with
+both a plan side and a worker side of any size is a small package instead: options.py (its schema and tables),
+method.py (the registered Method: plan-time only) and run.py (what its steps run, imported only in a worker).
 
-gguf.py (llama.cpp), gptq.py / awq.py / fp8.py / rtn.py / smoothquant.py (llm-compressor, sharing
+gguf/ (llama.cpp), gptq.py / awq.py / fp8.py / rtn.py / smoothquant.py (llm-compressor, sharing
 llmcompressor.py), bitsandbytes.py (bitsandbytes through transformers), autoround.py (auto-round);
-ModelOpt for TensorRT-LLM lives with the rest of TensorRT-LLM in qbuild/quantize/modelopt.py.
+ModelOpt for TensorRT-LLM lives with the rest of TensorRT-LLM in modelopt/.
 Adding a method is adding a module here (see docs/plugins.md); heavy libraries are imported only
-inside the functions its steps run.
+inside the functions its steps run, or at the top of a run.py.
 """

@@ -23,12 +23,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.core.step import Step, StepContext
-from qbuild.formats import HF_RUNTIMES, Format, FormatSpec, register_format
-from qbuild.plugins import Method, methods
+from qbuild.contract.formats import HF_RUNTIMES, Format, FormatSpec, register_format
+from qbuild.contract.plugin import Method, methods
+from qbuild.contract.shapes import is_ignored
+from qbuild.contract.step import Step, StepContext
+from qbuild.contract.variant import dir_size
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.base import dir_size
-from qbuild.quantize.shapes import is_ignored
 
 TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")
 # AutoRound's own export (quant_method auto-round), declared here: transformers, vLLM and SGLang load it

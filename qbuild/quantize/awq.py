@@ -16,10 +16,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.core.step import Step
-from qbuild.errors import RecipeError
-from qbuild.formats import Format
-from qbuild.plugins import methods
+from qbuild.base.errors import RecipeError
+from qbuild.contract.formats import Format
+from qbuild.contract.plugin import methods
+from qbuild.contract.step import Step
 from qbuild.quantize import awq_gemm
 from qbuild.quantize import llmcompressor as lc
 

@@ -33,9 +33,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qbuild.core.schema_base import StrictModel
-from qbuild.core.step import Step, StepContext
-from qbuild.errors import RecipeError
+from qbuild.base.errors import RecipeError
+from qbuild.base.schema_base import StrictModel
+from qbuild.contract.step import Step, StepContext
 
 SCHEME_BITS = {"W4A16": 4, "W8A16": 8}   # integer weight-only schemes vLLM's kernels serve (4 and 8 bits)
 BASE_SCHEME = "W8A16"
@@ -136,7 +136,7 @@ def check_search(variant, ctx, field: str) -> None:
         raise RecipeError(f"{field}.bits", "search chooses each layer's bits: remove bits (or give search.schemes)")
     if not variant.sym:
         raise RecipeError(f"{field}.sym", "a search mixes W8A16, which vLLM serves symmetric only: set sym: true")
-    from qbuild.quantize.shapes import config_linear_names
+    from qbuild.contract.shapes import config_linear_names
 
     names = set(config_linear_names(ctx.model_info()) or ())
     layers = _layers(ctx)
@@ -156,7 +156,7 @@ def _layers(ctx) -> int:
 def plan_search(variant, ctx, quantize_step) -> Step:
     """The search's steps (module docstring); returns the step whose output is the variant's artifact.
     `quantize_step(name, params, extra_inputs)` makes an llm-compressor quantize step of this variant."""
-    from qbuild.evaluate.plan import kld_step
+    from qbuild.planning.evaluation import kld_step
 
     search, label = variant.search, variant.name
     groups = module_groups(_layers(ctx), search.layer_bands)
@@ -184,7 +184,7 @@ def plan_search(variant, ctx, quantize_step) -> Step:
         q = quantize_step(f"quantize[{label}~cand{i}]", {**common, "candidate": i}, {"allocation": allocation})
         select_inputs[f"q:{i}"] = q
         select_inputs[f"m:{i}"] = kld_step(ctx, f"{label}~cand{i}", q, None)
-    from qbuild.formats import Format
+    from qbuild.contract.formats import Format
 
     return ctx.add(Step("ct-search-select", f"quantize[{label}]", {"budget": search.budget(),
                                                                    "objective": search.objective},
@@ -321,8 +321,8 @@ def candidate_assignment(allocation_dir: Path, index: int) -> list[dict]:
 def run_select(ctx: StepContext) -> dict:
     """The best measured candidate that meets the budget becomes the artifact: its checkpoint's files and
     search.json (the record, travelling with the checkpoint)."""
-    from qbuild.formats import Format
-    from qbuild.quantize.base import dir_size
+    from qbuild.contract.formats import Format
+    from qbuild.contract.variant import dir_size
 
     p = ctx.params
     alloc = json.loads((Path(ctx.inputs["allocation"]) / ALLOCATION_FILE).read_text())

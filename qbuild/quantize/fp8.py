@@ -14,9 +14,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.plugins import methods
+from qbuild.contract.plugin import methods
+from qbuild.contract.variant import VariantBase
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.base import VariantBase
 
 
 class FP8Variant(VariantBase):

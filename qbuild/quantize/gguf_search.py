@@ -30,11 +30,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qbuild.core.schema_base import StrictModel
-from qbuild.core.step import Step, StepContext
-from qbuild.errors import RecipeError
+from qbuild.base.errors import RecipeError
+from qbuild.base.schema_base import StrictModel
+from qbuild.contract.step import Step, StepContext
 
-OUTPUT_FILE = "model.gguf"   # qbuild.quantize.gguf's file name (a quantize step's one file)
+OUTPUT_FILE = "model.gguf"   # qbuild.quantize.gguf.options' file name (a quantize step's one file)
 ALLOCATION_FILE = "allocation.json"
 SEARCH_FILE = "search.json"   # the artifact's own short record (budget, chosen types, command) beside the .gguf
 RECORD_RESERVE = 8192         # bytes of the budget kept for search.json, so the whole artifact meets it
@@ -238,7 +238,7 @@ def check_search(variant, ctx, field: str) -> None:
 def plan_search(variant, ctx, inputs: dict[str, Step], quantize_step, block_size, names, cols) -> Step:
     """The search's steps (module docstring); returns the step whose output is the variant's artifact.
     `quantize_step(name, params, extra_inputs)` makes a quantize step like the variant's own."""
-    from qbuild.evaluate.plan import kld_step
+    from qbuild.planning.evaluation import kld_step
 
     search = variant.search
     imatrix = "imatrix" in inputs

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.plugins import methods
+from qbuild.contract.plugin import methods
 from qbuild.quantize import llmcompressor as lc
 
 

@@ -1,6 +1,6 @@
 """llama.cpp's log while qbuild calls the library in-process (llama_model_quantize): it goes on into the step's log
 as llama-cpp-python sends it, and its last bytes are kept, so a call that fails says why
-(qbuild.core.tool_run.ToolFailed) instead of only its return code."""
+(qbuild.base.tool_run.ToolFailed) instead of only its return code."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from qbuild.core.tool_run import OutputTail
+from qbuild.base.tool_run import OutputTail
 
 
 @contextmanager

@@ -17,11 +17,11 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from qbuild.core.step import Step, StepContext
-from qbuild.formats import Format
-from qbuild.plugins import Method
-from qbuild.quantize.base import VariantBase, dir_size, group_size_value
-from qbuild.quantize.shapes import check_group_size, check_module_patterns
+from qbuild.contract.formats import Format
+from qbuild.contract.plugin import Method
+from qbuild.contract.shapes import check_group_size, check_module_patterns
+from qbuild.contract.step import Step, StepContext
+from qbuild.contract.variant import VariantBase, dir_size, group_size_value
 
 # distributions whose versions enter the key of a quantize step
 TOOLS = ("llmcompressor", "compressed-tensors", "torch", "transformers", "safetensors")

@@ -11,9 +11,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.core.step import Step
-from qbuild.formats import Format
-from qbuild.plugins import methods
+from qbuild.contract.formats import Format
+from qbuild.contract.plugin import methods
+from qbuild.contract.step import Step
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.ct_search import CTSearch, check_search, plan_search
 

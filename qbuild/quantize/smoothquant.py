@@ -18,10 +18,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.core.step import StepContext
-from qbuild.plugins import methods
+from qbuild.contract.plugin import methods
+from qbuild.contract.step import StepContext
+from qbuild.contract.variant import VariantBase
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.base import VariantBase
 
 
 class SmoothQuantVariant(VariantBase):

@@ -7,8 +7,8 @@ input, tool version, qbuild's implementation), else the reasons the planner reco
 
 from __future__ import annotations
 
-from qbuild.core.plan import change_reasons
-from qbuild.errors import UserError
+from qbuild.base.errors import UserError
+from qbuild.pipeline.plan import change_reasons
 
 METRICS = ("ppl", "kld", "top1", "decode_tok_s", "size_bytes")
 
@@ -16,7 +16,7 @@ METRICS = ("ppl", "kld", "top1", "decode_tok_s", "size_bytes")
 def find_record(store, name: str) -> dict:
     """A run id (or a unique prefix of one). NAME follows the name grammar: it never becomes a path by itself."""
     from qbuild.artifacts.store import read_json
-    from qbuild.core.names import valid_name
+    from qbuild.base.names import valid_name
 
     if not valid_name(name):
         raise UserError(f"invalid run id {name[:80]!r}: use letters, digits, '.', '_' or '-'")
@@ -133,7 +133,7 @@ def render(data: dict, console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from qbuild.core.units import human_size
+    from qbuild.base.units import human_size
 
     table = Table(title=f"diff · {data['recipe']} · {data['a']} → {data['b']}", title_justify="left")
     for col, just in (("variant", "left"), ("PPL", "right"), ("ΔPPL", "right"), ("ΔKLD", "right"),

@@ -5,7 +5,7 @@ write_through  every object of the run that a remote lacks is uploaded (files, s
                signing key, SLSA provenance + signature) and their refs; a named object that is no model
                (RECIPE/imatrix) gets its refs only. Called when no step failed, for
                remotes whose policy is `always` or `on-success`; `always` remotes already got each object
-               right after it was built (qbuild/core/executor.py), this adds what only the end of a run knows.
+               right after it was built (qbuild/pipeline/executor.py), this adds what only the end of a run knows.
 register       one MLflow model version per variant artifact, pointing at the store that holds it; the
                alias (e.g. champion) moves only when every quality gate passed, and with `selection:` only to
                the selected artifact (tagged with its serving config and server command).
@@ -20,14 +20,15 @@ import logging
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.remote.cache import build_sidecars, push_hit, should_push
-from qbuild.core.step import Outcome
-from qbuild.formats import spec as format_spec
+from qbuild.base.errors import QBuildError
+from qbuild.contract.formats import spec as format_spec
+from qbuild.contract.step import Outcome
 
 if TYPE_CHECKING:
     from qbuild.artifacts.remote.base import RemoteStore
     from qbuild.artifacts.store import Store
-    from qbuild.core.outcome import StepOutcome
-    from qbuild.core.plan import Plan
+    from qbuild.pipeline.outcome import StepOutcome
+    from qbuild.pipeline.plan import Plan
 
 log = logging.getLogger("qbuild")
 
@@ -140,7 +141,7 @@ def register(plan: Plan, outcomes: list[StepOutcome], summary: dict, store: Stor
     spec = plan.recipe.model_registry
     uri = spec.tracking_uri or tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
-        from qbuild.errors import UserError
+        from qbuild.base.errors import UserError
 
         raise UserError("register: needs an MLflow tracking URI (register.tracking_uri, tracking.mlflow.uri, "
                         "--mlflow or MLFLOW_TRACKING_URI)")
@@ -175,3 +176,33 @@ def register(plan: Plan, outcomes: list[StepOutcome], summary: dict, store: Stor
             if not e["alias"] and e["name"] not in holders:
                 mlflow_registry.drop_alias(uri, e["name"], spec.alias)
     return out
+
+
+def push(name: str, to: str, *, store=None, progress=None) -> dict:
+    """Upload NAME (ref or digest) from the local store to a remote: files, sidecars, manifest, action record, ref."""
+    from qbuild.artifacts.access import open_store
+    from qbuild.artifacts.remote import open_remote
+    from qbuild.artifacts.signing import signing_key
+    from qbuild.artifacts.store import REF_RE
+
+    st = open_store(store)
+    digest = st.resolve(name)
+    manifest = st.manifest(digest)
+    problems = st.check_object(digest)   # the upload hashes each file as it sends it (one read)
+    if problems or not isinstance(manifest.get("key"), str):
+        raise QBuildError(f"{name}: object {digest[:12]} is damaged: {'; '.join(problems) or 'manifest has no key'} "
+                          "(run `qbuild verify --repair`, then rebuild); nothing pushed")
+    remote = open_remote(to)
+    m = REF_RE.match(name)
+    refs = [(m.group("recipe"), m.group("variant"), m.group("tag") or "latest")] if m else []
+    names = [f"{recipe}/{variant}" for recipe, variant, _ in refs]   # what the signature binds (signing.verify)
+
+    def sidecars(previous=None):
+        return build_sidecars(st, digest, names=names, previous=previous)
+
+    uploaded = push_hit(remote, st, manifest["key"], digest, None, sidecars=sidecars, refs=(), progress=progress)
+    if not uploaded and signing_key() is not None:   # already there: its signature must name this ref too
+        refresh_signature(remote, digest, sidecars, names)
+    for recipe, variant, tag in refs:
+        remote.set_ref(recipe, variant, tag, digest, manifest["key"])
+    return {"digest": digest, "remote": remote.display, "uploaded": uploaded, "refs": [f"{a}/{b}:{c}" for a, b, c in refs]}

@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from qbuild.artifacts.store import Store, now_iso, read_json
-from qbuild.core.hardware import machine_facts
+from qbuild.base.errors import UserError
+from qbuild.base.hardware import machine_facts
 
 KEEP_HISTORY = 10          # earlier checks kept in the record, newest first
 TIMING = "a timing: its output is a measurement of this machine, never bit-identical"
@@ -119,9 +120,9 @@ def summarize_checks(rows: list[dict], st: Store) -> dict:
 
 def check_steps(st: Store, plan, planned, *, progress=None, log=None) -> list[dict]:
     """One result row per planned step: re-executed and compared, or why it was not checked."""
-    from qbuild.core.executor import Executor
-    from qbuild.core.plan import PlannedStep
-    from qbuild.core.step import Outcome, PlanStatus
+    from qbuild.contract.step import Outcome, PlanStatus
+    from qbuild.pipeline.executor import Executor
+    from qbuild.pipeline.plan import PlannedStep
 
     rows = []
     for ps in planned:
@@ -144,10 +145,10 @@ def check_steps(st: Store, plan, planned, *, progress=None, log=None) -> list[di
 def after_run(st: Store, the_plan, wanted: list[str], progress=None) -> tuple[dict, list[dict]]:
     """A recipe's `runtime.rebuild_check` (step kinds or names): those steps re-executed right after the run, and
     one gate row per step (passed: bit-identical), so a nightly job fails (exit 3) on a step that is not."""
-    from qbuild.core.plan import _status
+    from qbuild.pipeline.plan import step_status
 
     chosen = [p.step for p in the_plan.steps if p.step.kind in wanted or p.step.name in wanted]
-    planned = [_status(s, st, the_plan.recipe.name) for s in chosen]   # built by the run: stored now
+    planned = [step_status(s, st, the_plan.recipe.name) for s in chosen]   # built by the run: stored now
     rows = check_steps(st, the_plan, planned, progress=progress)
     gates = [{"gate": "rebuild_check", "variant": r["step"], "check": "rebuild_identical",
               "metric": "bit-identical rebuild", "value": float(r["status"] == "identical"), "bound": 1.0,
@@ -189,3 +190,50 @@ def _check_one(st: Store, plan, ps, Executor, PlannedStep, Outcome, PlanStatus, 
                "where": socket.gethostname(), "machine": machine_facts(), "qbuild_python": sys.executable}
     _record(st, stored_digest, result)
     return result
+
+
+def rebuild_check(names, *, store=None, progress=None, log=None) -> dict:
+    """Re-execute the stored steps of a recipe (or of the named refs/digests) in scratch and compare each with the
+    stored object. Returns {"steps": [...], "identical": bool, ...}; records each result beside its object."""
+    from qbuild.artifacts.access import open_store
+    from qbuild.pipeline.run import load
+
+    names = tuple(names)
+    if not names:
+        raise UserError("verify --rebuild needs a RECIPE file or refs/digests to re-execute")
+    recipe_file = len(names) == 1 and Path(names[0]).suffix in (".yaml", ".yml") and Path(names[0]).is_file()
+    st = open_store(store, load(names[0])[0] if recipe_file else None)   # a recipe names its own store
+    st.require_writable("verify --rebuild (it records the result beside each object)")
+    rows = []
+    for the_plan, checked in _plans_to_recheck(names, st):
+        rows += check_steps(st, the_plan, checked, progress=progress, log=log)
+    return summarize_checks(rows, st)
+
+
+def _plans_to_recheck(names: tuple[str, ...], st: Store):
+    """(plan, [planned steps to check]) for a recipe file, or for refs/digests (through the recipe each manifest
+    names: the step's runtime paths come from planning it again)."""
+    from qbuild.pipeline.run import plan
+
+    if len(names) == 1 and Path(names[0]).suffix in (".yaml", ".yml") and Path(names[0]).is_file():
+        the_plan = plan(names[0], store=st)
+        return [(the_plan, list(the_plan.steps))]
+    wanted: dict[str, list[str]] = {}   # recipe path → keys
+    for name in names:
+        digest = st.resolve(name)
+        manifest = st.manifest(digest)
+        path = (manifest.get("recipe") or {}).get("path")
+        if not path or not Path(path).is_file():
+            raise UserError(f"{name}: the recipe it was built from ({path or 'not recorded'}) is not here; "
+                            "give the recipe file instead")
+        wanted.setdefault(path, []).append(manifest["key"])
+    out = []
+    for path, keys in wanted.items():
+        the_plan = plan(path, store=st)
+        found = {p.step.key: p for p in the_plan.steps}
+        missing = [k[:12] for k in keys if k not in found]
+        if missing:
+            raise UserError(f"{path} no longer plans step(s) {', '.join(missing)} (the recipe or the tools changed); "
+                            "nothing to re-execute them from")
+        out.append((the_plan, [found[k] for k in keys]))
+    return out

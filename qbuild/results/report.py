@@ -9,8 +9,8 @@ import html
 import json
 from pathlib import Path
 
-from qbuild.core.units import human_size
-from qbuild.errors import UserError
+from qbuild.base.errors import UserError
+from qbuild.base.units import human_size
 
 
 def _well_formed(record: dict | None) -> bool:
@@ -22,10 +22,10 @@ def _well_formed(record: dict | None) -> bool:
 def find_run(store, name: str | None) -> dict:
     """A run id, a recipe name (its latest run), a recipe file, or None (the store's latest run).
 
-    NAME never becomes a path by itself: a run id or recipe name must follow the name grammar (qbuild/core/names.py).
+    NAME never becomes a path by itself: a run id or recipe name must follow the name grammar (qbuild/base/names.py).
     Unreadable or damaged run records are skipped (or, named by id, refused in one line)."""
     from qbuild.artifacts.store import read_json
-    from qbuild.core.names import valid_name
+    from qbuild.base.names import valid_name
 
     runs = [r for r in store.runs() if _well_formed(r)]   # oldest first, by when they finished
     if not runs:
@@ -39,7 +39,7 @@ def find_run(store, name: str | None) -> dict:
                     raise UserError(f"run record {exact} is unreadable or damaged")
                 return record
         if Path(name).is_file() and Path(name).suffix in (".yaml", ".yml"):  # a recipe path: use its name
-            from qbuild.core.recipe import load_recipe
+            from qbuild.planning.recipe import load_recipe
 
             name = load_recipe(name).name
         elif not valid_name(name):

@@ -263,7 +263,7 @@ def _not_served(row: dict, points: list[dict], serving) -> str | None:
             f" ({failed['error']})" if failed.get("error") else "")
     if serving is None:
         return "the recipe has no evaluation.serving"
-    from qbuild.serving.plan import wanted
+    from qbuild.planning.serving import wanted
 
     if not wanted(serving, row["variant"]):
         return "evaluation.serving.variants leaves it out"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from qbuild.core.outcome import StepOutcome
-from qbuild.core.plan import Artifact, Plan
-from qbuild.core.step import Outcome
-from qbuild.core.units import human_size
+from qbuild.base.units import human_size
+from qbuild.contract.step import Outcome
 from qbuild.evaluate.tasks import add_deltas as add_task_deltas
 from qbuild.evaluate.tasks import summary_rows as task_rows
+from qbuild.pipeline.outcome import StepOutcome
+from qbuild.pipeline.plan import Artifact, Plan
 from qbuild.serving.confidence import with_ci
 
 # "reference" is the baseline's one pass with KLD on (its perplexity + reference log-probs); a variant's
@@ -33,9 +33,9 @@ QUALITY_FIELDS = ("ppl", "delta_ppl_pct", "kld", "top1")
 
 def _add_serving_quality(rows: list[dict], outcomes: list[StepOutcome], recipe, base_ppl: float | None) -> None:
     """Each serving point gets the quality of its artifact under its config: the artifact's own numbers, or those of
-    its pass under the config's quantized KV cache (qbuild.evaluate.plan.serving_quality_step; None where that could
+    its pass under the config's quantized KV cache (qbuild.planning.evaluation.serving_quality_step; None where that could
     not be measured), so KLD cost and KV memory saving sit side by side."""
-    from qbuild.evaluate.plan import kv_measured_apart
+    from qbuild.planning.evaluation import kv_measured_apart
 
     perplexity = recipe.evaluation.perplexity
     kv_of = {c.name: c.kv_cache_dtype for c in recipe.evaluation.serving.configs}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from qbuild.errors import MissingBackendError
+from qbuild.base.errors import MissingBackendError
 
 METRICS = ("ppl", "delta_ppl", "delta_ppl_pct", "kld", "top1", "decode_tok_s", "prefill_tok_s", "ttft_ms",
            "throughput_ratio", "size_bytes")
@@ -33,7 +33,7 @@ def log_run(uri: str, experiment: str | None, recipe, summary: dict, store, repo
         import mlflow
     except ImportError:
         raise MissingBackendError("MLflow tracking needs mlflow, which", "mlflow") from None
-    from qbuild.core.names import redact_tree
+    from qbuild.base.names import redact_tree
 
     mlflow.set_tracking_uri(uri)
     mlflow.set_experiment(experiment or f"qbuild/{recipe.name}")
@@ -41,7 +41,7 @@ def log_run(uri: str, experiment: str | None, recipe, summary: dict, store, repo
     summary = redact_tree(summary)
     with mlflow.start_run(run_name=f"{recipe.name} {summary['run_id']}") as parent:
         mlflow.log_params(flatten({k: v for k, v in resolved.items() if k not in ("variants", "store")}))
-        mlflow.set_tags({"qbuild.run_id": summary["run_id"], "qbuild.core.recipe": recipe.name,
+        mlflow.set_tags({"qbuild.run_id": summary["run_id"], "qbuild.planning.recipe": recipe.name,
                          "qbuild.store": summary.get("store", ""), "qbuild.gates_passed":
                          str(summary.get("gates", {}).get("passed", "n/a"))})
         mlflow.log_dict(summary, "summary.json")

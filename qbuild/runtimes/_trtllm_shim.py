@@ -2,7 +2,7 @@
 
 qbuild copies this file and protocol.py next to the request and runs
     <trtllm python> _shim.py REQUEST.json RESULT.json
-REQUEST: {"engine": dir, "tokenizer": HF dir, "protocol": path of a copy of qbuild/evaluate/protocol.py,
+REQUEST: {"engine": dir, "tokenizer": HF dir, "protocol": path of a copy of qbuild/contract/protocol.py,
           "windows": [{"tokens": [...], "first_scored": n}, ...], "vocab_size": source model's n | null,
           "batch": n, "logits_dir": dir | null}
 RESULT:  {"nll": [[nll_sum, tokens_scored], ...], "runtime": {...}, "seconds": s}

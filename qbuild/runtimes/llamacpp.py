@@ -7,8 +7,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from qbuild.core.step import StepContext
-from qbuild.plugins import Runtime, RuntimeSession, runtimes
+from qbuild.contract.plugin import Runtime, RuntimeSession, runtimes
+from qbuild.contract.step import StepContext
 
 
 class LlamaCppSession(RuntimeSession):
@@ -17,7 +17,7 @@ class LlamaCppSession(RuntimeSession):
         import llama_cpp
         from llama_cpp import Llama
 
-        from qbuild.quantize.gguf import ggml_type_id
+        from qbuild.quantize.gguf.run import ggml_type_id
 
         files = sorted(Path(path).glob("*.gguf")) if Path(path).is_dir() else [Path(path)]
         if len(files) != 1:
@@ -120,7 +120,7 @@ def gpu_layers(gguf: Path, n_ctx: int, free: int | None = None) -> int:
     """n_gpu_layers for `gguf`: -1 (all) when the file fits the GPU's free memory with GPU_RESERVE to spare, else the
     number of repeating layers that fit (the output and embeddings count as one more); -1 when the free memory
     cannot be read (llama.cpp's own default on a GPU build)."""
-    from qbuild.core.hardware import gpu_free_bytes
+    from qbuild.base.hardware import gpu_free_bytes
 
     free = gpu_free_bytes() if free is None else free
     size = gguf.stat().st_size

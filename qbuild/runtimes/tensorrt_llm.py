@@ -24,12 +24,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from qbuild.base.errors import RecipeError
+from qbuild.base.fingerprint import cpu_model
+from qbuild.base.tool_run import run_tool
 from qbuild.build import tensorrt_llm as trt
-from qbuild.core.fingerprint import cpu_model
-from qbuild.core.step import StepContext
-from qbuild.core.tool_run import run_tool
-from qbuild.errors import RecipeError
-from qbuild.plugins import EvalStepFields, Runtime, RuntimeSession, runtimes
+from qbuild.contract.plugin import EvalStepFields, Runtime, RuntimeSession, runtimes
+from qbuild.contract.step import StepContext
 
 SHIM = Path(__file__).with_name("_trtllm_shim.py")
 
@@ -66,7 +66,7 @@ class EngineSession(RuntimeSession):
         """Run the shim over every window in the TensorRT-LLM interpreter, then hand out each window's logits."""
         import numpy as np
 
-        from qbuild.evaluate import protocol
+        from qbuild.contract import protocol
 
         ctx = self.ctx
         with _workdir(ctx) as work:

@@ -7,8 +7,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from qbuild.core.step import HF_PRELOAD, StepContext
-from qbuild.plugins import Runtime, RuntimeSession, runtimes
+from qbuild.contract.plugin import Runtime, RuntimeSession, runtimes
+from qbuild.contract.step import HF_PRELOAD, StepContext
 
 
 class CheckpointNotLoaded(RuntimeError):

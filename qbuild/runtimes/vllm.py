@@ -17,7 +17,7 @@ the same protocol code (qbuild/evaluate/quality.py) as every runtime's logits, s
 the transformers baseline. Cost: window length x vocabulary float32 per window crosses from vLLM to the
 shim (FlatLogprobs where the vLLM release has them: no Python object per entry).
 
-Plan side: formats are those vLLM loads (qbuild.formats.LOADS_IN lists "vllm"); transformers stays first
+Plan side: formats are those vLLM loads (qbuild.contract.formats.LOADS_IN lists "vllm"); transformers stays first
 for the formats both read, so vLLM evaluates what only it reads (ModelOpt's FP8 HF export) and joins the
 load check where it can run here, or where evaluation.load_check.runtimes names it. Without a GPU or a vLLM
 interpreter its steps plan as needs-gpu, with the reason, and are skipped by `qbuild run` (an evaluation
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from qbuild.core.step import OnUnavailable, StepContext
-from qbuild.core.tool_run import run_tool
-from qbuild.formats import loads_in
-from qbuild.plugins import EvalStepFields, Runtime, RuntimeSession, runtimes
+from qbuild.base.tool_run import run_tool
+from qbuild.contract.formats import loads_in
+from qbuild.contract.plugin import EvalStepFields, Runtime, RuntimeSession, runtimes
+from qbuild.contract.step import OnUnavailable, StepContext
 
 ENV_PYTHON = "QBUILD_VLLM_PYTHON"
 SHIM = Path(__file__).with_name("_vllm_shim.py")
@@ -95,7 +95,7 @@ def probe(python: str | None) -> VllmEnv | None:
 
 def availability() -> tuple[dict, list[str], str | None]:
     """(facts for the key, reasons it cannot run here, the interpreter)."""
-    from qbuild.core import hardware as gpu_env  # the nvidia-smi probe (and its test hook)
+    from qbuild.base import hardware as gpu_env  # the nvidia-smi probe (and its test hook)
 
     python = configured_python()
     env, gpu = probe(python), gpu_env.gpu()

@@ -3,7 +3,7 @@ the installed llama-cpp-python, so server, tools and the Python runtime are the 
 
 Built once per llama-cpp-python version (and build flags) into qbuild's cache, under a file lock (two runs build it
 once), with a progress line; ~6 min on 2 cores. The sdist is the same pinned-hash download the converter uses
-(qbuild/quantize/llamacpp_tools.py). QBUILD_LLAMA_CPP_BIN names a directory holding these binaries instead.
+(qbuild/models/llamacpp_tools.py). QBUILD_LLAMA_CPP_BIN names a directory holding these binaries instead.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from qbuild.core.fingerprint import package_version
-from qbuild.core.hashing import sha256_text
-from qbuild.core.owned import claim_root
+from qbuild.base.fingerprint import package_version
+from qbuild.base.hashing import sha256_text
+from qbuild.base.owned import claim_root
 
 TARGETS = ("llama-server", "llama-imatrix", "llama-perplexity")
 # the CPU flags llama-cpp-python is built with (scripts/install.sh): same kernels, so the same numbers; static
@@ -45,7 +45,7 @@ def _only_builds(root: Path) -> str | None:
 
 
 def bin_root() -> Path:
-    from qbuild.quantize.llamacpp_tools import cache_root
+    from qbuild.models.llamacpp_tools import cache_root
 
     return cache_root().parent / "llama.cpp-bin"
 
@@ -97,7 +97,7 @@ def build(log=print, jobs: int | None = None) -> Path:
         started = time.monotonic()
         log(f"building {', '.join(TARGETS)} from the llama.cpp of llama-cpp-python {version} (once; ~6 min on 2 cores)")
         with tempfile.TemporaryDirectory(dir=bin_root(), prefix=".build-") as tmp:
-            from qbuild.quantize.llamacpp_tools import download_sdist, extract_vendored
+            from qbuild.models.llamacpp_tools import download_sdist, extract_vendored
 
             src, build_dir, staged = Path(tmp) / "src", Path(tmp) / "build", Path(tmp) / "staged"
             extract_vendored(download_sdist(version, Path(tmp)), src)

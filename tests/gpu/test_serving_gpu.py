@@ -24,7 +24,7 @@ SERVERS = [("vllm", "vllm"), ("sglang", "sglang"), ("trtllm-serve", "tensorrt_ll
 def test_gpu_server_serves_and_stops(server, module, kv, tiny_model_dir, tmp_path):
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed")
-    from qbuild.core.recipe import ServingConfig
+    from qbuild.planning.recipe import ServingConfig
     from qbuild.plugins import servers
     from qbuild.serving.client import Workload, sweep
     from qbuild.serving.server import running

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(unavailable()), reason=un
 
 def _ctx(tmp_path, model, data, runtime: str, device: str = "cuda", reference=None):
     """A perplexity step's context, as the executor makes it (fixed windows of 256, 4 of them)."""
-    from qbuild.core.step import StepContext
+    from qbuild.contract.step import StepContext
 
     facts, _, python = vllm_rt.availability()
     out = tmp_path / runtime / "out"

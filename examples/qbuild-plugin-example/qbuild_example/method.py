@@ -15,12 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
-
-from qbuild.core.step import Step, StepContext
-from qbuild.formats import FormatSpec, register_format
-from qbuild.plugins import Method
-from qbuild.quantize.base import VariantBase
+from qbuild.plugins import Field, FormatSpec, Method, Step, StepContext, VariantBase, register_format
 
 FORMAT = "hf-int8-simulated"
 SCALES = "int8_scales.safetensors"

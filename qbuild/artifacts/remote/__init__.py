@@ -27,8 +27,8 @@ from qbuild.artifacts.remote.base import (
     scrub,
     split_url,
 )
-from qbuild.errors import MissingBackendError, UserError
-from qbuild.plugins import Registry
+from qbuild.base.errors import MissingBackendError, UserError
+from qbuild.contract.plugin import Registry
 
 ENV_REMOTE = "QBUILD_REMOTE"
 

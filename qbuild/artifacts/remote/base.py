@@ -18,7 +18,7 @@ get_manifest checked it against the digest it was asked for (check_manifest: its
 digest, every entry is a regular file with a safe path, size and sha256); every file is then checked against
 that list as it arrives. Every JSON record is read bounded (size first, at most MAX_JSON_BYTES streamed) and a
 bad record is refused alone, naming it. Every write the fetch makes goes through the guarded helper
-(qbuild/core/owned.py): confined to the store or the --out folder, never through a link.
+(qbuild/base/owned.py): confined to the store or the --out folder, never through a link.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from pathlib import Path, PurePosixPath
 from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
-from qbuild.core.hashing import sha256_file, tree_digest
-from qbuild.core.names import check_name as check_ref_name
-from qbuild.core.owned import NotOurs, OwnedRoot, output_root
-from qbuild.errors import QBuildError, UserError
-from qbuild.plugins import Plugin
+from qbuild.base.errors import QBuildError, UserError
+from qbuild.base.hashing import sha256_file, tree_digest
+from qbuild.base.names import check_name as check_ref_name
+from qbuild.base.owned import NotOurs, OwnedRoot, output_root
+from qbuild.contract.plugin import Plugin
 
 MANIFEST = "manifest.json"
 CHUNK = 8 << 20
@@ -82,9 +82,9 @@ class RemoteConfigError(RemoteError, UserError):
 
 def scrub(text: str) -> str:
     """Remove credentials from a message: URL userinfo and the values of secret environment variables."""
-    from qbuild.core.names import redact_url
+    from qbuild.base.names import redact_url
 
-    text = redact_url(text)   # the one URL redaction (qbuild/core/names.py)
+    text = redact_url(text)   # the one URL redaction (qbuild/base/names.py)
     for var in SECRET_ENV:
         value = os.environ.get(var)
         if value and len(value) >= 4:
@@ -148,7 +148,7 @@ def check_manifest(manifest: dict, digest: str) -> list[dict]:
 
 
 def check_name(kind: str, value: str) -> str:
-    """A recipe, variant or tag in a remote ref: the one name grammar (qbuild/core/names.py)."""
+    """A recipe, variant or tag in a remote ref: the one name grammar (qbuild/base/names.py)."""
     return check_ref_name(value, kind)
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteRefused, RemoteStore, remote_record
 from qbuild.artifacts.store import REF_RE, Store
-from qbuild.core.owned import OwnedRoot, output_root
-from qbuild.errors import UserError
+from qbuild.base.errors import UserError
+from qbuild.base.owned import OwnedRoot, output_root
 
 log = logging.getLogger("qbuild")
 
@@ -149,7 +149,7 @@ def pull(remote: RemoteStore, name: str, out: Path, progress: Progress | None = 
     name (a ref or a digest: qbuild.api picks a machine-bound build first), fetch every file verified, add the model
     card and signature sidecars, check the signature when asked (bound to `requested`, the name the user asked
     for, else `name`), and only then make DIR appear (one rename). Every write stays inside DIR's folder and
-    follows no link (qbuild/core/owned.py)."""
+    follows no link (qbuild/base/owned.py)."""
     out = Path(out).absolute()
     if out.is_symlink():   # refused before anything is downloaded, like a local pull
         raise UserError(f"--out {out} is a symlink; give the folder itself (a pull never writes through a link)")

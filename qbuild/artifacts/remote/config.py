@@ -1,4 +1,4 @@
-"""Recipe sections for distribution: `store.remotes` (qbuild/core/recipe.py StoreConfig) and `register`.
+"""Recipe sections for distribution: `store.remotes` (qbuild/planning/recipe.py StoreConfig) and `register`.
 
     store:
       path: ./artifacts
@@ -23,7 +23,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from qbuild.artifacts.remote.base import RemoteConfigError, split_url
-from qbuild.core.schema_base import StrictModel
+from qbuild.base.schema_base import StrictModel
 
 
 class RemoteSpec(StrictModel):

@@ -41,8 +41,8 @@ from qbuild.artifacts.remote.base import (
     remote_record,
 )
 from qbuild.artifacts.store import now_iso
-from qbuild.core.names import valid_name
-from qbuild.errors import first_line
+from qbuild.base.errors import first_line
+from qbuild.base.names import valid_name
 
 CONNECT_TIMEOUT = 5
 READ_TIMEOUT = 60

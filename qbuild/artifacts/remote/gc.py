@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterable
 
 from qbuild.artifacts.remote.base import RemoteRefused, RemoteStore
-from qbuild.errors import UserError
+from qbuild.base.errors import UserError
 
 AGE_RE = re.compile(r"^(\d+)\s*([smhdw])$")
 UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

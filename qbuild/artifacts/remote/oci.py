@@ -58,8 +58,8 @@ from qbuild.artifacts.remote.base import (
     remote_record,
 )
 from qbuild.artifacts.store import REF_RE, now_iso
-from qbuild.core.hashing import sha256_file
-from qbuild.errors import UserError, first_line
+from qbuild.base.errors import UserError, first_line
+from qbuild.base.hashing import sha256_file
 
 log = logging.getLogger("qbuild")
 
@@ -508,7 +508,7 @@ class OciRemote(RemoteStore):
         cdesc = self._push_bytes(json.dumps(config, sort_keys=True).encode(), MODEL_CONFIG)
         annotations = {k: str(v) for k, v in {
             "org.qbuild.digest": digest, "org.qbuild.key": manifest.get("key"), "org.qbuild.kind": manifest.get("kind"),
-            "org.qbuild.core.recipe": recipe, "org.qbuild.variant": manifest.get("variant"),
+            "org.qbuild.planning.recipe": recipe, "org.qbuild.variant": manifest.get("variant"),
             "org.qbuild.format": manifest.get("format"), "org.opencontainers.image.created": manifest.get("created"),
         }.items() if v}
         return {"schemaVersion": 2, "mediaType": OCI_MANIFEST, "artifactType": MODEL_ARTIFACT, "config": cdesc,

@@ -44,8 +44,8 @@ from qbuild.artifacts.store.layout import MANIFEST, NO_SPACE, REF_RE, VERIFY_MOD
 from qbuild.artifacts.store.objects import ObjectsMixin
 from qbuild.artifacts.store.refs import RefsMixin
 from qbuild.artifacts.store.runs import RunsMixin
-from qbuild.core.hashing import canonical_json
-from qbuild.core.owned import OwnedRoot, claim_root, owned_root
+from qbuild.base.hashing import canonical_json
+from qbuild.base.owned import OwnedRoot, claim_root, owned_root
 
 
 class Store(ObjectsMixin, IntegrityMixin, RefsMixin, RunsMixin, HousekeepingMixin):

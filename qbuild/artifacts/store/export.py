@@ -16,8 +16,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from qbuild.core.owned import ContentMismatch, OwnedRoot, output_root
-from qbuild.errors import QBuildError, UserError
+from qbuild.base.errors import QBuildError, UserError
+from qbuild.base.owned import ContentMismatch, OwnedRoot, output_root
 
 COPY_JOBS = max(2, min(8, os.cpu_count() or 2))
 

@@ -12,8 +12,8 @@ import uuid
 from pathlib import Path
 
 from qbuild.artifacts.store.layout import DIGEST_RE, NO_SPACE
-from qbuild.core.owned import OwnedRoot, fsync_dir, output_root  # noqa: F401 (fsync_dir: imported from here by the store)
-from qbuild.errors import EXIT_USER_ERROR, QBuildError
+from qbuild.base.errors import EXIT_USER_ERROR, QBuildError
+from qbuild.base.owned import OwnedRoot, fsync_dir, output_root  # noqa: F401 (fsync_dir: imported from here by the store)
 
 
 class StoreFull(QBuildError):
@@ -164,7 +164,7 @@ def _walk(root: Path) -> list[Path]:
 def _materialize_links(tmp: Path, allowed: tuple[Path, ...]) -> None:
     """Replace each symlink a step wrote by a fresh copy of the bytes it points at, when it resolves to a regular
     file inside one of `allowed`; refuse links to folders, to nothing, and to anywhere else (one line naming it)."""
-    from qbuild.errors import StepFailed
+    from qbuild.base.errors import StepFailed
 
     bases = [Path(os.path.realpath(a)) for a in allowed]
     for p in _walk(tmp):

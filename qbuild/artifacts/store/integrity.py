@@ -11,7 +11,7 @@ from pathlib import Path
 
 from qbuild.artifacts.store.files import _quiet, _quiet_store, _walk, checked_digest, fsync_dir, read_json, valid_files
 from qbuild.artifacts.store.layout import MANIFEST, log
-from qbuild.core.hashing import memo_sha256, tree_digest
+from qbuild.base.hashing import memo_sha256, tree_digest
 
 
 class IntegrityMixin:

@@ -8,8 +8,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from qbuild.core.names import NAME
-from qbuild.core.owned import only_these
+from qbuild.base.names import NAME
+from qbuild.base.owned import only_these
 
 log = logging.getLogger("qbuild")
 

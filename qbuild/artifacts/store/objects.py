@@ -25,8 +25,8 @@ from qbuild.artifacts.store.files import (
     valid_files,
 )
 from qbuild.artifacts.store.layout import DIGEST_RE, MANIFEST, NO_SPACE, SCRATCH_RE, Hit, log
-from qbuild.core.hashing import sha256_file, tree_digest
-from qbuild.errors import UserError
+from qbuild.base.errors import UserError
+from qbuild.base.hashing import sha256_file, tree_digest
 
 
 class ObjectsMixin:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from qbuild.artifacts.store.files import now_iso, read_json
 from qbuild.artifacts.store.layout import DIGEST_RE, REF_RE
-from qbuild.core.names import check_name
-from qbuild.errors import UserError
+from qbuild.base.errors import UserError
+from qbuild.base.names import check_name
 
 
 class RefsMixin:

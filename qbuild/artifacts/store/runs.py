@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from qbuild.artifacts.store.files import read_json
-from qbuild.core.names import check_name
+from qbuild.base.names import check_name
 
 
 class RunsMixin:

@@ -1,1 +1,1 @@
-"""Inference servers, one module per server: each a `qbuild.plugins.Server` registered by name."""
+"""Inference servers, one module per server: each a `qbuild.contract.plugin.Server` registered by name."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qbuild.plugins import Server
+from qbuild.contract.plugin import Server
 
 SERVED_NAME = "model"   # every GPU server is told to answer to this name (--served-model-name)
 
@@ -16,7 +16,7 @@ class GPUServer(Server):
     model_flag: str | None = None     # None: the model path is positional
 
     def unavailable(self) -> str:
-        from qbuild.core.hardware import gpu
+        from qbuild.base.hardware import gpu
 
         if gpu() is None:
             return f"{self.name} needs an NVIDIA GPU"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from qbuild.plugins import Server, servers
+from qbuild.contract.plugin import Server, servers
 
 # llama.cpp KV-cache element types (--cache-type-k/-v) for the recipe's kv_cache_dtype
 KV_TYPES = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}
@@ -33,7 +33,7 @@ class LlamaServer(Server):
         return ""
 
     def environment(self) -> dict[str, str]:
-        from qbuild.core.fingerprint import package_version
+        from qbuild.base.fingerprint import package_version
         from qbuild.serving.llamacpp_build import build_id
 
         return {"llama-server": build_id(package_version("llama-cpp-python"))}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qbuild.plugins import servers
+from qbuild.contract.plugin import servers
 from qbuild.serving.engines._gpu import SERVED_NAME, GPUServer
 
 

@@ -5,7 +5,7 @@ qbuild/runtimes/; both name the engine "vllm", so an artifact vLLM loads is serv
 
 from __future__ import annotations
 
-from qbuild.plugins import servers
+from qbuild.contract.plugin import servers
 from qbuild.serving.engines._gpu import SERVED_NAME, GPUServer
 
 

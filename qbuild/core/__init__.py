@@ -1,1 +1,0 @@
-"""The pipeline: recipe → plan → steps → executor → worker → store."""

@@ -1,0 +1,114 @@
+"""Locating llama.cpp's own HF→GGUF converter.
+
+llama-cpp-python builds llama.cpp but does not install `convert_hf_to_gguf.py`; its sdist vendors
+it together with the gguf-py it needs (PyPI's `gguf` may lag behind the converter). qbuild extracts
+exactly that converter from the sdist of the installed llama-cpp-python version, once, into its
+cache, so converter and runtime always come from the same llama.cpp.
+
+The sdist is checked against a pinned sha256 (SDIST_SHA256, the hash PyPI publishes): pip verifies it
+(--require-hashes) and so does qbuild before extracting. A version not pinned here is refused unless
+QBUILD_LLAMA_CPP_SDIST_SHA256 gives its hash (or QBUILD_LLAMA_CPP_DIR points at a converter).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from qbuild.base.fingerprint import cache_dir, package_version
+from qbuild.base.tool_run import run_tool
+
+MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+SDIST_SHA256 = {  # llama_cpp_python-<version>.tar.gz on PyPI; add a line when scripts/constraints.txt moves
+    "0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+}
+
+
+def sdist_sha256(version: str) -> str:
+    pinned = os.environ.get("QBUILD_LLAMA_CPP_SDIST_SHA256") or SDIST_SHA256.get(version)
+    if not pinned:
+        raise RuntimeError(f"no pinned sha256 for the llama-cpp-python {version} sdist; set "
+                           "QBUILD_LLAMA_CPP_SDIST_SHA256 to the hash PyPI lists for it, install a pinned version "
+                           f"({', '.join(sorted(SDIST_SHA256))}), or set QBUILD_LLAMA_CPP_DIR")
+    return pinned.lower().removeprefix("sha256:")
+
+
+def cache_root() -> Path:
+    return cache_dir() / "llama.cpp"
+
+
+def converter_dir(log=print) -> Path:
+    """Directory holding convert_hf_to_gguf.py (+ conversion/, gguf-py/) for the installed llama.cpp."""
+    override = os.environ.get("QBUILD_LLAMA_CPP_DIR")
+    if override:
+        path = Path(override)
+        if not (path / "convert_hf_to_gguf.py").is_file():
+            raise FileNotFoundError(f"QBUILD_LLAMA_CPP_DIR={override} has no convert_hf_to_gguf.py")
+        return path
+    version = package_version("llama-cpp-python")
+    if version == "absent":
+        raise RuntimeError("llama-cpp-python is not installed; run: pip install 'qbuild[gguf]'")
+    target = cache_root() / version
+    if (target / "convert_hf_to_gguf.py").is_file():
+        return target
+    log(f"extracting llama.cpp's converter from the llama-cpp-python {version} sdist (once)")
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:  # same filesystem: the rename is atomic
+        staged = Path(tmp) / "staged"
+        extract_vendored(download_sdist(version, Path(tmp)), staged, MEMBERS)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.rename(staged, target)
+        except OSError:
+            if not (target / "convert_hf_to_gguf.py").is_file():
+                raise
+    return target
+
+
+def download_sdist(version: str, dest: Path) -> Path:
+    """The llama-cpp-python `version` sdist, downloaded into `dest` by pip with its pinned hash, checked again."""
+    pinned = sdist_sha256(version)
+    req = dest / "requirements.txt"
+    req.write_text(f"llama-cpp-python=={version} --hash=sha256:{pinned}\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:",
+         "--require-hashes", "-r", str(req), "-d", str(dest)],
+        check=True,
+    )
+    sdist = next(dest.glob("llama_cpp_python-*.tar.gz"))
+    check_sdist(sdist, pinned)
+    return sdist
+
+
+def extract_vendored(sdist: Path, staged: Path, members: tuple[str, ...] | None = None) -> None:
+    """Extract the sdist's vendor/llama.cpp/ (only paths starting with one of `members`, if given) into `staged`."""
+    with tarfile.open(sdist) as tar:
+        prefix = f"{sdist.name.removesuffix('.tar.gz')}/vendor/llama.cpp/"
+        for member in tar.getmembers():
+            rel = member.name.removeprefix(prefix)
+            if member.name.startswith(prefix) and (members is None or rel.startswith(members)) and member.isfile():
+                member.name = rel
+                tar.extract(member, staged, filter="data")
+
+
+def check_sdist(sdist: Path, pinned: str) -> None:
+    """Refuse a downloaded sdist whose sha256 is not the pinned one (never extract unverified code)."""
+    from qbuild.base.hashing import sha256_file
+
+    got = sha256_file(sdist)
+    if got != pinned:
+        raise RuntimeError(f"{sdist.name}: sha256 {got} does not match the pinned {pinned}; refusing to use it")
+
+
+def run_converter(model_dir: Path, outfile: Path, outtype: str, log=print) -> None:
+    script = converter_dir(log) / "convert_hf_to_gguf.py"
+    cmd = [sys.executable, str(script), str(model_dir), "--outfile", str(outfile), "--outtype", outtype]
+    log("running " + " ".join(cmd))
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)  # the converter must use its vendored gguf-py, not PyPI's
+    run_tool(cmd, "convert_hf_to_gguf.py", env=env)
+

@@ -1,0 +1,136 @@
+"""Will each step to build fit this machine's memory? Decided at plan time, from the model's size and the step's kind,
+so a step that cannot fit is refused in one line before anything runs, instead of being killed by the kernel.
+
+The model's size comes from its config (parameters in the decoder layers and outside them, at 2 bytes each, as
+bf16/fp16 checkpoints store them) or, for a local checkpoint, its safetensors files. What a step holds, measured
+on random-weight Llama-shaped models of 135M-3B parameters (bench/bench_model_size.py, docs/benchmarks.md):
+
+- `memory="whole-model"` on a quantize step (ModelOpt, GPTQModel, AutoRound, bitsandbytes): 1.1 x the checkpoint
+  + 1.7 GB;
+- `memory="offloads-to-disk"` (llm-compressor): the same where it fits; what does not fit is offloaded to disk
+  (compressed-tensors' offloading), so the step is not refused, and the plan says it will be slower;
+- `memory="layer-streamed"` (transformers evaluating windows of one length: qbuild.runtimes.layer_stream): the
+  weights outside the layers in fp32, one layer in fp32 and as stored, and 1.2 GB of activations and runtime (an
+  unquantized or compressed-tensors checkpoint); a MoE checkpoint, or one another quantizer loads (bitsandbytes,
+  GPTQ, AWQ), is loaded whole by transformers instead;
+- `memory="whole-model"` on an evaluation step (generation), or a streamed one that cannot stream: 3 x the
+  checkpoint (the fp32 copy and the stored file's pages);
+- `memory=""`: llama.cpp steps map the GGUF file (pages the kernel can drop) and hold about one tensor; steps on
+  another machine or without a model: not limited here.
+
+The machine's memory is the smaller of the host's RAM and the cgroup limit, or QBUILD_MEMORY_GB where the user
+declares a budget (a machine shared with other jobs). Planning never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+GB = 1 << 30
+QUANTIZER_OVERHEAD = 1.7 * GB
+RUNTIME_OVERHEAD = 1.2 * GB
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    total: int          # bytes of the checkpoint at 2 bytes a parameter (or its files)
+    outside: int        # of which outside the decoder layers (embeddings, head)
+    layer: int          # one decoder layer
+    parameters: int
+    experts: bool = False   # MoE: transformers fuses the experts on load, so it evaluates the whole model
+
+
+def model_size(info: dict, source: Path | None = None) -> ModelSize | None:
+    """The checkpoint's size from its config (HF config.json keys, as qbuild.planning.models.model_info gives them);
+    None where the config lacks the dimensions."""
+    text = info.get("text_config") or info
+    try:
+        hidden, layers, vocab = int(text["hidden_size"]), int(text["num_hidden_layers"]), int(text["vocab_size"])
+        heads = int(text["num_attention_heads"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    head_dim = int(text.get("head_dim") or hidden // heads)
+    kv = int(text.get("num_key_value_heads") or heads)
+    experts = int(text.get("num_experts") or text.get("num_local_experts") or 0)
+    ffn = experts * int(text.get("moe_intermediate_size") or text.get("intermediate_size") or 0) if experts \
+        else int(text.get("intermediate_size") or 4 * hidden)
+    layer_params = 2 * hidden * heads * head_dim + 2 * hidden * kv * head_dim + 3 * hidden * ffn
+    outside_params = vocab * hidden * (1 if text.get("tie_word_embeddings", info.get("tie_word_embeddings")) else 2)
+    params = outside_params + layers * layer_params
+    total = 2 * params
+    if source is not None:   # the files say exactly; the layers share what the config does not explain
+        files = sum(f.stat().st_size for f in Path(source).glob("*.safetensors"))
+        if files:
+            total = files
+    layer = max(0, total - 2 * outside_params) // max(1, layers)
+    return ModelSize(total, min(total, 2 * outside_params), layer, params, experts > 0)
+
+
+def machine_memory() -> tuple[int, str]:
+    """(bytes, where the figure comes from): QBUILD_MEMORY_GB, else the smaller of RAM and the cgroup's limit."""
+    declared = os.environ.get("QBUILD_MEMORY_GB")
+    if declared:
+        return int(float(declared) * GB), "QBUILD_MEMORY_GB"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit() and int(limit) < total:
+            return int(limit), "this cgroup's memory.max"
+    except OSError:
+        pass
+    return total, "this machine's RAM"
+
+
+def step_memory(step, size: ModelSize, loaded_whole: bool) -> tuple[int, str] | None:
+    """(peak bytes, how the step holds the model) for a step that holds model weights in memory (Step.memory, as the
+    plugin that made the step declares it); None otherwise."""
+    if step.memory in ("whole-model", "offloads-to-disk") and step.kind == "quantize":
+        return int(1.1 * size.total + QUANTIZER_OVERHEAD), "loads the whole model to quantize it"
+    if step.memory == "whole-model" or (step.memory == "layer-streamed" and (loaded_whole or size.experts)):
+        return 3 * size.total, "loads the whole model, in fp32 on CPU"
+    if step.memory == "layer-streamed":
+        return 2 * size.outside + 3 * size.layer + int(RUNTIME_OVERHEAD), "layer-streamed"
+    return None
+
+
+def refusal(step, need: tuple[int, str], size: ModelSize, memory: tuple[int, str]) -> str:
+    """One line saying why `step`, needing `need` (step_memory), cannot run in `memory`."""
+    return (f"{step.name} needs about {need[0] / GB:.1f} GB of memory ({need[1]}; a {size.parameters / 1e9:.2f}B-"
+            f"parameter model) and {memory[1]} gives {memory[0] / GB:.1f} GB: use a machine with more memory, drop "
+            f"the step, or declare a larger budget with QBUILD_MEMORY_GB")
+
+
+STREAMABLE_FORMATS = ("hf", "compressed-tensors")   # what qbuild.runtimes.layer_stream reads one layer at a time
+
+
+def check_memory(planned, model_info: dict, source: Path | None, variants) -> list[str]:
+    """Refuse the plan (RecipeError on the step's variant, the model for its checks, else `evaluation`) when a step
+    still to build would not fit this machine's memory; the warnings for steps that will offload to disk."""
+    from qbuild.base.errors import RecipeError
+    from qbuild.contract.step import PlanStatus
+
+    size = model_size(model_info, source)
+    if size is None:
+        return []
+    memory = machine_memory()
+    warnings = []
+    for p in planned:
+        if p.status != PlanStatus.MISS:
+            continue
+        model_input = p.step.inputs.get("model")
+        loaded_whole = model_input is not None and model_input.format not in STREAMABLE_FORMATS
+        need = step_memory(p.step, size, loaded_whole)
+        if need is None or need[0] <= memory[0]:
+            continue
+        if p.step.memory == "offloads-to-disk":
+            warnings.append(f"{p.step.name} needs about {need[0] / GB:.1f} GB of memory and {memory[1]} gives "
+                            f"{memory[0] / GB:.1f} GB: the part of the model that does not fit is offloaded to disk "
+                            f"(slower, same result)")
+            continue
+        index = next((i for i, v in enumerate(variants) if f"[{v.name}" in p.step.name), None)
+        field = ("model" if p.step.kind in ("import-check", "convert-check") else
+                 f"variants[{index}]" if p.step.kind == "quantize" and index is not None else "evaluation")
+        raise RecipeError(field, refusal(p.step, need, size, memory))
+    return warnings

@@ -1,0 +1,119 @@
+"""Turn the recipe's model section into the plan's first step (cheap: no torch, no download)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+from qbuild.artifacts.store import atomic_write_json
+from qbuild.base.errors import RecipeError
+from qbuild.base.fingerprint import cache_dir as fingerprint_cache
+from qbuild.base.fingerprint import dir_fingerprint
+from qbuild.base.hashing import sha256_text
+from qbuild.contract.formats import Format
+from qbuild.contract.step import HF_PRELOAD, Step
+from qbuild.planning.recipe import GGUFModel, HubModel, LocalModel
+
+HF_TOOLS = ("torch", "transformers", "safetensors")
+
+
+def resolve_path(spec: str, base: Path, field: str) -> Path:
+    """A path relative to the recipe, or pkg://<package>/<file> inside an installed package.
+
+    The package is located with find_spec, never imported (importing may pull unrelated deps).
+    """
+    if spec.startswith("pkg://"):
+        pkg, _, rel = spec.removeprefix("pkg://").partition("/")
+        found = importlib.util.find_spec(pkg.replace("-", "_"))
+        if found is None or not found.submodule_search_locations:
+            raise RecipeError(field, f"package {pkg!r} is not installed (pip install {pkg.replace('_', '-')})")
+        path = Path(list(found.submodule_search_locations)[0]) / rel
+    else:
+        path = Path(spec).expanduser()
+        if not path.is_absolute():
+            path = base / path
+    if not path.exists():
+        raise RecipeError(field, f"{spec!r} does not exist ({path})")
+    return path
+
+
+def hub_snapshot(repo: str, revision: str) -> Path:
+    """Resolve a hub repo@revision through the local HF cache only."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+    except ImportError:
+        raise RecipeError("model.repo", "hub models need huggingface-hub; run: pip install 'qbuild[hf]'") from None
+    try:
+        return Path(snapshot_download(repo, revision=revision, local_files_only=True))
+    except LocalEntryNotFoundError:
+        raise RecipeError(
+            "model.repo",
+            f"{repo}@{revision} is not in the local Hugging Face cache and qbuild never downloads at run time; "
+            f"fetch it first: hf download {repo} --revision {revision}",
+        ) from None
+    except Exception as exc:  # invalid repo id, corrupt cache
+        raise RecipeError("model.repo", f"cannot resolve {repo}@{revision} from the local cache: {exc}") from None
+
+
+def model_step(spec, recipe_dir: Path) -> Step:
+    if isinstance(spec, LocalModel):
+        path = resolve_path(spec.path, recipe_dir, "model.path")
+        if not (path / "config.json").is_file():
+            raise RecipeError("model.path", f"{path} is not a Hugging Face checkpoint (no config.json)")
+        digest = sha256_text("local-dir:" + dir_fingerprint(path))
+        return Step("model", "model", {"source": "local"}, None, source_path=path, source_digest=digest, format=Format.HF)
+    if isinstance(spec, HubModel):
+        path = hub_snapshot(spec.repo, spec.revision)
+        commit = path.name  # snapshots/<commit sha>
+        digest = sha256_text(f"hub:{spec.repo}@{commit}")
+        return Step("model", "model", {"source": "hub", "repo": spec.repo, "commit": commit}, None,
+                    source_path=path, source_digest=digest, format=Format.HF)
+    if isinstance(spec, GGUFModel):
+        path = resolve_path(spec.path, recipe_dir, "model.path")
+        if not path.is_file():
+            raise RecipeError("model.path", f"{path} is not a GGUF file (source: gguf takes one .gguf file)")
+        params = {"source": "gguf", "gguf_sha256": dir_fingerprint(path), "dtype": spec.dtype}
+        return Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
+                    tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format=Format.HF,
+                    runtime_args={"gguf_path": str(path)},
+                    preload=HF_PRELOAD,
+                    impl_version=4)  # 2: byte-level BPE tokenizers restored; 3: tokenizers rebuilt from the GGUF's own
+                                     # vocabulary (SentencePiece as tokenizer.model, BPE with its pre-tokenizer);
+                                     # 4: Llama 3's RoPE scaling recovered from rope_freqs, Gemma's query scaling
+    raise AssertionError(spec)
+
+
+def model_info(step: Step) -> dict:
+    """Architecture facts for plan-time checks (hidden size, layer dims), read without torch."""
+    if step.source_path is not None:
+        return json.loads((step.source_path / "config.json").read_text())
+    # Parsing a GGUF's metadata (vocab, merges) takes seconds: memoize by the file's content hash.
+    memo = fingerprint_cache() / "model-info" / f"{step.params['gguf_sha256']}.v4.json"   # v4: bos_token_id, experts
+    try:
+        return json.loads(memo.read_text())
+    except (OSError, ValueError):
+        pass
+    from qbuild.models.gguf_import import gguf_config
+
+    info = gguf_config(Path(step.runtime_args["gguf_path"]))
+    atomic_write_json(memo, info)
+    return info
+
+
+def model_adds_bos(step: Step) -> bool | None:
+    """Whether the model's tokenizer starts a sequence with BOS (HF tokenizer_config.json `add_bos_token`, GGUF
+    `tokenizer.ggml.add_bos_token`); None when the model does not say."""
+    if step.source_path is not None:
+        try:
+            value = json.loads((step.source_path / "tokenizer_config.json").read_text()).get("add_bos_token")
+        except (OSError, ValueError):
+            return None
+        return value if isinstance(value, bool) else None
+    info = model_info(step)
+    if "add_bos_token" not in info:   # memoized before the key was read: read it now
+        from qbuild.models.gguf_import import gguf_config
+
+        info = gguf_config(Path(step.runtime_args["gguf_path"]))
+    return info.get("add_bos_token")

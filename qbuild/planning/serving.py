@@ -1,0 +1,94 @@
+"""Plan-time side of serving: a `serving[<artifact>@<config>]` step per served artifact and serving config.
+
+The server is chosen by what loads the artifact (qbuild.contract.formats.loads_in → the `Server` plugins of those engines):
+the first one this machine can run, else the first one (planned `needs-gpu` / `unavailable` and skipped, so a
+CPU machine still builds and serves the rest). A serving config a server cannot express is refused here, in one
+line. The step's key holds the workload, the config, the server's flags, the server's version and build, and the
+hardware (it is a timing step: it runs alone). A config that quantizes the KV cache (llama.cpp q8_0/q4_0) also gets
+the artifact's quality under that cache (qbuild.planning.evaluation.serving_quality_step), shown beside its serving numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+from qbuild.base.errors import RecipeError
+from qbuild.contract.formats import loads_in, spec
+from qbuild.contract.plugin import Server, servers
+from qbuild.contract.step import OnUnavailable, Step
+from qbuild.planning.evaluation import serving_quality_step
+from qbuild.planning.recipe import longest
+
+RUNNER = "qbuild.planning.serving_bench:run"
+IMPL_VERSION = 3   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
+# 3: a point's warm-up requests lead into the measured ones without a pause (it was measured from an idle server)
+WORKLOAD_FIELDS = ("concurrency", "request_rates", "requests", "warmup", "input_len", "output_len", "seed", "timeout_s")
+
+
+def server_for(fmt: str, scheme: str | None, engine: str | None) -> tuple[Server | None, str]:
+    """(the server that serves an artifact of fmt/scheme, "") or (None, why none does)."""
+    engines = loads_in(fmt, scheme)
+    known = [s for e in engines for s in servers.all() if s.engine == e]
+    if engine is not None:
+        if engine not in servers:
+            raise RecipeError("evaluation.serving.engine",
+                              f"{engine!r} is not a server; known servers: {', '.join(servers.names())}")
+        known = [s for s in known if s.name == engine]
+        if not known:
+            return None, f"{engine} does not load {fmt}{' ' + scheme if scheme else ''}"
+    if not known:
+        return None, f"no server loads {fmt}{' ' + scheme if scheme else ''}"
+    return next((s for s in known if not s.unavailable()), known[0]), ""
+
+
+def wanted(serving, label: str) -> bool:
+    return serving.variants == "all" or label in serving.variants or label.split(".")[0] in serving.variants
+
+
+def serving_steps(ctx) -> None:
+    serving = ctx.recipe.evaluation.serving
+    if serving is None:
+        return
+    data = None
+    # per request; room for BOS/templates
+    context = serving.prefix_tokens + longest(serving.input_len) + longest(serving.output_len) + 8
+    slots = max(serving.concurrency)
+    for art in ctx.artifacts:
+        if not spec(art.step.format).model or not wanted(serving, art.label):
+            continue
+        server, why = server_for(art.step.format, art.step.scheme or None, serving.engine)
+        if server is None:
+            ctx.warn(f"not served: {art.label}: {why}")
+            continue
+        unavailable = server.unavailable()
+        workload = serving.model_dump(include=set(WORKLOAD_FIELDS))   # a length range as {min, max}
+        if serving.rampup_s:   # left out at its default, like other new switches
+            workload["rampup_s"] = serving.rampup_s
+        if serving.prefix_tokens:
+            workload["prefix_tokens"] = serving.prefix_tokens
+        if serving.rounds != 1:   # left out at 1: one round is what was measured before rounds existed
+            workload["rounds"] = serving.rounds
+        for i, config in enumerate(serving.configs):
+            refusal = server.refusal(config)
+            if refusal:
+                raise RecipeError(f"evaluation.serving.configs[{i}]",
+                                  f"config {config.name!r} cannot be served by {server.name} (variant {art.label!r}): "
+                                  f"{refusal} (evaluation.serving.variants picks what is served)")
+            if data is None:   # the evaluation corpus, tokenized whole: prompts are windows of it
+                from qbuild.planning.calibration import eval_data_step
+
+                data = ctx.add(replace(eval_data_step(SimpleNamespace(
+                    dataset=serving.dataset, context_length=longest(serving.input_len), max_windows=None, add_bos=False),
+                    ctx.model(), ctx), name="serving-prompts"))
+            threads = ctx.threads
+            args = server.args(config, threads=threads, slots=slots, context=context)
+            params = {"workload": workload, "config": config.canonical(), "server": server.name,
+                      "engine": server.engine, "server_args": args, "context": context, "slots": slots}
+            ctx.add(Step("serving", f"serving[{art.label}@{config.name}]", params, RUNNER,
+                         inputs={"model": art.step, "prompts": data}, tools=tuple(sorted(server.tools)),
+                         threads=threads, per_hardware=True, env_toolchain=server.environment(),
+                         requires_gpu=server.needs_gpu, unavailable=unavailable, on_unavailable=OnUnavailable.SKIP,
+                         format="metrics", impl_version=IMPL_VERSION,
+                         runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s}))
+            serving_quality_step(ctx, art, config)   # a quantized KV cache's quality cost, beside its serving numbers

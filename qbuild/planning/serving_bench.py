@@ -1,0 +1,159 @@
+"""The `serving[<artifact>@<config>]` step: start the artifact's server, sweep it with the streaming client, stop it.
+
+Prompts are windows of `input_len` tokens of the tokenized evaluation corpus, in an order drawn with the workload's
+seed; each is sent as token ids, so every engine sees exactly `input_len` prompt tokens. Results: one point per
+concurrency (and request rate) with TTFT/TPOT/ITL/e2e percentiles, requests/s, output tok/s and errors, plus the
+server's peak RSS, its KV-cache bytes per token (where the engine reports its KV cache) and the exact server command.
+With `rounds` > 1 the whole sweep runs that many times on the same server, each round with prompts of its own; a
+point then pools its rounds and keeps each one, with bootstrap intervals (qbuild.serving.confidence).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from qbuild.contract.plugin import servers
+from qbuild.contract.step import StepContext
+from qbuild.planning.recipe import ServingConfig
+from qbuild.serving.server import PORT
+
+RESULT = "serving.json"
+SERVER_LOG = "server.log"
+
+
+def prompts_from(tokens: np.ndarray, input_len: int | dict, count: int, seed: int,
+                 prefix_tokens: int = 0) -> list[list[int]]:
+    """`count` prompts of exactly `input_len` tokens (or of lengths drawn uniformly from {min, max}): corpus windows
+    in a seeded order (repeating if it runs out), each after the same `prefix_tokens` (the corpus's last tokens,
+    which no window reaches)."""
+    longest = input_len["max"] if isinstance(input_len, dict) else input_len
+    if prefix_tokens >= len(tokens):
+        raise ValueError(f"the prompt corpus has {len(tokens)} tokens, not more than prefix_tokens {prefix_tokens}")
+    n = (len(tokens) - prefix_tokens) // longest
+    if n < 1:
+        raise ValueError(f"the prompt corpus has {len(tokens)} tokens, fewer than one prompt of {longest}"
+                         + (f" after a prefix of {prefix_tokens}" if prefix_tokens else ""))
+    prefix = tokens[len(tokens) - prefix_tokens:].tolist() if prefix_tokens else []
+    order = np.random.default_rng(seed).permutation(n)
+    lengths = drawn_lengths(input_len, count, seed + 1)
+    return [prefix + tokens[i * longest:i * longest + length].tolist()
+            for i, length in zip((order[k % n] for k in range(count)), lengths, strict=True)]
+
+
+def drawn_lengths(length: int | dict, count: int, seed: int) -> list[int]:
+    """`count` token counts: all `length`, or drawn uniformly (inclusive) from a {min, max} range with `seed`."""
+    if not isinstance(length, dict):
+        return [length] * count
+    return np.random.default_rng(seed).integers(length["min"], length["max"], endpoint=True, size=count).tolist()
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    import os
+
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def run(ctx: StepContext) -> dict:
+    from qbuild.evaluate.data import load_tokens
+    from qbuild.serving.client import Workload, sweep
+    from qbuild.serving.server import running
+
+    p = ctx.params
+    w = p["workload"]
+    label = ctx.runtime_args.get("label", ctx.step_name)
+    server = servers.get(p["server"])
+    config = ServingConfig(**p["config"])
+    tokens, _ = load_tokens(ctx.inputs["prompts"])
+    n_points = len(w["concurrency"]) + len(w["request_rates"] or [])
+    rounds = w.get("rounds", 1)
+    count = n_points * (w["requests"] + w["warmup"])   # per round: each round sends prompts of its own
+    prompts = prompts_from(tokens, w["input_len"], count * rounds, w["seed"], w.get("prefix_tokens", 0))
+    output_len = drawn_lengths(w["output_len"], count * rounds, w["seed"] + 2)
+    launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
+                           workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
+    work = Workload(prompts=prompts[:count], output_len=output_len[:count], requests=w["requests"], warmup=w["warmup"],
+                    timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos, model=launch.model_name,
+                    rampup_s=w.get("rampup_s", 0.0))
+    log = ctx.out / SERVER_LOG
+    ctx.log(f"starting {launch.engine} for {label}: {shlex.join(launch.argv(0)).replace(' 0 ', ' PORT ', 1)}")
+    started = time.monotonic()
+    try:
+        with running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)) as srv:
+            ready_s = time.monotonic() - started
+            ctx.log(f"{launch.engine} ready on {srv.url} after {ready_s:.1f} s (pid {srv.pid})")
+            server_cpu0, client_cpu0 = _cpu_seconds(srv.pid), time.process_time()
+            by_round = []
+            for r in range(rounds):   # round-major: each point's rounds are spread over the step's time, not adjacent
+                this = replace(work, prompts=prompts[r * count:(r + 1) * count],
+                               output_len=output_len[r * count:(r + 1) * count])
+                by_round.append(sweep(srv.url, this, w["concurrency"], w["request_rates"],
+                                      w["seed"] + r * n_points, between=srv.check_alive,
+                                      progress=_round_progress(ctx.progress, r, rounds)))
+            server_cpu = (_cpu_seconds(srv.pid) or 0) - (server_cpu0 or 0)
+            client_cpu = time.process_time() - client_cpu0
+            peak_rss = srv.peak_rss_bytes()
+    except BaseException:
+        print(f"--- {SERVER_LOG} (last lines) ---\n" + "\n".join(_tail(log, 20)), flush=True)
+        raise
+    points = [_point(list(measured), w["seed"]) for measured in zip(*by_round, strict=True)]
+    failed = [pt for pt in points if pt["errors"]]
+    if failed and all(pt["completed"] == 0 for pt in points):
+        raise RuntimeError(f"{launch.engine} server for {label}: every request failed: {failed[0].get('first_error')}")
+    kv = server.kv_bytes_per_token(ctx.inputs["model"], config, log.read_text(errors="replace"))
+    info = {"server": server.name, "engine": launch.engine, "config": p["config"],
+            "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
+            "server_args": p["server_args"], "ready_s": round(ready_s, 2), "peak_rss_bytes": peak_rss,
+            "kv_bytes_per_token": kv, "server_cpu_s": round(server_cpu, 3), "client_cpu_s": round(client_cpu, 3),
+            "workload": w, "environment": server.environment()}
+    (ctx.out / RESULT).write_text(json.dumps({**info, "points": points}, indent=2))
+    return {"format": "metrics", "metrics": {**info, "points": points}}
+
+
+def _point(rounds: list[dict], seed: int) -> dict:
+    """A sweep point from its rounds (one round: the round itself, as before rounds existed)."""
+    from qbuild.serving.confidence import combine_rounds
+
+    where = {k: rounds[0][k] for k in ("concurrency", "request_rate") if k in rounds[0]}
+    measured = [{k: v for k, v in r.items() if k not in where} for r in rounds]
+    return {**where, **(measured[0] if len(rounds) == 1 else combine_rounds(measured, seed))}
+
+
+def _round_progress(progress, r: int, rounds: int):
+    if rounds == 1:
+        return progress
+    return lambda done, total, desc: progress(r * total + done, rounds * total, f"round {r + 1}/{rounds}, {desc}")
+
+
+def _log_with_progress(ctx: StepContext, msg: str) -> None:
+    """A server's first-use build logs "llama.cpp build 40%": the step's progress line shows it too."""
+    import re
+
+    ctx.log(msg)
+    m = re.search(r"build (\d+)%", msg)
+    if m:
+        ctx.progress(int(m.group(1)), 100, "building llama-server (once)")
+
+
+def _portable(command: list[str], model: Path) -> list[str]:
+    """The server command as a user would type it: the program and the model file by name, port 8080."""
+    out = [Path(command[0]).name if "/" in command[0] else command[0]]
+    for a in command[1:]:
+        out.append("8080" if a == PORT else Path(a).name if a.startswith(str(model)) else a)
+    return out
+
+
+def _tail(path: Path, n: int) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return ["(no server log)"]

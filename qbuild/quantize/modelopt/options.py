@@ -1,0 +1,85 @@
+"""The modelopt method's options: the variant's schema (ModelOptVariant) and ModelOpt's scheme tables."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from qbuild.contract.formats import Format
+from qbuild.contract.variant import VariantBase
+
+TOOLS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
+
+SCHEMES = ("fp8", "int8-sq", "int4-awq", "w4a8-awq", "nvfp4", "w4a8-mxfp4-fp8", "none")
+FP4_SCHEMES = ("nvfp4", "w4a8-mxfp4-fp8")   # CUDA-only in ModelOpt 0.47; HF export only
+# quant_algo that ModelOpt writes into hf_quant_config.json for the FP4 schemes (TensorRT-LLM's QuantAlgo names)
+FP4_QUANT_ALGO = {"nvfp4": "NVFP4", "w4a8-mxfp4-fp8": "W4A8_MXFP4_FP8"}
+FP4_GROUP_SIZE = {"nvfp4": 16, "w4a8-mxfp4-fp8": 32}   # elements per FP4 scale block along the input dim
+AWQ_SCHEMES = ("int4-awq", "w4a8-awq")
+AWQ_BLOCK_SIZES = (64, 128)  # group sizes TensorRT-LLM's weight-only/W4A8 AWQ kernels take
+# HF model_type -> ModelOpt's TensorRT-LLM decoder_type, for the types whose checkpoint ModelOpt 0.37-0.47 writes
+# without tensorrt_llm importable (the `modelopt` environment): convert_to_tensorrt_llm_config
+# (modelopt/torch/export/tensorrt_llm_utils.py) raises NotImplementedError for any decoder but
+# gpt/gemma/llama/qwen/mpt/recurrentgemma/dbrx/mllama/enc-dec. qwen checkpoints get qwen_type/attn_bias written
+# by the checkpoint validation (qbuild/models/checkpoint.py).
+DECODER_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3": "qwen", "gemma": "gemma",
+                 "gpt2": "gpt"}
+# decoder types ModelOpt recognises (and earlier qbuild offered) whose TensorRT-LLM checkpoint export raises there
+EXPORT_RAISES = {"gemma2": "gemma2", "phi3": "phi3"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+FORMATS = {"trtllm-checkpoint": Format.TRTLLM_CHECKPOINT, "hf": Format.HF_MODELOPT}
+
+
+class ModelOptVariant(VariantBase):
+    """A model quantized by NVIDIA ModelOpt, exported for TensorRT-LLM."""
+
+    method: Literal["modelopt"]
+    scheme: Literal["fp8", "int8-sq", "int4-awq", "w4a8-awq", "nvfp4", "w4a8-mxfp4-fp8", "none"] = Field(
+        description="fp8 (W8A8 FP8 per-tensor), int8-sq (INT8 SmoothQuant), int4-awq (W4A16 AWQ), "
+        "w4a8-awq (INT4 weights, FP8 activations), nvfp4 (W4A4 NVFP4, 16-element blocks; needs a GPU), "
+        "w4a8-mxfp4-fp8 (MXFP4 weights, FP8 activations; needs a GPU), none (unquantized export).")
+    block_size: int | None = Field(
+        None, description="AWQ group size along the input dimension (64 or 128; default 128). AWQ schemes only.")
+    dtype: Literal["float16", "bfloat16"] = Field("float16", description="Dtype of the layers left unquantized.")
+    export: Literal["trtllm-checkpoint", "hf"] | None = Field(
+        None, description="trtllm-checkpoint: input of trtllm-build (tensorrt-llm target); "
+        "hf: HF checkpoint + hf_quant_config.json (trtllm-pytorch target). Default: hf for nvfp4 and "
+        "w4a8-mxfp4-fp8 (the only export offered for them), trtllm-checkpoint otherwise.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks of the TensorRT-LLM checkpoint.")
+    pp_size: int = Field(1, ge=1, description="Pipeline-parallel ranks of the TensorRT-LLM checkpoint.")
+    on_missing_gpu: Literal["fail", "skip"] = Field(
+        "fail", description="nvfp4 / w4a8-mxfp4-fp8 without a GPU here: fail (exit 2 before any work) or skip this "
+        "variant (and what needs it) and build the rest.")
+
+    @model_validator(mode="after")
+    def _block_size(self):
+        if self.export is None:   # resolved here, so the key holds the export actually made
+            object.__setattr__(self, "export", "hf" if self.scheme in FP4_SCHEMES else "trtllm-checkpoint")
+        elif self.scheme in FP4_SCHEMES and self.export != "hf":
+            raise ValueError(f"scheme {self.scheme} is exported as an HF checkpoint for TensorRT-LLM's PyTorch "
+                             "backend only: use export: hf (or leave export unset)")
+        if self.scheme in AWQ_SCHEMES:
+            if self.block_size is None:
+                object.__setattr__(self, "block_size", 128)
+            elif self.block_size not in AWQ_BLOCK_SIZES:
+                raise ValueError(f"block_size {self.block_size} is not supported; allowed: 64, 128")
+        elif self.block_size is not None:
+            raise ValueError(f"block_size applies to int4-awq and w4a8-awq only, not {self.scheme}")
+        if self.export == "hf" and (self.tp_size, self.pp_size) != (1, 1):
+            raise ValueError("tp_size/pp_size apply to export: trtllm-checkpoint; an hf export is sharded at load time")
+        return self
+
+    def needs_calibration(self) -> bool:
+        return self.scheme != "none"
+
+    def quant_params(self) -> dict:
+        data = super().quant_params()
+        data.pop("on_missing_gpu")   # what to do on this machine, not what the checkpoint is
+        return data
+
+    def describe(self) -> str:
+        label = {"fp8": "FP8", "int8-sq": "INT8-SQ", "int4-awq": "INT4-AWQ", "w4a8-awq": "W4A8-AWQ",
+                 "nvfp4": "NVFP4", "w4a8-mxfp4-fp8": "W4A8-MXFP4", "none": self.dtype}[self.scheme]
+        return f"{label} g{self.block_size}" if self.block_size else label
