@@ -157,8 +157,9 @@ def test_no_upward_imports():
 
 
 def test_every_folder_and_module_is_in_a_layer():
+    # a folder counts when it holds Python (a moved package leaves only its __pycache__ behind in a checkout)
     places = {p.relative_to(PACKAGE).as_posix() + ("/" if p.is_dir() else "") for p in PACKAGE.rglob("*")
-              if p.name != "__pycache__" and "__pycache__" not in p.parts and (p.is_dir() or p.suffix == ".py")}
+              if "__pycache__" not in p.parts and (p.suffix == ".py" or (p.is_dir() and any(p.glob("*.py"))))}
     assert not sorted(x for x in places if layer_of_path(x) is None), "in no layer of tests/test_architecture.py"
 
 
