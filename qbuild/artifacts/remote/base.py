@@ -440,25 +440,14 @@ class RemoteStore(Plugin, ABC):
             if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
                 raise NotOurs(f"staging folder {staging} is {'a symlink' if staging.is_symlink() else 'not a folder'}"
                               "; refusing to write through it (remove it and pull again)")
-            parts, tree = staging / "parts", staging / "tree"
-            root.mkdirs(parts)
-            _reclaim_tree(root, staging, files)   # an interrupted placing: its verified files go back to parts/
-            need = sum(f["size"] for f in files) - sum(_part_size(parts, f) for f in files)
-            free = shutil.disk_usage(parts).free
-            if need > free:
-                raise self.error(f"not enough disk space in {staging.parent}: the pull needs {need:,} more bytes, "
-                                 f"{free:,} are free")
-            counter = _Counter(sum(f["size"] for f in files), progress)
-            with ThreadPoolExecutor(max_workers=max(1, jobs or self.jobs)) as pool:
-                for fut in [pool.submit(self._fetch_file, digest, root, staging, f, counter)
-                            for f in sorted(files, key=lambda f: -f["size"])]:
-                    fut.result()
+            self._fetch_parts(digest, files, root, staging, progress, jobs)
+            tree = staging / "tree"
             root.mkdirs(tree)
             for f in files:
                 final = tree / f["path"]
                 if final.parent != tree:
                     root.mkdirs(final.parent, within=tree)
-                root.move(parts / part_name(f), final, within=staging)
+                root.move(staging / "parts" / part_name(f), final, within=staging)
             root.write_bytes(tree / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str).encode(),
                              within=tree)
             if prepare is not None:
@@ -475,6 +464,24 @@ class RemoteStore(Plugin, ABC):
                                  "free space and re-run to resume") from None
             raise self.error(f"pull of {digest[:12]} failed: {exc}") from None
         return manifest
+
+    def _fetch_parts(self, digest: str, files: list[dict], root: OwnedRoot, staging: Path, progress: Progress | None,
+                     jobs: int | None) -> None:
+        """Every file of the object into staging/parts/, verified, in parallel (largest first), after what an
+        interrupted fetch left is reclaimed and the disk is checked for what is still missing."""
+        parts = staging / "parts"
+        root.mkdirs(parts)
+        _reclaim_tree(root, staging, files)   # an interrupted placing: its verified files go back to parts/
+        need = sum(f["size"] for f in files) - sum(_part_size(parts, f) for f in files)
+        free = shutil.disk_usage(parts).free
+        if need > free:
+            raise self.error(f"not enough disk space in {staging.parent}: the pull needs {need:,} more bytes, "
+                             f"{free:,} are free")
+        counter = _Counter(sum(f["size"] for f in files), progress)
+        with ThreadPoolExecutor(max_workers=max(1, jobs or self.jobs)) as pool:
+            for fut in [pool.submit(self._fetch_file, digest, root, staging, f, counter)
+                        for f in sorted(files, key=lambda f: -f["size"])]:
+                fut.result()
 
     def _fetch_file(self, digest: str, root: OwnedRoot, staging: Path, entry: dict, counter: _Counter) -> None:
         """Stream one file into parts/<part_name>, resuming a part left by an interrupted fetch; it stays there
