@@ -137,6 +137,27 @@ def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
     return by_artifact
 
 
+def _capacity(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
+    """artifact key → its capacity per serving config (qbuild.serving.capacity): the rate, the concurrency it settled
+    at, and every probe (rate, figures, interval, verdict), or the step's status when it did not run."""
+    by_artifact: dict[str, list[dict]] = {}
+    for o in outcomes:
+        if o.step.kind != "capacity":
+            continue
+        m = o.metrics or {}
+        row = {"config": o.step.params["config"]["name"], "status": o.status, "step": o.step.name, "error": o.error}
+        row.update({k: m.get(k) for k in ("capacity_rps", "concurrency", "next_rps", "bracketed", "complete", "slo",
+                                          "max_error_pct", "seconds", "probes_measured", "probes_reused", "command")})
+        row["probes"] = [{k: p.get(k) for k in ("rate_rps", "meets", "misses", "uncertain", "reused", "mean_in_flight",
+                                                "ci", *CAPACITY_PROBE_FIELDS)} for p in m.get("probes") or []]
+        by_artifact.setdefault(o.step.inputs["model"].key, []).append(row)
+    return by_artifact
+
+
+CAPACITY_PROBE_FIELDS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99", "e2e_ms_p99", "requests_s",
+                         "output_tok_s", "errors", "requests")
+
+
 def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None,
          load_checks: list[dict] | None = None, serving: list[dict] | None = None,
          tasks: list[dict] | None = None) -> dict:
@@ -202,6 +223,11 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
                  served.get(a.step.key, []) if recipe.evaluation.serving else None, tasks.get(a.step.key))
             for a in plan.artifacts]
     add_task_deltas(rows)
+    if recipe.evaluation.serving and recipe.evaluation.serving.capacity:
+        capacity = _capacity(outcomes)
+        for a, r in zip(plan.artifacts, rows, strict=True):
+            if a.step.key in capacity:
+                r["capacity"] = capacity[a.step.key]
     base = rows[0] if rows and rows[0]["variant"] == "baseline" else None
     for r in rows:
         if base and r is not base:
@@ -356,11 +382,28 @@ def render_serving(summary: dict, console) -> None:
 def tie_line(selection: dict) -> str:
     """One line: which candidates tied on the objective (their intervals overlap) and how the tie was broken."""
     tie = selection["tie"]
+    first = tie["candidates"][0]
+    if selection["objective"] == "max_capacity":
+        each = " and ".join(f"{c['variant']}@{c['config']}" for c in tie["candidates"])
+        return (f"{each} have the same capacity, {first['capacity_rps']:.4g} requests/s; {tie['broken_by_text']} "
+                f"(tie_break: {', '.join(selection['tie_break'])}): {first['variant']}@{first['config']}")
     each = " and ".join(f"{c['variant']}@{c['config']} {c['output_tok_s']:.4g}"
                         + (f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c.get("ci") else "") for c in tie["candidates"])
-    first = tie["candidates"][0]
     return (f"{each} tok/s overlap; {tie['broken_by_text']} (tie_break: {', '.join(selection['tie_break'])}): "
             f"{first['variant']}@{first['config']}")
+
+
+def target_lines(target: dict) -> list[str]:
+    """selection.target_rps: each candidate's servers needed at its capacity, and the cheapest choice."""
+    lines = [f"servers needed for {target['rps']:g} requests/s (each at its capacity):"]
+    for r in target["candidates"]:
+        need = (f"{r['servers']} server(s) at {r['capacity_rps']:.4g} requests/s each"
+                + (f", {r['memory_mb']:.0f} MiB in all" if r["memory_mb"] else "")) if r["servers"] else "no capacity found"
+        lines.append(f"  {r['variant']} @ {r['config']}: {need}")
+    c = target["cheapest"]
+    lines.append(f"cheapest: {c['variant']} @ {c['config']}, {c['servers']} server(s)" if c
+                 else "cheapest: none (no candidate meeting every bound has a capacity)")
+    return lines
 
 
 def render_selection(selection: dict, console) -> None:
@@ -376,10 +419,13 @@ def render_selection(selection: dict, console) -> None:
             console.print(f"  [yellow]accepted within noise[/] (on_uncertain: accept): {escape(note)}")
     if selection.get("tie"):
         console.print(f"[yellow]tie[/]: {escape(tie_line(selection))}", soft_wrap=True)
-    else:
+    if not sel:
         console.print(f"[bold red]nothing meets every selection bound[/] (objective {selection['objective']})"
                       if not selection.get("reason") else f"[bold red]nothing selected[/]: {escape(selection['reason'])}")
     for r in selection["rejected"]:
         console.print(f"  {escape(r['variant'])} @ {escape(str(r['config']))}: {escape(r['why'])}")
+    if selection.get("target"):
+        for line in target_lines(selection["target"]):
+            console.print(escape(line))
     if selection.get("not_stored"):
         console.print(f"[yellow]not stored (run the recipe first)[/]: {escape(', '.join(selection['not_stored']))}")

@@ -21,6 +21,8 @@ from qbuild.formats import loads_in, spec
 from qbuild.plugins import Server, servers
 
 RUNNER = "qbuild.serving.bench:run"
+CAPACITY_RUNNER = "qbuild.serving.capacity:run"
+CAPACITY_IMPL_VERSION = 1
 IMPL_VERSION = 3   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
 # 3: a point's warm-up requests lead into the measured ones without a pause (it was measured from an idle server)
 WORKLOAD_FIELDS = ("concurrency", "request_rates", "requests", "warmup", "input_len", "output_len", "seed", "timeout_s")
@@ -91,4 +93,29 @@ def serving_steps(ctx) -> None:
                          requires_gpu=server.needs_gpu, unavailable=unavailable, on_unavailable=OnUnavailable.SKIP,
                          format="metrics", impl_version=IMPL_VERSION,
                          runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s}))
+            if serving.capacity is not None:
+                capacity_step(ctx, serving, art, config, server, data, params, unavailable)
             serving_quality_step(ctx, art, config)   # a quantized KV cache's quality cost, beside its serving numbers
+
+
+def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving_params: dict, unavailable: str) -> Step:
+    """`capacity[<artifact>@<config>]`: the capacity search (qbuild.serving.capacity) on the serving step's server,
+    flags and prompts. Its probes are identified by everything but the SLOs and the budget (`probe_family`, the key
+    a step of those alone would have), so a search under another SLO finds the ones it can reuse."""
+    cap = serving.capacity
+    workload = {**serving.model_dump(include={"input_len", "output_len", "seed", "timeout_s", "warmup",
+                                               "prefix_tokens"}),
+                "requests": cap.requests, "rounds": cap.rounds}
+    probes = {k: serving_params[k] for k in ("config", "server", "engine", "server_args", "context", "slots")}
+    probes["workload"] = workload
+    common = dict(inputs={"model": art.step, "prompts": data}, tools=tuple(sorted(server.tools)),
+                  threads=ctx.threads, per_hardware=True, env_toolchain=server.environment(),
+                  impl_version=CAPACITY_IMPL_VERSION)
+    family = Step("capacity-probes", "capacity-probes", probes, None, **common).key
+    search = {"slo": cap.slo.bounds(), "max_minutes": cap.max_minutes, "max_error_pct": cap.max_error_pct,
+              "start_rps": cap.start_rps}
+    return ctx.add(Step("capacity", f"capacity[{art.label}@{config.name}]", {**probes, "capacity": search},
+                        CAPACITY_RUNNER, **common, requires_gpu=server.needs_gpu, unavailable=unavailable,
+                        on_unavailable=OnUnavailable.SKIP, format="metrics",
+                        runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s,
+                                      "probe_family": family}))
