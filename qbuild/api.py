@@ -165,6 +165,18 @@ def select(recipe, *, store=None, threads: int | None = None) -> dict:
             outcomes.append(StepOutcome(ps.step, Outcome.SKIPPED, error=f"not stored ({ps.status})"))
             if ps.status == PlanStatus.MISS:
                 missing.append(ps.step.name)
+    if r.selection.on_uncertain == "measure_more" and not missing:   # the passes the run made, from the store
+        from qbuild.core.plan import _status
+        from qbuild.results.measure_more import settle
+
+        def stored(steps):
+            planned = [_status(s, st, r.name) for s in steps]
+            if any(ps.status != PlanStatus.HIT for ps in planned):
+                return None
+            return planned, [StepOutcome(ps.step, Outcome.CACHED, ps.hit.path, ps.hit.digest, record=ps.hit.record)
+                             for ps in planned]
+
+        the_plan, outcomes = settle(the_plan, outcomes, stored, None)
     summary = summarize(the_plan, outcomes)
     result = dict(summary["selection"])
     if missing:
@@ -275,11 +287,47 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
     done = runner.run(list(merged.values()))
     by_key = {o.step.key: o for o in done}
     results = []
-    for i, ((_, _, path), the_plan) in enumerate(zip(loaded, plans, strict=True)):
+    for i, ((r, _, path), the_plan) in enumerate(zip(loaded, plans, strict=True)):
         outcomes = [by_key[ps.step.key] for ps in the_plan.steps]
+        if r.selection is not None and r.selection.on_uncertain == "measure_more":
+            the_plan, outcomes = _measure_more(runner, st, the_plan, outcomes, remote_tiers, verify)
         rid = run_id if i == 0 else st.new_run_id()
         results.append(_finish(st, the_plan, outcomes, rid, path, started, tag, mlflow))
     return MultiRunResult(tuple(results))
+
+
+def _measure_more(runner, st: Store, the_plan: Plan, outcomes: list[StepOutcome], remotes: tuple, verify: str):
+    """selection.on_uncertain: measure_more: passes of added serving rounds for the candidates in doubt, run by the
+    same executor, within the selection's budget (qbuild.results.measure_more)."""
+    from qbuild.core.plan import _status
+    from qbuild.core.step import Outcome
+    from qbuild.results.measure_more import settle
+
+    if any(o.status == Outcome.FAILED for o in outcomes):
+        return the_plan, outcomes
+    r = the_plan.recipe
+
+    def execute(steps):
+        # the executor starts a step once its inputs are resolved in the same call: they go along (stored by now)
+        planned = [_status(s, st, r.name, remotes, verify) for s in (*_prerequisites(steps), *steps)]
+        keys = {s.key for s in steps}
+        return [ps for ps in planned if ps.step.key in keys], [o for o in runner.run(planned) if o.step.key in keys]
+
+    return settle(the_plan, outcomes, execute, r.selection.measure_more_minutes * 60)
+
+
+def _prerequisites(steps) -> list:
+    """Every step the given ones need, transitively, inputs first, each once."""
+    seen: dict[str, Any] = {}
+
+    def visit(step) -> None:
+        for p in step.prerequisites():
+            if p.key not in seen:
+                visit(p)
+                seen[p.key] = p
+    for s in steps:
+        visit(s)
+    return list(seen.values())
 
 
 def _union_remotes(recipes: list[Recipe]) -> tuple:

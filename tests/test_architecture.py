@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                   "qbuild.quantize.base", "qbuild.quantize.shapes", "qbuild.quantize.llamacpp_tools")),
     # the recipe and the planner of each of its sections (they turn recipe entries into steps)
     ("planning", ("qbuild.core.recipe", "qbuild.models.resolve", "qbuild.models.fidelity_plan",
-                  "qbuild.serving.plan", "qbuild.serving.bench",
+                  "qbuild.serving.plan", "qbuild.serving.bench", "qbuild.serving.capacity",
                   "qbuild.evaluate.plan", "qbuild.evaluate.tasks", "qbuild.calibration.plan")),
     ("plugins", ("qbuild.quantize", "qbuild.build", "qbuild.runtimes", "qbuild.serving.engines")),
     ("pipeline", ("qbuild.core",)),

@@ -204,3 +204,22 @@ def test_capacity_search_on_a_real_server_reruns_nothing_and_another_slo_reuses_
     assert out.returncode == 0, out.stdout + out.stderr
     assert "selected: q8_0 @ default (objective max_capacity)" in out.stdout
     assert f"cheapest: q8_0 @ default, {math.ceil(50 / cap2['capacity_rps'])} server(s)" in out.stdout
+
+
+def test_the_report_draws_latency_against_load_with_bands_the_slo_and_the_capacity():
+    import re
+
+    from qbuild.results.report import render_html
+
+    measure, _ = queue(saturation=5.3)
+    found = search(measure, {"ttft_p99_ms": 500}, 1.0, grid_index(1.0))
+    cap = {"config": "default", "slo": {"ttft_p99_ms": 500}, **found}
+    row = {**candidate("q8_0", "default", found["capacity_rps"], 300), "capacity": [cap]}
+    page = render_html({"recipe": "r", "variants": [row], "steps": [], "counts": {}})
+    svg = re.search(r'<svg[^>]*class="capacity".*?</svg>', page).group(0)
+    assert 'data-metric="ttft_ms_p99"' in svg
+    assert svg.count('class="probe"') == len(found["probes"])
+    assert svg.count('data-meets="true"') == sum(p["meets"] for p in found["probes"])
+    assert '<polygon class="band"' in svg and 'data-slo="ttft_p99_ms"' in svg and "SLO 500" in svg
+    assert f"capacity {found['capacity_rps']:.3g}/s" in svg and 'class="capacity-point"' in svg
+    assert f"capacity {found['capacity_rps']:.4g} requests/s" in page   # the figure's caption

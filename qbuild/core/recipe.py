@@ -385,10 +385,15 @@ class Selection(StrictModel):
                                      "needed at its capacity, and the cheapest choice (needs evaluation.serving."
                                      "capacity).")
     include_baseline: bool = Field(False, description="Let the unquantized baseline be selected too.")
-    on_uncertain: Literal["reject", "accept"] = Field(
+    on_uncertain: Literal["reject", "accept", "measure_more"] = Field(
         "reject", description="A latency/throughput bound whose 95 % interval straddles it (within noise, measured "
-        "in rounds): reject the candidate (a miss), or accept it (noted). Default reject: ship only what clearly "
-        "meets the bounds.")
+        "in rounds): reject the candidate (a miss), accept it (noted), or measure_more: add rounds to the candidates "
+        "in doubt (and to tied ones) within measure_more_minutes, then reject what is still in doubt. Default "
+        "reject: ship only what clearly meets the bounds.")
+    measure_more_minutes: float = Field(10.0, gt=0, le=1440, description="on_uncertain: measure_more: the time "
+                                        "budget for the added rounds (checked before each pass).")
+    measure_more_rounds: int = Field(2, ge=1, le=100, description="on_uncertain: measure_more: rounds added to "
+                                     "each candidate in doubt per pass.")
     tie_break: list[Literal["kld", "memory", "size"]] = Field(
         default_factory=lambda: ["kld", "memory", "size"], min_length=1,
         description="When the best candidates' objective intervals overlap (a tie within noise): the first of these "
@@ -528,6 +533,8 @@ class Recipe(StrictModel):
                 if at is not None and at not in ev.serving.concurrency:
                     raise ValueError(f"selection.{name} is at concurrency {at}, which evaluation.serving.concurrency "
                                      f"{ev.serving.concurrency} does not measure")
+        if sel.on_uncertain == "measure_more" and ev.serving is None:
+            raise ValueError("selection.on_uncertain: measure_more adds serving rounds: it needs evaluation.serving")
         if (sel.objective == "max_capacity" or sel.target_rps is not None) and (
                 ev.serving is None or ev.serving.capacity is None):
             raise ValueError("selection's objective max_capacity and target_rps need evaluation.serving.capacity")

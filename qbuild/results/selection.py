@@ -15,6 +15,8 @@ objective compares intervals too: when the best candidates' intervals overlap, t
 
 from __future__ import annotations
 
+from qbuild.serving.confidence import verdict
+
 SLOS = (  # recipe field, point field, what a miss is, unit
     ("ttft_p99_ms", "ttft_ms_p99", "max", "ms"),
     ("tpot_p50_ms", "tpot_ms_p50", "max", "ms"),
@@ -45,15 +47,6 @@ def _miss(name: str, value: float, bound: float, kind: str, unit: str, where: st
 
 def _interval(ci: list[float] | None) -> str:
     return f" [{ci[0]:.4g}, {ci[1]:.4g}]" if ci else ""
-
-
-def verdict(value: float, ci: list[float] | None, bound: float, kind: str) -> str:
-    """"met", "missed", or "uncertain": the 95 % interval straddles the bound (without an interval, the value
-    alone decides)."""
-    lo, hi = ci if ci else (value, value)
-    if kind == "max":
-        return "met" if hi <= bound else "missed" if lo > bound else "uncertain"
-    return "met" if lo >= bound else "missed" if hi < bound else "uncertain"
 
 
 def _configs(row: dict) -> list[str | None]:
@@ -146,8 +139,8 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
             u = f" {unit}" if unit else ""
             uncertain.append(f"{field} {value:.4g}{_interval(ci)}{u} at concurrency {c} straddles {bound:.4g}: "
                              f"within noise")
-            if sel.on_uncertain == "reject":
-                misses.append(f"{uncertain[-1]} (on_uncertain: reject)")
+            if sel.on_uncertain != "accept":   # measure_more: what is still in doubt after the added rounds
+                misses.append(f"{uncertain[-1]} (on_uncertain: {sel.on_uncertain})")
     quality = _quality(row, points)
     under = f" under config {config}" if config is not None else ""
     for field, value, bound, unit, where in (

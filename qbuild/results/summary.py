@@ -106,15 +106,44 @@ def goodput_slo(recipe) -> dict:
     return slo
 
 
+def _pooled_serving(outcomes: list[StepOutcome]) -> list[StepOutcome]:
+    """The serving outcomes, one per (artifact, config): where selection's measure_more added rounds in steps of
+    their own (`first_round` > 0), each point pools the rounds of every step (qbuild.results.measure_more)."""
+    from dataclasses import replace
+
+    groups: dict[tuple[str, str], list[StepOutcome]] = {}
+    for o in outcomes:
+        if o.step.kind == "serving":
+            groups.setdefault((o.step.inputs["model"].key, o.step.params["config"]["name"]), []).append(o)
+    pooled = []
+    for group in groups.values():
+        group.sort(key=lambda o: o.step.params["workload"].get("first_round", 0))
+        base, added = group[0], [o for o in group[1:] if (o.metrics or {}).get("points")]
+        if not added or not (base.metrics or {}).get("points"):
+            pooled.append(base)
+            continue
+        from qbuild.serving.confidence import combine_rounds
+
+        seed = base.step.params["workload"]["seed"]
+        points = []
+        for pts in zip(*(o.metrics["points"] for o in (base, *added)), strict=True):
+            rounds = [r for pt in pts for r in (pt.get("rounds") or [pt])]
+            where = {k: pts[0][k] for k in ("concurrency", "request_rate") if k in pts[0]}
+            points.append({**where, **combine_rounds([{k: v for k, v in r.items() if k not in where}
+                                                      for r in rounds], seed)})
+        rss = max((o.metrics.get("peak_rss_bytes") or 0) for o in (base, *added)) or None
+        pooled.append(replace(base, record={**base.record, "metrics": {**base.metrics, "points": points,
+                                                                       "peak_rss_bytes": rss}}))
+    return pooled
+
+
 def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
     """artifact key → its serving points, one per (serving config, concurrency or request rate)."""
     from qbuild.serving.client import goodput
     from qbuild.serving.confidence import ROUND_FIELDS
 
     by_artifact: dict[str, list[dict]] = {}
-    for o in outcomes:
-        if o.step.kind != "serving":
-            continue
+    for o in _pooled_serving(outcomes):
         m, config = o.metrics, o.step.params["config"]["name"]
         rows = by_artifact.setdefault(o.step.inputs["model"].key, [])
         if not m.get("points"):

@@ -76,9 +76,11 @@ def run(ctx: StepContext) -> dict:
     tokens, _ = load_tokens(ctx.inputs["prompts"])
     n_points = len(w["concurrency"]) + len(w["request_rates"] or [])
     rounds = w.get("rounds", 1)
+    first = w.get("first_round", 0)   # rounds added later (selection's measure_more) go on where the others ended
     count = n_points * (w["requests"] + w["warmup"])   # per round: each round sends prompts of its own
-    prompts = prompts_from(tokens, w["input_len"], count * rounds, w["seed"], w.get("prefix_tokens", 0))
-    output_len = drawn_lengths(w["output_len"], count * rounds, w["seed"] + 2)
+    prompts = prompts_from(tokens, w["input_len"], count * (first + rounds), w["seed"],
+                           w.get("prefix_tokens", 0))[count * first:]
+    output_len = drawn_lengths(w["output_len"], count * (first + rounds), w["seed"] + 2)[count * first:]
     launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
                            workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
     work = Workload(prompts=prompts[:count], output_len=output_len[:count], requests=w["requests"], warmup=w["warmup"],
@@ -97,7 +99,7 @@ def run(ctx: StepContext) -> dict:
                 this = replace(work, prompts=prompts[r * count:(r + 1) * count],
                                output_len=output_len[r * count:(r + 1) * count])
                 by_round.append(sweep(srv.url, this, w["concurrency"], w["request_rates"],
-                                      w["seed"] + r * n_points, between=srv.check_alive,
+                                      w["seed"] + (first + r) * n_points, between=srv.check_alive,
                                       progress=_round_progress(ctx.progress, r, rounds)))
             server_cpu = (_cpu_seconds(srv.pid) or 0) - (server_cpu0 or 0)
             client_cpu = time.process_time() - client_cpu0

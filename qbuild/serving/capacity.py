@@ -48,7 +48,7 @@ def grid_index(rate: float) -> int:
 def judge(probe: dict, slo: dict, max_error_pct: float) -> dict:
     """A probe's verdict under `slo` (field → bound): {meets, misses, uncertain}. The pooled value decides; a bound
     whose 95 % interval straddles it is listed as within noise."""
-    from qbuild.results.selection import verdict
+    from qbuild.serving.confidence import verdict
 
     misses, uncertain = [], []
     error_pct = 100 * probe["errors"] / probe["requests"] if probe["requests"] else 100.0
@@ -164,8 +164,7 @@ def run(ctx) -> dict:
     from qbuild.core.recipe import ServingConfig
     from qbuild.evaluate.data import load_tokens
     from qbuild.plugins import servers
-    from qbuild.serving.bench import _portable, _tail, drawn_lengths, prompts_from
-    from qbuild.serving.client import Workload
+    from qbuild.serving.bench import _portable, _tail
     from qbuild.serving.server import running
 
     p = ctx.params
@@ -175,7 +174,6 @@ def run(ctx) -> dict:
     server = servers.get(p["server"])
     config = ServingConfig(**p["config"])
     tokens, _ = load_tokens(ctx.inputs["prompts"])
-    per_round = w["requests"] + w["warmup"]
     launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
                            workdir=ctx.out, log=ctx.log)
     log = ctx.out / SERVER_LOG
@@ -195,16 +193,7 @@ def run(ctx) -> dict:
         if srv is None:
             ctx.log(f"starting {launch.engine} for {label}: {shlex.join(_portable(list(launch.command), ctx.inputs['model']))}")
             srv = stack.enter_context(running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)))
-        rounds = []
-        for r in range(w["rounds"]):
-            seed = probe_seed(w["seed"], k, r)
-            prompts = prompts_from(tokens, w["input_len"], per_round, seed, w.get("prefix_tokens", 0))
-            work = Workload(prompts=prompts, output_len=drawn_lengths(w["output_len"], per_round, seed + 2),
-                            requests=w["requests"], warmup=w["warmup"], timeout_s=w["timeout_s"],
-                            ignore_eos=launch.ignore_eos, model=launch.model_name)
-            rounds.append(probe_round(srv.url, work, rate_of(k), seed))
-            srv.check_alive()
-        probe = _pooled(rounds, w["seed"])
+        probe = measure_probe(srv.url, tokens, w, k, launch.model_name, launch.ignore_eos, between=srv.check_alive)
         counts["measured"] += 1
         ctx.log(f"rate {rate_of(k):.4g}/s: TTFT p99 {probe['ttft_ms_p99']} ms, TPOT p50 {probe['tpot_ms_p50']} ms, "
                 f"{probe['errors']} errors, {probe['mean_in_flight']} in flight")
@@ -233,6 +222,26 @@ def run(ctx) -> dict:
     ctx.log(f"capacity of {label}: {where}; {counts['measured']} probe(s) measured, {counts['reused']} reused"
             + ("" if found["complete"] else f"; stopped by max_minutes {cap['max_minutes']}"))
     return {"format": "metrics", "metrics": result}
+
+
+def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, ignore_eos: bool = True,
+                  between: Callable[[], None] = lambda: None) -> dict:
+    """The probe at rate_of(k): `w["rounds"]` rounds (workload `w` as the step's params hold it), each after its
+    own warm-up, with prompts (windows of `tokens`), output lengths and arrivals seeded by the rate and the round."""
+    from qbuild.serving.bench import drawn_lengths, prompts_from
+    from qbuild.serving.client import Workload
+
+    per_round = w["requests"] + w["warmup"]
+    rounds = []
+    for r in range(w["rounds"]):
+        seed = probe_seed(w["seed"], k, r)
+        prompts = prompts_from(tokens, w["input_len"], per_round, seed, w.get("prefix_tokens", 0))
+        work = Workload(prompts=prompts, output_len=drawn_lengths(w["output_len"], per_round, seed + 2),
+                        requests=w["requests"], warmup=w["warmup"], timeout_s=w["timeout_s"],
+                        ignore_eos=ignore_eos, model=model)
+        rounds.append(probe_round(url, work, rate_of(k), seed))
+        between()
+    return _pooled(rounds, w["seed"])
 
 
 def probe_round(url: str, work, rate: float, seed: int) -> dict:
