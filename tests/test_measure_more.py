@@ -43,14 +43,11 @@ def test_added_rounds_go_on_where_the_earlier_ones_ended():
 
 @pytest.mark.slow
 def test_measure_more_adds_rounds_to_a_bound_within_noise_on_a_real_server(tmp_path, tiny_model_dir):
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("httpx")
-    from qbuild.serving.llamacpp_build import cached_bin_dir
+    from serving_helpers import llama_server_bin
 
     from helpers import qbuild, run_api, write_recipe
 
-    if cached_bin_dir() is None:
-        pytest.skip("llama-server is not built yet (scripts/install.sh builds it)")
+    llama_server_bin()
     data = {"name": "more", "model": {"source": "local", "path": str(tiny_model_dir)},
             "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}],
             "evaluation": {"perplexity": None, "baseline": False,

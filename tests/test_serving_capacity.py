@@ -156,15 +156,11 @@ def capacity_recipe(model, store, ttft_p99_ms: float, **selection) -> dict:
 @pytest.mark.slow
 def test_capacity_search_on_a_real_server_reruns_nothing_and_another_slo_reuses_probes(
         tmp_path, tiny_model_dir, monkeypatch):
-    pytest.importorskip("llama_cpp")
-    pytest.importorskip("httpx")
-    from qbuild.serving.llamacpp_build import cached_bin_dir
+    from serving_helpers import llama_server_bin
 
     from helpers import qbuild, run_api, write_recipe
 
-    bin_dir = cached_bin_dir()
-    if bin_dir is None:
-        pytest.skip("llama-server is not built yet (scripts/install.sh builds it)")
+    bin_dir = llama_server_bin()
     # probes are cached per user: a cache of this test's own, so that an earlier run's probes are not found
     monkeypatch.setenv("QBUILD_LLAMA_CPP_BIN", str(bin_dir))
     monkeypatch.setenv("QBUILD_CACHE", str(tmp_path / "cache"))
@@ -223,3 +219,30 @@ def test_the_report_draws_latency_against_load_with_bands_the_slo_and_the_capaci
     assert '<polygon class="band"' in svg and 'data-slo="ttft_p99_ms"' in svg and "SLO 500" in svg
     assert f"capacity {found['capacity_rps']:.3g}/s" in svg and 'class="capacity-point"' in svg
     assert f"capacity {found['capacity_rps']:.4g} requests/s" in page   # the figure's caption
+
+
+def test_a_candidate_without_capacity_says_why():
+    rows = [candidate("q8_0", "default", 2.0, 300), candidate("q4km", "default", None, 250)]
+    rows[1]["capacity"][0].update(status="built", probes=[{"rate_rps": 0.25, "meets": False,
+                                                           "misses": ["ttft_p99_ms 900 > 500"]}])
+    out = select(Selection(objective="max_capacity"), rows, Serving(concurrency=[1, 4]))
+    assert out["selected"]["variant"] == "q8_0"
+    assert out["rejected"][0]["why"] == ("meets every bound, but objective max_capacity cannot rank it: no rate met "
+                                         "the capacity SLOs (at 0.25 requests/s: ttft_p99_ms 900 > 500)")
+
+
+def test_the_run_prints_one_line_per_capacity_search():
+    from qbuild.results.summary import capacity_lines
+
+    measure, _ = queue(saturation=5.3)
+    found = search(measure, {"ttft_p99_ms": 500}, 1.0, grid_index(1.0))
+    done = {"config": "default", "status": "built", "slo": {"ttft_p99_ms": 500}, "max_error_pct": 1.0,
+            "probes_reused": 3, **found}
+    failed = {"config": "kv8", "status": "failed", "error": "llama.cpp server for q8_0 exited", "capacity_rps": None,
+              "slo": {"ttft_p99_ms": 500}, "max_error_pct": 1.0, "probes": []}
+    lines = capacity_lines({"variants": [{"variant": "q8_0", "capacity": [done, failed]}]})
+    assert lines == [f"capacity q8_0 @ default (ttft_p99_ms ≤ 500, errors ≤ 1.0 %): {found['capacity_rps']:.4g} "
+                     f"requests/s ({found['concurrency']} in flight; {found['next_rps']:.4g}/s missed); "
+                     f"{len(found['probes'])} probes, 3 reused",
+                     "capacity q8_0 @ kv8 (ttft_p99_ms ≤ 500, errors ≤ 1.0 %): not found (failed: llama.cpp server "
+                     "for q8_0 exited)"]

@@ -217,6 +217,9 @@ class Serving(StrictModel):
                                "the first installed server whose engine loads the artifact.")
     variants: list[str] | Literal["all"] = Field("all", description="Which artifacts to serve (baseline included).")
     configs: list[ServingConfig] = Field(default_factory=lambda: [ServingConfig(name="default")], min_length=1)
+    trace: str | None = Field(None, description="A user's requests to replay (JSONL, relative to the recipe: "
+                              "arrival_s, output_len, and input_len or prompt per line): one more point per config, "
+                              "`trace`, with the requests sent at their arrival times (docs/serving.md).")
     capacity: Capacity | None = Field(None, description="{slo: {...}, max_minutes}: per (artifact, config), the highest "
                                       "request rate meeting the SLOs (a `capacity[...]` step each).")
 

@@ -162,7 +162,7 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
     cap = next((c for c in row.get("capacity") or [] if c["config"] == config), None)
     return {"variant": row["variant"], "config": config, "misses": misses, "not_served": _not_served(row, points, serving),
             "capacity_rps": (cap or {}).get("capacity_rps"), "capacity_concurrency": (cap or {}).get("concurrency"),
-            "capacity_complete": (cap or {}).get("complete"),
+            "capacity_complete": (cap or {}).get("complete"), "capacity_why": _no_capacity(cap),
             "uncertain": uncertain, "slo": slo, "memory_mb": memory,
             "output_tok_s_ci": ((pt or {}).get("ci") or {}).get("output_tok_s"),
             "rounds": (pt or {}).get("rounds"),
@@ -282,7 +282,7 @@ def _unmeasured(objective: str, c: dict, at: int | None) -> str:
     if objective == "max_throughput":
         return c["not_served"] or f"output tok/s not measured at concurrency {at}"
     if objective == "max_capacity":
-        return c["not_served"] or "its capacity was not found (no rate met evaluation.serving.capacity's SLOs)"
+        return c["not_served"] or c["capacity_why"] or "its capacity is unknown"
     if objective == "min_size":
         return "its size is unknown"
     return "its KLD was not measured (evaluation.kld)"
@@ -316,3 +316,17 @@ def servers_needed(target_rps: float, met: list[dict]) -> dict:
     cheapest = min(costed, key=lambda r: (r["servers"], r["memory_mb"] if r["memory_mb"] is not None else float("inf"),
                                           r["variant"], str(r["config"])), default=None)
     return {"rps": target_rps, "candidates": rows, "cheapest": cheapest}
+
+
+def _no_capacity(cap: dict | None) -> str | None:
+    """Why a candidate has no capacity (None when it has one)."""
+    if cap is None:
+        return "no capacity search ran for it"
+    if cap.get("capacity_rps") is not None:
+        return None
+    if cap.get("status") not in ("built", "cached"):
+        return f"its capacity step {cap.get('step') or ''} was {cap.get('status')}" + (
+            f" ({cap['error']})" if cap.get("error") else "")
+    missed = next((p for p in cap.get("probes") or [] if not p.get("meets")), None)
+    return "no rate met the capacity SLOs" + (
+        f" (at {missed['rate_rps']:.4g} requests/s: {'; '.join(missed['misses'])})" if missed else "")

@@ -128,7 +128,7 @@ def _pooled_serving(outcomes: list[StepOutcome]) -> list[StepOutcome]:
         points = []
         for pts in zip(*(o.metrics["points"] for o in (base, *added)), strict=True):
             rounds = [r for pt in pts for r in (pt.get("rounds") or [pt])]
-            where = {k: pts[0][k] for k in ("concurrency", "request_rate") if k in pts[0]}
+            where = {k: pts[0][k] for k in ("concurrency", "request_rate", "trace") if k in pts[0]}
             points.append({**where, **combine_rounds([{k: v for k, v in r.items() if k not in where}
                                                       for r in rounds], seed)})
         rss = max((o.metrics.get("peak_rss_bytes") or 0) for o in (base, *added)) or None
@@ -153,7 +153,7 @@ def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
         for pt in m["points"]:
             row = {"config": config, "server": m.get("server"), "engine": m.get("engine"), "status": o.status,
                    "step": o.step.name}
-            row.update({k: pt[k] for k in ("concurrency", "request_rate") if k in pt})
+            row.update({k: pt[k] for k in ("concurrency", "request_rate", "trace") if k in pt})
             row.update({k: pt.get(k) for k in SERVING_FIELDS})
             row["goodput_requests_s"] = goodput(pt, slo["ttft_ms"], slo["tpot_ms"])
             # measured in rounds: 95 % intervals (field → [lo, hi]) and each round's own figures, samples left out
@@ -381,7 +381,7 @@ def render_serving(summary: dict, console) -> None:
     from rich.table import Table
 
     rows = [(r["variant"], p) for r in summary["variants"] for p in r.get("serving") or [] if "concurrency" in p
-            or "request_rate" in p]
+            or "request_rate" in p or "trace" in p]
     if not rows:
         return
     slo = summary.get("goodput_slo") or DEFAULT_GOODPUT_SLO
@@ -397,7 +397,8 @@ def render_serving(summary: dict, console) -> None:
                 "goodput", "errors", "peak RSS", "KV B/tok", *quality):
         table.add_column(col, justify="left" if col in ("variant", "config") else "right")
     for variant, p in rows:
-        where = str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s"
+        where = (str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s" if "request_rate" in p
+                 else f"trace {p['trace']}")
         extra = {"KLD": _fmt(p.get("kld"), ".4f"), "ΔPPL %": _fmt(p.get("delta_ppl_pct"), "+.2f")}
         table.add_row(escape(variant), escape(p["config"]), where, with_ci(p, "ttft_ms_p50", ".1f"),
                       with_ci(p, "ttft_ms_p99", ".1f"), with_ci(p, "tpot_ms_p50", ".2f"), with_ci(p, "itl_ms_p99", ".2f"),
@@ -406,6 +407,27 @@ def render_serving(summary: dict, console) -> None:
                       str(p["errors"]), f"{p['peak_rss_mb']:.0f} MiB" if p.get("peak_rss_mb") else "-",
                       _fmt(p.get("kv_bytes_per_token"), ".0f"), *(extra[c] for c in quality))
     console.print(table)
+    for line in capacity_lines(summary):
+        console.print(escape(line))
+
+
+def capacity_lines(summary: dict) -> list[str]:
+    """One line per capacity search: the rate, the concurrency it settled at, the next rate (missed), the probes."""
+    lines = []
+    for r in summary["variants"]:
+        for c in r.get("capacity") or []:
+            slo = ", ".join(f"{k} ≤ {v:g}" for k, v in (c.get("slo") or {}).items())
+            if c.get("capacity_rps") is None:
+                what = (f"not found ({c['status']}{': ' + c['error'] if c.get('error') else ''})"
+                        if c["status"] not in ("built", "cached") else "no rate meets the SLOs")
+            else:
+                what = (f"{c['capacity_rps']:.4g} requests/s ({c['concurrency']} in flight"
+                        + (f"; {c['next_rps']:.4g}/s missed" if c.get("next_rps") else "") + ")"
+                        + ("" if c.get("complete") else "; stopped by max_minutes"))
+            probes = (f"; {len(c['probes'])} probes, {c.get('probes_reused') or 0} reused" if c.get("probes") else "")
+            lines.append(f"capacity {r['variant']} @ {c['config']} ({slo}, errors ≤ {c.get('max_error_pct')} %): "
+                         f"{what}{probes}")
+    return lines
 
 
 def tie_line(selection: dict) -> str:
