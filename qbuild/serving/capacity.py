@@ -113,9 +113,9 @@ def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, star
             break
         good, bad = (mid, bad) if ok else (good, mid)
     best = probes.get(good) if good is not None else None
-    return {"capacity_rps": round(rate_of(good), 4) if good is not None else None, "k": good,
+    return {"capacity_rps": rate_of(good) if good is not None else None, "k": good,
             "concurrency": best.get("mean_in_flight") if best else None,
-            "next_rps": round(rate_of(bad), 4) if bad is not None else None,
+            "next_rps": rate_of(bad) if bad is not None else None,
             "bracketed": bracketed, "complete": complete,
             "probes": [probes[i] for i in order]}
 
