@@ -12,6 +12,9 @@ per concurrency the medians of output tok/s and TTFT p50 of each and their ratio
 client's CPU seconds as a share of the server's over the same run (target for qbuild's: at most 10 %).
 Prompts: qbuild sends seeded random token ids, guidellm its synthetic text of the same token count (the server's
 speed does not depend on which tokens they are; only the lengths match, which is what is compared).
+With `--prefix-tokens N` every prompt of both tools starts with one shared prefix of N tokens (qbuild's
+evaluation.serving.prefix_tokens, guidellm's synthetic prefix_tokens with prefix_count 1) and the server keeps its
+default prompt cache, so what is compared is TTFT with the prefix cached.
 """
 
 from __future__ import annotations
@@ -66,12 +69,15 @@ def server_prompt_eval_ms(log: Path, offset: int) -> tuple[list[float], int]:
 
 
 def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len: int | dict, seed: int,
-               rampup: float) -> dict:
+               rampup: float, prefix_tokens: int = 0) -> dict:
     from qbuild.planning.serving_bench import drawn_lengths
     from qbuild.serving.client import Workload, sweep
 
     rng = np.random.default_rng(seed)
     prompts = rng.integers(100, 20000, size=(n + 2, input_len)).tolist()
+    if prefix_tokens:   # one shared prefix (a system prompt) before every prompt, the same in every run
+        prefix = np.random.default_rng(12345).integers(100, 20000, size=prefix_tokens).tolist()
+        prompts = [prefix + p for p in prompts]
     # each tool draws its own lengths from the same range (guidellm's sampler cannot be given ours)
     lengths = drawn_lengths(output_len, n + WARMUP, seed) if isinstance(output_len, dict) else output_len
     work = Workload(prompts=prompts, output_len=lengths, requests=n, warmup=WARMUP, timeout_s=300, model=model,
@@ -92,16 +98,17 @@ def guidellm_lengths(output_len: int | dict) -> dict:
 
 
 def run_guidellm(url: str, model: str, tokenizer: Path, c: int, n: int, input_len: int, output_len: int | dict,
-                 out: Path, seed: int, rampup: float) -> dict:
+                 out: Path, seed: int, rampup: float, prefix_tokens: int = 0, guidellm: Path = GUIDELLM) -> dict:
     backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
                "extras": {"body": {"ignore_eos": True}}}
-    cmd = [str(GUIDELLM), "run", "--backend", json.dumps(backend),
+    cmd = [str(guidellm), "run", "--backend", json.dumps(backend),
            # the same 2 warm-up requests qbuild's client leaves out of its numbers
            "--profile", json.dumps({"kind": "concurrent", "streams": [c],
                                     "warmup": {"mode": "requests", "value": WARMUP},
                                     "rampup_duration": rampup}),
            "--constraint", json.dumps({"kind": "max_requests", "count": n + 2}),
-           "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": input_len, **guidellm_lengths(output_len)}),
+           "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": input_len, **guidellm_lengths(output_len),
+                                 **({"prefix_tokens": prefix_tokens, "prefix_count": 1} if prefix_tokens else {})}),
            "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": str(tokenizer)}),
            "--seed", json.dumps({"kind": "static", "value": seed}),
            "--output", json.dumps({"kind": "json", "path": str(out)}), "--disable-progress", "--disable-console"]
@@ -129,26 +136,33 @@ def main() -> None:
     ap.add_argument("--rampup", type=float, default=4.0,
                     help="seconds over which both tools start their streams at concurrency > 1 (guidellm's "
                          "rampup_duration, qbuild's rampup_s); 0: all at once")
+    ap.add_argument("--prefix-tokens", type=int, default=0,
+                    help="a shared prefix of this many tokens before every prompt (guidellm's prefix_tokens with one "
+                         "prefix; qbuild's evaluation.serving.prefix_tokens); the server's prompt cache is then on")
+    ap.add_argument("--input-len", type=int, default=128, help="prompt tokens after the prefix")
     ap.add_argument("--output-len", type=int, nargs="+", default=[32], metavar="N",
                     help="tokens per request: one number, or MIN MAX to draw each request's uniformly (both tools)")
+    ap.add_argument("--guidellm", type=Path, default=GUIDELLM, help="the guidellm program (a checkout's .venv-guidellm)")
     args = ap.parse_args()
-    if not GUIDELLM.is_file():
-        raise SystemExit(f"{GUIDELLM} missing: bash scripts/install.sh dev")
+    if not args.guidellm.is_file():
+        raise SystemExit(f"{args.guidellm} missing: bash scripts/install.sh dev")
     from qbuild.planning.recipe import ServingConfig
     from qbuild.serving.engines.llamacpp import LlamaServer
     from qbuild.serving.server import running
 
     gguf, tokenizer = find_artifacts(args.store, args.ref)
-    input_len = 128
+    input_len = args.input_len
     output_len = args.output_len[0] if len(args.output_len) == 1 else {"min": args.output_len[0],
                                                                         "max": args.output_len[1]}
     longest = output_len["max"] if isinstance(output_len, dict) else output_len
     threads = max(1, (os.cpu_count() or 2) // 2)
     tmp = Path(tempfile.mkdtemp(prefix="bench-serving-"))
-    # no prompt cache: every prompt is new anyway (distinct seeds), and no run may profit from another's
-    launch = LlamaServer().launch(gguf, ServingConfig(name="nocache", prefix_caching=False), threads=threads,
+    # no prompt cache without a prefix: every prompt is new anyway (distinct seeds), and no run may profit from
+    # another's; with one, the cache is what is measured (llama-server's default: it keeps each slot's last prompt)
+    config = ServingConfig(name="prefix") if args.prefix_tokens else ServingConfig(name="nocache", prefix_caching=False)
+    launch = LlamaServer().launch(gguf, config, threads=threads,
                                   slots=max(args.concurrency),
-                                  context=input_len + longest + 8, workdir=tmp)
+                                  context=args.prefix_tokens + input_len + longest + 8, workdir=tmp)
     results: dict = {c: {"qbuild": [], "guidellm": []} for c in args.concurrency}
     cores = sorted(os.sched_getaffinity(0))
     server_cores = set(cores[:threads])
@@ -168,11 +182,11 @@ def main() -> None:
                     s0 = server_cpu(srv.pid)
                     if tool == "qbuild":
                         res = run_qbuild(srv.url, launch.model_name, c, args.requests, input_len, output_len,
-                                         seed=1000 * r + c, rampup=rampup)
+                                         seed=1000 * r + c, rampup=rampup, prefix_tokens=args.prefix_tokens)
                     else:
                         res = run_guidellm(srv.url, launch.model_name, tokenizer, c, args.requests, input_len,
                                            output_len, tmp / f"guidellm-{c}-{r}.json", seed=1000 * r + c + 500,
-                                           rampup=rampup)
+                                           rampup=rampup, prefix_tokens=args.prefix_tokens, guidellm=args.guidellm)
                     res["server_cpu_s"] = server_cpu(srv.pid) - s0
                     # the server's own prompt-eval times of the same measured requests: what TTFT is made of
                     evals, offset = server_prompt_eval_ms(log, offset)

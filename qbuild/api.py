@@ -79,6 +79,10 @@ def run_many(recipes, *, store=None, executor: str = "local", tag: str | None = 
                   remotes=remotes, materialize=materialize, jobs=jobs, address=address, verify=verify)
     results = []
     for i, (the_plan, outcomes, path) in enumerate(built.runs):
+        if the_plan.recipe.selection is not None and the_plan.recipe.selection.on_uncertain == "measure_more":
+            from qbuild.results.measure_more import measure_more
+
+            the_plan, outcomes = measure_more(built, the_plan, outcomes)
         run_id = built.run_id if i == 0 else built.store.new_run_id()
         results.append(finish(built.store, the_plan, outcomes, run_id, path, built.started, tag, mlflow))
     return MultiRunResult(tuple(results))

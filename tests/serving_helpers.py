@@ -57,3 +57,17 @@ def connectable(port: int) -> bool:
 
 
 LOOPBACK = "0100007F"   # 127.0.0.1 in /proc/net/tcp
+
+
+def llama_server_bin():
+    """The built llama-server's folder; the calling test is skipped without llama-cpp-python, httpx or the build."""
+    import pytest
+
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("httpx")
+    from qbuild.serving.llamacpp_build import cached_bin_dir
+
+    found = cached_bin_dir()
+    if found is None:
+        pytest.skip("llama-server is not built yet (scripts/install.sh builds it)")
+    return found

@@ -132,9 +132,12 @@ def test_equal_on_every_tie_break_the_higher_measured_figure_decides():
     assert out["selected"]["variant"] == "b" and out["tie"]["broken_by"] == "output_tok_s"
 
 
-def test_on_uncertain_measure_more_is_refused_in_the_recipe():
-    data = {"name": "t", "model": {"source": "local", "path": "/nonexistent"}, "evaluation": {"serving": {}},
+def test_measure_more_needs_serving_and_rejects_what_stays_in_doubt():
+    data = {"name": "t", "model": {"source": "local", "path": "/nonexistent"}, "evaluation": {},
             "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}],
-            "selection": {"ttft_p99_ms": 100, "on_uncertain": "measure_more"}}
-    with pytest.raises(RecipeError, match="on_uncertain"):
+            "selection": {"objective": "min_size", "on_uncertain": "measure_more"}}
+    with pytest.raises(RecipeError, match="on_uncertain: measure_more"):
         parse_recipe(data)
+    rows = [row("a", 100, 0.01, [point("default", 30.0, [29.0, 31.0], 2510, [2380, 2650])])]
+    out = select(Selection(ttft_p99_ms=2500, on_uncertain="measure_more"), rows, SERVING)
+    assert out["selected"] is None and out["rejected"][0]["why"].endswith("within noise (on_uncertain: measure_more)")

@@ -97,6 +97,9 @@ class Built:
     run_id: str                                                     # the first recipe's; each other gets its own
     started: float
     runs: tuple[tuple[Plan, list[StepOutcome], Path | None], ...]   # (plan, its steps' outcomes, recipe file)
+    runner: object = None                                           # the executor, for steps added after the run
+    remotes: tuple = ()                                             # the remote tiers looked up
+    verify: str = "fast"
 
 
 def build(recipes, *, store=None, executor: str = "local", tag: str | None = None, threads: int | None = None,
@@ -131,7 +134,7 @@ def build(recipes, *, store=None, executor: str = "local", tag: str | None = Non
     by_key = {o.step.key: o for o in done}
     runs = tuple((the_plan, [by_key[ps.step.key] for ps in the_plan.steps], path)
                  for (_, _, path), the_plan in zip(loaded, plans, strict=True))
-    return Built(st, run_id, started, runs)
+    return Built(st, run_id, started, runs, runner, remote_tiers, verify)
 
 
 def _merged(plans: list[Plan]) -> dict:

@@ -148,6 +148,39 @@ def longest(length: int | LengthRange) -> int:
     return length.max if isinstance(length, LengthRange) else length
 
 
+class CapacitySLO(StrictModel):
+    """The bounds a rate must meet for capacity (per-request latencies over a probe's requests, ms)."""
+
+    ttft_p99_ms: float | None = Field(None, gt=0, description="Largest TTFT p99 (ms).")
+    tpot_p50_ms: float | None = Field(None, gt=0, description="Largest TPOT p50 (ms per output token after the first).")
+    itl_p99_ms: float | None = Field(None, gt=0, description="Largest inter-token latency p99 (ms).")
+    e2e_p99_ms: float | None = Field(None, gt=0, description="Largest end-to-end latency p99 (ms).")
+
+    @model_validator(mode="after")
+    def _some_bound(self):
+        if not self.bounds():
+            raise ValueError("give at least one of ttft_p99_ms, tpot_p50_ms, itl_p99_ms, e2e_p99_ms")
+        return self
+
+    def bounds(self) -> dict[str, float]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+class Capacity(StrictModel):
+    """Search, per (artifact, serving config), the highest open-loop (Poisson) request rate meeting `slo` with at most
+    `max_error_pct` % errors: bracket, then bisect a grid of rates 4.4 % apart (docs/serving.md, Capacity)."""
+
+    slo: CapacitySLO
+    max_minutes: float = Field(10.0, gt=0, le=1440, description="Time budget of one search; reaching it, the search "
+                               "stops with the highest rate that met the SLOs so far (marked incomplete).")
+    max_error_pct: float = Field(1.0, ge=0, le=100, description="Largest share of failed requests at a rate, in %.")
+    start_rps: float = Field(1.0, gt=0, description="The first rate probed (snapped to the grid); the bracket doubles "
+                             "or halves from it.")
+    requests: int = Field(24, ge=2, le=100_000, description="Poisson arrivals measured per round of a probe.")
+    rounds: int = Field(2, ge=1, le=100, description="Rounds per probe (each with its own warm-up, prompts and "
+                        "arrivals): the probe's figures pool them, with 95 % bootstrap intervals from 2 rounds on.")
+
+
 class Serving(StrictModel):
     """Measure every artifact through the server that would serve it, under concurrent streaming load."""
 
@@ -184,6 +217,11 @@ class Serving(StrictModel):
                                "the first installed server whose engine loads the artifact.")
     variants: list[str] | Literal["all"] = Field("all", description="Which artifacts to serve (baseline included).")
     configs: list[ServingConfig] = Field(default_factory=lambda: [ServingConfig(name="default")], min_length=1)
+    trace: str | None = Field(None, description="A user's requests to replay (JSONL, relative to the recipe: "
+                              "arrival_s, output_len, and input_len or prompt per line): one more point per config, "
+                              "`trace`, with the requests sent at their arrival times (docs/serving.md).")
+    capacity: Capacity | None = Field(None, description="{slo: {...}, max_minutes}: per (artifact, config), the highest "
+                                      "request rate meeting the SLOs (a `capacity[...]` step each).")
 
     @field_validator("input_len", "output_len", mode="before")
     @classmethod
@@ -342,14 +380,23 @@ class Selection(StrictModel):
     max_delta_ppl_pct: float | None = Field(None, description="Largest PPL increase over the baseline, in %.")
     max_size_mb: float | None = Field(None, gt=0, description="Largest artifact size (MiB).")
     max_memory_mb: float | None = Field(None, gt=0, description="Largest server peak RSS (MiB) over the sweep.")
-    objective: Literal["max_throughput", "min_size", "min_kld"] = Field(
+    objective: Literal["max_throughput", "min_size", "min_kld", "max_capacity"] = Field(
         "max_throughput", description="Among those meeting every bound: most output tok/s at the selection's "
-        "concurrency, smallest artifact, or lowest KLD.")
+        "concurrency, smallest artifact, lowest KLD, or highest capacity (requests/s within "
+        "evaluation.serving.capacity's SLOs).")
+    target_rps: float | None = Field(None, gt=0, description="A traffic to serve (requests/s): each candidate's servers "
+                                     "needed at its capacity, and the cheapest choice (needs evaluation.serving."
+                                     "capacity).")
     include_baseline: bool = Field(False, description="Let the unquantized baseline be selected too.")
-    on_uncertain: Literal["reject", "accept"] = Field(
+    on_uncertain: Literal["reject", "accept", "measure_more"] = Field(
         "reject", description="A latency/throughput bound whose 95 % interval straddles it (within noise, measured "
-        "in rounds): reject the candidate (a miss), or accept it (noted). Default reject: ship only what clearly "
-        "meets the bounds.")
+        "in rounds): reject the candidate (a miss), accept it (noted), or measure_more: add rounds to the candidates "
+        "in doubt (and to tied ones) within measure_more_minutes, then reject what is still in doubt. Default "
+        "reject: ship only what clearly meets the bounds.")
+    measure_more_minutes: float = Field(10.0, gt=0, le=1440, description="on_uncertain: measure_more: the time "
+                                        "budget for the added rounds (checked before each pass).")
+    measure_more_rounds: int = Field(2, ge=1, le=100, description="on_uncertain: measure_more: rounds added to "
+                                     "each candidate in doubt per pass.")
     tie_break: list[Literal["kld", "memory", "size"]] = Field(
         default_factory=lambda: ["kld", "memory", "size"], min_length=1,
         description="When the best candidates' objective intervals overlap (a tie within noise): the first of these "
@@ -489,6 +536,11 @@ class Recipe(StrictModel):
                 if at is not None and at not in ev.serving.concurrency:
                     raise ValueError(f"selection.{name} is at concurrency {at}, which evaluation.serving.concurrency "
                                      f"{ev.serving.concurrency} does not measure")
+        if sel.on_uncertain == "measure_more" and ev.serving is None:
+            raise ValueError("selection.on_uncertain: measure_more adds serving rounds: it needs evaluation.serving")
+        if (sel.objective == "max_capacity" or sel.target_rps is not None) and (
+                ev.serving is None or ev.serving.capacity is None):
+            raise ValueError("selection's objective max_capacity and target_rps need evaluation.serving.capacity")
         if (sel.max_kld is not None or sel.objective == "min_kld") and not ev.kld:
             raise ValueError("selection.max_kld and objective min_kld need evaluation.kld: true")
         if sel.max_delta_ppl_pct is not None and (ev.perplexity is None or not ev.baseline):

@@ -21,6 +21,8 @@ from qbuild.planning.evaluation import serving_quality_step
 from qbuild.planning.recipe import longest
 
 RUNNER = "qbuild.planning.serving_bench:run"
+CAPACITY_RUNNER = "qbuild.planning.serving_capacity:run"
+CAPACITY_IMPL_VERSION = 1
 IMPL_VERSION = 3   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
 # 3: a point's warm-up requests lead into the measured ones without a pause (it was measured from an idle server)
 WORKLOAD_FIELDS = ("concurrency", "request_rates", "requests", "warmup", "input_len", "output_len", "seed", "timeout_s")
@@ -54,6 +56,9 @@ def serving_steps(ctx) -> None:
     # per request; room for BOS/templates
     context = serving.prefix_tokens + longest(serving.input_len) + longest(serving.output_len) + 8
     slots = max(serving.concurrency)
+    trace = _trace(serving, ctx.recipe_dir)
+    if trace is not None:   # room for the trace's longest request too
+        context = max(context, serving.prefix_tokens + trace["longest"] + 8)
     for art in ctx.artifacts:
         if not spec(art.step.format).model or not wanted(serving, art.label):
             continue
@@ -69,6 +74,8 @@ def serving_steps(ctx) -> None:
             workload["prefix_tokens"] = serving.prefix_tokens
         if serving.rounds != 1:   # left out at 1: one round is what was measured before rounds existed
             workload["rounds"] = serving.rounds
+        if trace is not None:   # identified by its contents; the runner reads the file
+            workload["trace"] = {"sha256": trace["sha256"], "requests": len(trace["requests"])}
         for i, config in enumerate(serving.configs):
             refusal = server.refusal(config)
             if refusal:
@@ -90,5 +97,47 @@ def serving_steps(ctx) -> None:
                          threads=threads, per_hardware=True, env_toolchain=server.environment(),
                          requires_gpu=server.needs_gpu, unavailable=unavailable, on_unavailable=OnUnavailable.SKIP,
                          format="metrics", impl_version=IMPL_VERSION,
-                         runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s}))
+                         runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s,
+                                       **({"trace_path": str(trace["path"])} if trace else {})}))
+            if serving.capacity is not None:
+                capacity_step(ctx, serving, art, config, server, data, params, unavailable)
             serving_quality_step(ctx, art, config)   # a quantized KV cache's quality cost, beside its serving numbers
+
+
+def _trace(serving, recipe_dir) -> dict | None:
+    """The recipe's trace, read and checked at plan time: its path, digest, requests and longest request (tokens)."""
+    if serving.trace is None:
+        return None
+    from qbuild.models.resolve import resolve_path
+    from qbuild.serving.trace import TraceError, read_trace, trace_digest
+
+    path = resolve_path(serving.trace, recipe_dir, "evaluation.serving.trace")
+    try:
+        requests = read_trace(path)
+    except TraceError as exc:
+        raise RecipeError("evaluation.serving.trace", str(exc)) from None
+    longest_request = max(r.get("input_len", 0) + r["output_len"] for r in requests)
+    return {"path": path, "sha256": trace_digest(path), "requests": requests, "longest": longest_request}
+
+
+def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving_params: dict, unavailable: str) -> Step:
+    """`capacity[<artifact>@<config>]`: the capacity search (qbuild.planning.serving_capacity) on the serving step's server,
+    flags and prompts. Its probes are identified by everything but the SLOs and the budget (`probe_family`, the key
+    a step of those alone would have), so a search under another SLO finds the ones it can reuse."""
+    cap = serving.capacity
+    workload = {**serving.model_dump(include={"input_len", "output_len", "seed", "timeout_s", "warmup",
+                                               "prefix_tokens"}),
+                "requests": cap.requests, "rounds": cap.rounds}
+    probes = {k: serving_params[k] for k in ("config", "server", "engine", "server_args", "context", "slots")}
+    probes["workload"] = workload
+    common = dict(inputs={"model": art.step, "prompts": data}, tools=tuple(sorted(server.tools)),
+                  threads=ctx.threads, per_hardware=True, env_toolchain=server.environment(),
+                  impl_version=CAPACITY_IMPL_VERSION)
+    family = Step("capacity-probes", "capacity-probes", probes, None, **common).key
+    search = {"slo": cap.slo.bounds(), "max_minutes": cap.max_minutes, "max_error_pct": cap.max_error_pct,
+              "start_rps": cap.start_rps}
+    return ctx.add(Step("capacity", f"capacity[{art.label}@{config.name}]", {**probes, "capacity": search},
+                        CAPACITY_RUNNER, **common, requires_gpu=server.needs_gpu, unavailable=unavailable,
+                        on_unavailable=OnUnavailable.SKIP, format="metrics",
+                        runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s,
+                                      "probe_family": family}))

@@ -65,7 +65,7 @@ def _cpu_seconds(pid: int) -> float | None:
 
 def run(ctx: StepContext) -> dict:
     from qbuild.evaluate.data import load_tokens
-    from qbuild.serving.client import Workload, sweep
+    from qbuild.serving.client import Workload, replay, sweep
     from qbuild.serving.server import running
 
     p = ctx.params
@@ -76,14 +76,19 @@ def run(ctx: StepContext) -> dict:
     tokens, _ = load_tokens(ctx.inputs["prompts"])
     n_points = len(w["concurrency"]) + len(w["request_rates"] or [])
     rounds = w.get("rounds", 1)
+    first = w.get("first_round", 0)   # rounds added later (selection's measure_more) go on where the others ended
     count = n_points * (w["requests"] + w["warmup"])   # per round: each round sends prompts of its own
-    prompts = prompts_from(tokens, w["input_len"], count * rounds, w["seed"], w.get("prefix_tokens", 0))
-    output_len = drawn_lengths(w["output_len"], count * rounds, w["seed"] + 2)
+    prompts = prompts_from(tokens, w["input_len"], count * (first + rounds), w["seed"],
+                           w.get("prefix_tokens", 0))[count * first:]
+    output_len = drawn_lengths(w["output_len"], count * (first + rounds), w["seed"] + 2)[count * first:]
     launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
                            workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
     work = Workload(prompts=prompts[:count], output_len=output_len[:count], requests=w["requests"], warmup=w["warmup"],
                     timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos, model=launch.model_name,
                     rampup_s=w.get("rampup_s", 0.0))
+    trace, trace_arrivals = None, []
+    if "trace" in w:
+        trace, trace_arrivals = trace_workload(Path(ctx.runtime_args["trace_path"]), tokens, w, launch)
     log = ctx.out / SERVER_LOG
     ctx.log(f"starting {launch.engine} for {label}: {shlex.join(launch.argv(0)).replace(' 0 ', ' PORT ', 1)}")
     started = time.monotonic()
@@ -97,8 +102,12 @@ def run(ctx: StepContext) -> dict:
                 this = replace(work, prompts=prompts[r * count:(r + 1) * count],
                                output_len=output_len[r * count:(r + 1) * count])
                 by_round.append(sweep(srv.url, this, w["concurrency"], w["request_rates"],
-                                      w["seed"] + r * n_points, between=srv.check_alive,
+                                      w["seed"] + (first + r) * n_points, between=srv.check_alive,
                                       progress=_round_progress(ctx.progress, r, rounds)))
+                if trace is not None:   # the user's trace, replayed at its arrival times, after the sweep
+                    by_round[-1].append({"trace": Path(ctx.runtime_args["trace_path"]).name,
+                                         **replay(srv.url, trace, trace_arrivals)})
+                    srv.check_alive()
             server_cpu = (_cpu_seconds(srv.pid) or 0) - (server_cpu0 or 0)
             client_cpu = time.process_time() - client_cpu0
             peak_rss = srv.peak_rss_bytes()
@@ -119,11 +128,30 @@ def run(ctx: StepContext) -> dict:
     return {"format": "metrics", "metrics": {**info, "points": points}}
 
 
+def trace_workload(path: Path, tokens: np.ndarray, w: dict, launch):
+    """The trace's requests as a Workload (its first `warmup` requests sent once more ahead, one at a time, not
+    counted) and their arrival times: text prompts as they are, token lengths as corpus windows after the prefix."""
+    from qbuild.serving.client import Workload
+    from qbuild.serving.trace import read_trace
+
+    requests = read_trace(path)
+    longest_prompt = max((r.get("input_len", 1) for r in requests), default=1)
+    windows = prompts_from(tokens, longest_prompt, len(requests), w["seed"], w.get("prefix_tokens", 0))
+    prefix = w.get("prefix_tokens", 0)
+    prompts = [r["prompt"] if "prompt" in r else window[:prefix + r["input_len"]]
+               for r, window in zip(requests, windows, strict=True)]
+    ahead = min(w["warmup"], len(requests))
+    work = Workload(prompts=prompts[:ahead] + prompts, output_len=[r["output_len"] for r in requests[:ahead] + requests],
+                    requests=len(requests), warmup=ahead, timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos,
+                    model=launch.model_name)
+    return work, [r["arrival_s"] - requests[0]["arrival_s"] for r in requests]
+
+
 def _point(rounds: list[dict], seed: int) -> dict:
     """A sweep point from its rounds (one round: the round itself, as before rounds existed)."""
     from qbuild.serving.confidence import combine_rounds
 
-    where = {k: rounds[0][k] for k in ("concurrency", "request_rate") if k in rounds[0]}
+    where = {k: rounds[0][k] for k in ("concurrency", "request_rate", "trace") if k in rounds[0]}
     measured = [{k: v for k, v in r.items() if k not in where} for r in rounds]
     return {**where, **(measured[0] if len(rounds) == 1 else combine_rounds(measured, seed))}
 

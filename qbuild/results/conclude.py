@@ -232,6 +232,10 @@ def select(recipe, *, store=None, threads: int | None = None) -> dict:
             outcomes.append(StepOutcome(ps.step, Outcome.SKIPPED, error=f"not stored ({ps.status})"))
             if ps.status == PlanStatus.MISS:
                 missing.append(ps.step.name)
+    if r.selection.on_uncertain == "measure_more" and not missing:   # the passes the run made, from the store
+        from qbuild.results.measure_more import from_store
+
+        the_plan, outcomes = from_store(st, the_plan, outcomes)
     summary = summarize(the_plan, outcomes)
     result = dict(summary["selection"])
     if missing:

@@ -256,6 +256,87 @@ def svg_serving(variant: str, points: list[dict], metric: str, ylabel: str, slo:
     return "".join(parts)
 
 
+CAPACITY_METRICS = {"ttft_p99_ms": ("ttft_ms_p99", "TTFT p99 (ms)"), "tpot_p50_ms": ("tpot_ms_p50", "TPOT p50 (ms/token)"),
+                    "itl_p99_ms": ("itl_ms_p99", "ITL p99 (ms)"), "e2e_p99_ms": ("e2e_ms_p99", "e2e p99 (ms)")}
+
+
+def svg_capacity(variant: str, capacity: dict, slo_field: str) -> str:
+    """Latency against load for one (artifact, config) of a capacity search: each probe's pooled figure at its request
+    rate, its 95 % interval as a band, the SLO line, and the capacity ringed (probes that met the SLOs filled)."""
+    metric, ylabel = CAPACITY_METRICS[slo_field]
+    bound = (capacity.get("slo") or {}).get(slo_field)
+    pts = sorted((p for p in capacity.get("probes") or [] if p.get(metric) is not None), key=lambda p: p["rate_rps"])
+    if not pts:
+        return "<p><em>no probe measured</em></p>"
+    lows = [((p.get("ci") or {}).get(metric) or [p[metric], p[metric]])[0] for p in pts]
+    highs = [((p.get("ci") or {}).get(metric) or [p[metric], p[metric]])[1] for p in pts]
+    x1 = max(p["rate_rps"] for p in pts) * 1.1
+    y1 = max([*highs, bound or 0]) * 1.15
+    ticks = [f"{v:.4g}" for v in (0.0, y1 / 2, y1)]
+    m, w, h, right = left_margin(ticks), 560, 320, 40
+    w += m - 56
+
+    def sx(x):
+        return m + x / (x1 or 1) * (w - m - right)
+
+    def sy(y):
+        return h - 56 - y / (y1 or 1) * (h - 2 * 56)
+
+    name = html.escape(f"{variant} @ {capacity['config']}")
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" class="capacity" '
+             f'data-variant="{html.escape(variant)}" data-config="{html.escape(str(capacity["config"]))}" '
+             f'data-metric="{metric}">',
+             f'<rect width="{w}" height="{h}" fill="white" stroke="#ccc"/>',
+             f'<line x1="{m}" y1="{h - 56}" x2="{w - right}" y2="{h - 56}" stroke="#333"/>',
+             f'<line x1="{m}" y1="56" x2="{m}" y2="{h - 56}" stroke="#333"/>',
+             f'<text x="{(m + w - right) / 2}" y="{h - 14}" text-anchor="middle" font-size="13">request rate '
+             f'(requests/s, Poisson arrivals)</text>',
+             f'<text x="16" y="{h / 2}" text-anchor="middle" font-size="13" transform="rotate(-90 16 {h / 2})">'
+             f'{html.escape(ylabel)}</text>']
+    for v, tick in zip((0.0, y1 / 2, y1), ticks, strict=True):
+        parts.append(f'<text x="{m - 6}" y="{sy(v) + 4}" text-anchor="end" font-size="11">{tick}</text>')
+    for v in (0.0, x1 / 2, x1):
+        parts.append(f'<text x="{sx(v)}" y="{h - 56 + 16}" text-anchor="middle" font-size="11">{v:.3g}</text>')
+    band = [f"{sx(p['rate_rps']):.1f},{sy(hi):.1f}" for p, hi in zip(pts, highs, strict=True)]
+    band += [f"{sx(p['rate_rps']):.1f},{sy(lo):.1f}" for p, lo in reversed(list(zip(pts, lows, strict=True)))]
+    parts.append(f'<polygon class="band" points="{" ".join(band)}" fill="#1f77b4" fill-opacity="0.18" stroke="none"/>')
+    line = " ".join(f"{sx(p['rate_rps']):.1f},{sy(p[metric]):.1f}" for p in pts)
+    parts.append(f'<polyline points="{line}" fill="none" stroke="#1f77b4"/>')
+    for p in pts:
+        fill = "#1f77b4" if p.get("meets") else "white"
+        parts.append(f'<circle class="probe" cx="{sx(p["rate_rps"]):.1f}" cy="{sy(p[metric]):.1f}" r="4" '
+                     f'fill="{fill}" stroke="#1f77b4" data-rate="{p["rate_rps"]:.4g}" data-meets="{str(p.get("meets")).lower()}">'
+                     f'<title>{name}: {p["rate_rps"]:.4g} requests/s, {p[metric]:.4g}'
+                     f'{" (reused)" if p.get("reused") else ""}</title></circle>')
+    if bound:
+        parts.append(f'<g class="slo" data-slo="{slo_field}"><line x1="{m}" y1="{sy(bound):.1f}" x2="{w - right}" '
+                     f'y2="{sy(bound):.1f}" stroke="#d62728" stroke-dasharray="6,4"/><text x="{m + 4}" '
+                     f'y="{sy(bound) - 4:.1f}" font-size="11" fill="#d62728">SLO {bound:g}</text></g>')
+    best = next((p for p in pts if capacity.get("capacity_rps") is not None
+                 and abs(p["rate_rps"] - capacity["capacity_rps"]) < 1e-3 * capacity["capacity_rps"]), None)
+    if best:
+        parts.append(f'<circle class="capacity-point" cx="{sx(best["rate_rps"]):.1f}" cy="{sy(best[metric]):.1f}" '
+                     f'r="9" fill="none" stroke="#2ca02c" stroke-width="3"><title>capacity {best["rate_rps"]:.4g} '
+                     f'requests/s ({capacity.get("concurrency")} in flight)</title></circle>'
+                     f'<text x="{sx(best["rate_rps"]) + 10:.1f}" y="{sy(best[metric]) + 16:.1f}" font-size="11" '
+                     f'fill="#2ca02c">capacity {best["rate_rps"]:.3g}/s</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _capacity_html(rows: list[dict]) -> str:
+    figures = []
+    for r in rows:
+        for cap in r.get("capacity") or []:
+            for slo_field in cap.get("slo") or {}:
+                where = (f"capacity {cap['capacity_rps']:.4g} requests/s, {cap.get('concurrency')} in flight"
+                         if cap.get("capacity_rps") else "no rate met the SLOs")
+                figures.append(f"<figure><figcaption>{html.escape(r['variant'])} @ {html.escape(str(cap['config']))}: "
+                               f"{html.escape(CAPACITY_METRICS[slo_field][1])} vs request rate ({where})</figcaption>"
+                               f"{svg_capacity(r['variant'], cap, slo_field)}</figure>")
+    return f'<h3>Capacity</h3><div class="plots">{"".join(figures)}</div>' if figures else ""
+
+
 def _serving_html(run: dict) -> str:
     rows = [r for r in run.get("variants", []) if r.get("serving")]
     if not rows:
@@ -289,7 +370,7 @@ def _serving_html(run: dict) -> str:
                      for x in sel.get("rejected", []))
     return (f'<section id="serving"><h2>Serving under load</h2>{verdict}'
             f'{"<ul>" + misses + "</ul>" if misses else ""}{_config_quality_html(rows)}{_serving_points_html(rows)}'
-            f'<div class="plots">{"".join(figures)}</div></section>')
+            f'<div class="plots">{"".join(figures)}</div>{_capacity_html(rows)}</section>')
 
 
 POINT_FIGURES = (("TTFT p50 ms", "ttft_ms_p50", "{:.1f}"), ("TTFT p99 ms", "ttft_ms_p99", "{:.1f}"),

@@ -15,6 +15,8 @@ objective compares intervals too: when the best candidates' intervals overlap, t
 
 from __future__ import annotations
 
+from qbuild.serving.confidence import verdict
+
 SLOS = (  # recipe field, point field, what a miss is, unit
     ("ttft_p99_ms", "ttft_ms_p99", "max", "ms"),
     ("tpot_p50_ms", "tpot_ms_p50", "max", "ms"),
@@ -45,15 +47,6 @@ def _miss(name: str, value: float, bound: float, kind: str, unit: str, where: st
 
 def _interval(ci: list[float] | None) -> str:
     return f" [{ci[0]:.4g}, {ci[1]:.4g}]" if ci else ""
-
-
-def verdict(value: float, ci: list[float] | None, bound: float, kind: str) -> str:
-    """"met", "missed", or "uncertain": the 95 % interval straddles the bound (without an interval, the value
-    alone decides)."""
-    lo, hi = ci if ci else (value, value)
-    if kind == "max":
-        return "met" if hi <= bound else "missed" if lo > bound else "uncertain"
-    return "met" if lo >= bound else "missed" if hi < bound else "uncertain"
 
 
 def _configs(row: dict) -> list[str | None]:
@@ -103,6 +96,8 @@ def select(sel, rows: list[dict], serving=None) -> dict:
     out = {"objective": sel.objective, "concurrency": at, "bounds": bounds, "on_uncertain": sel.on_uncertain,
            "tie_break": list(sel.tie_break), "selected": selected, "rejected": rejected, "passed": selected is not None,
            "tie": {k: v for k, v in tie.items() if k != "tied"} if tie else None}
+    if sel.target_rps is not None:
+        out["target"] = servers_needed(sel.target_rps, met)
     if met and best is None:   # the bounds were met: what is missing is the objective's measure, say so
         out["reason"] = (f"{len(met)} candidate(s) meet every bound, but none has what objective {sel.objective} "
                          f"ranks by ({MEASURES[sel.objective]}); pick an objective they were measured for")
@@ -144,8 +139,8 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
             u = f" {unit}" if unit else ""
             uncertain.append(f"{field} {value:.4g}{_interval(ci)}{u} at concurrency {c} straddles {bound:.4g}: "
                              f"within noise")
-            if sel.on_uncertain == "reject":
-                misses.append(f"{uncertain[-1]} (on_uncertain: reject)")
+            if sel.on_uncertain != "accept":   # measure_more: what is still in doubt after the added rounds
+                misses.append(f"{uncertain[-1]} (on_uncertain: {sel.on_uncertain})")
     quality = _quality(row, points)
     under = f" under config {config}" if config is not None else ""
     for field, value, bound, unit, where in (
@@ -164,7 +159,10 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
             misses.append(m)
     pt = point(at)
     memory = max((p.get("peak_rss_mb") or 0 for p in points), default=None) or None
+    cap = next((c for c in row.get("capacity") or [] if c["config"] == config), None)
     return {"variant": row["variant"], "config": config, "misses": misses, "not_served": _not_served(row, points, serving),
+            "capacity_rps": (cap or {}).get("capacity_rps"), "capacity_concurrency": (cap or {}).get("concurrency"),
+            "capacity_complete": (cap or {}).get("complete"), "capacity_why": _no_capacity(cap),
             "uncertain": uncertain, "slo": slo, "memory_mb": memory,
             "output_tok_s_ci": ((pt or {}).get("ci") or {}).get("output_tok_s"),
             "rounds": (pt or {}).get("rounds"),
@@ -183,13 +181,15 @@ def _quality(row: dict, points: list[dict]) -> dict:
 
 
 MEASURES = {"max_throughput": "output tok/s under load", "min_size": "the artifact's size",
-            "min_kld": "KLD against the baseline"}
+            "min_kld": "KLD against the baseline", "max_capacity": "requests/s within the capacity SLOs"}
 
 
 def _measure(objective: str, c: dict) -> float | None:
     """What OBJECTIVE ranks candidate c by, None where it was not measured."""
     if objective == "max_throughput":
         return c["output_tok_s"]
+    if objective == "max_capacity":
+        return c["capacity_rps"]
     if objective == "min_size":
         return c["size_bytes"] or None
     return c["kld"]
@@ -197,7 +197,8 @@ def _measure(objective: str, c: dict) -> float | None:
 
 # what every candidate of the verdict carries besides its name: each SLO's value, interval and verdict, the bounds
 # within noise, its memory, and the objective's interval and rounds at the selection's concurrency
-CANDIDATE_DETAIL = ("slo", "uncertain", "memory_mb", "output_tok_s_ci", "rounds")
+CANDIDATE_DETAIL = ("slo", "uncertain", "memory_mb", "output_tok_s_ci", "rounds", "capacity_rps",
+                    "capacity_concurrency", "capacity_complete")
 TIE_BREAK = {"kld": ("kld", "lower KLD", "KLD {:.4g}"), "memory": ("memory_mb", "smaller memory", "{:.0f} MiB"),
              "size": ("size_bytes", "smaller file", "{:,} bytes")}
 
@@ -208,31 +209,38 @@ def _best(sel, met: list[dict]) -> tuple[dict | None, dict | None]:
     `sel.tie_break` (then by the objective's value and the names, so the outcome never depends on order)."""
     objective = sel.objective
     ranked = [c for c in met if _measure(objective, c) is not None]
-    if objective != "max_throughput":
+    if objective not in ("max_throughput", "max_capacity"):
         return min(ranked, key=lambda c: _measure(objective, c), default=None), None
-    leader = max(ranked, key=lambda c: (c["output_tok_s"], _name(c)), default=None)
+    leader = max(ranked, key=lambda c: (_measure(objective, c), _name(c)), default=None)
     if leader is None:
         return None, None
-    tied = [c for c in ranked if c is not leader and _overlap(_span(c), _span(leader))]
+    if objective == "max_throughput":
+        tied = [c for c in ranked if c is not leader and _overlap(_span(c), _span(leader))]
+    else:   # capacities are grid rates 4.4 % apart: only the same rate is a tie
+        tied = [c for c in ranked if c is not leader and c["capacity_rps"] == leader["capacity_rps"]]
     if not tied:
         return leader, None
 
     def order(c: dict) -> tuple:
         values = tuple(float("inf") if c[TIE_BREAK[k][0]] is None else c[TIE_BREAK[k][0]] for k in sel.tie_break)
-        return (*values, -c["output_tok_s"], _name(c))
+        return (*values, -_measure(objective, c), _name(c))
 
     group = sorted([leader, *tied], key=order)
     winner, runner_up = group[0], group[1]
     decided = next((k for i, k in enumerate(sel.tie_break) if order(winner)[i] != order(runner_up)[i]), None)
     if decided is None:
-        text = f"tie_break {'/'.join(sel.tie_break)} cannot tell them apart: the higher output tok/s decides"
+        text = (f"tie_break {'/'.join(sel.tie_break)} cannot tell them apart: the higher "
+                f"{'output tok/s' if objective == 'max_throughput' else 'capacity'} decides")
     else:
         field, words, fmt = TIE_BREAK[decided]
         text = (f"broken by {words} ({_fmt_or_unknown(winner[field], fmt)} vs "
                 f"{_fmt_or_unknown(runner_up[field], fmt)})")
     return winner, {"candidates": [{"variant": c["variant"], "config": c["config"], "output_tok_s": c["output_tok_s"],
-                                    "ci": c["output_tok_s_ci"]} for c in group],
-                    "broken_by": decided or "output_tok_s", "broken_by_text": text,
+                                    "ci": c["output_tok_s_ci"],
+                                    **({"capacity_rps": c["capacity_rps"]} if objective == "max_capacity" else {})}
+                                   for c in group],
+                    "broken_by": decided or ("output_tok_s" if objective == "max_throughput" else "capacity_rps"),
+                    "broken_by_text": text,
                     "tied": [c for c in group if c is not winner]}
 
 
@@ -273,6 +281,8 @@ def _not_served(row: dict, points: list[dict], serving) -> str | None:
 def _unmeasured(objective: str, c: dict, at: int | None) -> str:
     if objective == "max_throughput":
         return c["not_served"] or f"output tok/s not measured at concurrency {at}"
+    if objective == "max_capacity":
+        return c["not_served"] or c["capacity_why"] or "its capacity is unknown"
     if objective == "min_size":
         return "its size is unknown"
     return "its KLD was not measured (evaluation.kld)"
@@ -282,6 +292,41 @@ def _objective_text(objective: str, c: dict) -> str:
     if objective == "max_throughput":
         return (f"{c['output_tok_s']:.4g}{_interval(c['output_tok_s_ci'])} tok/s" if c["output_tok_s"] is not None
                 else "not measured")
+    if objective == "max_capacity":
+        return f"{c['capacity_rps']:.4g} requests/s" if c["capacity_rps"] is not None else "no capacity"
     if objective == "min_size":
         return f"{c['size_bytes'] / 2**20:.1f} MiB" if c["size_bytes"] else "size unknown"
     return f"KLD {c['kld']:.4g}" if c["kld"] is not None else "KLD not measured"
+
+
+def servers_needed(target_rps: float, met: list[dict]) -> dict:
+    """For a traffic of `target_rps` requests/s: how many servers each candidate meeting every bound needs at its
+    capacity (ceil(target / capacity)), and the cheapest: fewest servers, then the least memory in all (servers ×
+    peak RSS), then the names."""
+    import math
+
+    rows = []
+    for c in met:
+        cap = c["capacity_rps"]
+        servers = math.ceil(target_rps / cap - 1e-9) if cap else None
+        memory = c["memory_mb"] * servers if servers and c["memory_mb"] else None
+        rows.append({"variant": c["variant"], "config": c["config"], "capacity_rps": cap, "servers": servers,
+                     "memory_mb": memory})
+    costed = [r for r in rows if r["servers"] is not None]
+    cheapest = min(costed, key=lambda r: (r["servers"], r["memory_mb"] if r["memory_mb"] is not None else float("inf"),
+                                          r["variant"], str(r["config"])), default=None)
+    return {"rps": target_rps, "candidates": rows, "cheapest": cheapest}
+
+
+def _no_capacity(cap: dict | None) -> str | None:
+    """Why a candidate has no capacity (None when it has one)."""
+    if cap is None:
+        return "no capacity search ran for it"
+    if cap.get("capacity_rps") is not None:
+        return None
+    if cap.get("status") not in ("built", "cached"):
+        return f"its capacity step {cap.get('step') or ''} was {cap.get('status')}" + (
+            f" ({cap['error']})" if cap.get("error") else "")
+    missed = next((p for p in cap.get("probes") or [] if not p.get("meets")), None)
+    return "no rate met the capacity SLOs" + (
+        f" (at {missed['rate_rps']:.4g} requests/s: {'; '.join(missed['misses'])})" if missed else "")

@@ -106,15 +106,44 @@ def goodput_slo(recipe) -> dict:
     return slo
 
 
+def _pooled_serving(outcomes: list[StepOutcome]) -> list[StepOutcome]:
+    """The serving outcomes, one per (artifact, config): where selection's measure_more added rounds in steps of
+    their own (`first_round` > 0), each point pools the rounds of every step (qbuild.results.measure_more)."""
+    from dataclasses import replace
+
+    groups: dict[tuple[str, str], list[StepOutcome]] = {}
+    for o in outcomes:
+        if o.step.kind == "serving":
+            groups.setdefault((o.step.inputs["model"].key, o.step.params["config"]["name"]), []).append(o)
+    pooled = []
+    for group in groups.values():
+        group.sort(key=lambda o: o.step.params["workload"].get("first_round", 0))
+        base, added = group[0], [o for o in group[1:] if (o.metrics or {}).get("points")]
+        if not added or not (base.metrics or {}).get("points"):
+            pooled.append(base)
+            continue
+        from qbuild.serving.confidence import combine_rounds
+
+        seed = base.step.params["workload"]["seed"]
+        points = []
+        for pts in zip(*(o.metrics["points"] for o in (base, *added)), strict=True):
+            rounds = [r for pt in pts for r in (pt.get("rounds") or [pt])]
+            where = {k: pts[0][k] for k in ("concurrency", "request_rate", "trace") if k in pts[0]}
+            points.append({**where, **combine_rounds([{k: v for k, v in r.items() if k not in where}
+                                                      for r in rounds], seed)})
+        rss = max((o.metrics.get("peak_rss_bytes") or 0) for o in (base, *added)) or None
+        pooled.append(replace(base, record={**base.record, "metrics": {**base.metrics, "points": points,
+                                                                       "peak_rss_bytes": rss}}))
+    return pooled
+
+
 def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
     """artifact key → its serving points, one per (serving config, concurrency or request rate)."""
     from qbuild.serving.client import goodput
     from qbuild.serving.confidence import ROUND_FIELDS
 
     by_artifact: dict[str, list[dict]] = {}
-    for o in outcomes:
-        if o.step.kind != "serving":
-            continue
+    for o in _pooled_serving(outcomes):
         m, config = o.metrics, o.step.params["config"]["name"]
         rows = by_artifact.setdefault(o.step.inputs["model"].key, [])
         if not m.get("points"):
@@ -124,7 +153,7 @@ def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
         for pt in m["points"]:
             row = {"config": config, "server": m.get("server"), "engine": m.get("engine"), "status": o.status,
                    "step": o.step.name}
-            row.update({k: pt[k] for k in ("concurrency", "request_rate") if k in pt})
+            row.update({k: pt[k] for k in ("concurrency", "request_rate", "trace") if k in pt})
             row.update({k: pt.get(k) for k in SERVING_FIELDS})
             row["goodput_requests_s"] = goodput(pt, slo["ttft_ms"], slo["tpot_ms"])
             # measured in rounds: 95 % intervals (field → [lo, hi]) and each round's own figures, samples left out
@@ -135,6 +164,27 @@ def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
             row["command"] = m.get("command")
             rows.append(row)
     return by_artifact
+
+
+def _capacity(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
+    """artifact key → its capacity per serving config (qbuild.planning.serving_capacity): the rate, the concurrency it settled
+    at, and every probe (rate, figures, interval, verdict), or the step's status when it did not run."""
+    by_artifact: dict[str, list[dict]] = {}
+    for o in outcomes:
+        if o.step.kind != "capacity":
+            continue
+        m = o.metrics or {}
+        row = {"config": o.step.params["config"]["name"], "status": o.status, "step": o.step.name, "error": o.error}
+        row.update({k: m.get(k) for k in ("capacity_rps", "concurrency", "next_rps", "bracketed", "complete", "slo",
+                                          "max_error_pct", "seconds", "probes_measured", "probes_reused", "command")})
+        row["probes"] = [{k: p.get(k) for k in ("rate_rps", "meets", "misses", "uncertain", "reused", "mean_in_flight",
+                                                "ci", *CAPACITY_PROBE_FIELDS)} for p in m.get("probes") or []]
+        by_artifact.setdefault(o.step.inputs["model"].key, []).append(row)
+    return by_artifact
+
+
+CAPACITY_PROBE_FIELDS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99", "e2e_ms_p99", "requests_s",
+                         "output_tok_s", "errors", "requests")
 
 
 def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None,
@@ -202,6 +252,11 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
                  served.get(a.step.key, []) if recipe.evaluation.serving else None, tasks.get(a.step.key))
             for a in plan.artifacts]
     add_task_deltas(rows)
+    if recipe.evaluation.serving and recipe.evaluation.serving.capacity:
+        capacity = _capacity(outcomes)
+        for a, r in zip(plan.artifacts, rows, strict=True):
+            if a.step.key in capacity:
+                r["capacity"] = capacity[a.step.key]
     base = rows[0] if rows and rows[0]["variant"] == "baseline" else None
     for r in rows:
         if base and r is not base:
@@ -326,7 +381,7 @@ def render_serving(summary: dict, console) -> None:
     from rich.table import Table
 
     rows = [(r["variant"], p) for r in summary["variants"] for p in r.get("serving") or [] if "concurrency" in p
-            or "request_rate" in p]
+            or "request_rate" in p or "trace" in p]
     if not rows:
         return
     slo = summary.get("goodput_slo") or DEFAULT_GOODPUT_SLO
@@ -342,7 +397,8 @@ def render_serving(summary: dict, console) -> None:
                 "goodput", "errors", "peak RSS", "KV B/tok", *quality):
         table.add_column(col, justify="left" if col in ("variant", "config") else "right")
     for variant, p in rows:
-        where = str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s"
+        where = (str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s" if "request_rate" in p
+                 else f"trace {p['trace']}")
         extra = {"KLD": _fmt(p.get("kld"), ".4f"), "ΔPPL %": _fmt(p.get("delta_ppl_pct"), "+.2f")}
         table.add_row(escape(variant), escape(p["config"]), where, with_ci(p, "ttft_ms_p50", ".1f"),
                       with_ci(p, "ttft_ms_p99", ".1f"), with_ci(p, "tpot_ms_p50", ".2f"), with_ci(p, "itl_ms_p99", ".2f"),
@@ -351,16 +407,54 @@ def render_serving(summary: dict, console) -> None:
                       str(p["errors"]), f"{p['peak_rss_mb']:.0f} MiB" if p.get("peak_rss_mb") else "-",
                       _fmt(p.get("kv_bytes_per_token"), ".0f"), *(extra[c] for c in quality))
     console.print(table)
+    for line in capacity_lines(summary):
+        console.print(escape(line))
+
+
+def capacity_lines(summary: dict) -> list[str]:
+    """One line per capacity search: the rate, the concurrency it settled at, the next rate (missed), the probes."""
+    lines = []
+    for r in summary["variants"]:
+        for c in r.get("capacity") or []:
+            slo = ", ".join(f"{k} ≤ {v:g}" for k, v in (c.get("slo") or {}).items())
+            if c.get("capacity_rps") is None:
+                what = (f"not found ({c['status']}{': ' + c['error'] if c.get('error') else ''})"
+                        if c["status"] not in ("built", "cached") else "no rate meets the SLOs")
+            else:
+                what = (f"{c['capacity_rps']:.4g} requests/s ({c['concurrency']} in flight"
+                        + (f"; {c['next_rps']:.4g}/s missed" if c.get("next_rps") else "") + ")"
+                        + ("" if c.get("complete") else "; stopped by max_minutes"))
+            probes = (f"; {len(c['probes'])} probes, {c.get('probes_reused') or 0} reused" if c.get("probes") else "")
+            lines.append(f"capacity {r['variant']} @ {c['config']} ({slo}, errors ≤ {c.get('max_error_pct')} %): "
+                         f"{what}{probes}")
+    return lines
 
 
 def tie_line(selection: dict) -> str:
     """One line: which candidates tied on the objective (their intervals overlap) and how the tie was broken."""
     tie = selection["tie"]
+    first = tie["candidates"][0]
+    if selection["objective"] == "max_capacity":
+        each = " and ".join(f"{c['variant']}@{c['config']}" for c in tie["candidates"])
+        return (f"{each} have the same capacity, {first['capacity_rps']:.4g} requests/s; {tie['broken_by_text']} "
+                f"(tie_break: {', '.join(selection['tie_break'])}): {first['variant']}@{first['config']}")
     each = " and ".join(f"{c['variant']}@{c['config']} {c['output_tok_s']:.4g}"
                         + (f" [{c['ci'][0]:.4g}, {c['ci'][1]:.4g}]" if c.get("ci") else "") for c in tie["candidates"])
-    first = tie["candidates"][0]
     return (f"{each} tok/s overlap; {tie['broken_by_text']} (tie_break: {', '.join(selection['tie_break'])}): "
             f"{first['variant']}@{first['config']}")
+
+
+def target_lines(target: dict) -> list[str]:
+    """selection.target_rps: each candidate's servers needed at its capacity, and the cheapest choice."""
+    lines = [f"servers needed for {target['rps']:g} requests/s (each at its capacity):"]
+    for r in target["candidates"]:
+        need = (f"{r['servers']} server(s) at {r['capacity_rps']:.4g} requests/s each"
+                + (f", {r['memory_mb']:.0f} MiB in all" if r["memory_mb"] else "")) if r["servers"] else "no capacity found"
+        lines.append(f"  {r['variant']} @ {r['config']}: {need}")
+    c = target["cheapest"]
+    lines.append(f"cheapest: {c['variant']} @ {c['config']}, {c['servers']} server(s)" if c
+                 else "cheapest: none (no candidate meeting every bound has a capacity)")
+    return lines
 
 
 def render_selection(selection: dict, console) -> None:
@@ -376,10 +470,13 @@ def render_selection(selection: dict, console) -> None:
             console.print(f"  [yellow]accepted within noise[/] (on_uncertain: accept): {escape(note)}")
     if selection.get("tie"):
         console.print(f"[yellow]tie[/]: {escape(tie_line(selection))}", soft_wrap=True)
-    else:
+    if not sel:
         console.print(f"[bold red]nothing meets every selection bound[/] (objective {selection['objective']})"
                       if not selection.get("reason") else f"[bold red]nothing selected[/]: {escape(selection['reason'])}")
     for r in selection["rejected"]:
         console.print(f"  {escape(r['variant'])} @ {escape(str(r['config']))}: {escape(r['why'])}")
+    if selection.get("target"):
+        for line in target_lines(selection["target"]):
+            console.print(escape(line))
     if selection.get("not_stored"):
         console.print(f"[yellow]not stored (run the recipe first)[/]: {escape(', '.join(selection['not_stored']))}")

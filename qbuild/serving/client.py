@@ -134,15 +134,40 @@ async def _closed_loop(client, url: str, work: Workload, concurrency: int, first
 async def _open_loop(client, url: str, work: Workload, rate: float, first: int, count: int, seed: int,
                      done: Callable[[], None]) -> list[RequestResult]:
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count)
+    return await _replay(client, url, work, np.cumsum(gaps).tolist(), first, done)
+
+
+async def _replay(client, url: str, work: Workload, arrivals: list[float], first: int,
+                  done: Callable[[], None]) -> list[RequestResult]:
+    """Requests first, first+1, ... sent at `arrivals` (seconds from the start, ascending), however many are in
+    flight: a user's trace replayed."""
     start = time.perf_counter()
     tasks = []
-    for k, at in enumerate(np.cumsum(gaps)):
+    for k, at in enumerate(arrivals):
         delay = start + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one_request(client, url, first + k, work)))
         tasks[-1].add_done_callback(lambda _: done())
     return list(await asyncio.gather(*tasks))
+
+
+def replay(url: str, work: Workload, arrivals: list[float]) -> dict:
+    """A trace's point: after `work.warmup` requests one at a time, request `warmup + k` sent at `arrivals[k]`."""
+    return asyncio.run(_replay_point(url, work, arrivals))
+
+
+async def _replay_point(url: str, work: Workload, arrivals: list[float]) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(arrivals) + 1, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(work.timeout_s, connect=10.0), limits=limits,
+                                 trust_env=False) as client:
+        if work.warmup:
+            await _closed_loop(client, url, work, 1, 0, work.warmup, lambda: None)
+        start = time.perf_counter()
+        results = await _replay(client, url, work, arrivals, work.warmup, lambda: None)
+        return summarize_point(results, time.perf_counter() - start)
 
 
 def summarize_point(results: list[RequestResult], seconds: float | None = None,

@@ -118,3 +118,12 @@ def with_ci(point: dict, field: str, spec: str) -> str:
     if ci is None:
         return format(value, spec)
     return f"{value:{spec}} ±{(ci[1] - ci[0]) / 2:{spec}}"
+
+
+def verdict(value: float, ci: list[float] | None, bound: float, kind: str) -> str:
+    """"met", "missed", or "uncertain": the 95 % interval straddles the bound (without an interval, the value
+    alone decides)."""
+    lo, hi = ci if ci else (value, value)
+    if kind == "max":
+        return "met" if hi <= bound else "missed" if lo > bound else "uncertain"
+    return "met" if lo >= bound else "missed" if hi < bound else "uncertain"

@@ -1,0 +1,281 @@
+"""The `capacity[<artifact>@<config>]` step: the highest open-loop request rate an artifact's server sustains within SLOs.
+
+Rates lie on one grid for every search, 2^(k/16) requests/s for integer k (steps of 4.4 %), so that searches under
+another SLO, or restarted with another budget, ask for the same rates. The search brackets (from `start_rps`,
+doubling while the rate meets the SLOs, halving while it does not) and then bisects the grid index between the
+highest rate that met them and the lowest that did not, until they are neighbours. Each probe is a measured point:
+`rounds` rounds of Poisson arrivals (each after its own warm-up, with prompts and arrivals of its own, seeded by the
+rate and the round), pooled, with bootstrap intervals (qbuild.serving.confidence). A probe meets the SLOs when its
+pooled TTFT p99 / TPOT p50 are within the bounds and at most `max_error_pct` % of its requests failed; its interval
+and verdict (met, missed, within noise) are kept beside it.
+
+Probes are kept in the step's result, and in a per-user cache (QBUILD_CACHE/capacity-probes) under the identity of
+everything that decides what they measure except the SLOs: the artifact, the server and its flags, the workload,
+the hardware and the rate. A search under another SLO is another step, which measures only the probes it does not
+find there (and starts the server only if it must measure one).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+STEPS_PER_DOUBLING = 16       # grid resolution: 2^(1/16) = 4.4 % between neighbouring rates
+LOWEST_K = -8 * STEPS_PER_DOUBLING    # 1/256 requests/s: below it the artifact has no capacity worth the name
+HIGHEST_K = 12 * STEPS_PER_DOUBLING   # 4096 requests/s
+RESULT = "capacity.json"
+SERVER_LOG = "server.log"
+# recipe SLO field → the probe's figure, as selection names them
+SLO_FIELDS = {"ttft_p99_ms": "ttft_ms_p99", "tpot_p50_ms": "tpot_ms_p50", "itl_p99_ms": "itl_ms_p99",
+              "e2e_p99_ms": "e2e_ms_p99"}
+
+
+def rate_of(k: int) -> float:
+    return 2 ** (k / STEPS_PER_DOUBLING)
+
+
+def grid_index(rate: float) -> int:
+    """The grid index of the rate nearest `rate` (in ratio)."""
+    return int(round(STEPS_PER_DOUBLING * np.log2(rate)))
+
+
+def judge(probe: dict, slo: dict, max_error_pct: float) -> dict:
+    """A probe's verdict under `slo` (field → bound): {meets, misses, uncertain}. The pooled value decides; a bound
+    whose 95 % interval straddles it is listed as within noise."""
+    from qbuild.serving.confidence import verdict
+
+    misses, uncertain = [], []
+    error_pct = 100 * probe["errors"] / probe["requests"] if probe["requests"] else 100.0
+    if error_pct > max_error_pct:
+        misses.append(f"errors {error_pct:.1f} % > {max_error_pct:g} %")
+    for field, bound in slo.items():
+        value = probe.get(SLO_FIELDS[field])
+        if value is None:
+            misses.append(f"{field}: not measured")
+            continue
+        if value > bound:
+            misses.append(f"{field} {value:.4g} > {bound:.4g}")
+        if verdict(value, (probe.get("ci") or {}).get(SLO_FIELDS[field]), bound, "max") == "uncertain":
+            uncertain.append(field)
+    return {"meets": not misses, "misses": misses, "uncertain": uncertain}
+
+
+def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, start_k: int,
+           out_of_time: Callable[[], bool] = lambda: False) -> dict:
+    """Bracket, then bisect the grid index. `measure(k)` is the probe at rate_of(k) (measured or cached); the result:
+    {capacity_rps, k, concurrency, probes (in the order asked, each with its verdict), bracketed, complete}."""
+    probes: dict[int, dict] = {}
+    order: list[int] = []
+
+    # measure() returns the probe; its verdict under this SLO is added here (a cached probe has none of its own)
+    def measured(k: int) -> bool | None:
+        if k in probes:
+            return probes[k]["meets"]
+        if out_of_time():
+            return None
+        p = measure(k)
+        probes[k] = {**p, "rate_rps": rate_of(k), "k": k, **judge(p, slo, max_error_pct)}
+        order.append(k)
+        return probes[k]["meets"]
+
+    good, bad = None, None   # the highest index that met the SLOs, the lowest that did not
+    k = start_k
+    complete = True
+    while good is None or bad is None:
+        ok = measured(k)
+        if ok is None:
+            complete = False
+            break
+        if ok:
+            good = k
+            if bad is None:
+                if k + STEPS_PER_DOUBLING > HIGHEST_K:
+                    break
+                k += STEPS_PER_DOUBLING
+        else:
+            bad = k
+            if good is None:
+                if k - STEPS_PER_DOUBLING < LOWEST_K:
+                    break
+                k -= STEPS_PER_DOUBLING
+    bracketed = good is not None and bad is not None
+    while complete and bracketed and bad - good > 1:
+        mid = (good + bad) // 2
+        ok = measured(mid)
+        if ok is None:
+            complete = False
+            break
+        good, bad = (mid, bad) if ok else (good, mid)
+    best = probes.get(good) if good is not None else None
+    return {"capacity_rps": rate_of(good) if good is not None else None, "k": good,
+            "concurrency": best.get("mean_in_flight") if best else None,
+            "next_rps": rate_of(bad) if bad is not None else None,
+            "bracketed": bracketed, "complete": complete,
+            "probes": [probes[i] for i in order]}
+
+
+def mean_in_flight(results) -> float | None:
+    """The time-averaged number of requests in flight over a probe (Little's law: the sum of their durations over
+    the span from the first start to the last end): the concurrency the server settled at under that rate."""
+    done = [r for r in results if r.end > r.start]
+    if not done:
+        return None
+    span = max(r.end for r in done) - min(r.start for r in done)
+    return round(sum(r.end - r.start for r in done) / span, 3) if span > 0 else None
+
+
+def probe_seed(seed: int, k: int, r: int) -> int:
+    return int(np.random.SeedSequence([seed, k - LOWEST_K, r]).generate_state(1)[0])
+
+
+def _cache_dir(family: str) -> Path:
+    from qbuild.base.fingerprint import cache_dir
+
+    return cache_dir() / "capacity-probes" / family
+
+
+def cached_probe(family: str, k: int) -> dict | None:
+    try:
+        return json.loads((_cache_dir(family) / f"{k}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def keep_probe(family: str, k: int, probe: dict) -> None:
+    path = _cache_dir(family) / f"{k}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(probe))
+        os.replace(tmp, path)
+    except OSError:
+        pass   # a read-only home: another SLO measures it again, never an error
+
+
+def run(ctx) -> dict:
+    import contextlib
+
+    from qbuild.evaluate.data import load_tokens
+    from qbuild.planning.recipe import ServingConfig
+    from qbuild.planning.serving_bench import _portable, _tail
+    from qbuild.plugins import servers
+    from qbuild.serving.server import running
+
+    p = ctx.params
+    w, cap = p["workload"], p["capacity"]
+    label = ctx.runtime_args.get("label", ctx.step_name)
+    family = ctx.runtime_args["probe_family"]
+    server = servers.get(p["server"])
+    config = ServingConfig(**p["config"])
+    tokens, _ = load_tokens(ctx.inputs["prompts"])
+    launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
+                           workdir=ctx.out, log=ctx.log)
+    log = ctx.out / SERVER_LOG
+    started = time.monotonic()
+    budget_s = cap["max_minutes"] * 60
+    stack = contextlib.ExitStack()
+    srv = None
+    counts = {"measured": 0, "reused": 0}
+
+    def measure(k: int) -> dict:
+        nonlocal srv
+        hit = cached_probe(family, k)
+        if hit is not None:
+            counts["reused"] += 1
+            ctx.log(f"rate {rate_of(k):.4g}/s: reused (measured by an earlier search)")
+            return {**hit, "reused": True}
+        if srv is None:
+            ctx.log(f"starting {launch.engine} for {label}: {shlex.join(_portable(list(launch.command), ctx.inputs['model']))}")
+            srv = stack.enter_context(running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)))
+        probe = measure_probe(srv.url, tokens, w, k, launch.model_name, launch.ignore_eos, between=srv.check_alive)
+        counts["measured"] += 1
+        ctx.log(f"rate {rate_of(k):.4g}/s: TTFT p99 {probe['ttft_ms_p99']} ms, TPOT p50 {probe['tpot_ms_p50']} ms, "
+                f"{probe['errors']} errors, {probe['mean_in_flight']} in flight")
+        keep_probe(family, k, probe)
+        return probe
+
+    def out_of_time() -> bool:
+        return time.monotonic() - started > budget_s
+
+    try:
+        with stack:
+            found = search(measure, cap["slo"], cap["max_error_pct"], grid_index(cap["start_rps"]), out_of_time)
+            peak_rss = srv.peak_rss_bytes() if srv is not None else None
+    except BaseException:
+        if log.exists():
+            print(f"--- {SERVER_LOG} (last lines) ---\n" + "\n".join(_tail(log, 20)), flush=True)
+        raise
+    result = {**found, "slo": cap["slo"], "max_error_pct": cap["max_error_pct"], "server": server.name,
+              "engine": launch.engine, "config": p["config"], "workload": w,
+              "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
+              "seconds": round(time.monotonic() - started, 1), "probes_measured": counts["measured"],
+              "probes_reused": counts["reused"], "peak_rss_bytes": peak_rss}
+    (ctx.out / RESULT).write_text(json.dumps(result, indent=2))
+    where = (f"{found['capacity_rps']} requests/s ({found['concurrency']} in flight)" if found["capacity_rps"]
+             else "no rate meets the SLOs")
+    ctx.log(f"capacity of {label}: {where}; {counts['measured']} probe(s) measured, {counts['reused']} reused"
+            + ("" if found["complete"] else f"; stopped by max_minutes {cap['max_minutes']}"))
+    return {"format": "metrics", "metrics": result}
+
+
+def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, ignore_eos: bool = True,
+                  between: Callable[[], None] = lambda: None) -> dict:
+    """The probe at rate_of(k): `w["rounds"]` rounds (workload `w` as the step's params hold it), each after its
+    own warm-up, with prompts (windows of `tokens`), output lengths and arrivals seeded by the rate and the round."""
+    from qbuild.planning.serving_bench import drawn_lengths, prompts_from
+    from qbuild.serving.client import Workload
+
+    per_round = w["requests"] + w["warmup"]
+    rounds = []
+    for r in range(w["rounds"]):
+        seed = probe_seed(w["seed"], k, r)
+        prompts = prompts_from(tokens, w["input_len"], per_round, seed, w.get("prefix_tokens", 0))
+        work = Workload(prompts=prompts, output_len=drawn_lengths(w["output_len"], per_round, seed + 2),
+                        requests=w["requests"], warmup=w["warmup"], timeout_s=w["timeout_s"],
+                        ignore_eos=ignore_eos, model=model)
+        rounds.append(probe_round(url, work, rate_of(k), seed))
+        between()
+    return _pooled(rounds, w["seed"])
+
+
+def probe_round(url: str, work, rate: float, seed: int) -> dict:
+    """One round of a probe: `warmup` requests one at a time, then `requests` Poisson arrivals at `rate`."""
+    import asyncio
+
+    return asyncio.run(_probe_round(url, work, rate, seed))
+
+
+async def _probe_round(url: str, work, rate: float, seed: int) -> dict:
+    import httpx
+
+    from qbuild.serving.client import _closed_loop, _open_loop, summarize_point
+
+    limits = httpx.Limits(max_connections=work.requests + 1, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(work.timeout_s, connect=10.0), limits=limits,
+                                 trust_env=False) as client:
+        if work.warmup:
+            await _closed_loop(client, url, work, 1, 0, work.warmup, lambda: None)
+        start = time.perf_counter()
+        results = await _open_loop(client, url, work, rate, work.warmup, work.requests, seed, lambda: None)
+        point = summarize_point(results, time.perf_counter() - start)
+    point["mean_in_flight"] = mean_in_flight(results)
+    return point
+
+
+def _pooled(rounds: list[dict], seed: int) -> dict:
+    from qbuild.serving.confidence import combine_rounds
+
+    if len(rounds) == 1:
+        return {k: v for k, v in rounds[0].items() if k != "samples"}
+    out = combine_rounds(rounds, seed)
+    out["mean_in_flight"] = round(float(np.mean([r["mean_in_flight"] or 0 for r in rounds])), 3)
+    out.pop("samples", None)
+    for r in out["rounds"]:   # per-request samples stay out of the stored probe: its figures and interval suffice
+        r.pop("samples", None)
+    return out

@@ -1,0 +1,248 @@
+"""Capacity search (qbuild/planning/serving_capacity.py): bracket then bisect on a grid of rates, on constructed measurements
+(a server whose latency grows with the rate like a queue's); `objective: max_capacity` and `target_rps` in
+selection; and end to end on a real llama-server (tests marked slow: a search measures several rates)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+from rich.console import Console
+
+from qbuild.errors import RecipeError
+from qbuild.planning.recipe import Selection, Serving, parse_recipe
+from qbuild.planning.serving_capacity import STEPS_PER_DOUBLING, grid_index, judge, rate_of, search
+from qbuild.results.selection import select
+from qbuild.results.summary import render_selection
+
+
+def queue(saturation: float, errors_above: float | None = None):
+    """A constructed server: TTFT p99 = 100 ms / (1 - rate/saturation) below saturation, a minute above it; every
+    other request fails above `errors_above`."""
+    asked = []
+
+    def measure(k: int) -> dict:
+        rate = rate_of(k)
+        asked.append(k)
+        ttft = 100 / (1 - rate / saturation) if rate < saturation else 60_000
+        errors = 12 if errors_above is not None and rate > errors_above else 0
+        return {"ttft_ms_p99": ttft, "tpot_ms_p50": 20.0, "requests": 24, "errors": errors,
+                "mean_in_flight": round(rate * ttft / 1000, 3), "ci": {"ttft_ms_p99": [0.9 * ttft, 1.1 * ttft]}}
+    return measure, asked
+
+
+def test_bracket_then_bisect_finds_the_highest_grid_rate_meeting_the_slo():
+    measure, asked = queue(saturation=5.3)
+    found = search(measure, {"ttft_p99_ms": 500}, 1.0, grid_index(1.0))
+    true = 5.3 * (1 - 100 / 500)   # TTFT p99 reaches 500 ms at 4.24 requests/s
+    assert found["capacity_rps"] <= true < found["next_rps"]
+    assert found["next_rps"] / found["capacity_rps"] == pytest.approx(2 ** (1 / STEPS_PER_DOUBLING), rel=1e-3)
+    assert found["bracketed"] and found["complete"]
+    # bracket: 1, 2, 4 met, 8 missed (doubling); then bisection of the index between 4 and 8: log2(16) = 4 probes
+    assert [rate_of(k) for k in asked[:4]] == pytest.approx([1, 2, 4, 8])
+    assert len(asked) == 4 + int(math.log2(STEPS_PER_DOUBLING))
+    best = next(p for p in found["probes"] if p["k"] == found["k"])
+    assert best["meets"] and found["concurrency"] == best["mean_in_flight"]
+    assert all(p["meets"] == (p["rate_rps"] <= found["capacity_rps"]) for p in found["probes"])
+
+
+def test_a_start_above_capacity_halves_down():
+    measure, asked = queue(saturation=0.5)
+    found = search(measure, {"ttft_p99_ms": 400}, 1.0, grid_index(4.0))
+    assert [rate_of(k) for k in asked[:4]] == pytest.approx([4, 2, 1, 0.5])   # missed, missed, missed, missed
+    assert found["capacity_rps"] <= 0.5 * (1 - 100 / 400) < found["next_rps"]
+
+
+def test_errors_over_the_limit_are_a_miss_whatever_the_latency():
+    measure, _ = queue(saturation=100.0, errors_above=3.0)
+    found = search(measure, {"ttft_p99_ms": 10_000}, 1.0, grid_index(1.0))
+    assert found["capacity_rps"] <= 3.0 < found["next_rps"]
+    missed = next(p for p in found["probes"] if not p["meets"])
+    assert missed["misses"] == ["errors 50.0 % > 1 %"]
+
+
+def test_nothing_meets_the_slo():
+    measure, _ = queue(saturation=5.0)
+    found = search(measure, {"ttft_p99_ms": 50}, 1.0, grid_index(1.0))   # below even the idle server's 100 ms
+    assert found["capacity_rps"] is None and found["concurrency"] is None and not found["bracketed"]
+
+
+def test_another_slo_reuses_the_probes_it_can():
+    measure, asked = queue(saturation=5.0)
+    cache: dict[int, dict] = {}
+
+    def cached(k):
+        if k not in cache:
+            cache[k] = measure(k)
+        return cache[k]
+
+    first = search(cached, {"ttft_p99_ms": 500}, 1.0, grid_index(1.0))
+    n_first = len(asked)
+    again = search(cached, {"ttft_p99_ms": 500}, 1.0, grid_index(1.0))
+    assert len(asked) == n_first and again["capacity_rps"] == first["capacity_rps"]   # the same SLO: nothing new
+    other = search(cached, {"ttft_p99_ms": 300}, 1.0, grid_index(1.0))   # capacity 3.33/s: same bracket 2..4
+    assert len(asked) - n_first < len(other["probes"])   # 1, 2, 4 (and more) came from the first search
+    assert other["capacity_rps"] <= 5.0 * (1 - 100 / 300) < other["next_rps"]
+
+
+def test_a_budget_stops_the_search_with_what_it_found():
+    measure, asked = queue(saturation=5.3)
+    found = search(measure, {"ttft_p99_ms": 500}, 1.0, grid_index(1.0), out_of_time=lambda: len(asked) >= 5)
+    assert len(asked) == 5 and not found["complete"] and found["bracketed"]
+    assert 4.0 <= found["capacity_rps"] < found["next_rps"] <= 8.0
+
+
+def test_judge_marks_a_bound_within_noise():
+    probe = {"ttft_ms_p99": 480, "requests": 24, "errors": 0, "ci": {"ttft_ms_p99": [430, 530]}}
+    assert judge(probe, {"ttft_p99_ms": 500}, 1.0) == {"meets": True, "misses": [], "uncertain": ["ttft_p99_ms"]}
+
+
+def candidate(variant, config, capacity, rss, kld=0.01):
+    return {"variant": variant, "status": "built", "size_bytes": 2**20, "kld": kld, "delta_ppl_pct": 1.0,
+            "digest": "d" + variant, "key": "k" + variant,
+            "serving": [{"config": config, "concurrency": 4, "ttft_ms_p50": 100, "ttft_ms_p99": 200, "tpot_ms_p50": 20,
+                         "output_tok_s": 30.0, "errors": 0, "requests": 16, "peak_rss_mb": rss, "command": "srv"}],
+            "capacity": [{"config": config, "capacity_rps": capacity, "concurrency": 2.0, "complete": True}]}
+
+
+def test_max_capacity_selects_by_capacity_and_target_rps_counts_servers():
+    rows = [candidate("q8_0", "default", 2.0, 300), candidate("q4km", "default", 1.5, 250)]
+    out = select(Selection(objective="max_capacity", target_rps=5.0), rows, Serving(concurrency=[1, 4]))
+    assert out["selected"]["variant"] == "q8_0" and out["selected"]["capacity_rps"] == 2.0
+    assert "objective max_capacity prefers q8_0@default (2 requests/s vs 1.5 requests/s)" in out["rejected"][0]["why"]
+    target = {r["variant"]: r for r in out["target"]["candidates"]}
+    assert target["q8_0"]["servers"] == 3 and target["q4km"]["servers"] == 4   # ceil(5/2), ceil(5/1.5)
+    assert out["target"]["cheapest"]["variant"] == "q8_0"
+    console = Console(file=io.StringIO(), width=200)
+    render_selection(out, console)
+    text = console.file.getvalue()
+    assert "selected: q8_0 @ default (objective max_capacity)" in text and "nothing meets" not in text
+    assert "q4km @ default: 4 server(s) at 1.5 requests/s each, 1000 MiB in all" in text
+    assert "cheapest: q8_0 @ default, 3 server(s)" in text
+
+
+def test_equal_server_counts_go_to_the_smaller_memory_and_equal_capacity_to_tie_break():
+    rows = [candidate("a", "default", 2.0, 300, kld=0.02), candidate("b", "default", 2.0, 250, kld=0.01)]
+    out = select(Selection(objective="max_capacity", target_rps=3.0), rows, Serving(concurrency=[1, 4]))
+    assert out["target"]["cheapest"]["variant"] == "b"   # 2 servers each: 500 MiB in all against 600
+    assert out["selected"]["variant"] == "b" and out["tie"]["broken_by"] == "kld"
+
+
+def test_capacity_fields_need_a_capacity_search():
+    data = {"name": "t", "model": {"source": "local", "path": "/nonexistent"}, "evaluation": {"serving": {}},
+            "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}],
+            "selection": {"objective": "max_capacity"}}
+    with pytest.raises(RecipeError, match="evaluation.serving.capacity"):
+        parse_recipe(data)
+    data["evaluation"]["serving"]["capacity"] = {"slo": {}}
+    with pytest.raises(RecipeError, match="ttft_p99_ms"):
+        parse_recipe(data)
+
+
+# --- end to end: the 2-layer SmolLM2 at Q8_0 behind a real llama-server -------------------------------------------
+def capacity_recipe(model, store, ttft_p99_ms: float, **selection) -> dict:
+    return {"name": "cap", "model": {"source": "local", "path": str(model)},
+            "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}],
+            "evaluation": {"perplexity": None, "baseline": False,
+                           "serving": {"concurrency": [1], "requests": 2, "warmup": 1, "rounds": 1, "input_len": 32,
+                                       "output_len": 8, "variants": ["q8_0"],
+                                       "capacity": {"slo": {"ttft_p99_ms": ttft_p99_ms}, "requests": 8, "rounds": 2,
+                                                    "start_rps": 2, "max_minutes": 4}}},
+            "selection": {"objective": "max_capacity", "target_rps": 50, **selection},
+            "runtime": {"threads": 1}, "store": {"path": str(store)}}
+
+
+@pytest.mark.slow
+def test_capacity_search_on_a_real_server_reruns_nothing_and_another_slo_reuses_probes(
+        tmp_path, tiny_model_dir, monkeypatch):
+    from serving_helpers import llama_server_bin
+
+    from helpers import qbuild, run_api, write_recipe
+
+    bin_dir = llama_server_bin()
+    # probes are cached per user: a cache of this test's own, so that an earlier run's probes are not found
+    monkeypatch.setenv("QBUILD_LLAMA_CPP_BIN", str(bin_dir))
+    monkeypatch.setenv("QBUILD_CACHE", str(tmp_path / "cache"))
+    recipe = write_recipe(tmp_path / "r.yaml", capacity_recipe(tiny_model_dir, tmp_path / "store", 150))
+    rc, summary = run_api(recipe)
+    assert rc == 0, summary["steps"]
+    [cap] = next(v for v in summary["variants"] if v["variant"] == "q8_0")["capacity"]
+    assert cap["status"] == "built" and cap["bracketed"] and cap["complete"], cap
+    assert cap["probes_reused"] == 0 and cap["probes_measured"] == len(cap["probes"]) >= 3
+    assert cap["next_rps"] / cap["capacity_rps"] == pytest.approx(2 ** (1 / STEPS_PER_DOUBLING), rel=1e-3)
+    for p in cap["probes"]:   # each probe a measured point: 2 rounds of 8, with an interval; the verdict follows it
+        assert p["requests"] == 16 and p["ci"]["ttft_ms_p99"][0] <= p["ttft_ms_p99"] <= p["ci"]["ttft_ms_p99"][1]
+        assert p["meets"] == (p["ttft_ms_p99"] <= 150 and p["errors"] == 0)
+        assert p["meets"] == (p["rate_rps"] <= cap["capacity_rps"] + 1e-9), cap["probes"]
+    best = next(p for p in cap["probes"] if p["rate_rps"] == pytest.approx(cap["capacity_rps"], rel=1e-3))
+    assert cap["concurrency"] == best["mean_in_flight"] > 0
+    sel = summary["selection"]
+    assert sel["selected"]["variant"] == "q8_0" and sel["selected"]["capacity_rps"] == cap["capacity_rps"]
+    assert sel["target"]["cheapest"]["servers"] == math.ceil(50 / cap["capacity_rps"])
+
+    rc, again = run_api(recipe)   # the same SLO: nothing is measured again
+    assert rc == 0 and again["counts"]["built"] == 0
+
+    # a tighter SLO is another search: it starts with the same bracket, so it reuses the probes it finds
+    write_recipe(recipe, capacity_recipe(tiny_model_dir, tmp_path / "store", 100))
+    rc, other = run_api(recipe)
+    assert rc == 0
+    [cap2] = next(v for v in other["variants"] if v["variant"] == "q8_0")["capacity"]
+    assert cap2["status"] == "built" and cap2["probes_reused"] >= 1
+    assert cap2["probes_reused"] + cap2["probes_measured"] == len(cap2["probes"])
+    first = {p["rate_rps"]: p for p in cap["probes"]}
+    for p in cap2["probes"]:
+        if p["reused"]:   # the same measurement, judged under the other SLO
+            assert p["ttft_ms_p99"] == first[p["rate_rps"]]["ttft_ms_p99"]
+
+    out = qbuild("select", recipe, "--store", tmp_path / "store")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "selected: q8_0 @ default (objective max_capacity)" in out.stdout
+    assert f"cheapest: q8_0 @ default, {math.ceil(50 / cap2['capacity_rps'])} server(s)" in out.stdout
+
+
+def test_the_report_draws_latency_against_load_with_bands_the_slo_and_the_capacity():
+    import re
+
+    from qbuild.results.report import render_html
+
+    measure, _ = queue(saturation=5.3)
+    found = search(measure, {"ttft_p99_ms": 500}, 1.0, grid_index(1.0))
+    cap = {"config": "default", "slo": {"ttft_p99_ms": 500}, **found}
+    row = {**candidate("q8_0", "default", found["capacity_rps"], 300), "capacity": [cap]}
+    page = render_html({"recipe": "r", "variants": [row], "steps": [], "counts": {}})
+    svg = re.search(r'<svg[^>]*class="capacity".*?</svg>', page).group(0)
+    assert 'data-metric="ttft_ms_p99"' in svg
+    assert svg.count('class="probe"') == len(found["probes"])
+    assert svg.count('data-meets="true"') == sum(p["meets"] for p in found["probes"])
+    assert '<polygon class="band"' in svg and 'data-slo="ttft_p99_ms"' in svg and "SLO 500" in svg
+    assert f"capacity {found['capacity_rps']:.3g}/s" in svg and 'class="capacity-point"' in svg
+    assert f"capacity {found['capacity_rps']:.4g} requests/s" in page   # the figure's caption
+
+
+def test_a_candidate_without_capacity_says_why():
+    rows = [candidate("q8_0", "default", 2.0, 300), candidate("q4km", "default", None, 250)]
+    rows[1]["capacity"][0].update(status="built", probes=[{"rate_rps": 0.25, "meets": False,
+                                                           "misses": ["ttft_p99_ms 900 > 500"]}])
+    out = select(Selection(objective="max_capacity"), rows, Serving(concurrency=[1, 4]))
+    assert out["selected"]["variant"] == "q8_0"
+    assert out["rejected"][0]["why"] == ("meets every bound, but objective max_capacity cannot rank it: no rate met "
+                                         "the capacity SLOs (at 0.25 requests/s: ttft_p99_ms 900 > 500)")
+
+
+def test_the_run_prints_one_line_per_capacity_search():
+    from qbuild.results.summary import capacity_lines
+
+    measure, _ = queue(saturation=5.3)
+    found = search(measure, {"ttft_p99_ms": 500}, 1.0, grid_index(1.0))
+    done = {"config": "default", "status": "built", "slo": {"ttft_p99_ms": 500}, "max_error_pct": 1.0,
+            "probes_reused": 3, **found}
+    failed = {"config": "kv8", "status": "failed", "error": "llama.cpp server for q8_0 exited", "capacity_rps": None,
+              "slo": {"ttft_p99_ms": 500}, "max_error_pct": 1.0, "probes": []}
+    lines = capacity_lines({"variants": [{"variant": "q8_0", "capacity": [done, failed]}]})
+    assert lines == [f"capacity q8_0 @ default (ttft_p99_ms ≤ 500, errors ≤ 1.0 %): {found['capacity_rps']:.4g} "
+                     f"requests/s ({found['concurrency']} in flight; {found['next_rps']:.4g}/s missed); "
+                     f"{len(found['probes'])} probes, 3 reused",
+                     "capacity q8_0 @ kv8 (ttft_p99_ms ≤ 500, errors ≤ 1.0 %): not found (failed: llama.cpp server "
+                     "for q8_0 exited)"]
