@@ -225,3 +225,17 @@ def test_the_architecture_page_states_these_layers():
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("| ")]
     stated = [(r[0], set(re.findall(r"`([^`]+)`", r[1]))) for r in rows[1:]]
     assert stated == [(name, set(folders)) for name, folders in LAYERS]
+
+
+def test_every_import_of_qbuild_names_a_module_that_exists():
+    """An import of a module that moved away fails only when its line runs (inside a function, a plan-time branch):
+    every `import qbuild.x` / `from qbuild.x import ...` in the package must name an existing module or package."""
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    missing = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and not node.level and node.module else []
+            missing += [f"{path.relative_to(PACKAGE)}:{node.lineno} {n}" for n in names
+                        if n.startswith("qbuild.") and n not in modules]
+    assert not missing, "\n".join(missing)

@@ -108,7 +108,7 @@ def _trace(serving, recipe_dir) -> dict | None:
     """The recipe's trace, read and checked at plan time: its path, digest, requests and longest request (tokens)."""
     if serving.trace is None:
         return None
-    from qbuild.models.resolve import resolve_path
+    from qbuild.planning.models import resolve_path
     from qbuild.serving.trace import TraceError, read_trace, trace_digest
 
     path = resolve_path(serving.trace, recipe_dir, "evaluation.serving.trace")
