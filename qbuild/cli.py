@@ -161,6 +161,13 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
         sys.exit(143)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    _print_run_result(result, as_json, junit_path)
+    if result.exit_code:
+        sys.exit(result.exit_code)
+
+
+def _print_run_result(result, as_json: bool, junit_path: str | None) -> None:
+    """`qbuild run`'s output: the JUnit file if asked, then the JSON summary or each recipe's tables."""
     summaries = [r.summary for r in result.results]
     if junit_path:
         from qbuild.output import write_junit
@@ -179,8 +186,6 @@ def run(recipes, store_path, as_json, tag, dry_run, threads, jobs, mlflow_uri, r
                 render_gates(list(r.gates), console)
             if r.summary.get("selection"):
                 render_selection(r.summary["selection"], console)
-    if result.exit_code:
-        sys.exit(result.exit_code)
 
 
 def _run_with_progress(files, store_path, tag, threads, jobs, mlflow_uri, remote_urls, materialize, executor="local",

@@ -138,8 +138,25 @@ def validate_trtllm_checkpoint(ckpt: Path, source_config: dict, *, quant_algo: s
         else:
             problems.append(f"{field} is {was!r}, the source model needs {now!r} ({why})")
 
-    # 1. facts baked into the weights: refuse on mismatch
     q = cfg.get("quantization") or {}
+    problems += _weight_fact_problems(cfg, src, q)
+    _check_rope_and_norm(cfg, src, need_fix, problems)
+    problems += _quantization_problems(q, quant_algo, group_size)
+    problems += _mapping_problems(ckpt, cfg, tp_size, pp_size)
+
+    # 5. tensor shapes (rank 0): vocab and hidden size, quantization group size
+    header = safetensors_header(ckpt / "rank0.safetensors") if (ckpt / "rank0.safetensors").is_file() else None
+    if header is not None and not problems:
+        problems += _check_tensors(header, cfg, src, (cfg.get("mapping") or {}).get("tp_size", 1), q)
+    if header is not None and (cfg.get("architecture") in QWEN_ARCHITECTURES or cfg.get("decoder") == "qwen"):
+        _check_qwen(cfg, src, header, need_fix, problems)
+
+    return _refuse_or_fix(f"TensorRT-LLM checkpoint {ckpt}", cfg_path, cfg, problems, fixes, indent=4)
+
+
+def _weight_fact_problems(cfg: dict, src: dict, q: dict) -> list[str]:
+    """1. Facts baked into the weights: a mismatch is refused, never fixed."""
+    problems = []
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "vocab_size", "intermediate_size", "head_size"):
         want = src.get(field)
@@ -153,8 +170,11 @@ def validate_trtllm_checkpoint(ckpt: Path, source_config: dict, *, quant_algo: s
     if cfg.get("head_size") is None and src["head_size"] != src["hidden_size"] // src["num_attention_heads"]:
         problems.append(f"head_size missing while the source model's head_dim ({src['head_size']}) "
                         f"is not hidden_size/num_attention_heads")
+    return problems
 
-    # 2. RoPE: the base is not in the weights, so a missing or wrong value is fixed
+
+def _check_rope_and_norm(cfg: dict, src: dict, need_fix, problems: list[str]) -> None:
+    """2. RoPE: the base is not in the weights, so a missing or wrong value is fixed (norm_epsilon likewise)."""
     if str(cfg.get("position_embedding_type", "rope_gpt_neox")).startswith("rope"):
         have = cfg.get("rotary_base")
         if not _close(have, src["rope_theta"]):
@@ -170,43 +190,44 @@ def validate_trtllm_checkpoint(ckpt: Path, source_config: dict, *, quant_algo: s
             and not _close(cfg["norm_epsilon"], src["norm_epsilon"], 1e-3):
         need_fix("norm_epsilon", cfg["norm_epsilon"], src["norm_epsilon"], "differs from the source model")
 
-    # 3. quantization as requested
+
+def _quantization_problems(q: dict, quant_algo: str | None, group_size: int | None) -> list[str]:
+    """3. Quantization as requested."""
+    problems = []
     if quant_algo != "any" and q.get("quant_algo") != quant_algo:
         problems.append(f"quantization.quant_algo is {q.get('quant_algo')!r}, expected {quant_algo!r}")
     if group_size is not None and q.get("group_size") != group_size:
         problems.append(f"quantization.group_size is {q.get('group_size')!r}, expected {group_size}")
+    return problems
 
-    # 4. mapping and rank files
+
+def _mapping_problems(ckpt: Path, cfg: dict, tp_size: int | None, pp_size: int | None) -> list[str]:
+    """4. Mapping and rank files."""
+    problems = []
     mapping = cfg.get("mapping") or {}
     world = mapping.get("world_size", 1)
-    tp = mapping.get("tp_size", 1)
     for name, want in (("tp_size", tp_size), ("pp_size", pp_size)):
         if want is not None and mapping.get(name, 1) != want:
             problems.append(f"mapping.{name} is {mapping.get(name, 1)}, expected {want}")
     ranks = sorted(ckpt.glob("rank*.safetensors"))
     if len(ranks) != world:
         problems.append(f"{len(ranks)} rank*.safetensors file(s) for world_size {world}")
+    return problems
 
-    # 5. tensor shapes (rank 0): vocab and hidden size, quantization group size
-    header = safetensors_header(ckpt / "rank0.safetensors") if (ckpt / "rank0.safetensors").is_file() else None
-    if header is not None and not problems:
-        problems += _check_tensors(header, cfg, src, tp, q)
 
-    # 6. Qwen: what TensorRT-LLM's QWenConfig reads but ModelOpt's export (without tensorrt_llm) does not write
-    if header is not None and (cfg.get("architecture") in QWEN_ARCHITECTURES or cfg.get("decoder") == "qwen"):
-        if not cfg.get("qwen_type"):
-            if src["model_type"] in QWEN_TYPES:
-                need_fix("qwen_type", cfg.get("qwen_type"), src["model_type"],
-                         "missing: TensorRT-LLM's QWenForCausalLM reads it (the source model's model_type)")
-            else:
-                problems.append(f"qwen_type missing and the source model_type {src['model_type']!r} is not one "
-                                f"TensorRT-LLM accepts ({', '.join(QWEN_TYPES)})")
-        has_bias = any(n.endswith(".attention.qkv.bias") for n in header)
-        if cfg.get("attn_bias") is None or bool(cfg["attn_bias"]) != has_bias:
-            need_fix("attn_bias", cfg.get("attn_bias"), has_bias,
-                     "QWenConfig assumes qkv biases when it is missing; read off the checkpoint's tensors")
-
-    return _refuse_or_fix(f"TensorRT-LLM checkpoint {ckpt}", cfg_path, cfg, problems, fixes, indent=4)
+def _check_qwen(cfg: dict, src: dict, header: dict, need_fix, problems: list[str]) -> None:
+    """6. Qwen: what TensorRT-LLM's QWenConfig reads but ModelOpt's export (without tensorrt_llm) does not write."""
+    if not cfg.get("qwen_type"):
+        if src["model_type"] in QWEN_TYPES:
+            need_fix("qwen_type", cfg.get("qwen_type"), src["model_type"],
+                     "missing: TensorRT-LLM's QWenForCausalLM reads it (the source model's model_type)")
+        else:
+            problems.append(f"qwen_type missing and the source model_type {src['model_type']!r} is not one "
+                            f"TensorRT-LLM accepts ({', '.join(QWEN_TYPES)})")
+    has_bias = any(n.endswith(".attention.qkv.bias") for n in header)
+    if cfg.get("attn_bias") is None or bool(cfg["attn_bias"]) != has_bias:
+        need_fix("attn_bias", cfg.get("attn_bias"), has_bias,
+                 "QWenConfig assumes qkv biases when it is missing; read off the checkpoint's tensors")
 
 
 def _check_tensors(header: dict, cfg: dict, src: dict, tp: int, q: dict) -> list[str]:

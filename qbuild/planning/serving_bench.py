@@ -63,6 +63,17 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
+def _round_prompts(tokens, w: dict, n_points: int) -> tuple[int, list, list[int]]:
+    """The prompts per round (`count`), and every round's prompts and output lengths, rounds after one another."""
+    rounds = w.get("rounds", 1)
+    first = w.get("first_round", 0)   # rounds added later (selection's measure_more) go on where the others ended
+    count = n_points * (w["requests"] + w["warmup"])   # per round: each round sends prompts of its own
+    prompts = prompts_from(tokens, w["input_len"], count * (first + rounds), w["seed"],
+                           w.get("prefix_tokens", 0))[count * first:]
+    output_len = drawn_lengths(w["output_len"], count * (first + rounds), w["seed"] + 2)[count * first:]
+    return count, prompts, output_len
+
+
 def run(ctx: StepContext) -> dict:
     from qbuild.evaluate.data import load_tokens
     from qbuild.serving.client import Workload, replay, sweep
@@ -75,12 +86,8 @@ def run(ctx: StepContext) -> dict:
     config = ServingConfig(**p["config"])
     tokens, _ = load_tokens(ctx.inputs["prompts"])
     n_points = len(w["concurrency"]) + len(w["request_rates"] or [])
-    rounds = w.get("rounds", 1)
-    first = w.get("first_round", 0)   # rounds added later (selection's measure_more) go on where the others ended
-    count = n_points * (w["requests"] + w["warmup"])   # per round: each round sends prompts of its own
-    prompts = prompts_from(tokens, w["input_len"], count * (first + rounds), w["seed"],
-                           w.get("prefix_tokens", 0))[count * first:]
-    output_len = drawn_lengths(w["output_len"], count * (first + rounds), w["seed"] + 2)[count * first:]
+    rounds, first = w.get("rounds", 1), w.get("first_round", 0)
+    count, prompts, output_len = _round_prompts(tokens, w, n_points)
     launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
                            workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
     work = Workload(prompts=prompts[:count], output_len=output_len[:count], requests=w["requests"], warmup=w["warmup"],

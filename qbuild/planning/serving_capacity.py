@@ -178,7 +178,6 @@ def run(ctx) -> dict:
                            workdir=ctx.out, log=ctx.log)
     log = ctx.out / SERVER_LOG
     started = time.monotonic()
-    budget_s = cap["max_minutes"] * 60
     stack = contextlib.ExitStack()
     srv = None
     counts = {"measured": 0, "reused": 0}
@@ -201,7 +200,7 @@ def run(ctx) -> dict:
         return probe
 
     def out_of_time() -> bool:
-        return time.monotonic() - started > budget_s
+        return time.monotonic() - started > cap["max_minutes"] * 60
 
     try:
         with stack:
@@ -216,12 +215,17 @@ def run(ctx) -> dict:
               "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
               "seconds": round(time.monotonic() - started, 1), "probes_measured": counts["measured"],
               "probes_reused": counts["reused"], "peak_rss_bytes": peak_rss}
+    _write_result(ctx, label, result, counts, cap["max_minutes"])
+    return {"format": "metrics", "metrics": result}
+
+
+def _write_result(ctx, label: str, result: dict, counts: dict, max_minutes) -> None:
+    """The search's result file, and its one-line summary in the step's log."""
     (ctx.out / RESULT).write_text(json.dumps(result, indent=2))
-    where = (f"{found['capacity_rps']} requests/s ({found['concurrency']} in flight)" if found["capacity_rps"]
+    where = (f"{result['capacity_rps']} requests/s ({result['concurrency']} in flight)" if result["capacity_rps"]
              else "no rate meets the SLOs")
     ctx.log(f"capacity of {label}: {where}; {counts['measured']} probe(s) measured, {counts['reused']} reused"
-            + ("" if found["complete"] else f"; stopped by max_minutes {cap['max_minutes']}"))
-    return {"format": "metrics", "metrics": result}
+            + ("" if result["complete"] else f"; stopped by max_minutes {max_minutes}"))
 
 
 def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, ignore_eos: bool = True,

@@ -185,6 +185,22 @@ def _history_html(history: list[dict] | None) -> str:
 SERVING_PLOTS = (("ttft_ms_p99", "TTFT p99 (ms)", "ttft_p99_ms"), ("tpot_ms_p50", "TPOT p50 (ms/token)", "tpot_p50_ms"))
 
 
+def _axes(m: float, w: int, h: int, right: int, xlabel: str, ylabel: str, ticks: list[str], sx, sy, x1: float,
+          y1: float) -> list[str]:
+    """A latency plot's frame: background, both axes from 0 with their labels, and ticks at 0, half and the top."""
+    parts = [f'<rect width="{w}" height="{h}" fill="white" stroke="#ccc"/>',
+             f'<line x1="{m}" y1="{h - 56}" x2="{w - right}" y2="{h - 56}" stroke="#333"/>',
+             f'<line x1="{m}" y1="56" x2="{m}" y2="{h - 56}" stroke="#333"/>',
+             f'<text x="{(m + w - right) / 2}" y="{h - 14}" text-anchor="middle" font-size="13">{xlabel}</text>',
+             f'<text x="16" y="{h / 2}" text-anchor="middle" font-size="13" transform="rotate(-90 16 {h / 2})">'
+             f'{html.escape(ylabel)}</text>']
+    for v, tick in zip((0.0, y1 / 2, y1), ticks, strict=True):
+        parts.append(f'<text x="{m - 6}" y="{sy(v) + 4}" text-anchor="end" font-size="11">{tick}</text>')
+    for v in (0.0, x1 / 2, x1):
+        parts.append(f'<text x="{sx(v)}" y="{h - 56 + 16}" text-anchor="middle" font-size="11">{v:.3g}</text>')
+    return parts
+
+
 def svg_serving(variant: str, points: list[dict], metric: str, ylabel: str, slo: dict | None, min_tok_s: dict | None,
                 selected: dict | None) -> str:
     """Latency against throughput for one artifact: a line per serving config through its concurrency points
@@ -210,17 +226,7 @@ def svg_serving(variant: str, points: list[dict], metric: str, ylabel: str, slo:
     name = html.escape(variant)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" class="serving" '
              f'data-variant="{name}" data-metric="{metric}">',
-             f'<rect width="{w}" height="{h}" fill="white" stroke="#ccc"/>',
-             f'<line x1="{m}" y1="{h - 56}" x2="{w - right}" y2="{h - 56}" stroke="#333"/>',
-             f'<line x1="{m}" y1="56" x2="{m}" y2="{h - 56}" stroke="#333"/>',
-             f'<text x="{(m + w - right) / 2}" y="{h - 14}" text-anchor="middle" font-size="13">output tokens/s '
-             f'(whole server)</text>',
-             f'<text x="16" y="{h / 2}" text-anchor="middle" font-size="13" transform="rotate(-90 16 {h / 2})">'
-             f'{html.escape(ylabel)}</text>']
-    for v, tick in zip((y0, y1 / 2, y1), ticks, strict=True):
-        parts.append(f'<text x="{m - 6}" y="{sy(v) + 4}" text-anchor="end" font-size="11">{tick}</text>')
-    for v in (x0, x1 / 2, x1):
-        parts.append(f'<text x="{sx(v)}" y="{h - 56 + 16}" text-anchor="middle" font-size="11">{v:.3g}</text>')
+             *_axes(m, w, h, right, "output tokens/s (whole server)", ylabel, ticks, sx, sy, x1, y1)]
     if slo:
         parts.append(f'<g class="slo" data-slo="{metric}"><line x1="{m}" y1="{sy(slo["value"]):.1f}" x2="{w - right}" '
                      f'y2="{sy(slo["value"]):.1f}" stroke="#d62728" stroke-dasharray="6,4"/><text x="{m + 4}" '
@@ -286,17 +292,7 @@ def svg_capacity(variant: str, capacity: dict, slo_field: str) -> str:
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" role="img" class="capacity" '
              f'data-variant="{html.escape(variant)}" data-config="{html.escape(str(capacity["config"]))}" '
              f'data-metric="{metric}">',
-             f'<rect width="{w}" height="{h}" fill="white" stroke="#ccc"/>',
-             f'<line x1="{m}" y1="{h - 56}" x2="{w - right}" y2="{h - 56}" stroke="#333"/>',
-             f'<line x1="{m}" y1="56" x2="{m}" y2="{h - 56}" stroke="#333"/>',
-             f'<text x="{(m + w - right) / 2}" y="{h - 14}" text-anchor="middle" font-size="13">request rate '
-             f'(requests/s, Poisson arrivals)</text>',
-             f'<text x="16" y="{h / 2}" text-anchor="middle" font-size="13" transform="rotate(-90 16 {h / 2})">'
-             f'{html.escape(ylabel)}</text>']
-    for v, tick in zip((0.0, y1 / 2, y1), ticks, strict=True):
-        parts.append(f'<text x="{m - 6}" y="{sy(v) + 4}" text-anchor="end" font-size="11">{tick}</text>')
-    for v in (0.0, x1 / 2, x1):
-        parts.append(f'<text x="{sx(v)}" y="{h - 56 + 16}" text-anchor="middle" font-size="11">{v:.3g}</text>')
+             *_axes(m, w, h, right, "request rate (requests/s, Poisson arrivals)", ylabel, ticks, sx, sy, x1, y1)]
     band = [f"{sx(p['rate_rps']):.1f},{sy(hi):.1f}" for p, hi in zip(pts, highs, strict=True)]
     band += [f"{sx(p['rate_rps']):.1f},{sy(lo):.1f}" for p, lo in reversed(list(zip(pts, lows, strict=True)))]
     parts.append(f'<polygon class="band" points="{" ".join(band)}" fill="#1f77b4" fill-opacity="0.18" stroke="none"/>')

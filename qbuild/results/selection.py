@@ -142,6 +142,25 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
             if sel.on_uncertain != "accept":   # measure_more: what is still in doubt after the added rounds
                 misses.append(f"{uncertain[-1]} (on_uncertain: {sel.on_uncertain})")
     quality = _quality(row, points)
+    misses += _quality_misses(sel, row, points, quality, config)
+    pt = point(at)
+    memory = max((p.get("peak_rss_mb") or 0 for p in points), default=None) or None
+    cap = next((c for c in row.get("capacity") or [] if c["config"] == config), None)
+    return {"variant": row["variant"], "config": config, "misses": misses, "not_served": _not_served(row, points, serving),
+            "capacity_rps": (cap or {}).get("capacity_rps"), "capacity_concurrency": (cap or {}).get("concurrency"),
+            "capacity_complete": (cap or {}).get("complete"), "capacity_why": _no_capacity(cap),
+            "uncertain": uncertain, "slo": slo, "memory_mb": memory,
+            "output_tok_s_ci": ((pt or {}).get("ci") or {}).get("output_tok_s"),
+            "rounds": (pt or {}).get("rounds"),
+            "output_tok_s": pt.get("output_tok_s") if pt else None, "size_bytes": row.get("size_bytes"),
+            "kld": quality.get("kld"), "command": (pt or {}).get("command") or next(
+                (p.get("command") for p in points if p.get("command")), None),
+            "digest": row.get("digest"), "key": row.get("key")}
+
+
+def _quality_misses(sel, row: dict, points: list[dict], quality: dict, config: str | None) -> list[str]:
+    """The quality, size and memory bounds a candidate misses (or was not measured for)."""
+    misses: list[str] = []
     under = f" under config {config}" if config is not None else ""
     for field, value, bound, unit, where in (
             ("max_kld", quality.get("kld"), sel.max_kld, "", under),
@@ -157,19 +176,7 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
         m = _miss(field.removeprefix("max_"), value, bound, "max", unit, where)
         if m:
             misses.append(m)
-    pt = point(at)
-    memory = max((p.get("peak_rss_mb") or 0 for p in points), default=None) or None
-    cap = next((c for c in row.get("capacity") or [] if c["config"] == config), None)
-    return {"variant": row["variant"], "config": config, "misses": misses, "not_served": _not_served(row, points, serving),
-            "capacity_rps": (cap or {}).get("capacity_rps"), "capacity_concurrency": (cap or {}).get("concurrency"),
-            "capacity_complete": (cap or {}).get("complete"), "capacity_why": _no_capacity(cap),
-            "uncertain": uncertain, "slo": slo, "memory_mb": memory,
-            "output_tok_s_ci": ((pt or {}).get("ci") or {}).get("output_tok_s"),
-            "rounds": (pt or {}).get("rounds"),
-            "output_tok_s": pt.get("output_tok_s") if pt else None, "size_bytes": row.get("size_bytes"),
-            "kld": quality.get("kld"), "command": (pt or {}).get("command") or next(
-                (p.get("command") for p in points if p.get("command")), None),
-            "digest": row.get("digest"), "key": row.get("key")}
+    return misses
 
 
 def _quality(row: dict, points: list[dict]) -> dict:

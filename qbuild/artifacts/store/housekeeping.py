@@ -62,8 +62,6 @@ class HousekeepingMixin:
         """Remove what only accumulates: stale scratch and unheld locks (any age > 60 s), and logs, run records,
         stamps of gone objects and quarantined objects older than `older_than_s` (the newest `keep_runs` run
         records and their logs always stay). Objects themselves are not touched here. Returns one row per removal."""
-        from filelock import FileLock, Timeout
-
         self.require_writable("gc")
         root = self.owned_existing()   # `qbuild gc --store /` must never clear /tmp: the root must carry the marker
         now = time.time() if now is None else now
@@ -84,6 +82,34 @@ class HousekeepingMixin:
                 return now - p.lstat().st_mtime > limit
             except OSError:
                 return False
+
+        self._gc_scratch_and_locks(root, drop, old, older_than_s, dry_run)
+
+        def finished(p: Path):   # the order of store.runs(): run ids of one second sort at random by name
+            record = None if p.is_symlink() else read_json(p)
+            when = record.get("finished") if record else None
+            return (when if isinstance(when, int | float) else 0, p.name)
+
+        runs = sorted((p for p in _listdir(self.root / "runs") if p.suffix == ".json" and RUN_ID_RE.match(p.stem)), key=finished)
+        keep = {p.stem for p in runs[-keep_runs:]} if keep_runs > 0 else set()
+        for entry in runs:
+            if entry.stem not in keep and old(entry, older_than_s):
+                drop("run", entry)
+        for entry in _listdir(self.root / "logs"):
+            if RUN_ID_RE.match(entry.name) and entry.name not in keep and old(entry, older_than_s):
+                drop("log", entry)
+        for entry in _listdir(self.root / "quarantine"):
+            if QUARANTINE_RE.match(entry.name) and old(entry, older_than_s):
+                drop("quarantine", entry)
+        for entry in (self.root / "stamps").glob("*/*.json"):
+            if DIGEST_RE.match(entry.stem) and not self.object_dir(entry.stem).is_dir():
+                drop("stamp", entry)
+        return rows
+
+    def _gc_scratch_and_locks(self, root, drop, old, older_than_s: float, dry_run: bool) -> None:
+        """gc_housekeeping's stale scratch and unheld locks (any age > 60 s), and a remote fetch's staging once past
+        `older_than_s`; `drop` records (and unless `dry_run` removes) each, `old` tells an entry's age."""
+        from filelock import FileLock, Timeout
 
         for entry in _listdir(self.root / "tmp"):
             m = SCRATCH_RE.match(entry.name)
@@ -111,23 +137,3 @@ class HousekeepingMixin:
                     drop("lock", entry)
             except (Timeout, OSError):
                 continue
-        def finished(p: Path):   # the order of store.runs(): run ids of one second sort at random by name
-            record = None if p.is_symlink() else read_json(p)
-            when = record.get("finished") if record else None
-            return (when if isinstance(when, int | float) else 0, p.name)
-
-        runs = sorted((p for p in _listdir(self.root / "runs") if p.suffix == ".json" and RUN_ID_RE.match(p.stem)), key=finished)
-        keep = {p.stem for p in runs[-keep_runs:]} if keep_runs > 0 else set()
-        for entry in runs:
-            if entry.stem not in keep and old(entry, older_than_s):
-                drop("run", entry)
-        for entry in _listdir(self.root / "logs"):
-            if RUN_ID_RE.match(entry.name) and entry.name not in keep and old(entry, older_than_s):
-                drop("log", entry)
-        for entry in _listdir(self.root / "quarantine"):
-            if QUARANTINE_RE.match(entry.name) and old(entry, older_than_s):
-                drop("quarantine", entry)
-        for entry in (self.root / "stamps").glob("*/*.json"):
-            if DIGEST_RE.match(entry.stem) and not self.object_dir(entry.stem).is_dir():
-                drop("stamp", entry)
-        return rows
