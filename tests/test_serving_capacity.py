@@ -246,3 +246,26 @@ def test_the_run_prints_one_line_per_capacity_search():
                      f"{len(found['probes'])} probes, 3 reused",
                      "capacity q8_0 @ kv8 (ttft_p99_ms ≤ 500, errors ≤ 1.0 %): not found (failed: llama.cpp server "
                      "for q8_0 exited)"]
+
+
+def test_kept_probes_are_written_only_into_a_folder_qbuild_owns(tmp_path, monkeypatch):
+    """The per-user probe cache goes through the guarded helper: a round trip works, a family folder that is a link
+    to elsewhere is never written through, and a folder of someone else's files is not adopted."""
+    from qbuild.planning.serving_capacity import cached_probe, keep_probe
+
+    monkeypatch.setenv("QBUILD_CACHE", str(tmp_path / "cache"))
+    family, other = "a" * 64, "b" * 64
+    keep_probe(family, 3, {"rate": 1.5})
+    assert cached_probe(family, 3) == {"rate": 1.5} and cached_probe(family, 4) is None
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / "cache" / "capacity-probes" / other).symlink_to(outside)
+    keep_probe(other, 1, {"rate": 2.0})
+    assert list(outside.iterdir()) == []
+    keep_probe("../../escape", 1, {"rate": 2.0})   # not a family name: nothing written anywhere
+    assert not (tmp_path / "escape").exists()
+    monkeypatch.setenv("QBUILD_CACHE", str(tmp_path / "foreign"))
+    (tmp_path / "foreign" / "capacity-probes").mkdir(parents=True)
+    (tmp_path / "foreign" / "capacity-probes" / "notes.txt").write_text("mine")
+    keep_probe(family, 3, {"rate": 1.5})
+    assert sorted(p.name for p in (tmp_path / "foreign" / "capacity-probes").iterdir()) == ["notes.txt"]

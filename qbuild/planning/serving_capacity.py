@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import time
 from collections.abc import Callable
@@ -134,28 +135,42 @@ def probe_seed(seed: int, k: int, r: int) -> int:
     return int(np.random.SeedSequence([seed, k - LOWEST_K, r]).generate_state(1)[0])
 
 
-def _cache_dir(family: str) -> Path:
+FAMILY = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _probe_root() -> Path:
     from qbuild.base.fingerprint import cache_dir
 
-    return cache_dir() / "capacity-probes" / family
+    return cache_dir() / "capacity-probes"
+
+
+def _only_probes(root: Path) -> str | None:
+    """An `adopt` test: the folder holds nothing but probe families of ours (made before it had a marker)."""
+    foreign = sorted(e for e in os.listdir(root) if not FAMILY.match(e))
+    return f"it holds {', '.join(foreign[:3])}" if foreign else None
 
 
 def cached_probe(family: str, k: int) -> dict | None:
+    if not FAMILY.match(family):
+        return None
     try:
-        return json.loads((_cache_dir(family) / f"{k}.json").read_text())
+        return json.loads((_probe_root() / family / f"{k}.json").read_text())
     except (OSError, ValueError):
         return None
 
 
 def keep_probe(family: str, k: int, probe: dict) -> None:
-    path = _cache_dir(family) / f"{k}.json"
+    """Keep a measured probe for searches under another SLO: written only through a root qbuild owns (its marker
+    checked, no link followed), under the per-user cache."""
+    from qbuild.base.owned import NotOurs, claim_root
+
+    if not FAMILY.match(family):
+        return
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(probe))
-        os.replace(tmp, path)
-    except OSError:
-        pass   # a read-only home: another SLO measures it again, never an error
+        root = claim_root(_probe_root(), "capacity-probes", adopt=_only_probes)
+        root.write_bytes(root.path / family / f"{k}.json", json.dumps(probe).encode(), durable=False)
+    except (OSError, NotOurs):
+        pass   # a read-only home, a folder not ours: another SLO measures it again, never an error
 
 
 def run(ctx) -> dict:
