@@ -19,12 +19,21 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def sha256_file(path: Path) -> str:
+def copy_hashed(inp, out, detach: bool = False) -> str:
+    """Copy the open file `inp` into `out` (None: only hash it) and return the sha256 of its bytes, reading `inp`
+    once. detach: `out` gets a copy of each chunk (a writer that may keep what it is handed, a remote upload's)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
+    buf = memoryview(bytearray(CHUNK))
+    while n := inp.readinto(buf):
+        h.update(buf[:n])
+        if out is not None:
+            out.write(bytes(buf[:n]) if detach else buf[:n])
     return h.hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as f:
+        return copy_hashed(f, None)
 
 
 def memo_sha256(path: Path, st, memo) -> tuple[list, bool]:

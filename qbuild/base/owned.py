@@ -26,7 +26,6 @@ same confined writes and moves, and removes only the names the pull itself built
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qbuild.base.errors import UserError
+from qbuild.base.hashing import copy_hashed
 
 MARKER = ".qbuild-root.json"
 
@@ -218,21 +218,15 @@ FICLONE = 0x40049409   # linux/fs.h: share src's extents with dst (copy-on-write
 
 def _copy_hashing(inp, out) -> str:
     """Copy the open file `inp` into `out` and return the sha256 of what was copied, reading `inp` once."""
-    h = hashlib.sha256()
     out.flush()
     try:
         import fcntl
 
         fcntl.ioctl(out.fileno(), FICLONE, inp.fileno())
-        cloned = True
+        cloned = True    # the extents are shared: only hash
     except (OSError, ImportError):
         cloned = False   # ext4, tmpfs, another filesystem, not Linux: copy the bytes
-    buf = memoryview(bytearray(1 << 20))
-    while n := inp.readinto(buf):
-        h.update(buf[:n])
-        if not cloned:
-            out.write(buf[:n])
-    return h.hexdigest()
+    return copy_hashed(inp, None if cloned else out)
 
 
 def fsync_dir(path: Path) -> None:

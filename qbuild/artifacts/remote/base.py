@@ -39,7 +39,7 @@ from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 from qbuild.base.errors import QBuildError, UserError
-from qbuild.base.hashing import sha256_file, tree_digest
+from qbuild.base.hashing import copy_hashed, sha256_file, tree_digest
 from qbuild.base.names import check_name as check_ref_name
 from qbuild.base.owned import NotOurs, OwnedRoot, output_root
 from qbuild.contract.plugin import Plugin
@@ -559,13 +559,8 @@ class RemoteStore(Plugin, ABC):
 def hash_while_uploading(src: Path, out, entry: dict) -> bool:
     """Write the file `src` into the open remote file `out`, hashing each chunk as it goes (one read of src);
     True when it hashed to the entry's sha256. The caller closes `out` and removes it on False."""
-    h = hashlib.sha256()
-    buf = memoryview(bytearray(CHUNK))
     with open(src, "rb") as inp:
-        while n := inp.readinto(buf):
-            h.update(buf[:n])
-            out.write(bytes(buf[:n]))
-    return h.hexdigest() == entry["sha256"]
+        return copy_hashed(inp, out, detach=True) == entry["sha256"]
 
 
 def part_name(entry: dict) -> str:
