@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qbuild.artifacts.access import open_remotes, open_store
-from qbuild.base.errors import QBuildError, UserError
+from qbuild.base.errors import UserError
 
 if TYPE_CHECKING:
     from qbuild.artifacts.store import Store
@@ -160,14 +160,13 @@ def _pull_local(name: str, st: Store, out, need, progress, force: bool = False, 
     target, family = _machine_bound_family(name, st.manifest(digest), lambda: _manifests(st))
     if target is not None:
         digest = _choose_build(target, family, need, machine, name)
+    from qbuild.artifacts.store.export import damaged, export_object
+
     if out is None:
         rows = st.verify([digest])
         if not rows[0]["ok"]:
-            raise QBuildError(f"{name}: object {digest[:12]} is damaged: " + "; ".join(rows[0]["problems"])
-                              + " (run `qbuild verify --repair`, then rebuild)")
+            raise damaged(name, digest, rows[0]["problems"])
         return digest, st.object_dir(digest)
-    from qbuild.artifacts.store.export import export_object
-
     return digest, export_object(st, digest, Path(out), name, force=force)
 
 

@@ -27,7 +27,7 @@ def export_object(store, digest: str, dest: Path, what: str, force: bool = False
     verified against its sha256 as it is copied. `what` names the object in errors (the name the user pulled)."""
     problems = store.check_object(digest)   # the file set, sizes and the manifest's digest: a stat each
     if problems:
-        raise _damaged(what, digest, problems)
+        raise damaged(what, digest, problems)
     dest = Path(dest).absolute()
     if dest.is_symlink():
         raise UserError(f"--out {dest} is a symlink; give the folder itself (a pull never writes through a link)")
@@ -74,7 +74,7 @@ def copy_files(src: Path, dest: Path, rels: list[Path], expected: dict[str, str]
         try:
             root.copy_in(src / rel, dest / rel, within=within, sha256=expected.get(rel.as_posix()))
         except ContentMismatch:
-            raise _damaged(what, digest, [f"content changed: {rel.as_posix()}"]) from None
+            raise damaged(what, digest, [f"content changed: {rel.as_posix()}"]) from None
 
     by_size = sorted(rels, key=lambda rel: -(src / rel).stat().st_size)
     with ThreadPoolExecutor(max_workers=min(COPY_JOBS, max(1, len(rels)))) as pool:
@@ -82,6 +82,7 @@ def copy_files(src: Path, dest: Path, rels: list[Path], expected: dict[str, str]
             future.result()
 
 
-def _damaged(what: str, digest: str, problems: list[str]) -> QBuildError:
+def damaged(what: str, digest: str, problems: list[str]) -> QBuildError:
+    """The one-line error of a pull whose stored object is damaged (`what`: the name pulled)."""
     return QBuildError(f"{what}: object {digest[:12]} is damaged: " + "; ".join(problems)
                        + " (run `qbuild verify --repair`, then rebuild)")
