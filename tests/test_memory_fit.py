@@ -130,6 +130,6 @@ def test_llama_cpp_offloads_the_layers_that_fit_the_gpu():
     gguf = smollm2_gguf_path()
     size = gguf.stat().st_size
     assert gguf_block_count(gguf) == 30   # SmolLM2-135M
-    assert gpu_layers(gguf, 512, free=size + int(GPU_RESERVE)) == -1
-    assert gpu_layers(gguf, 512, free=int(GPU_RESERVE) + size // 2) == 15   # half the file: half of 31 slices
-    assert gpu_layers(gguf, 512, free=int(GPU_RESERVE) // 2) == 0
+    assert gpu_layers(gguf, free=size + int(GPU_RESERVE)) == -1
+    assert gpu_layers(gguf, free=int(GPU_RESERVE) + size // 2) == 15   # half the file: half of 31 slices
+    assert gpu_layers(gguf, free=int(GPU_RESERVE) // 2) == 0

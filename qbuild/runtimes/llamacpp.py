@@ -28,7 +28,7 @@ class LlamaCppSession(RuntimeSession):
         kv = {} if not kv_cache_dtype else {"type_k": ggml_type_id(llama_cpp, kv_cache_dtype.upper()),
                                             "type_v": ggml_type_id(llama_cpp, kv_cache_dtype.upper())}
         # the layers that fit on the GPU where this llama.cpp build offloads (a CUDA/Metal build) and the step may use one
-        self.gpu_layers = gpu_layers(files[0], n_ctx) if device != "cpu" and llama_cpp.llama_supports_gpu_offload() \
+        self.gpu_layers = gpu_layers(files[0]) if device != "cpu" and llama_cpp.llama_supports_gpu_offload() \
             else 0
         self.llm = Llama(model_path=str(files[0]), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True,
                          n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False,
@@ -116,7 +116,7 @@ class LlamaCppSession(RuntimeSession):
 GPU_RESERVE = 1.5 * (1 << 30)   # CUDA context, compute buffers and a KV cache of evaluation windows
 
 
-def gpu_layers(gguf: Path, n_ctx: int, free: int | None = None) -> int:
+def gpu_layers(gguf: Path, free: int | None = None) -> int:
     """n_gpu_layers for `gguf`: -1 (all) when the file fits the GPU's free memory with GPU_RESERVE to spare, else the
     number of repeating layers that fit (the output and embeddings count as one more); -1 when the free memory
     cannot be read (llama.cpp's own default on a GPU build)."""
@@ -136,11 +136,8 @@ def gguf_block_count(gguf: Path) -> int | None:
 
     fields = GGUFReader(str(gguf)).fields
     arch = fields.get("general.architecture")
-    if arch is None:
-        return None
-    name = bytes(arch.parts[arch.data[0]]).decode()
-    count = fields.get(f"{name}.block_count")
-    return int(count.parts[count.data[0]][0]) if count is not None else None
+    count = fields.get(f"{arch.contents()}.block_count") if arch is not None else None
+    return int(count.contents()) if count is not None else None
 
 
 @runtimes.register
