@@ -59,6 +59,27 @@ def test_latencies_are_what_the_stand_in_was_told(mock_server):
     assert four["requests_s"] == pytest.approx(4 * one["requests_s"], rel=0.2)
 
 
+def test_time_spent_in_the_client_before_the_request_is_sent_is_not_latency(mock_server):
+    """Two requests through a client pool of one connection: the second waits in the client until the first has
+    finished (as a loaded client would), but its TTFT counts from when it went onto the wire, as guidellm's does."""
+    import asyncio
+
+    import httpx
+
+    from qbuild.serving.client import one_request
+
+    async def go():
+        async with httpx.AsyncClient(trust_env=False, limits=httpx.Limits(max_connections=1)) as client:
+            return await asyncio.gather(*(one_request(client, mock_server.url, i, work(2)) for i in range(2)))
+
+    asked = time.perf_counter()
+    first, second = asyncio.run(go())
+    assert first.ok and second.ok
+    assert second.start - asked >= TTFT_MS / 1000 + 9 * ITL_MS / 1000 - 0.02   # it left after the first ended
+    for r in (first, second):
+        assert TTFT_MS - 5 <= r.ttft_s * 1000 <= TTFT_MS + 120
+
+
 def test_rampup_spreads_the_first_requests_and_the_warm_up_leads_into_the_measured_ones(mock_server):
     import asyncio
 

@@ -14,6 +14,9 @@ the time to first token of the whole run depends on that first instant.
 Open loop (`request_rates`): requests start at Poisson arrival times of the given
 rate (seeded), however many are in flight. Per request: time to first token (TTFT), the gaps between streamed
 tokens (ITL), time per output token after the first (TPOT = (e2e - TTFT) / (tokens - 1)) and end-to-end latency.
+TTFT and end-to-end latency count from the moment the request's headers start onto the wire (httpcore's trace
+event), as guidellm does: the client's own work before that (opening a connection, building the request, waiting
+for the event loop) is not the server's latency.
 Per point: p50/p90/p99 of each, requests/s, output tok/s, errors.
 """
 
@@ -70,12 +73,18 @@ async def one_request(client, url: str, i: int, work: Workload) -> RequestResult
             "stream_options": {"include_usage": True}}
     if work.ignore_eos:
         body["ignore_eos"] = True
-    start = time.perf_counter()
-    failed = RequestResult(False, start=start)
+    sent: list[float] = []
+
+    async def on_the_wire(event: str, info: dict) -> None:   # httpcore's trace hook
+        if not sent and event.endswith(".send_request_headers.started"):
+            sent.append(time.perf_counter())
+
+    failed = RequestResult(False, start=time.perf_counter())
     stamps: list[float] = []
     usage_tokens = None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        async with client.stream("POST", url + "/v1/completions", json=body,
+                                 extensions={"trace": on_the_wire}) as resp:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 return replace(failed, end=time.perf_counter(), error=f"HTTP {resp.status_code}: {text[:200]}")
@@ -98,6 +107,7 @@ async def one_request(client, url: str, i: int, work: Workload) -> RequestResult
     end = time.perf_counter()
     if not stamps:
         return replace(failed, end=end, error="no token streamed")
+    start = sent[0] if sent else failed.start
     tokens = usage_tokens if usage_tokens is not None else len(stamps)
     result = RequestResult(True, start=start, end=end, ttft_s=stamps[0] - start, e2e_s=end - start,
                            itl_s=list(np.diff(stamps)), output_tokens=tokens, token_times=stamps)
