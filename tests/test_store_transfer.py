@@ -124,3 +124,40 @@ def test_a_push_then_pull_round_trip_reads_each_local_file_once(stored, tmp_path
     assert result["uploaded"] and reads == ["rb"]
     digest, out = api.pull(hit.digest, remote=url, out=tmp_path / "pulled")
     assert (out / WEIGHTS).read_bytes() == (hit.path / WEIGHTS).read_bytes()
+
+
+def test_a_pull_killed_with_9_leaves_a_staging_folder_the_next_pull_removes(tmp_path):
+    """kill -9 during the copy: DIR never appears half-written, and the next pull into DIR removes the killed pull's
+    staging folder. A live pull's folder and an unmarked folder of the same name pattern are kept."""
+    import subprocess
+    import sys
+
+    from remote_common import run_child
+
+    from qbuild.artifacts.store.export import HOST, staging_prefix
+
+    store = Store(tmp_path / "store")
+    hit = make_object(store, model_files(size=400 << 20))   # big enough to be killed while it is copied
+    out = tmp_path / "out"
+    prefix = staging_prefix(out)
+
+    def copying() -> bool:
+        return any(p.name.startswith(prefix) and any(p.iterdir()) for p in tmp_path.iterdir())
+
+    killed = run_child(f"from qbuild import api; api.pull({hit.digest!r}, store={str(store.root)!r}, "
+                       f"out={str(out)!r})", kill_when=copying)
+    assert killed is None, "the pull ended before it could be killed"
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(prefix)]
+    assert len(left) == 1 and not out.exists()
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as alive:
+        live = tmp_path / f"{prefix}{HOST}-{alive.pid}-000000000000"   # a pull still running
+        unmarked = tmp_path / f"{prefix}{HOST}-999999999-000000000000"   # matches, but not qbuild's
+        for d in (live, unmarked):
+            d.mkdir()
+        (live / ".qbuild-root.json").write_text('{"kind": "pull staging folder"}')
+        api.pull(hit.digest, store=store.root, out=out)
+        alive.kill()
+    assert not left[0].exists()
+    assert live.is_dir() and unmarked.is_dir()
+    assert not (out / ".qbuild-root.json").exists()
+    assert (out / WEIGHTS).read_bytes() == (hit.path / WEIGHTS).read_bytes()

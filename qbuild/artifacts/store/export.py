@@ -3,7 +3,8 @@
 One read of each file: it is hashed while it is copied (OwnedRoot.copy_in with sha256=), so a pull costs what
 hashing the object once costs, where a verify pass and then a copy cost two reads (issue 33: 3.6-5.3x `cp -r`).
 A file whose bytes are not its manifest's is never placed. Into a new or empty DIR the files are written into
-a staging folder beside it that becomes DIR in one rename, so DIR appears complete or not at all; with --force
+a staging folder beside it that becomes DIR in one rename, so DIR appears complete or not at all (a pull killed
+with -9 leaves its staging folder, marked as qbuild's, and the next pull into DIR removes it); with --force
 (a non-empty DIR) each file replaces the one of its name, and a damaged file is never placed (the sound ones are).
 Store objects are never hard-linked out: they are read-only, but a user may chmod and edit a pulled file, and
 that would change the store's object. Where the filesystem shares extents (btrfs, XFS) the copy is a reflink.
@@ -11,13 +12,15 @@ that would change the store's object. Where the filesystem shares extents (btrfs
 
 from __future__ import annotations
 
+import hashlib
 import os
+import socket
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from qbuild.base.errors import QBuildError, UserError
-from qbuild.base.owned import ContentMismatch, OwnedRoot, output_root
+from qbuild.base.owned import MARKER, ContentMismatch, NotOurs, OwnedRoot, claim_root, output_root, owned_root
 
 COPY_JOBS = max(2, min(8, os.cpu_count() or 2))
 
@@ -43,16 +46,55 @@ def export_object(store, digest: str, dest: Path, what: str, force: bool = False
         copy_files(src, dest, rels, expected, output_root(dest), what, digest)
         return dest
     root = output_root(dest.parent)
-    staging = dest.with_name(f".{dest.name}.partial-{uuid.uuid4().hex[:12]}")
+    remove_stale_staging(root, dest)
+    staging = dest.with_name(f"{staging_prefix(dest)}{HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
     try:
-        root.mkdirs(staging)
+        claim_root(staging, STAGING_KIND)   # marked: a later pull may remove it if this process is killed
         copy_files(src, staging, rels, expected, root, what, digest, within=staging)
         if dest.exists():
             os.rmdir(root.confine(dest))   # the empty folder checked above (rmdir refuses any other)
+        root.remove(staging / MARKER, within=staging)
         root.move(staging, dest)
     finally:
         root.remove(staging)   # what a failed pull left: the folder this call made, never DIR
     return dest
+
+
+STAGING_KIND = "pull staging folder"
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]   # a staging folder's machine, in its name
+
+
+def staging_prefix(dest: Path) -> str:
+    return f".{dest.name}.partial-"
+
+
+def remove_stale_staging(root: OwnedRoot, dest: Path) -> None:
+    """Remove the staging folders that pulls into `dest` killed on this machine left beside it (kill -9, power
+    loss): a folder of the staging name pattern, carrying the staging marker, made by a process of this host that
+    no longer runs. A live pull's folder, another machine's (a shared filesystem) and anything unmarked are kept."""
+    prefix = staging_prefix(dest)
+    for entry in os.scandir(dest.parent):
+        if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
+            continue
+        host, _, rest = entry.name[len(prefix):].partition("-")
+        pid = rest.partition("-")[0]
+        if host != HOST or not pid.isdigit() or process_alive(int(pid)):
+            continue
+        try:
+            owned_root(entry.path, STAGING_KIND)
+        except NotOurs:
+            continue
+        root.remove(entry.path)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # another user's process: alive
+        return True
+    return True
 
 
 def copy_files(src: Path, dest: Path, rels: list[Path], expected: dict[str, str], root: OwnedRoot, what: str,
