@@ -19,15 +19,23 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def copy_hashed(inp, out, detach: bool = False) -> str:
+def copy_hashed(inp, out, detach: bool = False, hasher=None, limit: int | None = None) -> str:
     """Copy the open file `inp` into `out` (None: only hash it) and return the sha256 of its bytes, reading `inp`
-    once. detach: `out` gets a copy of each chunk (a writer that may keep what it is handed, a remote upload's)."""
-    h = hashlib.sha256()
+    once. detach: `out` gets a copy of each chunk (a writer that may keep what it is handed, a remote upload's).
+    hasher: a sha256 to continue (the bytes before `inp`'s position, hashed earlier); limit: read at most that many
+    bytes."""
+    h = hasher if hasher is not None else hashlib.sha256()
     buf = memoryview(bytearray(CHUNK))
-    while n := inp.readinto(buf):
+    left = limit
+    while left is None or left > 0:
+        n = inp.readinto(buf if left is None or left >= CHUNK else buf[:left])
+        if not n:
+            break
         h.update(buf[:n])
         if out is not None:
             out.write(bytes(buf[:n]) if detach else buf[:n])
+        if left is not None:
+            left -= n
     return h.hexdigest()
 
 

@@ -38,6 +38,7 @@ from pathlib import Path, PurePosixPath
 from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
+from qbuild.artifacts.remote.resume import UploadResume
 from qbuild.base.errors import QBuildError, UserError
 from qbuild.base.hashing import copy_hashed, sha256_file, tree_digest
 from qbuild.base.names import check_name as check_ref_name
@@ -281,7 +282,8 @@ class RemoteStore(Plugin, ABC):
             _, endpoint_url = split_url(endpoint_url)
         self.endpoint_url, self.region, self.insecure, self.push, self.jobs = endpoint_url, region, insecure, push, jobs
         # transfer counters since construction (file contents only; JSON records are not counted)
-        self.stats = {"bytes_up": 0, "bytes_down": 0, "files_up": 0, "files_down": 0, "files_skipped": 0}
+        self.stats = {"bytes_up": 0, "bytes_down": 0, "files_up": 0, "files_down": 0, "files_skipped": 0,
+                      "bytes_resumed": 0}   # of bytes_up: already on the remote from an interrupted push
         self._stats_lock = threading.Lock()
 
     def _count(self, **kw: int) -> None:
@@ -318,8 +320,10 @@ class RemoteStore(Plugin, ABC):
 
     @abstractmethod
     def put_object(self, digest: str, local_dir: Path, manifest: dict, progress: Progress | None = None,
-                   sidecars: dict[str, bytes] | None = None) -> None:
-        """Upload files (skipping those already there), sidecars, then the manifest. Resumable."""
+                   sidecars: dict[str, bytes] | None = None, resume: UploadResume | None = None) -> None:
+        """Upload files (skipping those already there), sidecars, then the manifest. A re-run skips the files
+        already uploaded; with `resume` (the local store's records, qbuild.artifacts.remote.resume) a large
+        file cut off in the middle continues where it stopped, on backends that can (file://, S3, OCI)."""
 
     @abstractmethod
     def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None,

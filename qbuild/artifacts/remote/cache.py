@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteRefused, RemoteStore, remote_record
+from qbuild.artifacts.remote.resume import store_resume
 from qbuild.artifacts.store import REF_RE, Store
 from qbuild.base.errors import UserError
 from qbuild.base.owned import OwnedRoot, output_root
@@ -91,7 +92,10 @@ def push_hit(remote: RemoteStore, store: Store, key: str, digest: str, record: d
     if uploaded:
         manifest = json.loads((store.object_dir(digest) / MANIFEST).read_text())
         extra = sidecars() if callable(sidecars) else sidecars
-        remote.put_object(digest, store.object_dir(digest), manifest, progress=progress, sidecars=extra)
+        # one push of an object at a time from this store: its unfinished-upload records are never shared
+        with store.lock(f"push-{digest}"):
+            remote.put_object(digest, store.object_dir(digest), manifest, progress=progress, sidecars=extra,
+                              resume=store_resume(store))
         remote.put_action(key, record or {**manifest, "object_manifest_key": manifest.get("key")})
     for recipe, variant, tag in refs:
         remote.set_ref(recipe, variant, tag, digest, key)

@@ -40,6 +40,8 @@ from qbuild.artifacts.remote.base import (
     read_bounded,
     remote_record,
 )
+from qbuild.artifacts.remote.fsspec_upload import append_upload, multipart_upload, partial_name
+from qbuild.artifacts.remote.resume import UploadResume
 from qbuild.artifacts.store import now_iso
 from qbuild.base.errors import first_line
 from qbuild.base.names import valid_name
@@ -47,6 +49,7 @@ from qbuild.base.names import valid_name
 CONNECT_TIMEOUT = 5
 READ_TIMEOUT = 60
 BLOB_CHUNK = 32 << 20
+RESUMABLE_MIN = 32 << 20   # smaller files are sent whole: a restart costs little
 log = logging.getLogger("qbuild")
 OBJECT_STORES = ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl")
 
@@ -88,6 +91,7 @@ class FsspecRemote(RemoteStore):
             self.fs.retries = 2
         self.root = root.rstrip("/")
         self.atomic_rename = self.scheme in ("file", "memory")
+        self.is_s3 = self.scheme in ("s3", "s3a")
 
     # --- paths ---------------------------------------------------------------------------------------
     def _p(self, *parts: str) -> str:
@@ -203,7 +207,7 @@ class FsspecRemote(RemoteStore):
         return all(sizes.get(prefix + f["path"]) == f["size"] for f in manifest["files"])
 
     def put_object(self, digest: str, local_dir: Path, manifest: dict, progress: Progress | None = None,
-                   sidecars: dict[str, bytes] | None = None) -> None:
+                   sidecars: dict[str, bytes] | None = None, resume: UploadResume | None = None) -> None:
         files = self._push_files(digest, manifest)
         if self.has_object(digest):
             for name, data in (sidecars or {}).items():
@@ -215,7 +219,9 @@ class FsspecRemote(RemoteStore):
 
         def put(src: Path, f: dict) -> None:
             dst = self._obj(digest, f["path"])
-            if self.atomic_rename:
+            if resume is not None and f["size"] >= RESUMABLE_MIN and (self.atomic_rename or self.is_s3):
+                self._upload_resumable(src, dst, f, digest, resume)
+            elif self.atomic_rename:
                 parent = dst.rsplit("/", 1)[0]
                 self._call("mkdir", self.fs.makedirs, parent, exist_ok=True)
                 tmp = f"{parent}/.{f['path'].rsplit('/', 1)[-1]}.{uuid.uuid4().hex[:8]}.tmp"
@@ -239,6 +245,32 @@ class FsspecRemote(RemoteStore):
 
         if not self._call(f"upload {entry['path']}", upload):
             self._call(f"remove {entry['path']}", self.fs.rm, path, missing_ok=True)
+            raise self.mismatch(entry)
+
+    def _upload_resumable(self, src: Path, dst: str, entry: dict, digest: str, resume: UploadResume) -> None:
+        """Upload one large file so that a push cut off in the middle continues it (qbuild.artifacts.remote.
+        fsspec_upload): a partial file renamed into place, or an S3 multipart upload."""
+        what = f"upload {entry['path']}"
+        record = resume.get(self.display, digest, entry["path"])
+
+        def remember(new: dict) -> None:
+            resume.put(self.display, digest, entry["path"], new)
+
+        if self.is_s3:
+            ok, kept = self._call(what, multipart_upload, self.fs, src, dst, entry, record, remember)
+        else:
+            parent, name = dst.rsplit("/", 1)
+            self._call("mkdir", self.fs.makedirs, parent, exist_ok=True)
+            part = partial_name(parent, name, record)
+            remember({"part": part.rsplit("/", 1)[1]})
+            ok, kept = self._call(what, append_upload, self.fs, src, part, entry)
+            if ok:
+                self._call(what, self.fs.mv, part, dst)
+            else:
+                self._call(f"remove {entry['path']}", self.fs.rm, part, missing_ok=True)
+        resume.drop(self.display, digest, entry["path"])
+        self._count(bytes_resumed=kept)
+        if not ok:
             raise self.mismatch(entry)
 
     def _read_file(self, digest: str, entry: dict, offset: int) -> Iterator[bytes]:

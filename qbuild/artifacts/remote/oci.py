@@ -57,6 +57,8 @@ from qbuild.artifacts.remote.base import (
     read_bounded,
     remote_record,
 )
+from qbuild.artifacts.remote.oci_upload import push_blob_resumable
+from qbuild.artifacts.remote.resume import UploadResume
 from qbuild.artifacts.store import REF_RE, now_iso
 from qbuild.base.errors import UserError, first_line
 from qbuild.base.hashing import sha256_file
@@ -415,6 +417,23 @@ class OciRemote(RemoteStore):
         if resp.status_code not in (200, 201, 202):
             raise self._fail(resp, f"upload {desc.get('annotations', {}).get(TITLE, desc['digest'][:19])}")
 
+    def _push_file_resumable(self, path: Path, desc: dict, digest: str, rel: str, resume: UploadResume) -> None:
+        """A large blob through a chunked session the local store remembers (qbuild.artifacts.remote.oci_upload):
+        a push cut off in the middle continues it. The record is dropped once the session is closed or refused."""
+        record = resume.get(self.display, digest, rel)
+
+        def remember(new: dict) -> None:
+            resume.put(self.display, digest, rel, new)
+
+        try:
+            kept = push_blob_resumable(self, path, desc, record, remember, UPLOAD_CHUNK)
+        except RemoteError as exc:
+            if "DIGEST_INVALID" in str(exc) or "HTTP 400" in str(exc):   # the session held other bytes
+                resume.drop(self.display, digest, rel)
+            raise
+        resume.drop(self.display, digest, rel)
+        self._count(bytes_resumed=kept)
+
     # --- contract ---------------------------------------------------------------------------------------------
     def check(self) -> None:
         self.client  # noqa: B018 - connects: reachability + credentials
@@ -515,7 +534,7 @@ class OciRemote(RemoteStore):
                 "layers": layers, "annotations": annotations}
 
     def put_object(self, digest: str, local_dir: Path, manifest: dict, progress: Progress | None = None,
-                   sidecars: dict[str, bytes] | None = None) -> None:
+                   sidecars: dict[str, bytes] | None = None, resume: UploadResume | None = None) -> None:
         files = self._push_files(digest, manifest)
         existing, _ = self._get_oci_manifest(OBJ_TAG + digest)
         side = {d["annotations"]["org.qbuild.sidecar"]: d for d in (existing or {}).get("layers", [])
@@ -523,9 +542,13 @@ class OciRemote(RemoteStore):
         if existing is None:
             def put(src: Path, f: dict) -> None:
                 # the registry hashes the upload and refuses a blob that is not its digest's: one read here
+                desc = {"mediaType": media_type(f["path"]), "digest": "sha256:" + f["sha256"], "size": f["size"],
+                        "annotations": {TITLE: f["path"]}}
                 try:
-                    self._push_file(src, {"mediaType": media_type(f["path"]), "digest": "sha256:" + f["sha256"],
-                                          "size": f["size"], "annotations": {TITLE: f["path"]}})
+                    if resume is not None and f["size"] > MONOLITHIC_MAX:
+                        self._push_file_resumable(src, desc, digest, f["path"], resume)
+                    else:
+                        self._push_file(src, desc)
                 except RemoteError:
                     if sha256_file(src) != f["sha256"]:
                         raise self.mismatch(f) from None
