@@ -64,8 +64,9 @@ ELASTIC_KINDS = ("reference", "perplexity")
 IMPL_VERSIONS = {"reference": 3, "perplexity": 2, "load-check": 2}
 
 
-def _step(kind: str, name: str, params: dict, runtime: Runtime, label: str, artifact: Step, inputs: dict, tools,
-          ctx, **kw) -> Step:
+def runtime_step(kind: str, name: str, params: dict, runtime: Runtime, label: str, artifact: Step, inputs: dict,
+                 tools, ctx, **kw) -> Step:
+    """A step that evaluates `artifact` through `runtime`: its plan fields, tools, format and environment."""
     fields = runtime.plan_fields(label, artifact, ctx, kind)
     runtime_args = {**fields.runtime_args, **kw.pop("runtime_args", {})}
     extra = {"env_toolchain": fields.env_toolchain, "requires_gpu": fields.requires_gpu,
@@ -115,7 +116,7 @@ def evaluation_steps(ctx) -> None:
         if ev.throughput and "throughput" not in skipped:
             params = {**ev.throughput.canonical(), "runtime": rt.name, "device": ctx.device}
             # timings belong to a machine: the hardware is part of the key, so another machine never hits
-            _step("throughput", f"throughput[{art.label}]", params, rt, art.label, art.step, {"model": art.step}, (),
+            runtime_step("throughput", f"throughput[{art.label}]", params, rt, art.label, art.step, {"model": art.step}, (),
                   ctx, per_hardware=True)
 
 
@@ -175,9 +176,9 @@ def _perplexity_step(ctx, ev, perplexity, art, rt: Runtime, data: Step, referenc
     measured = measured_candidates(art.step, params, inputs) if reuse_candidates else {}
     if measured:
         # only what it reads (no evaluation text or reference log-probs to fetch on another node)
-        return _step("perplexity", name, {**params, "reuses": "candidate measurement"}, rt, art.label, art.step,
+        return runtime_step("perplexity", name, {**params, "reuses": "candidate measurement"}, rt, art.label, art.step,
                      {"model": art.step, **measured}, (), ctx, runner="perplexity-reuse")
-    return _step("perplexity", name, params, rt, art.label, art.step, inputs, (), ctx,
+    return runtime_step("perplexity", name, params, rt, art.label, art.step, inputs, (), ctx,
                  **({"runtime_args": runtime_args} if runtime_args else {}))
 
 
@@ -267,7 +268,7 @@ def reference_step(ctx, perplexity, name: str = "reference[baseline]") -> tuple[
     params.pop("dataset")  # identified by the eval-data input
     params.pop("kv_cache_dtype", None)   # the reference keeps the full-precision KV cache
     data = ctx.eval_data(perplexity)
-    return _step("reference", name, params, baseline_rt, "baseline", ctx.model(), {"model": ctx.model(), "data": data},
+    return runtime_step("reference", name, params, baseline_rt, "baseline", ctx.model(), {"model": ctx.model(), "data": data},
                  (), ctx, format="logprobs"), ""
 
 
@@ -295,7 +296,7 @@ def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
     inputs = {"model": artifact, "data": reference.inputs["data"], "reference": reference}
     if ev.kld_base:
         inputs["kld_base"] = reference.inputs["kld_base"]
-    return _step("perplexity", f"perplexity[{label}]", params, rt, label, artifact, inputs, (), ctx)
+    return runtime_step("perplexity", f"perplexity[{label}]", params, rt, label, artifact, inputs, (), ctx)
 
 
 def load_check_runtimes(ctx, check, fmt: str) -> list[Runtime]:
@@ -343,7 +344,7 @@ def load_check_steps(ctx, check) -> None:
             reference = baseline_checks.get(rt.name) or next(iter(baseline_checks.values()), None)
             if reference is not None:
                 inputs["reference"] = reference
-            step = _step("load-check", name, {"tokens": check.tokens, "runtime": rt.name}, rt, art.label, art.step,
+            step = runtime_step("load-check", name, {"tokens": check.tokens, "runtime": rt.name}, rt, art.label, art.step,
                          inputs, TOKENIZE_TOOLS, ctx, runtime_args={"label": art.label})
             if art.baseline:
                 baseline_checks.setdefault(rt.name, step)

@@ -9,7 +9,7 @@ from pathlib import Path
 from qbuild.base.errors import RecipeError
 from qbuild.base.fingerprint import dir_fingerprint
 from qbuild.evaluate.tasks import MAX_LENGTH, TOOLS
-from qbuild.planning.evaluation import _step, evaluable_artifacts
+from qbuild.planning.evaluation import evaluable_artifacts, runtime_step
 from qbuild.planning.models import resolve_path
 
 
@@ -38,7 +38,7 @@ def task_steps(ctx) -> None:
             inputs = {"model": art.step, "tokenizer": ctx.model()}
             if reference is not None and not art.baseline:
                 inputs["reference"] = reference
-            step = _step("task", f"task:{t.task}[{art.label}]", {**params, "runtime": rt.name}, rt, art.label,
+            step = runtime_step("task", f"task:{t.task}[{art.label}]", {**params, "runtime": rt.name}, rt, art.label,
                          art.step, inputs, TOOLS + ("transformers", "tokenizers"), ctx,
                          runtime_args={**runtime_args, "label": art.label})
             if art.baseline:
