@@ -44,9 +44,9 @@ def candidates(sel: dict) -> list[str]:
     lines = []
     for c in rows + sel.get("rejected", []):
         ci = c.get("output_tok_s_ci")
-        tok = f"{c.get('output_tok_s')}" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "")
+        tok = f"[{ci[0]:.2f}, {ci[1]:.2f}]" if ci else "?"
         verdicts = ", ".join(f"{f} {v['value']:.4g} {v['verdict']}" for f, v in (c.get("slo") or {}).items())
-        lines.append(f"    {c['variant']}@{c['config']}: {tok} tok/s; {verdicts}")
+        lines.append(f"    {c['variant']}@{c['config']}: output tok/s 95 % interval {tok}; {verdicts}")
     return lines
 
 
