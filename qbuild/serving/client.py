@@ -12,12 +12,21 @@ them. With `rampup_s` the streams start that many seconds apart in all (stream k
 the time to first token of the whole run depends on that first instant.
 
 Open loop (`request_rates`): requests start at Poisson arrival times of the given
-rate (seeded), however many are in flight. Per request: time to first token (TTFT), the gaps between streamed
-tokens (ITL), time per output token after the first (TPOT = (e2e - TTFT) / (tokens - 1)) and end-to-end latency.
-TTFT and end-to-end latency count from the moment the request's headers start onto the wire (httpcore's trace
-event), as guidellm does: the client's own work before that (opening a connection, building the request, waiting
-for the event loop) is not the server's latency.
-Per point: p50/p90/p99 of each, requests/s, output tok/s, errors.
+rate (seeded), however many are in flight.
+
+Conversations (`Workload.turns` > 1): each unit above (a stream's next job, an arrival) is a conversation of `turns`
+requests instead of one request, sent one after the other as the last one ends (after `think_s`, a user reading the
+answer). Turn k's prompt is turn k-1's prompt, what the server generated for it, then turn k's own input, as a chat
+client resends the whole history: text prompts append the generated text; token-id prompts append it as the server's
+own `/tokenize` (llama-server, vLLM) gives it back, as a chat server tokenizes the history it is sent. A turn that
+fails ends its conversation: the turns not sent count as errors.
+
+Per request: time to first token (TTFT), the gaps between streamed tokens (ITL), time per output token after the
+first (TPOT = (e2e - TTFT) / (tokens - 1)) and end-to-end latency. TTFT and end-to-end latency count from the
+moment the request's headers start onto the wire (httpcore's trace event), as guidellm does: the client's own work
+before that (opening a connection, building the request, waiting for the event loop) is not the server's latency.
+Per point: p50/p90/p99 of each, requests/s, output tok/s, errors, and with turns, TTFT and prompt tokens per turn
+(`by_turn`: later turns find their history in the server's prompt cache).
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     output_tokens: int = 0
     error: str = ""
+    text: str = ""                      # what was generated (a conversation's next turn carries it)
+    turn: int = 0                       # the request's place in its conversation, from 0
+    prompt_tokens: int | None = None    # the server's own count (usage), where it reports one
 
     @property
     def tpot_s(self) -> float | None:
@@ -60,15 +72,72 @@ class Workload:
     ignore_eos: bool = True
     model: str = "model"
     rampup_s: float = 0.0
+    turns: int = 1        # requests per conversation; `requests` and `warmup` count conversations
+    think_s: float = 0.0  # the pause before a conversation's next turn
 
     def request(self, i: int) -> tuple[list[int] | str, int]:
-        """The prompt and output length of request i."""
+        """The prompt (a conversation's later turn: its own input) and output length of request i (turn i % turns
+        of conversation i // turns)."""
         k = i % len(self.prompts)
         return self.prompts[k], self.output_len[k] if isinstance(self.output_len, list) else self.output_len
 
 
-async def one_request(client, url: str, i: int, work: Workload) -> RequestResult:
-    prompt, output_len = work.request(i)
+class ConversationError(RuntimeError):
+    """A conversation that cannot go on (the server gave no token ids for what it generated)."""
+
+
+async def one_request(client, url: str, i: int, work: Workload, history: list[int] | str | None = None
+                      ) -> tuple[RequestResult, list[int] | str]:
+    """Request i, after the conversation's `history` (its earlier turns) if any: its result and the prompt sent."""
+    own, output_len = work.request(i)
+    prompt = own if history is None else history + own
+    result = await _stream(client, url, prompt, output_len, work)
+    result.turn = i % work.turns
+    return result, prompt
+
+
+async def _conversation(client, url: str, work: Workload, first: int, results: dict[int, RequestResult],
+                        done: Callable[[], None]) -> None:
+    """Requests first .. first + turns - 1, each sent as the last one ends (after think_s), each after the
+    conversation so far."""
+    history = None
+    for turn in range(work.turns):
+        if turn and work.think_s:
+            await asyncio.sleep(work.think_s)
+        result, prompt = await one_request(client, url, first + turn, work, history)
+        results[first + turn] = result
+        done()
+        if turn + 1 == work.turns:
+            return
+        try:
+            if not result.ok:
+                raise ConversationError(f"turn {turn + 1} failed")
+            history = await _so_far(client, url, prompt, result.text, work.model)
+        except Exception as exc:   # the conversation ends here: its turns not sent count as errors
+            now = time.perf_counter()
+            for rest in range(first + turn + 1, first + work.turns):
+                results[rest] = RequestResult(False, start=now, end=now, turn=rest - first,
+                                              error=f"not sent: {type(exc).__name__}: {exc}"[:200])
+                done()
+            return
+
+
+async def _so_far(client, url: str, prompt: list[int] | str, generated: str, model: str) -> list[int] | str:
+    """A conversation after a turn: its prompt and what was generated, as text or (for token ids) as the server's
+    own tokenizer reads the generated text."""
+    if isinstance(prompt, str):
+        return prompt + generated
+    # llama-server reads `content`/`add_special`, vLLM `prompt`/`add_special_tokens`; each ignores the other's
+    resp = await client.post(url + "/tokenize", json={"model": model, "content": generated, "prompt": generated,
+                                                      "add_special": False, "add_special_tokens": False})
+    tokens = resp.json().get("tokens") if resp.status_code == 200 else None
+    if not isinstance(tokens, list):
+        raise ConversationError(f"POST /tokenize answered HTTP {resp.status_code} without token ids: the server "
+                                "cannot continue a conversation of token-id prompts")
+    return prompt + tokens
+
+
+async def _stream(client, url: str, prompt: list[int] | str, output_len: int, work: Workload) -> RequestResult:
     body = {"model": work.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if work.ignore_eos:
@@ -81,7 +150,8 @@ async def one_request(client, url: str, i: int, work: Workload) -> RequestResult
 
     failed = RequestResult(False, start=time.perf_counter())
     stamps: list[float] = []
-    usage_tokens = None
+    usage_tokens = prompt_tokens = None
+    pieces: list[str] = []   # the generated text, chunk by chunk
     try:
         async with client.stream("POST", url + "/v1/completions", json=body,
                                  extensions={"trace": on_the_wire}) as resp:
@@ -97,11 +167,13 @@ async def one_request(client, url: str, i: int, work: Workload) -> RequestResult
                 chunk = json.loads(data)
                 if chunk.get("error"):
                     return replace(failed, end=time.perf_counter(), error=str(chunk["error"])[:200])
-                if (chunk.get("usage") or {}).get("completion_tokens") is not None:
-                    usage_tokens = chunk["usage"]["completion_tokens"]
+                usage = chunk.get("usage") or {}
+                if usage.get("completion_tokens") is not None:
+                    usage_tokens, prompt_tokens = usage["completion_tokens"], usage.get("prompt_tokens")
                 choices = chunk.get("choices") or []
                 if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
                     stamps.append(time.perf_counter())
+                    pieces.append(choices[0].get("text") or "")
     except Exception as exc:   # connection refused/reset, timeout, bad JSON: counted as an error of this request
         return replace(failed, end=time.perf_counter(), error=f"{type(exc).__name__}: {exc}"[:200])
     end = time.perf_counter()
@@ -110,7 +182,8 @@ async def one_request(client, url: str, i: int, work: Workload) -> RequestResult
     start = sent[0] if sent else failed.start
     tokens = usage_tokens if usage_tokens is not None else len(stamps)
     result = RequestResult(True, start=start, end=end, ttft_s=stamps[0] - start, e2e_s=end - start,
-                           itl_s=list(np.diff(stamps)), output_tokens=tokens, token_times=stamps)
+                           itl_s=list(np.diff(stamps)), output_tokens=tokens, token_times=stamps, text="".join(pieces),
+                           prompt_tokens=prompt_tokens)
     if work.ignore_eos and tokens < output_len:
         result.ok, result.error = False, f"{tokens} of {output_len} tokens"
     return result
@@ -119,8 +192,9 @@ async def one_request(client, url: str, i: int, work: Workload) -> RequestResult
 async def _closed_loop(client, url: str, work: Workload, concurrency: int, first: int, count: int,
                        done: Callable[[], None], rampup_s: float = 0.0
                        ) -> tuple[list[RequestResult], tuple[float, float]]:
-    """`count` requests over `concurrency` streams: their results in the order they were sent, and the time in which
-    every stream was busy (from the last stream's first request to the first stream that found none left)."""
+    """Conversations first .. first + count - 1 (of one request each without turns) over `concurrency` streams: their
+    requests' results in the order of their indices, and the time in which every stream was busy (from the last
+    stream's first request to the first stream that found none left)."""
     queue = list(range(first, first + count))
     results: dict[int, RequestResult] = {}
     busy_at: list[float] = []
@@ -131,9 +205,7 @@ async def _closed_loop(client, url: str, work: Workload, concurrency: int, first
             await asyncio.sleep(rampup_s * k / concurrency)
         busy_at.append(time.perf_counter())
         while queue:
-            i = queue.pop(0)
-            results[i] = await one_request(client, url, i, work)
-            done()
+            await _conversation(client, url, work, queue.pop(0) * work.turns, results, done)
         idle_at.append(time.perf_counter())
 
     await asyncio.gather(*(stream(k) for k in range(min(concurrency, count))))
@@ -149,17 +221,18 @@ async def _open_loop(client, url: str, work: Workload, rate: float, first: int, 
 
 async def _replay(client, url: str, work: Workload, arrivals: list[float], first: int,
                   done: Callable[[], None]) -> list[RequestResult]:
-    """Requests first, first+1, ... sent at `arrivals` (seconds from the start, ascending), however many are in
-    flight: a user's trace replayed."""
+    """Conversations (requests, without turns) first, first+1, ... started at `arrivals` (seconds from the start,
+    ascending), however many are in flight: a user's trace replayed. Their requests' results, in index order."""
     start = time.perf_counter()
     tasks = []
+    results: dict[int, RequestResult] = {}
     for k, at in enumerate(arrivals):
         delay = start + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.create_task(one_request(client, url, first + k, work)))
-        tasks[-1].add_done_callback(lambda _: done())
-    return list(await asyncio.gather(*tasks))
+        tasks.append(asyncio.create_task(_conversation(client, url, work, (first + k) * work.turns, results, done)))
+    await asyncio.gather(*tasks)
+    return [results[i] for i in sorted(results)]
 
 
 def replay(url: str, work: Workload, arrivals: list[float]) -> dict:
@@ -217,9 +290,26 @@ def summarize_point(results: list[RequestResult], seconds: float | None = None,
                        # and what a point measured in rounds pools and resamples (qbuild.serving.confidence)
                        "itl_ms": [[round(g * 1000, 3) for g in r.itl_s] for r in ok],
                        "e2e_ms": [round(r.e2e_s * 1000, 2) for r in ok]}}
+    turns = max((r.turn for r in results), default=0) + 1
+    if turns > 1:   # conversations: each request's turn, and what each turn measured
+        out["samples"] |= {"turn": [r.turn for r in ok], "prompt_tokens": [r.prompt_tokens for r in ok]}
+        out["by_turn"] = by_turn(out["samples"], turns)
     first_error = next((r.error for r in results if not r.ok), None)
     if first_error:
         out["first_error"] = first_error
+    return out
+
+
+def by_turn(samples: dict, turns: int) -> list[dict]:
+    """Per turn of the conversations (from 1): its completed requests, their TTFT p50/p99 (ms) and their mean prompt
+    tokens as the server counted them (None where it reports none)."""
+    out = []
+    for turn in range(turns):
+        ttft = [v for v, t in zip(samples["ttft_ms"], samples["turn"], strict=True) if t == turn]
+        prompt = [v for v, t in zip(samples["prompt_tokens"], samples["turn"], strict=True) if t == turn]
+        out.append({"turn": turn + 1, "completed": len(ttft),
+                    **{f"ttft_ms_p{p}": round(float(np.percentile(ttft, p)), 3) if ttft else None for p in (50, 99)},
+                    "prompt_tokens_mean": round(float(np.mean(prompt)), 1) if prompt and None not in prompt else None})
     return out
 
 
@@ -246,7 +336,7 @@ async def _sweep(url, work, concurrency, rates, seed, between, progress) -> list
 
     points: list[dict] = []
     n_points = len(concurrency) + len(rates)
-    total = n_points * (work.requests + work.warmup)
+    total = n_points * (work.requests + work.warmup) * work.turns
     done = 0
 
     def tick(desc: str):
@@ -256,14 +346,15 @@ async def _sweep(url, work, concurrency, rates, seed, between, progress) -> list
             progress(done, total, desc)
         return f
 
-    limits = httpx.Limits(max_connections=max([*concurrency, 1]) + work.requests, max_keepalive_connections=64)
+    limits = httpx.Limits(max_connections=max([*concurrency, 1]) + work.requests * work.turns,
+                          max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(work.timeout_s, connect=10.0), limits=limits,
                                  trust_env=False) as client:   # trust_env off: no proxy between us and 127.0.0.1
         offset = 0
         for c in concurrency:
             results, (all_busy, first_idle) = await _closed_loop(
                 client, url, work, c, offset, work.warmup + work.requests, tick(f"concurrency {c}"), work.rampup_s)
-            measured = results[work.warmup:]
+            measured = results[work.warmup * work.turns:]
             # the rates' window: the warm-up sent and every stream busy, until the first stream runs out of requests
             window = (max(min(r.start for r in measured), all_busy), first_idle)
             if window[1] <= window[0]:   # never all busy at once (a ramp-up longer than the run): the whole span

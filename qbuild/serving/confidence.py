@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from qbuild.serving.client import PERCENTILES
+from qbuild.serving.client import PERCENTILES, by_turn
 
 LEVEL = 0.95
 RESAMPLES = 1000
@@ -38,6 +38,9 @@ def combine_rounds(rounds: list[dict], seed: int) -> dict:
             out[f"{m}_p{p}"] = round(float(np.percentile(pooled[m], p)), 3) if pooled[m] else None
     # goodput reads requests against SLOs over the measured time: every round's requests over every round's seconds
     out["samples"] = {m: [v for r in rounds for v in r["samples"][m]] for m in ("ttft_ms", "tpot_ms")}
+    if "by_turn" in rounds[0]:   # conversations: the turns of every round, pooled
+        out["samples"] |= {m: [v for r in rounds for v in r["samples"][m]] for m in ("turn", "prompt_tokens")}
+        out["by_turn"] = by_turn(out["samples"], len(rounds[0]["by_turn"]))
     first_error = next((r["first_error"] for r in rounds if r.get("first_error")), None)
     if first_error:
         out["first_error"] = first_error

@@ -1,0 +1,98 @@
+"""Multi-turn conversations (evaluation.serving.conversation): each turn's prompt is the conversation so far (the last
+turn's prompt and what the server generated) and the turn's own input. Against guidellm's mock server (text prompts:
+its usage.prompt_tokens counts the prompt it was sent with its regex tokenizer) and, slow, against the real
+llama-server with SmolLM2 (token-id prompts, the output appended through the server's /tokenize), whose prompt
+cache keeps later turns' TTFT flat while their prompts grow."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+from test_serving_client import ITL_MS, TTFT_MS, mock_server  # noqa: F401  (the module's guidellm fixture)
+
+pytest.importorskip("httpx")
+
+INPUTS = [f" Question {i}: what does module number {i} of the standard library do?" for i in range(12)]
+
+
+def mock_tokens(text: str) -> int:
+    """How the mock server counts a prompt's tokens (guidellm.mock_server.utils.MockTokenizer.tokenize)."""
+    return len(re.findall(r"\w+|[^\w\s]|\s+", text))
+
+
+def conversation_work(conversations: int, turns: int, warmup: int = 0, think_s: float = 0.0, prompts=INPUTS):
+    from qbuild.serving.client import Workload
+
+    return Workload(prompts=prompts, output_len=[4, 6, 5] * (len(prompts) // 3), requests=conversations,
+                    warmup=warmup, timeout_s=30, model="mock", turns=turns, think_s=think_s)
+
+
+def closed(url: str, work, concurrency: int, count: int):
+    import httpx
+
+    from qbuild.serving.client import _closed_loop
+
+    async def go():
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await _closed_loop(client, url, work, concurrency, 0, count, lambda: None)
+
+    return asyncio.run(go())[0]
+
+
+def test_each_turn_resends_the_conversation_with_the_servers_output(mock_server):  # noqa: F811
+    work = conversation_work(4, 3)
+    results = closed(mock_server.url, work, 2, 4)
+    assert len(results) == 12 and all(r.ok for r in results), [r.error for r in results]
+    for c in range(4):
+        sent = ""
+        for turn in range(3):
+            i = 3 * c + turn
+            r = results[i]
+            sent += INPUTS[i % len(INPUTS)]
+            assert r.turn == turn and r.text and r.output_tokens == work.request(i)[1]
+            # the server's own count of what it was sent: every earlier input and output, then this turn's input
+            assert r.prompt_tokens == mock_tokens(sent), (c, turn)
+            sent += r.text
+            if turn:   # a turn leaves when the last one ended
+                assert 0 <= r.start - results[i - 1].end < 0.05
+
+
+def test_a_sweep_point_counts_conversations_and_reports_ttft_by_turn(mock_server):  # noqa: F811
+    from qbuild.serving.client import sweep
+
+    [point] = sweep(mock_server.url, conversation_work(3, 4, warmup=1), [2])
+    assert point["errors"] == 0 and point["requests"] == point["completed"] == 12   # 3 conversations of 4 turns
+    assert [t["turn"] for t in point["by_turn"]] == [1, 2, 3, 4]
+    assert [t["completed"] for t in point["by_turn"]] == [3, 3, 3, 3]
+    for t in point["by_turn"]:
+        assert TTFT_MS - 5 <= t["ttft_ms_p50"] <= TTFT_MS + 120
+    prompt = [t["prompt_tokens_mean"] for t in point["by_turn"]]
+    assert prompt == sorted(prompt) and prompt[3] > prompt[0] + 3 * 10   # the history grows turn by turn
+    assert ITL_MS - 3 <= point["tpot_ms_p50"] <= ITL_MS + 15
+
+
+def test_open_loop_conversations_think_between_turns(mock_server):  # noqa: F811
+    import httpx
+
+    from qbuild.serving.client import _open_loop
+
+    work = conversation_work(3, 2, think_s=0.3)
+
+    async def go():
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await _open_loop(client, mock_server.url, work, 20.0, 0, 3, 0, lambda: None)
+
+    results = asyncio.run(go())
+    assert len(results) == 6 and all(r.ok for r in results)
+    for first, second in zip(results[::2], results[1::2], strict=True):
+        assert second.turn == 1 and second.start - first.end == pytest.approx(0.3, abs=0.05)
+
+
+def test_a_failed_turn_ends_its_conversation(mock_server):  # noqa: F811
+    """The mock server takes text only: a token-id prompt fails (HTTP 400), and the turns after it are not sent."""
+    results = closed(mock_server.url, conversation_work(2, 3, prompts=[[11, 12], [13, 14], [15, 16]]), 1, 2)
+    assert len(results) == 6 and not any(r.ok for r in results)
+    assert results[0].error.startswith("HTTP 400")
+    assert results[1].error == results[2].error == "not sent: ConversationError: turn 1 failed"
