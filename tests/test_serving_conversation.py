@@ -137,3 +137,31 @@ def test_a_real_servers_prompt_cache_keeps_later_turns_fast(tmp_path):
     turns = summarize_point(results[4:], seconds=1.0)["by_turn"]   # after the first (warm-up) conversation
     assert [t["prompt_tokens_mean"] for t in turns][0] == 48 and turns[3]["prompt_tokens_mean"] > 200
     assert cold["errors"] == 0 and turns[3]["ttft_ms_p50"] < 0.6 * cold["ttft_ms_p50"], (turns, cold["ttft_ms_p50"])
+
+
+@pytest.mark.slow
+def test_a_recipes_conversations_are_served_and_shown_by_turn(tmp_path, tiny_model_dir):
+    """evaluation.serving.conversation through a whole run (the 2-layer SmolLM2 at Q8_0 on llama-server): the point
+    counts conversations × turns requests, carries its turns (pooled over both rounds) and the console shows them."""
+    from serving_helpers import llama_server_bin
+
+    from helpers import qbuild, run_api, write_recipe
+
+    llama_server_bin()
+    recipe = write_recipe(tmp_path / "r.yaml", {
+        "name": "chat", "model": {"source": "local", "path": str(tiny_model_dir)},
+        "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}],
+        "evaluation": {"perplexity": None, "baseline": False,
+                       "serving": {"concurrency": [2], "requests": 2, "warmup": 1, "rounds": 2, "input_len": 16,
+                                   "output_len": 4, "prefix_tokens": 8, "variants": ["q8_0"],
+                                   "conversation": {"turns": 3}}},
+        "runtime": {"threads": 1}, "store": {"path": str(tmp_path / "store")}})
+    rc, summary = run_api(recipe)
+    assert rc == 0, summary["steps"]
+    [point] = next(v for v in summary["variants"] if v["variant"] == "q8_0")["serving"]
+    assert point["errors"] == 0 and point["completed"] == 2 * 2 * 3   # 2 rounds of 2 conversations of 3 turns
+    assert [t["completed"] for t in point["by_turn"]] == [4, 4, 4]
+    prompt = [t["prompt_tokens_mean"] for t in point["by_turn"]]
+    assert prompt[0] == 8 + 16 and prompt[1] >= prompt[0] + 4 + 16 - 2 and prompt[2] >= prompt[1] + 4 + 16 - 2
+    out = qbuild("run", recipe)
+    assert out.returncode == 0 and "TTFT p50 by turn" in out.stdout, out.stdout + out.stderr

@@ -125,6 +125,35 @@ def test_rounds_are_part_of_the_serving_key_and_nothing_else_moves(tmp_path, no_
         assert default[other].key == five[other].key == one[other].key, other
 
 
+def test_a_conversation_is_part_of_the_workload_and_its_context_holds_every_turn(tmp_path, no_gpu):
+    from qbuild.planning.serving_bench import _round_prompts
+
+    def plan(**extra):
+        return steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"],
+                                               "prefix_tokens": 16, **extra}), tmp_path)
+
+    plain, chat = plan(), plan(conversation={"turns": 3, "think_s": 0.5})
+    assert "conversation" not in plain["serving[q8_0@default]"].params["workload"]   # the key it had
+    step = chat["serving[q8_0@default]"]
+    assert step.params["workload"]["conversation"] == {"turns": 3, "think_s": 0.5}
+    # the last turn resends the prefix and every earlier input and output: 3 × (128 + 32) (+ 8 a turn)
+    assert step.params["context"] == 16 + 3 * (128 + 32 + 8) and plain["serving[q8_0@default]"].params["context"] == (
+        16 + 128 + 32 + 8)
+    assert step.key != plain["serving[q8_0@default]"].key
+    assert {n: s.key for n, s in chat.items() if n != "serving[q8_0@default]"} == {
+        n: s.key for n, s in plain.items() if n != "serving[q8_0@default]"}
+    with pytest.raises(RecipeError, match="turns"):
+        plan(conversation={"turns": 1})
+
+    # per round, (warmup + requests) conversations × turns prompts a point; only a conversation's first has the prefix
+    tokens = np.arange(5000) % 4999
+    w = {**step.params["workload"], "requests": 2, "warmup": 1, "rounds": 2, "input_len": 10}
+    count, prompts, lengths = _round_prompts(tokens, w, n_points=1)
+    assert count == (1 + 2) * 3 and len(prompts) == len(lengths) == 2 * count
+    assert [len(p) for p in prompts] == [26, 10, 10] * 6
+    assert all(p[:16] == tokens[-16:].tolist() for p in prompts[::3])
+
+
 @pytest.mark.parametrize("config, problem", [
     ({"name": "fp8", "kv_cache_dtype": "fp8"}, "llama.cpp has no fp8 KV cache"),
     ({"name": "nofa", "kv_cache_dtype": "q4_0", "flash_attn": False}, "only with flash attention"),

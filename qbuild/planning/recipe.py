@@ -181,6 +181,18 @@ class Capacity(StrictModel):
                         "arrivals): the probe's figures pool them, with 95 % bootstrap intervals from 2 rounds on.")
 
 
+class Conversation(StrictModel):
+    """Multi-turn chat traffic: every conversation is `turns` requests, sent one after the other, each turn's prompt the
+    conversation so far (the last turn's prompt and what the server generated for it) followed by input_len new
+    tokens, as a chat client resends its history (docs/serving.md, Conversations)."""
+
+    turns: int = Field(..., ge=2, le=64, description="Requests per conversation. `requests` and `warmup` then count "
+                       "conversations (a point measures requests × turns requests), and request_rates are new "
+                       "conversations per second.")
+    think_s: float = Field(0.0, ge=0, le=3600, description="Seconds a user waits after an answer before sending the "
+                           "next turn (in closed loop too: a stream thinking sends nothing).")
+
+
 class Serving(StrictModel):
     """Measure every artifact through the server that would serve it, under concurrent streaming load."""
 
@@ -207,6 +219,10 @@ class Serving(StrictModel):
     output_len: int | LengthRange = Field(
         32, description="Tokens generated per request (ignore_eos where the engine has it), or {min, max}: drawn per "
         "request (seeded).")
+    conversation: Conversation | None = Field(
+        None, description="{turns, think_s}: send multi-turn conversations instead of independent requests; each turn "
+        "resends the history (the prefix only opens a conversation). Off by default. The trace and capacity probes "
+        "stay single requests.")
     seed: int = Field(0, description="Which corpus windows become prompts, their lengths when drawn, and the Poisson "
                       "arrivals.")
     dataset: Dataset = Field(default_factory=lambda: Dataset(sources=[{"type": "pydocs", "split": "test"}]),

@@ -53,8 +53,10 @@ def serving_steps(ctx) -> None:
     if serving is None:
         return
     data = None
-    # per request; room for BOS/templates
-    context = serving.prefix_tokens + longest(serving.input_len) + longest(serving.output_len) + 8
+    # per request (with conversations: its last turn, every earlier input and output resent); room for BOS/templates
+    # and, per turn, for an output that tokenizes back to a few more tokens than were generated
+    turns = serving.conversation.turns if serving.conversation else 1
+    context = serving.prefix_tokens + turns * (longest(serving.input_len) + longest(serving.output_len) + 8)
     slots = max(serving.concurrency)
     trace = _trace(serving, ctx.recipe_dir)
     if trace is not None:   # room for the trace's longest request too
@@ -72,6 +74,8 @@ def serving_steps(ctx) -> None:
             workload["rampup_s"] = serving.rampup_s
         if serving.prefix_tokens:
             workload["prefix_tokens"] = serving.prefix_tokens
+        if serving.conversation is not None:
+            workload["conversation"] = serving.conversation.model_dump()
         if serving.rounds != 1:   # left out at 1: one round is what was measured before rounds existed
             workload["rounds"] = serving.rounds
         if trace is not None:   # identified by its contents; the runner reads the file

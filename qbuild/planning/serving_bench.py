@@ -5,7 +5,9 @@ seed; each is sent as token ids, so every engine sees exactly `input_len` prompt
 concurrency (and request rate) with TTFT/TPOT/ITL/e2e percentiles, requests/s, output tok/s and errors, plus the
 server's peak RSS, its KV-cache bytes per token (where the engine reports its KV cache) and the exact server command.
 With `rounds` > 1 the whole sweep runs that many times on the same server, each round with prompts of its own; a
-point then pools its rounds and keeps each one, with bootstrap intervals (qbuild.serving.confidence).
+point then pools its rounds and keeps each one, with bootstrap intervals (qbuild.serving.confidence). With a
+`conversation`, each measured unit is a conversation of `turns` requests (qbuild.serving.client): the prompts are
+each turn's own input, the shared prefix only in a conversation's first.
 """
 
 from __future__ import annotations
@@ -67,9 +69,12 @@ def _round_prompts(tokens, w: dict, n_points: int) -> tuple[int, list, list[int]
     """The prompts per round (`count`), and every round's prompts and output lengths, rounds after one another."""
     rounds = w.get("rounds", 1)
     first = w.get("first_round", 0)   # rounds added later (selection's measure_more) go on where the others ended
-    count = n_points * (w["requests"] + w["warmup"])   # per round: each round sends prompts of its own
-    prompts = prompts_from(tokens, w["input_len"], count * (first + rounds), w["seed"],
-                           w.get("prefix_tokens", 0))[count * first:]
+    turns = w.get("conversation", {}).get("turns", 1)
+    count = n_points * (w["requests"] + w["warmup"]) * turns   # per round: each round sends prompts of its own
+    prefix = w.get("prefix_tokens", 0)
+    prompts = prompts_from(tokens, w["input_len"], count * (first + rounds), w["seed"], prefix)[count * first:]
+    if turns > 1 and prefix:   # a conversation's later turns resend the prefix as part of its history
+        prompts = [p if k % turns == 0 else p[prefix:] for k, p in enumerate(prompts)]
     output_len = drawn_lengths(w["output_len"], count * (first + rounds), w["seed"] + 2)[count * first:]
     return count, prompts, output_len
 
@@ -92,7 +97,8 @@ def run(ctx: StepContext) -> dict:
                            workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
     work = Workload(prompts=prompts[:count], output_len=output_len[:count], requests=w["requests"], warmup=w["warmup"],
                     timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos, model=launch.model_name,
-                    rampup_s=w.get("rampup_s", 0.0))
+                    rampup_s=w.get("rampup_s", 0.0), turns=w.get("conversation", {}).get("turns", 1),
+                    think_s=w.get("conversation", {}).get("think_s", 0.0))
     trace, trace_arrivals = None, []
     if "trace" in w:
         trace, trace_arrivals = trace_workload(Path(ctx.runtime_args["trace_path"]), tokens, w, launch)

@@ -159,6 +159,8 @@ def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
             # measured in rounds: 95 % intervals (field → [lo, hi]) and each round's own figures, samples left out
             row["ci"] = pt.get("ci")
             row["rounds"] = [{k: rd.get(k) for k in ROUND_FIELDS} for rd in pt.get("rounds") or []] or None
+            if pt.get("by_turn"):   # conversations: TTFT and prompt tokens per turn
+                row["by_turn"] = pt["by_turn"]
             row["peak_rss_mb"] = round(rss / 2**20, 1) if rss else None
             row["kv_bytes_per_token"] = m.get("kv_bytes_per_token")
             row["command"] = m.get("command")
@@ -407,8 +409,22 @@ def render_serving(summary: dict, console) -> None:
                       str(p["errors"]), f"{p['peak_rss_mb']:.0f} MiB" if p.get("peak_rss_mb") else "-",
                       _fmt(p.get("kv_bytes_per_token"), ".0f"), *(extra[c] for c in quality))
     console.print(table)
-    for line in capacity_lines(summary):
+    for line in [*turn_lines(rows), *capacity_lines(summary)]:
         console.print(escape(line))
+
+
+def turn_lines(rows: list[tuple[str, dict]]) -> list[str]:
+    """One line per point measured in conversations: TTFT p50 and the prompt's length, turn by turn."""
+    lines = []
+    for variant, p in rows:
+        if not p.get("by_turn"):
+            continue
+        where = f"concurrency {p['concurrency']}" if "concurrency" in p else f"{p.get('request_rate'):g} conversations/s"
+        turns = " | ".join(f"{_fmt(t['ttft_ms_p50'], '.1f')} ms"
+                           + (f" ({t['prompt_tokens_mean']:.0f} tok)" if t.get("prompt_tokens_mean") is not None else "")
+                           for t in p["by_turn"])
+        lines.append(f"{variant} {p['config']} {where}: TTFT p50 by turn: {turns}")
+    return lines
 
 
 def capacity_lines(summary: dict) -> list[str]:
