@@ -96,3 +96,22 @@ def test_intervals_are_shown_in_the_table_the_report_and_the_model_card():
     assert f"| {point['ttft_ms_p99']:.1f} ±{(hi - lo) / 2:.1f} |" in card and "measured in 3 independent rounds" in card
     page = render_html({"recipe": "r", "variants": [row], "steps": [], "counts": {}})
     assert f"<td>{point['ttft_ms_p99']:.1f} [{lo:.1f}, {hi:.1f}]</td>" in page
+
+
+def test_a_conversation_points_turns_pool_over_its_rounds():
+    """Rounds of conversations (qbuild.serving.client's by_turn): the point's turns pool every round's requests."""
+    def round_of(ttft_by_turn: list[float], n: int = 4) -> dict:
+        results = [RequestResult(True, ttft_s=t * (1 + 0.01 * k), e2e_s=t + 0.1, itl_s=[0.05, 0.05], output_tokens=3,
+                                 turn=turn, prompt_tokens=20 + 30 * turn)
+                   for k in range(n) for turn, t in enumerate(ttft_by_turn)]
+        return summarize_point(results, 5.0)
+
+    rounds = [round_of([0.4, 0.2, 0.25]), round_of([0.5, 0.3, 0.35])]
+    assert [t["completed"] for t in rounds[0]["by_turn"]] == [4, 4, 4]
+    point = combine_rounds(rounds, seed=0)
+    assert [t["turn"] for t in point["by_turn"]] == [1, 2, 3] and [t["completed"] for t in point["by_turn"]] == [8] * 3
+    assert [t["prompt_tokens_mean"] for t in point["by_turn"]] == [20, 50, 80]
+    first = [v for r in rounds for v, turn in zip(r["samples"]["ttft_ms"], r["samples"]["turn"], strict=True)
+             if turn == 0]
+    assert point["by_turn"][0]["ttft_ms_p50"] == pytest.approx(np.percentile(first, 50), abs=1e-3)
+    assert "by_turn" not in combine_rounds([a_round(0.5, 0.025, seed=1), a_round(0.6, 0.03, seed=2)], seed=0)
