@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import yaml
 
+from qbuild.base.bootstrap import half_width
 from qbuild.base.units import human_size
 from qbuild.serving.confidence import with_ci
 
@@ -109,7 +110,10 @@ def render_model_card(manifest: dict, summary_row: dict | None = None, protocol:
     out += ["## Quality and speed", ""]
     if cols:
         out += ["| " + " | ".join(label for _, label, _ in cols) + " |", "|" + "---|" * len(cols),
-                "| " + " | ".join(fmt.format(metrics[k]) for k, _, fmt in cols) + " |", ""]
+                "| " + " | ".join(fmt.format(metrics[k]) + half_width(metrics.get(f"{k}_ci"), fmt)
+                                  for k, _, fmt in cols) + " |", ""]
+        if any(metrics.get(f"{k}_ci") for k, _, _ in cols):
+            out += ["± is half the 95 % bootstrap interval over the throughput repetitions (seeded).", ""]
     else:
         out += ["No evaluation was recorded for this artifact.", ""]
     if protocol:

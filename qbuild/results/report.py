@@ -9,6 +9,7 @@ import html
 import json
 from pathlib import Path
 
+from qbuild.base.bootstrap import half_width
 from qbuild.base.errors import UserError
 from qbuild.base.units import human_size
 
@@ -435,7 +436,8 @@ def _cells(row: dict) -> list[str]:
     out = []
     for _, field, fmt in COLUMNS:
         v = row.get(field)
-        out.append(human_size(v) if field == "size_bytes" else ("-" if v is None or v == "" else fmt.format(v)))
+        out.append(human_size(v) if field == "size_bytes" else ("-" if v is None or v == "" else fmt.format(v)
+                                                               + half_width(row.get(f"{field}_ci"), fmt)))
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from qbuild.base.bootstrap import plus_minus
 from qbuild.base.units import human_size
 from qbuild.contract.step import Outcome
 from qbuild.evaluate.tasks import add_deltas as add_task_deltas
@@ -212,6 +213,8 @@ def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated
         "ppl": metric(ppl, "ppl"), "kld": metric(kld, "kld"), "top1": metric(kld, "top1"),
         "decode_tok_s": metric(speed, "decode_tok_s"), "prefill_tok_s": metric(speed, "prefill_tok_s"),
         "ttft_ms": metric(speed, "ttft_ms"),
+        # 95 % intervals over the repetitions (qbuild.evaluate.throughput), where there were two or more
+        **{f"{k}_ci": metric(speed, f"{k}_ci") for k in ("decode_tok_s", "prefill_tok_s")},
         "load": load_label(load_checks or []), "load_check": load_checks or None, "tasks": tasks or [],
         **({"serving": serving} if serving is not None else {}),
         **({"search": _search_points(artifact.record)} if artifact and _search_points(artifact.record) else {}),
@@ -316,8 +319,10 @@ def render_table(summary: dict, console) -> None:
         method = "-" if r["method"] == "-" else f"{r['method']} {r['detail']}".strip()
         table.add_row(escape(r["variant"]), escape(method), human_size(r["size_bytes"]), (r["key"] or "")[:12],
                       f"[{style[r['status']]}]{r['status']}[/]" if r["status"] in style else escape(str(r["status"])),
-                      *(_fmt(r.get(field), spec) for _, field, spec in shown))
+                      *(plus_minus(r.get(field), r.get(f"{field}_ci"), spec) for _, field, spec in shown))
     console.print(table)
+    if any(r.get("decode_tok_s_ci") for r in rows):
+        console.print("tok/s: decode, ± half the 95 % interval over the throughput repetitions")
     _render_tasks(rows, console)
     render_serving(summary, console)
     for check in summary.get("fidelity_checks") or []:

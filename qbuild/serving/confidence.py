@@ -2,18 +2,18 @@
 
 A point's latency percentiles are taken over the requests of all its rounds, its rates (output tok/s, requests/s)
 are the mean of the rounds' rates, and its counts are summed. The interval of each figure comes from a two-level
-(hierarchical) bootstrap: rounds are drawn with replacement, then requests within each drawn round. With fewer than
-two rounds there is no interval (None): one round says nothing of how much the next would differ.
+(hierarchical) bootstrap (qbuild.base.bootstrap): rounds are drawn with replacement, then requests within each drawn
+round, the same requests for every latency. With fewer than two rounds there is no interval (None): one round says
+nothing of how much the next would differ.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from qbuild.base.bootstrap import LEVEL, RESAMPLES, percentile_interval, plus_minus
 from qbuild.serving.client import PERCENTILES, by_turn
 
-LEVEL = 0.95
-RESAMPLES = 1000
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 RATES = ("output_tok_s", "requests_s")
 # the figures that get an interval: what SLOs and objectives read
@@ -90,16 +90,8 @@ def intervals(rounds: list[dict], seed: int, resamples: int = RESAMPLES, level: 
             reps[f"{m}_p99"].append(p99)
         for rate, values in rates.items():
             reps[rate].append(np.mean(values[drawn]))
-    tail = 100 * (1 - level) / 2
-    out: dict[str, list[float] | None] = {}
-    for field, values in reps.items():
-        arr = np.array(values, dtype=float)
-        if np.isnan(arr).any():   # a replicate without the figure (no request streamed twice, a round without rates)
-            out[field] = None
-            continue
-        lo, hi = np.percentile(arr, (tail, 100 - tail))
-        out[field] = [round(float(lo), 4), round(float(hi), 4)]
-    return out
+    # None where a replicate lacks the figure (no request streamed twice, a round without rates)
+    return {field: percentile_interval(values, level) for field, values in reps.items()}
 
 
 def _request_table(round_: dict) -> dict:
@@ -115,12 +107,7 @@ def _request_table(round_: dict) -> dict:
 
 def with_ci(point: dict, field: str, spec: str) -> str:
     """A serving figure, "± half-width" of its 95 % interval where it was measured in rounds ("-" if absent)."""
-    value, ci = point.get(field), (point.get("ci") or {}).get(field)
-    if value is None:
-        return "-"
-    if ci is None:
-        return format(value, spec)
-    return f"{value:{spec}} ±{(ci[1] - ci[0]) / 2:{spec}}"
+    return plus_minus(point.get(field), (point.get("ci") or {}).get(field), spec)
 
 
 def verdict(value: float, ci: list[float] | None, bound: float, kind: str) -> str:
