@@ -184,7 +184,7 @@ class Capacity(StrictModel):
 class Conversation(StrictModel):
     """Multi-turn chat traffic: every conversation is `turns` requests, sent one after the other, each turn's prompt the
     conversation so far (the last turn's prompt and what the server generated for it) followed by input_len new
-    tokens, as a chat client resends its history (docs/serving.md, Conversations)."""
+    tokens, as a chat client resends its history (docs/serving.md, Multi-turn conversations)."""
 
     turns: int = Field(..., ge=2, le=64, description="Requests per conversation. `requests` and `warmup` then count "
                        "conversations (a point measures requests × turns requests), and request_rates are new "
