@@ -56,7 +56,7 @@ def test_each_turn_resends_the_conversation_with_the_servers_output(mock_server)
             assert r.prompt_tokens == mock_tokens(sent), (c, turn)
             sent += r.text
             if turn:   # a turn leaves when the last one ended
-                assert 0 <= r.start - results[i - 1].end < 0.05
+                assert 0 <= r.start - results[i - 1].end < 0.25   # (a loaded 2-core machine: generous)
 
 
 def test_a_sweep_point_counts_conversations_and_reports_ttft_by_turn(mock_server):  # noqa: F811

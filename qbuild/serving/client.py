@@ -81,19 +81,22 @@ class Workload:
         k = i % len(self.prompts)
         return self.prompts[k], self.output_len[k] if isinstance(self.output_len, list) else self.output_len
 
+    def prompt(self, i: int, history: list[int] | str | None = None) -> list[int] | str:
+        """What request i sends: its own prompt, after its conversation's `history` (the earlier turns) if any."""
+        own = self.request(i)[0]
+        return own if history is None else history + own
+
 
 class ConversationError(RuntimeError):
     """A conversation that cannot go on (the server gave no token ids for what it generated)."""
 
 
 async def one_request(client, url: str, i: int, work: Workload, history: list[int] | str | None = None
-                      ) -> tuple[RequestResult, list[int] | str]:
-    """Request i, after the conversation's `history` (its earlier turns) if any: its result and the prompt sent."""
-    own, output_len = work.request(i)
-    prompt = own if history is None else history + own
-    result = await _stream(client, url, prompt, output_len, work)
+                      ) -> RequestResult:
+    """Request i, after its conversation's `history` (the earlier turns) if any."""
+    result = await _stream(client, url, work.prompt(i, history), work.request(i)[1], work)
     result.turn = i % work.turns
-    return result, prompt
+    return result
 
 
 async def _conversation(client, url: str, work: Workload, first: int, results: dict[int, RequestResult],
@@ -104,15 +107,14 @@ async def _conversation(client, url: str, work: Workload, first: int, results: d
     for turn in range(work.turns):
         if turn and work.think_s:
             await asyncio.sleep(work.think_s)
-        result, prompt = await one_request(client, url, first + turn, work, history)
-        results[first + turn] = result
+        results[first + turn] = result = await one_request(client, url, first + turn, work, history)
         done()
         if turn + 1 == work.turns:
             return
         try:
             if not result.ok:
                 raise ConversationError(f"turn {turn + 1} failed")
-            history = await _so_far(client, url, prompt, result.text, work.model)
+            history = await _so_far(client, url, work.prompt(first + turn, history), result.text, work.model)
         except Exception as exc:   # the conversation ends here: its turns not sent count as errors
             now = time.perf_counter()
             for rest in range(first + turn + 1, first + work.turns):
