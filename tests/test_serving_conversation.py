@@ -87,7 +87,7 @@ def test_open_loop_conversations_think_between_turns(mock_server):  # noqa: F811
     results = asyncio.run(go())
     assert len(results) == 6 and all(r.ok for r in results)
     for first, second in zip(results[::2], results[1::2], strict=True):
-        assert second.turn == 1 and second.start - first.end == pytest.approx(0.3, abs=0.05)
+        assert second.turn == 1 and 0.3 <= second.start - first.end < 0.45
 
 
 def test_a_failed_turn_ends_its_conversation(mock_server):  # noqa: F811
