@@ -165,3 +165,19 @@ def test_a_recipes_conversations_are_served_and_shown_by_turn(tmp_path, tiny_mod
     assert prompt[0] == 8 + 16 and prompt[1] >= prompt[0] + 4 + 16 - 2 and prompt[2] >= prompt[1] + 4 + 16 - 2
     out = qbuild("run", recipe)
     assert out.returncode == 0 and "TTFT p50 by turn" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_server_whose_tokenize_gives_no_ids_cannot_continue_token_id_conversations(mock_server):  # noqa: F811
+    """Token-id prompts continue through the server's /tokenize; the mock server's reads another field (`text`) and
+    refuses the request: one clear error, and text conversations need no /tokenize."""
+    import httpx
+
+    from qbuild.serving.client import ConversationError, _so_far
+
+    async def go(prompt):
+        async with httpx.AsyncClient(trust_env=False) as client:
+            return await _so_far(client, mock_server.url, prompt, " the answer", "mock")
+
+    assert asyncio.run(go("the question")) == "the question the answer"
+    with pytest.raises(ConversationError, match=r"POST /tokenize answered HTTP 400 without token ids"):
+        asyncio.run(go([11, 12]))
