@@ -181,3 +181,32 @@ def test_a_server_whose_tokenize_gives_no_ids_cannot_continue_token_id_conversat
     assert asyncio.run(go("the question")) == "the question the answer"
     with pytest.raises(ConversationError, match=r"POST /tokenize answered HTTP 400 without token ids"):
         asyncio.run(go([11, 12]))
+
+
+def test_turns_are_shown_in_the_console_the_report_and_the_model_card():
+    import io
+
+    from rich.console import Console
+
+    from qbuild.artifacts.modelcard import render_model_card
+    from qbuild.results.report import render_html
+    from qbuild.results.summary import render_serving
+    from qbuild.serving.client import RequestResult, summarize_point
+
+    results = [RequestResult(True, ttft_s=t, e2e_s=t + 0.1, itl_s=[0.05, 0.05], output_tokens=3, turn=turn,
+                             prompt_tokens=32 + 38 * turn)
+               for _ in range(3) for turn, t in enumerate((0.061, 0.0484, 0.0359))]
+    point = {"config": "default", "concurrency": 2, **summarize_point(results, 2.0), "goodput_requests_s": None}
+    row = {"variant": "q8_0", "status": "built", "size_bytes": 2**20, "serving": [point], "key": "k", "digest": "d"}
+    line = "61.0 ms (32 tok) | 48.4 ms (70 tok) | 35.9 ms (108 tok)"
+    out = io.StringIO()
+    render_serving({"variants": [row]}, Console(file=out, width=400))
+    assert f"q8_0 default concurrency 2: TTFT p50 by turn: {line}" in out.getvalue()
+    card = render_model_card({"format": "gguf", "files": [{"path": "model.gguf", "size": 10}]}, row)
+    assert "conversations of 3 turns" in card and f"- default, concurrency 2: {line}" in card
+    page = render_html({"recipe": "r", "variants": [row], "steps": [], "counts": {}})
+    assert "<th>TTFT p50 by turn (prompt tokens)</th>" in page and f"<td>{line}</td>" in page
+    single = {**point, "by_turn": None}   # points of independent requests: nothing of turns anywhere
+    plain = {**row, "serving": [single]}
+    assert "by turn" not in render_model_card({"format": "gguf", "files": []}, plain)
+    assert "by turn" not in render_html({"recipe": "r", "variants": [plain], "steps": [], "counts": {}})

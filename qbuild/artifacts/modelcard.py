@@ -168,6 +168,15 @@ def _serving_section(row: dict) -> list[str]:
                 f"{with_ci(p, 'output_tok_s', '.1f')} | {with_ci(p, 'requests_s', '.2f')} | {p['errors']} | "
                 f"{p.get('peak_rss_mb') or '-'} | {'-' if p.get('kld') is None else format(p['kld'], '.4g')} |"
                 for p in points]
+        chats = [p for p in points if p.get("by_turn")]
+        if chats:
+            from qbuild.serving.client import turns_text
+
+            out += ["", f"Measured in conversations of {len(chats[0]['by_turn'])} turns (each turn resends the history); "
+                    "TTFT p50 (and prompt tokens) by turn:", ""]
+            out += [f"- {p['config']}, concurrency {p['concurrency']}: {turns_text(p['by_turn'])}" if "concurrency" in p
+                    else f"- {p['config']}, {p.get('request_rate')} conversations/s: {turns_text(p['by_turn'])}"
+                    for p in chats]
         rounds = max(len(p.get("rounds") or []) for p in points)
         if any(p.get("ci") for p in points):
             out += ["", f"Each point was measured in {rounds} independent rounds; ± is half the 95 % bootstrap "

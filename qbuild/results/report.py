@@ -384,6 +384,9 @@ def _serving_points_html(rows: list[dict]) -> str:
             return "-"
         return fmt.format(v) + (f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]" if ci else "")
 
+    from qbuild.serving.client import turns_text
+
+    chats = any(p.get("by_turn") for r in rows for p in r["serving"])   # conversations: a column of their turns
     lines = []
     for r in rows:
         for p in r["serving"]:
@@ -391,12 +394,14 @@ def _serving_points_html(rows: list[dict]) -> str:
                 continue
             where = str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s"
             cells = [r["variant"], p["config"], where, *(cell(p, f, fmt) for _, f, fmt in POINT_FIGURES),
-                     str(len(p.get("rounds") or []) or 1), str(p.get("errors"))]
+                     str(len(p.get("rounds") or []) or 1), str(p.get("errors")),
+                     *([turns_text(p.get("by_turn") or [])] if chats else [])]
             lines.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     if not lines:
         return ""
     head = "".join(f"<th>{c}</th>" for c in ("variant", "config", "load", *(n for n, _, _ in POINT_FIGURES),
-                                               "rounds", "errors"))
+                                               "rounds", "errors", *(["TTFT p50 by turn (prompt tokens)"] if chats
+                                                                     else [])))
     return (f'<table class="serving-points"><caption>Serving points: each figure with its 95 % bootstrap interval '
             f'[lo, hi] over the point\'s rounds (none with one round)</caption><tr>{head}</tr>{"".join(lines)}'
             f'</table>')

@@ -420,15 +420,14 @@ def render_serving(summary: dict, console) -> None:
 
 def turn_lines(rows: list[tuple[str, dict]]) -> list[str]:
     """One line per point measured in conversations: TTFT p50 and the prompt's length, turn by turn."""
+    from qbuild.serving.client import turns_text
+
     lines = []
     for variant, p in rows:
         if not p.get("by_turn"):
             continue
         where = f"concurrency {p['concurrency']}" if "concurrency" in p else f"{p.get('request_rate'):g} conversations/s"
-        turns = " | ".join(f"{_fmt(t['ttft_ms_p50'], '.1f')} ms"
-                           + (f" ({t['prompt_tokens_mean']:.0f} tok)" if t.get("prompt_tokens_mean") is not None else "")
-                           for t in p["by_turn"])
-        lines.append(f"{variant} {p['config']} {where}: TTFT p50 by turn: {turns}")
+        lines.append(f"{variant} {p['config']} {where}: TTFT p50 by turn: {turns_text(p['by_turn'])}")
     return lines
 
 

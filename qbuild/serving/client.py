@@ -315,6 +315,13 @@ def by_turn(samples: dict, turns: int) -> list[dict]:
     return out
 
 
+def turns_text(turns: list[dict]) -> str:
+    """A point's by_turn in one line: each turn's TTFT p50 and mean prompt tokens, "61.0 ms (32 tok) | 48.4 ms ..."."""
+    return " | ".join(("-" if t["ttft_ms_p50"] is None else f"{t['ttft_ms_p50']:.1f} ms")
+                      + (f" ({t['prompt_tokens_mean']:.0f} tok)" if t.get("prompt_tokens_mean") is not None else "")
+                      for t in turns)
+
+
 def goodput(point: dict, ttft_ms: float | None, tpot_ms: float | None) -> float | None:
     """Requests/s that met both SLOs (a bound that is None always holds)."""
     samples = point.get("samples")
