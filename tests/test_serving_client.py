@@ -103,6 +103,22 @@ def test_rampup_spreads_the_first_requests_and_the_warm_up_leads_into_the_measur
         assert 0 <= nxt.start - first.end < 0.05
 
 
+def test_a_ramp_up_about_as_long_as_the_run_still_gives_its_rate(mock_server):
+    """Short requests and a long ramp-up: the first stream has done most of the work before the last one starts,
+    so every stream is busy at once only for an instant. The rate comes from the whole span then, not from that
+    instant (which gave 0 tok/s)."""
+    from dataclasses import replace
+
+    from qbuild.serving.client import sweep
+
+    per_request_s = (TTFT_MS + ITL_MS) / 1000
+    for n in range(11, 17):   # the queue runs out at, or just after, the last stream's start
+        [p] = sweep(mock_server.url, replace(work(n, output_len=2, warmup=1), rampup_s=1.2), [4])
+        assert p["errors"] == 0
+        # never more than 4 streams' worth, and not far below what one stream alone delivers
+        assert 2 / per_request_s * 0.5 < p["output_tok_s"] < 4 * 2 / per_request_s, (n, p["output_tok_s"])
+
+
 def test_each_request_asks_for_its_own_output_length(mock_server):
     from dataclasses import replace
 

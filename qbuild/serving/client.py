@@ -215,6 +215,12 @@ async def _closed_loop(client, url: str, work: Workload, concurrency: int, first
     return [results[i] for i in sorted(results)], (max(busy_at, default=now), min(idle_at, default=now))
 
 
+def _typical_request_s(results: list[RequestResult]) -> float:
+    """The median end-to-end time of the requests that completed (0 when none did)."""
+    e2e = [r.e2e_s for r in results if r.ok]
+    return float(np.median(e2e)) if e2e else 0.0
+
+
 async def _open_loop(client, url: str, work: Workload, rate: float, first: int, count: int, seed: int,
                      done: Callable[[], None]) -> list[RequestResult]:
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count)
@@ -366,7 +372,9 @@ async def _sweep(url, work, concurrency, rates, seed, between, progress) -> list
             measured = results[work.warmup * work.turns:]
             # the rates' window: the warm-up sent and every stream busy, until the first stream runs out of requests
             window = (max(min(r.start for r in measured), all_busy), first_idle)
-            if window[1] <= window[0]:   # never all busy at once (a ramp-up longer than the run): the whole span
+            if window[1] - window[0] < _typical_request_s(measured):
+                # every stream busy for less than one request takes (a ramp-up about as long as the run): no rate
+                # can be read from so short a window, so the whole span of the measured requests instead
                 window = (min(r.start for r in measured), max(r.end for r in measured))
             points.append({"concurrency": c, **summarize_point(measured, window=window,
                                                                 around=results[:work.warmup])})
