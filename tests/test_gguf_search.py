@@ -368,6 +368,42 @@ def test_a_probe_that_fails_leaves_no_file(searched, tiny_model_dir, monkeypatch
 
 @needs_llama
 @pytest.mark.slow
+def test_the_selection_refuses_a_file_its_probe_did_not_measure(searched, tiny_model_dir):
+    """The selection quantizes the chosen candidate again and keeps it only if it has the sha256 its probe recorded
+    (llama.cpp is deterministic, so it does; the run's artifact is rebuilt bit for bit here): given a record whose
+    sha256 is not the file's, it fails in one line (a failed step's folder is never published)."""
+    from qbuild.contract.step import StepContext
+    from qbuild.quantize.gguf_search import run_select
+
+    store = searched["store"]
+    st = Store(store)
+    step = plan_steps(searched["root"], recipe_for(tiny_model_dir, store, SEARCH))["quantize[mix]"]
+    hits = {role: st.lookup(s.key) for role, s in step.inputs.items()}
+    manifests = {r: json.loads(json.dumps(h.record)) for r, h in hits.items()}
+
+    def select(name, manifests):
+        build = store / "tmp" / f"select-test-{name}"
+        (build / "out").mkdir(parents=True)
+        ctx = StepContext(params=json.loads(json.dumps(step.params)), inputs={r: h.path for r, h in hits.items()},
+                          input_manifests=manifests, out=build / "out", threads=1, device="cpu",
+                          step_name=step.name, runtime_args={"variant": "mix"}, store_root=store)
+        return ctx, run_select(ctx)
+
+    ctx, result = select("same", manifests)   # as the run did: the stored artifact's bytes
+    stored = st.lookup(step.key)
+    assert result["info"] == stored.record["info"] and result["metrics"] == stored.record["metrics"]
+    assert (ctx.out / "model.gguf").read_bytes() == (stored.path / "model.gguf").read_bytes()
+    chosen = result["info"]["search"]["chosen"]
+    manifests[f"m:{chosen}"]["info"]["probed_files"][0]["sha256"] = "0" * 64
+    with pytest.raises(RuntimeError, match=r"^search for mix: the chosen candidate quantized again \(\w{12}, \d+ "
+                                           r"bytes\) is not the file its probe measured \(000000000000, \d+ bytes\)"
+                       ) as err:
+        select("tampered", manifests)
+    assert "\n" not in str(err.value)
+
+
+@needs_llama
+@pytest.mark.slow
 def test_a_second_budget_reuses_every_probe(searched, tiny_model_dir):
     """The same recipe again builds nothing; another budget builds only the allocation, its finalists' probes, the
     selection and the variant's evaluation: no sensitivity point is probed again."""
