@@ -153,25 +153,32 @@ def test_plan_sensitivity_is_shared_across_budgets(tiny_model_dir, tmp_path):
     search = {"max_size_mb": 36, "types": ["Q4_0", "Q2_K"], "max_candidates": 2}
     a = plan_steps(tmp_path, recipe_for(tiny_model_dir, tmp_path / "s", search))
     b = plan_steps(tmp_path, recipe_for(tiny_model_dir, tmp_path / "s", {**search, "max_size_mb": 33}))
-    sens = sorted(n for n in a if n.startswith("quantize[mix~") and "cand" not in n and "base" not in n)
+    sens = sorted(n for n in a if n.startswith("probe[mix~") and "cand" not in n and "base" not in n)
     # 2-layer SmolLM2: 8 groups (7 kinds + token_embd, tied output); Q2_K fits only ffn_down's 1536 columns
-    assert len(sens) == 9 and "quantize[mix~ffn_down@Q2_K]" in sens and "quantize[mix~attn_q@Q2_K]" not in sens
-    for name in sens + [n.replace("quantize", "perplexity") for n in sens] + ["quantize[mix~base]"]:
+    assert len(sens) == 9 and "probe[mix~ffn_down@Q2_K]" in sens and "probe[mix~attn_q@Q2_K]" not in sens
+    for name in sens + ["probe[mix~base]"]:
         assert a[name].key == b[name].key, name          # a second budget reuses every measurement
-    for name in ("gguf-search-allocate[mix]", "quantize[mix~cand0]", "quantize[mix]"):
+        assert a[name].kind == "gguf-probe" and a[name].format == "metrics"   # a probe stores no file
+    for name in ("gguf-search-allocate[mix]", "probe[mix~cand0]", "quantize[mix]"):
         assert a[name].key != b[name].key
+    # the search stores one .gguf: its selection; nothing else it plans is a model file (no whole file per point)
+    search_steps = [s for n, s in a.items() if "[mix" in n]
+    assert [s.name for s in search_steps if s.format == "gguf"] == ["quantize[mix]"]
+    assert not any(n.startswith("perplexity[mix~") or n.startswith("quantize[mix~") for n in a)
     assert a["quantize[mix]"].variant == "mix" and a["quantize[mix]"].format == "gguf"
-    assert a["perplexity[mix~attn_q@Q4_0]"].inputs["reference"].name == "reference[baseline]"
-    assert a["perplexity[mix~cand0]"].inputs["reference"].name == "reference[baseline]"
+    assert a["probe[mix~attn_q@Q4_0]"].inputs["reference"].name == "reference[baseline]"   # 2 windows: as the recipe
+    assert a["probe[mix~attn_q@Q4_0]"].params["measure"]["max_windows"] == 2
+    assert a["probe[mix~cand0]"].inputs["reference"].name == "reference[baseline]"
     # the variant's own evaluation is its chosen finalist's measurement (same windows): planned over the finalists'
-    # measurements, not as another pass; a stock variant's evaluation is the ordinary one
+    # probes, not as another pass; a stock variant's evaluation is the ordinary one
     own = a["perplexity[mix]"]
     assert own.runner.endswith(":perplexity_of_a_measured_file") and own.inputs["model"] is a["quantize[mix]"]
-    assert {r: s.name for r, s in own.inputs.items() if r.startswith("measured:")} == {
-        "measured:q:0": "perplexity[mix~cand0]", "measured:q:1": "perplexity[mix~cand1]"}
+    assert {r: s.name for r, s in own.inputs.items() if r != "model"} == {
+        "measured:m:0": "probe[mix~cand0]", "measured:m:1": "probe[mix~cand1]"}
     stock = a["perplexity[q4km]"]
     assert stock.runner.endswith(":perplexity") and not any(":" in r for r in stock.inputs)
     assert dict(own.params) == {**stock.params, "reuses": "candidate measurement"}
+    assert dict(a["probe[mix~cand0]"].params["measure"]) == dict(stock.params)   # measured as the variant would be
     assert "reference" not in own.inputs and "data" not in own.inputs   # nothing to fetch that it does not read
     alone = recipe_for(tiny_model_dir, tmp_path / "s", search)
     alone["variants"] = alone["variants"][:1]
@@ -212,15 +219,34 @@ def test_max_minutes_refuses_a_search_estimated_longer(tiny_model_dir, tmp_path)
 
 
 # --- a real search ---------------------------------------------------------------------------------------------
-@needs_llama
-@pytest.mark.slow
-def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
-    store = tmp_path / "store"
-    search = {"max_size_mb": 36.6, "types": ["Q4_0", "Q5_0", "Q2_K"], "max_candidates": 2}
-    recipe = write_recipe(tmp_path / "r.yaml", recipe_for(tiny_model_dir, store, search))
+SEARCH = {"max_size_mb": 36.6, "types": ["Q4_0", "Q5_0", "Q2_K"], "max_candidates": 2}
+
+
+@pytest.fixture(scope="module")
+def searched(tiny_model_dir, tmp_path_factory):
+    """The search run once on the 2-layer SmolLM2 (with a stock Q4_K_M beside it), for the tests below."""
+    root = tmp_path_factory.mktemp("gsearch")
+    store = root / "store"
+    recipe = write_recipe(root / "r.yaml", recipe_for(tiny_model_dir, store, SEARCH))
     rc, summary = run_api(recipe)
     assert rc == 0, summary["steps"]
-    row = {v["variant"]: v for v in summary["variants"]}["mix"]
+    return {"root": root, "store": store, "recipe": recipe, "summary": summary,
+            "steps": {s["name"]: s for s in summary["steps"]}, "mix": {v["variant"]: v for v in summary["variants"]}["mix"]}
+
+
+def gguf_files(store: Path) -> list[Path]:
+    """Every GGUF file under `store`, by its magic bytes, whatever its name."""
+    def magic(p: Path) -> bytes:
+        with open(p, "rb") as f:
+            return f.read(4)
+
+    return sorted(p for p in store.rglob("*") if p.is_file() and not p.is_symlink() and magic(p) == b"GGUF")
+
+
+@needs_llama
+@pytest.mark.slow
+def test_search_meets_the_budget_and_stores_one_gguf(searched):
+    store, steps, row = searched["store"], searched["steps"], searched["mix"]
     assert row["size_bytes"] <= 36.6e6 and row["kld"] is not None and row["ppl"] is not None
     st = Store(store)
     obj = st.object_dir(row["digest"])
@@ -232,13 +258,16 @@ def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
     assert sorted(f["path"] for f in manifest["files"]) == ["model.gguf", "search.json"]
     assert json.loads((obj / "search.json").read_text())["tensor_types"] == record["tensor_types"]
     assert record["kld"] == pytest.approx(row["kld"], abs=1e-9)   # the finalist's measurement is the variant's
-    # ... taken, not measured again: the variant's perplexity step holds the chosen finalist's files and metrics
-    steps = {s["name"]: s for s in summary["steps"]}
+    # ... taken, not measured again: the variant's perplexity step holds the chosen finalist probe's files and metrics
     own = st.lookup(steps["perplexity[mix]"]["key"]).record
-    finalist = steps[f"perplexity[mix~cand{record['chosen']}]"]
-    measured = st.lookup(finalist["key"]).record
-    assert own["info"]["measurement_of"] == f"q:{record['chosen']}" and own["metrics"] == measured["metrics"]
-    assert own["digest"] == measured["digest"] and own["metrics"]["kld"] == row["kld"]   # the same object
+    probe = st.lookup(steps[f"probe[mix~cand{record['chosen']}]"]["key"]).record
+    assert own["info"]["measurement_of"] == f"m:{record['chosen']}" and own["digest"] == probe["digest"]
+    assert own["metrics"] == {k: probe["metrics"][k] for k in ("ppl", "tokens_scored", "kld", "top1")}
+    assert own["metrics"]["kld"] == row["kld"]
+    # the stored file is the probed one, byte for byte (quantized again by the selection, sha256 checked)
+    (probed,) = probe["info"]["probed_files"]
+    assert probed["sha256"] == next(f["sha256"] for f in manifest["files"] if f["path"] == "model.gguf")
+    assert probe["metrics"]["gguf_bytes"] == probed["size"] == manifest["metrics"]["gguf_bytes"]
     assert record["command"].startswith("llama-quantize --imatrix") and "--tensor-type" in record["command"]
     # the file holds the chosen types, as llama.cpp wrote them
     import re
@@ -249,15 +278,146 @@ def test_search_meets_the_budget_and_reruns_nothing(tiny_model_dir, tmp_path):
     for t in record["tensor_types"]:
         hit = [n for n in written if re.search(t["pattern"], n)]
         assert hit and all(written[n] == t["type"] for n in hit)
+    # no probe left its file: the store's only GGUFs are the conversion, the stock variant and the search's
+    # artifact (a probe stores its measurement alone), and no step's scratch is left in tmp/
+    probes = [n for n in steps if n.startswith("probe[mix~")]
+    assert len(probes) == 1 + 17 + 2   # base, 8 groups × (Q4_0, Q5_0) and ffn_down × Q2_K, 2 finalists
+    for name in probes:
+        hit = st.lookup(steps[name]["key"])
+        assert sorted(f["path"] for f in hit.record["files"]) == ["divergence.json", "perplexity.json"], name
+    holders = {st.lookup(steps[n]["key"]).path for n in ("gguf-convert[f16]", "quantize[q4km]", "quantize[mix]")}
+    assert {p.parent for p in gguf_files(store)} == holders
+    assert not [p for p in (store / "tmp").rglob("*") if p.is_file()]
     # the report plots KLD vs size with every measured candidate beside the stock type
     from qbuild import api
 
     page = api.report("gsearch", store=store)
     assert "KLD vs size" in page and "mix~cand0" in page and ">q4km<" in page
-    # the same recipe again: nothing runs
-    # ... and another budget: only allocation, candidates, selection and the variant's own evaluation run
-    other = rerun_then_another_budget(recipe, recipe_for(tiny_model_dir, store, {**search, "max_size_mb": 35.5}))
+
+
+@needs_llama
+@pytest.mark.slow
+def test_the_artifact_is_the_file_the_search_stored_before_probes(searched, tiny_model_dir):
+    """What the search stores is what it stored when every candidate was a whole stored file: an ordinary gguf
+    variant with the chosen types (what a candidate's quantize step was) gives the same bytes, and its own
+    perplexity step (what measured a finalist) the same numbers as the chosen probe."""
+    store, steps = searched["store"], searched["steps"]
+    st = Store(store)
+    chosen = json.loads((st.object_dir(searched["mix"]["digest"]) / "manifest.json").read_text())["info"]["search"]
+    data = recipe_for(tiny_model_dir, store, SEARCH)
+    data["variants"] = [{"name": "plain", "method": "gguf", "type": "Q8_0", "imatrix": True,
+                         "tensor_types": chosen["tensor_types"]}]
+    rc, summary = run_api(write_recipe(searched["root"] / "plain.yaml", data))
+    assert rc == 0, summary["steps"]
+    plain = {s["name"]: s for s in summary["steps"]}
+    stored = st.lookup(plain["quantize[plain]"]["key"]).record
+    artifact = st.lookup(steps["quantize[mix]"]["key"]).record
+    def sha256(record):
+        return {f["path"]: f["sha256"] for f in record["files"]}["model.gguf"]
+
+    assert sha256(stored) == sha256(artifact)
+    probe = st.lookup(steps[f"probe[mix~cand{chosen['chosen']}]"]["key"]).record
+    measured = st.lookup(plain["perplexity[plain]"]["key"]).record
+    assert measured["metrics"] == {k: probe["metrics"][k] for k in measured["metrics"]}
+    assert probe["metrics"]["gguf_bytes"] == stored["metrics"]["size_bytes"]
+
+
+@needs_llama
+@pytest.mark.slow
+def test_a_probe_that_fails_leaves_no_file(searched, tiny_model_dir, monkeypatch):
+    """A probe whose measurement fails (injected) after its quantization wrote the file: the step fails and its
+    scratch file is gone (removed by the probe itself, before the executor drops the step's folder); one that
+    succeeds leaves none either and stores its measurement only."""
+    from qbuild.contract.step import StepContext
+    from qbuild.evaluate import quality
+    from qbuild.quantize import gguf_probe
+
+    store, steps = searched["store"], searched["steps"]
+    st = Store(store)
+    plan = plan_steps(searched["root"], recipe_for(tiny_model_dir, store, SEARCH))
+    step = plan["probe[mix~attn_q@Q4_0]"]
+    hits = {role: st.lookup(s.key) for role, s in step.inputs.items()}
+
+    def context(name):
+        build = store / "tmp" / f"probe-test-{name}"
+        (build / "out").mkdir(parents=True)
+        return StepContext(params=json.loads(json.dumps(step.params)), inputs={r: h.path for r, h in hits.items()},
+                           input_manifests={r: h.record for r, h in hits.items()}, out=build / "out", threads=1,
+                           device="cpu", step_name=step.name, store_root=store)
+
+    seen = []
+
+    def fails(ctx, model):
+        seen.extend(Path(model).iterdir())   # the file the quantization wrote, in the scratch, not in out/
+        raise RuntimeError("injected: the measurement failed")
+
+    ctx = context("fails")
+    monkeypatch.setattr(quality, "measure", fails)
+    with pytest.raises(RuntimeError, match="injected"):
+        gguf_probe.run_probe(ctx)
+    assert [p.name for p in seen] == ["model.gguf"] and seen[0].parent == gguf_probe.scratch_dir(ctx)
+    assert not seen[0].exists() and not gguf_probe.scratch_dir(ctx).exists() and not list(ctx.out.iterdir())
+    monkeypatch.undo()
+    ctx = context("works")
+    result = gguf_probe.run_probe(ctx)
+    assert not gguf_probe.scratch_dir(ctx).exists()
+    assert sorted(p.name for p in ctx.out.iterdir()) == ["divergence.json", "perplexity.json"]
+    stored = st.lookup(steps["probe[mix~attn_q@Q4_0]"]["key"]).record   # the same probe, built by the run
+    assert result["metrics"] == stored["metrics"] and result["info"]["probed_files"] == stored["info"]["probed_files"]
+
+
+@needs_llama
+@pytest.mark.slow
+def test_the_selection_refuses_a_file_its_probe_did_not_measure(searched, tiny_model_dir):
+    """The selection quantizes the chosen candidate again and keeps it only if it has the sha256 its probe recorded
+    (llama.cpp is deterministic, so it does; the run's artifact is rebuilt bit for bit here): given a record whose
+    sha256 is not the file's, it fails in one line (a failed step's folder is never published)."""
+    from qbuild.contract.step import StepContext
+    from qbuild.quantize.gguf_search import run_select
+
+    store = searched["store"]
+    st = Store(store)
+    step = plan_steps(searched["root"], recipe_for(tiny_model_dir, store, SEARCH))["quantize[mix]"]
+    hits = {role: st.lookup(s.key) for role, s in step.inputs.items()}
+    manifests = {r: json.loads(json.dumps(h.record)) for r, h in hits.items()}
+
+    def select(name, manifests):
+        build = store / "tmp" / f"select-test-{name}"
+        (build / "out").mkdir(parents=True)
+        ctx = StepContext(params=json.loads(json.dumps(step.params)), inputs={r: h.path for r, h in hits.items()},
+                          input_manifests=manifests, out=build / "out", threads=1, device="cpu",
+                          step_name=step.name, runtime_args={"variant": "mix"}, store_root=store)
+        return ctx, run_select(ctx)
+
+    ctx, result = select("same", manifests)   # as the run did: the stored artifact's bytes
+    stored = st.lookup(step.key)
+    assert result["info"] == stored.record["info"] and result["metrics"] == stored.record["metrics"]
+    assert (ctx.out / "model.gguf").read_bytes() == (stored.path / "model.gguf").read_bytes()
+    chosen = result["info"]["search"]["chosen"]
+    manifests[f"m:{chosen}"]["info"]["probed_files"][0]["sha256"] = "0" * 64
+    with pytest.raises(RuntimeError, match=r"^search for mix: the chosen candidate quantized again \(\w{12}, \d+ "
+                                           r"bytes\) is not the file its probe measured \(000000000000, \d+ bytes\)"
+                       ) as err:
+        select("tampered", manifests)
+    assert "\n" not in str(err.value)
+
+
+@needs_llama
+@pytest.mark.slow
+def test_a_second_budget_reuses_every_probe(searched, tiny_model_dir):
+    """The same recipe again builds nothing; another budget builds only the allocation, its finalists' probes, the
+    selection and the variant's evaluation: no sensitivity point is probed again."""
+    store = searched["store"]
+    other = rerun_then_another_budget(searched["recipe"], recipe_for(tiny_model_dir, store,
+                                                                     {**SEARCH, "max_size_mb": 35.5}))
     assert {v["variant"]: v for v in other["variants"]}["mix"]["size_bytes"] <= 35.5e6
+    status = {s["name"]: s["status"] for s in other["steps"]}
+    sensitivity = [n for n in status if n.startswith("probe[mix~") and "cand" not in n]
+    assert len(sensitivity) == 18 and all(status[n] == "cached" for n in sensitivity)
+    assert sorted(n for n, v in status.items() if v == "built") == [
+        "gguf-search-allocate[mix]", "perplexity[mix]", "probe[mix~cand0]", "probe[mix~cand1]", "quantize[mix]"]
+    from qbuild import api
+
     _, shown = api.show("gsearch/mix", store=store)
     assert shown["rebuild_command"].startswith("llama-quantize --imatrix imatrix.gguf --tensor-type")
 
@@ -293,10 +453,9 @@ def test_a_budget_no_mix_reaches_fails_in_one_line(tiny_model_dir, tmp_path):
     assert m, error
     smallest = float(m.group(1))
     # every group at Q4_0 (~4.5 bpw) but the norms: well above the budget, well below the Q8_0 base
-    base = st.lookup(steps["quantize[mix~base]"]["key"])
-    base_mb = (base.path / "model.gguf").stat().st_size / 1e6
+    base_mb = st.lookup(steps["probe[mix~base]"]["key"]).record["metrics"]["gguf_bytes"] / 1e6
     assert 5 < smallest < base_mb * 0.75, (smallest, base_mb)
-    assert steps["quantize[mix~attn_q@Q4_0]"]["status"] == "cached"   # measured once, kept
+    assert steps["probe[mix~attn_q@Q4_0]"]["status"] == "cached"   # measured once, kept
 
 
 @needs_llama
@@ -314,9 +473,10 @@ def test_plan_with_a_llama_perplexity_base_file(tiny_model_dir, tmp_path):
     data["evaluation"] = {"baseline": True, "kld": True, "kld_base": str(tmp_path / "base.kld"),
                           "perplexity": {"protocol": "llama.cpp", "context_length": n_ctx, "max_windows": chunks}}
     steps = plan_steps(tmp_path, data)
-    sens, final = steps["perplexity[mix~attn_q@Q4_0]"], steps["perplexity[mix~cand0]"]
+    sens, final = steps["probe[mix~attn_q@Q4_0]"], steps["probe[mix~cand0]"]
     assert sens.inputs["kld_base"].name == final.inputs["kld_base"].name == "kld-base"
-    assert sens.inputs["reference"].runner.endswith("reference_from_kld_base") and sens.params["max_windows"] == 2
+    assert sens.inputs["reference"].runner.endswith("reference_from_kld_base")
+    assert sens.params["measure"]["max_windows"] == 2
     assert final.inputs["reference"].key == steps["perplexity[q4km]"].inputs["reference"].key
 
 

@@ -24,6 +24,7 @@ from qbuild.evaluate.llamacpp_kld import llamacpp_kld, read_kld_base
 LOGPROBS = "logprobs.npy"        # float16 [scored positions × vocab], windows in order, rows in position order
 TOP1 = "top1.npy"                # int32 [scored positions]: each row's argmax, from the float32 log-probs
 REFERENCE = "reference.json"     # what the log-probs are: protocol, runtime, per-window row offsets, format
+MEASURED = ("ppl", "tokens_scored", "kld", "top1")   # a perplexity step's metrics
 REFERENCE_FORMAT = {
     "name": "qbuild-logprobs-v2",
     "dtype": "float16",
@@ -172,6 +173,13 @@ class ReferenceReader:
 
 def perplexity(ctx: StepContext) -> dict:
     """A model's one pass: perplexity, and with a `reference` input KLD + top-1 agreement on the same logits."""
+    return measure(ctx, ctx.inputs["model"])
+
+
+def measure(ctx: StepContext, model: Path) -> dict:
+    """The `perplexity` step's pass over the model at `model` (the step's input, or a file a search's probe made in its
+    scratch: qbuild.quantize.gguf_probe): writes perplexity.json (and divergence.json) into ctx.out, returns the
+    step result."""
     p = ctx.params
     wins, info = _windows(ctx)
     file_base = read_kld_base(ctx.inputs["kld_base"]) if "kld_base" in ctx.inputs else None
@@ -179,7 +187,7 @@ def perplexity(ctx: StepContext) -> dict:
     if ref is not None and len(ref) != len(wins):
         raise RuntimeError(f"the reference has {len(ref)} windows, the evaluation data {len(wins)}")
     t0 = time.perf_counter()
-    rt = open_session(p["runtime"], ctx.inputs["model"], ctx, p["context_length"])
+    rt = open_session(p["runtime"], model, ctx, p["context_length"])
     nlls, klds, top1 = [], [], []
     for i, (w, rows) in enumerate(zip(wins, scored_rows(rt, wins, ctx), strict=True)):
         d = score_rows(rows, w, ref.window(i) if ref is not None else None,
@@ -209,22 +217,25 @@ def perplexity_of_a_measured_file(ctx: StepContext) -> dict:
     """A `perplexity` step of an artifact that is, byte for byte, one of its measured candidates (a search's chosen
     finalist; qbuild.planning.evaluation.measured_candidates): that candidate's measurement, same params and inputs, is
     this step's result, so its files and metrics are copied instead of running the model again. Which candidate it is
-    is decided by content: the one whose files all appear in the artifact with the same sha256; none is an error
-    (the planner paired an artifact that is not one of its candidates)."""
+    is decided by content: the one whose files all appear in the artifact with the same sha256 (a stored candidate's
+    files, or the files a probe measured in its scratch and recorded, `info.probed_files`); none is an error (the
+    planner paired an artifact that is not one of its candidates)."""
     import shutil
 
     own = {(f["path"], f["sha256"]) for f in ctx.input_manifests["model"].get("files", [])}
-    for role in sorted(r for r in ctx.inputs if r.startswith("candidate:")):
-        files = {(f["path"], f["sha256"]) for f in ctx.input_manifests[role].get("files", [])}
+    for measured in sorted(r for r in ctx.inputs if r.startswith("measured:")):
+        role = measured.removeprefix("measured:")
+        src, manifest = Path(ctx.inputs[measured]), ctx.input_manifests[measured]
+        candidate = ctx.input_manifests.get(f"candidate:{role}")
+        listed = candidate.get("files", []) if candidate is not None else manifest.get("info", {}).get("probed_files", [])
+        files = {(f["path"], f["sha256"]) for f in listed}
         if not files or not files <= own:
             continue
-        measured = "measured:" + role.removeprefix("candidate:")
-        src, manifest = Path(ctx.inputs[measured]), ctx.input_manifests[measured]
         for f in manifest.get("files", []):
             shutil.copyfile(src / f["path"], ctx.out / f["path"])
-        return {"format": "metrics", "metrics": dict(manifest.get("metrics", {})),
-                "info": {"seconds": 0.0, "measurement_of": role.removeprefix("candidate:"),
-                         "measurement_key": manifest.get("key")}}
+        metrics = {k: v for k, v in manifest.get("metrics", {}).items() if k in MEASURED}   # a probe's size is not one
+        return {"format": "metrics", "metrics": metrics,
+                "info": {"seconds": 0.0, "measurement_of": role, "measurement_key": manifest.get("key")}}
     raise RuntimeError(f"{ctx.step_name}: the artifact's files are none of its measured candidates' (sha256 differs); "
                        "its measurements cannot stand for it")
 

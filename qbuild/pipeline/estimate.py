@@ -92,8 +92,10 @@ def _param_overlap(a: dict, b: dict) -> tuple[int, int]:
 
 def _tokens_ratio(mine: dict, theirs: dict) -> float:
     """How many more tokens an evaluation step scores than a historical one (max_windows × context_length, where both
-    give them as numbers): an evaluation pass is about linear in them. 1.0 where either does not say."""
+    give them as numbers; a probe's under its `measure` params): an evaluation pass is about linear in them. 1.0 where
+    either does not say."""
     def tokens(p: dict) -> float | None:
+        p = p["measure"] if isinstance(p.get("measure"), dict) else p
         windows, length = p.get("max_windows"), p.get("context_length")
         ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (windows, length))
         return float(windows * length) if ok else None

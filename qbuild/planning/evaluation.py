@@ -80,7 +80,8 @@ def runtime_step(kind: str, name: str, params: dict, runtime: Runtime, label: st
     env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
     kw.setdefault("impl_version", IMPL_VERSIONS.get(kind, 1))
     elastic = ctx.elastic_threads and kind in ELASTIC_KINDS and runtime.thread_invariant
-    runner = RUNNERS[kw.pop("runner", kind)]
+    runner = kw.pop("runner", kind)
+    runner = RUNNERS.get(runner, runner)   # a kind's runner, or a runner's own path (a method's probe)
     return ctx.add(Step(kind, name, params, runner, inputs={**inputs, **fields.extra_inputs}, tools=tools,
                         threads=ctx.threads, elastic_threads=elastic,
                         preload=runtime.preload if env is None else (),
@@ -123,19 +124,29 @@ def evaluation_steps(ctx) -> None:
 def measured_candidates(artifact: Step, params: dict, inputs: dict) -> dict[str, Step]:
     """The candidate files an artifact step chooses among and their measurements, when every candidate was measured
     exactly as this evaluation would measure the artifact (same params: windows, protocol, runtime; same data,
-    reference and base-file inputs): {"candidate:<role>": model step, "measured:<role>": its perplexity step}.
-    Empty when the artifact step has no such candidates (every ordinary variant) or one was measured otherwise.
+    reference and base-file inputs): {"candidate:<role>": model step, "measured:<role>": its perplexity step}, or, for
+    candidates that were probes (built and measured in one step, their files never stored: probe_step),
+    {"measured:<role>": the probe}. Empty when the artifact step has no such candidates (every ordinary variant) or
+    one was measured otherwise.
 
-    A search's selection (gguf-search-select) copies one finalist's file, byte for byte, and every finalist was
-    measured on the full evaluation windows: measuring the chosen file again gives the same numbers from the same
-    bytes. Which finalist wins is only known at run time, so the variant's evaluation cannot be planned as that
-    finalist's step; it is planned with every finalist's measurement as an input, and its runner returns the one whose
-    file has the artifact's sha256 (qbuild.evaluate.quality.perplexity_of_a_measured_file). Its key is still a
-    function of hashed inputs only, and an ordinary variant's evaluation (no measured candidates) keeps its key."""
+    A search's selection (gguf-search-select) stores one finalist's file, byte for byte (it re-quantizes the probed
+    one and checks its sha256), and every finalist was measured on the full evaluation windows: measuring the chosen
+    file again gives the same numbers from the same bytes. Which finalist wins is only known at run time, so the
+    variant's evaluation cannot be planned as that finalist's step; it is planned with every finalist's measurement
+    as an input, and its runner returns the one whose file has the artifact's sha256
+    (qbuild.evaluate.quality.perplexity_of_a_measured_file). Its key is still a function of hashed inputs only, and an
+    ordinary variant's evaluation (no measured candidates) keeps its key."""
+    rest = {role: s.key for role, s in inputs.items() if role != "model"}
+    probes = {role: s for role, s in artifact.inputs.items() if is_probe(s)}
+    if probes:
+        for s in probes.values():
+            measured_with = {r: s.inputs[r].key for r in MEASUREMENT_ROLES if r in s.inputs}
+            if dict(s.params["measure"]) != params or measured_with != rest:
+                return {}
+        return {f"measured:{role}": s for role, s in probes.items()}
     candidates = {role: s for role, s in artifact.inputs.items() if spec(s.format).model}
     measurements = {s.inputs["model"].key: s for s in artifact.inputs.values()
                     if s.kind == "perplexity" and "model" in s.inputs}
-    rest = {role: s.key for role, s in inputs.items() if role != "model"}
     found = {}
     for role, candidate in candidates.items():
         m = measurements.get(candidate.key)
@@ -143,6 +154,14 @@ def measured_candidates(artifact: Step, params: dict, inputs: dict) -> dict[str,
             return {}
         found[f"candidate:{role}"], found[f"measured:{role}"] = candidate, m
     return found
+
+
+MEASUREMENT_ROLES = ("data", "reference", "kld_base")   # a perplexity step's inputs besides its model
+
+
+def is_probe(step: Step) -> bool:
+    """A step made by probe_step: it builds a model in its scratch and stores only its measurement."""
+    return isinstance(step.params.get("build"), dict) and isinstance(step.params.get("measure"), dict)
 
 
 def _quality_reference(ctx, ev, note: bool = False) -> tuple[Step | None, Step | None]:
@@ -276,7 +295,14 @@ def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
     """A `perplexity[label]` step of an intermediate model (a method's own measurement, e.g. a search's): its PPL,
     KLD and top-1 against the baseline's stored log-probs, on the recipe's evaluation text, on its first
     `max_windows` windows (None: the recipe's). Shares the recipe's reference where the windows are the same."""
+    params, inputs, rt = kld_measurement(ctx, label, artifact.format, max_windows)
+    return runtime_step("perplexity", f"perplexity[{label}]", params, rt, label, artifact, {"model": artifact, **inputs}, (),
+                 ctx)
 
+
+def kld_measurement(ctx, label: str, fmt: str, max_windows: int | None) -> tuple[dict, dict[str, Step], Runtime]:
+    """What kld_step measures a `fmt` model with: (the perplexity params, its inputs but the model: data, reference
+    and a llama-perplexity base file, the runtime)."""
     ev = effective_evaluation(ctx)
     perplexity = ev.perplexity
     name = "reference[baseline]"
@@ -288,15 +314,26 @@ def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
         reference, why = _kld_base_reference(ctx, ev, ctx.eval_data(perplexity), name), ""
     else:
         reference, why = reference_step(ctx, perplexity, name)
-    rt, why_not = pick_runtime(artifact.format)
+    rt, why_not = pick_runtime(fmt)
     if reference is None or rt is None:
         raise RecipeError("evaluation.kld", f"{label} cannot be measured: {why or why_not}")
     params = {**perplexity.canonical(), "runtime": rt.name}
     params.pop("dataset")
-    inputs = {"model": artifact, "data": reference.inputs["data"], "reference": reference}
+    inputs = {"data": reference.inputs["data"], "reference": reference}
     if ev.kld_base:
         inputs["kld_base"] = reference.inputs["kld_base"]
-    return runtime_step("perplexity", f"perplexity[{label}]", params, rt, label, artifact, inputs, (), ctx)
+    return params, inputs, rt
+
+
+def probe_step(ctx, kind: str, name: str, label: str, source: Step, build: dict, inputs: dict[str, Step],
+               max_windows: int | None, runner: str, tools: tuple[str, ...]) -> Step:
+    """A probe: one step that builds a model of `source`'s format from `inputs` under the params `build`, in its own
+    scratch (never stored), and measures it as kld_step would measure that model stored (same params, data and
+    reference; `params.measure`); it stores the measurement only. A search's sensitivity points and candidates are
+    probes (qbuild.quantize.gguf_probe), so their files never reach the store."""
+    measure, measured_inputs, rt = kld_measurement(ctx, label, source.format, max_windows)
+    return runtime_step(kind, name, {"build": build, "measure": measure}, rt, label, source,
+                        {**inputs, **measured_inputs}, tools, ctx, runner=runner)
 
 
 def load_check_runtimes(ctx, check, fmt: str) -> list[Runtime]:

@@ -1,121 +1,44 @@
 """Per-tensor mixed precision for a `gguf` variant, searched by measured KL divergence (`search:`).
 
 A `gguf` variant with `search: {max_size_mb | max_bpw | max_kld, ...}` and no `type` is planned as ordinary steps, all
-keyed, cached and spread by the executor like any other (docs/mixed-precision.md):
+keyed, cached and spread by the executor like any other (docs/mixed-precision.md). Every file the search measures is
+a probe (qbuild.quantize.gguf_probe, step kind gguf-probe): quantized in its step's scratch, measured there against
+the baseline's stored log-probs, removed; only its measurement (KLD, PPL, size, bpw, sha256) is stored.
 
-1. `quantize[V~base]`: the whole model at `base_type` (Q8_0), and its KLD against the baseline's stored log-probs.
+1. `probe[V~base]`: the whole model at `base_type` (Q8_0), its size and KLD.
 2. Sensitivity: for each tensor group (one tensor kind, attn_q .. ffn_down, token_embd, output, within one band of
-   layers) × each candidate type, `quantize[V~G@T]` (only that group at T, the rest at the base type, through
-   llama.cpp's per-tensor overrides) and `perplexity[V~G@T]` (its KLD on `sensitivity_windows` windows). These
-   params name no budget: a second budget on the same model reuses every one of them.
+   layers) × each candidate type, `probe[V~G@T]`: only that group at T, the rest at the base type (llama.cpp's
+   per-tensor overrides), its size and its KLD on `sensitivity_windows` windows. These params name no budget: a
+   second budget on the same model reuses every one of them.
 3. `gguf-search-allocate[V]`: assumes the groups' KLD increments add up and solves the budgeted choice exactly
-   (a multiple-choice knapsack by dynamic programming over bytes, sizes measured from the sensitivity files); it
-   writes `max_candidates` allocations (the optimum under the budget and under slightly tighter ones, since real
-   sizes and KLDs are not exactly additive).
-4. Each candidate is quantized (`quantize[V~cand<i>]`) and measured on the full evaluation windows.
-5. `quantize[V]` (kind gguf-search-select): the best candidate that meets the budget becomes the variant's artifact
-   (its manifest holds the chosen tensor types, the budget, size, bpw, KLD and the whole search record).
+   (a multiple-choice knapsack by dynamic programming over bytes, sizes measured by the probes); it writes
+   `max_candidates` allocations (the optimum under the budget and under slightly tighter ones, since real sizes and
+   KLDs are not exactly additive).
+4. Each candidate is probed (`probe[V~cand<i>]`) on the full evaluation windows.
+5. `quantize[V]` (kind gguf-search-select): the best candidate that meets the budget is quantized again (the same
+   bytes as its probe's, checked by sha256) and becomes the variant's artifact (its manifest holds the chosen tensor
+   types, the budget, size, bpw, KLD and the whole search record). It is the only .gguf the search stores.
 
-Nothing here imports llama.cpp at plan time; the runners import numpy and gguf only.
+Nothing here imports llama.cpp at plan time; the runners import numpy and gguf only (the probes and the selection
+quantize through qbuild.quantize.gguf.run).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
-
-from pydantic import Field, field_validator, model_validator
 
 from qbuild.base.errors import RecipeError
-from qbuild.base.schema_base import StrictModel
 from qbuild.contract.step import Step, StepContext
+from qbuild.quantize.gguf_probe import gguf_weights
+from qbuild.quantize.gguf_search_options import ALLOCATION_FILE, DEFAULT_TYPES, NEEDS_IMATRIX, GGUFSearch
 
 OUTPUT_FILE = "model.gguf"   # qbuild.quantize.gguf.options' file name (a quantize step's one file)
-ALLOCATION_FILE = "allocation.json"
 SEARCH_FILE = "search.json"   # the artifact's own short record (budget, chosen types, command) beside the .gguf
 RECORD_RESERVE = 8192         # bytes of the budget kept for search.json, so the whole artifact meets it
 MB = 1_000_000               # max_size_mb is in decimal megabytes, as file sizes are usually quoted
-
-# Candidate types, most precise first. The default for a group is those whose blocks fit its rows (no fallback:
-# llama.cpp would silently store another type), below the base type; IQ types below 4 bits need an importance matrix.
-DEFAULT_TYPES = ("Q6_K", "Q5_K", "Q5_1", "Q5_0", "IQ4_NL", "Q4_K", "IQ4_XS", "Q4_1", "Q4_0", "Q3_K", "IQ3_S", "Q2_K")
-NEEDS_IMATRIX = ("IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
-# bits per weight of each ggml type (block bytes × 8 / block columns): ranks types and estimates sizes at plan time
-BPW = {"F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K": 5.5, "Q5_1": 6.0, "Q5_0": 5.5,
-       "IQ4_NL": 4.5, "Q4_K": 4.5, "IQ4_XS": 4.25, "Q4_1": 5.0, "Q4_0": 4.5, "Q3_K": 3.4375, "IQ3_S": 3.4375,
-       "IQ3_XXS": 3.0625, "Q2_K": 2.625, "IQ2_S": 2.5625, "IQ2_XS": 2.3125, "IQ2_XXS": 2.0625}
-
-
-class GGUFSearch(StrictModel):
-    """Reach a size or KLD budget with per-tensor types chosen from measured KL divergence."""
-
-    max_size_mb: float | None = Field(None, gt=0, description="File size budget in MB (10^6 bytes); objective min_kld.")
-    max_bpw: float | None = Field(None, gt=0, description="Bits-per-weight budget (file bits / weights); min_kld.")
-    max_kld: float | None = Field(None, gt=0, description="Mean KLD budget against the baseline; objective min_size.")
-    objective: Literal["min_kld", "min_size"] | None = Field(
-        None, description="min_kld under a size budget, min_size under a KLD budget (default: the budget's).")
-    types: list[str] | None = Field(
-        None, description="Candidate ggml tensor types. Default: those of " + ", ".join(DEFAULT_TYPES) + " whose "
-                          "blocks fit each group's rows (IQ3_S only with an importance matrix).")
-    base_type: str = Field("Q8_0", description="Type of every tensor a group does not move (and of the sensitivity "
-                                               "models' other tensors).")
-    layer_bands: int = Field(1, ge=1, description="Split the layers into this many contiguous bands; each tensor kind "
-                                                  "in each band is one group (1: one group per tensor kind).")
-    sensitivity_windows: int | None = Field(
-        2, ge=1, description="Evaluation windows for each sensitivity measurement (null: all of them); the finalists "
-                             "are measured on every window.")
-    max_candidates: int = Field(3, ge=1, le=16, description="Allocations built and measured for real.")
-    max_minutes: float | None = Field(
-        None, gt=0, description="Refuse to start a search whose steps still to build are estimated (from the store's "
-                                "history of the same or similar steps, else from the model's size) to take longer, "
-                                "and stop one that runs longer (what finished stays stored; a rerun resumes). Never "
-                                "part of a key: results do not depend on wall time.")
-
-    @field_validator("types")
-    @classmethod
-    def _types(cls, v):
-        if v is None:
-            return v
-        if not v:
-            raise ValueError("give at least one type")
-        out = [t.upper() for t in v]   # each checked against the ggml types by the gguf variant
-        return sorted(set(out), key=out.index)
-
-    @field_validator("base_type")
-    @classmethod
-    def _base(cls, v):
-        up = v.upper()
-        if up not in ("Q8_0", "F16", "BF16", "F32"):
-            raise ValueError(f"{v!r}: the base type is a high-precision one (Q8_0, F16, BF16, F32)")
-        return up
-
-    @model_validator(mode="before")
-    @classmethod
-    def _one_budget(cls, data):
-        if not isinstance(data, dict):
-            return data
-        given = [k for k in ("max_size_mb", "max_bpw", "max_kld") if data.get(k) is not None]
-        if len(given) != 1:
-            raise ValueError("give exactly one budget: max_size_mb, max_bpw or max_kld"
-                             + (f" (got {', '.join(given)})" if given else ""))
-        implied = "min_size" if given[0] == "max_kld" else "min_kld"
-        if data.get("objective") is None:
-            data = {**data, "objective": implied}   # resolved here: the key holds the objective, never null
-        elif data["objective"] != implied:
-            raise ValueError(f"objective {data['objective']} does not go with {given[0]}: use {implied}")
-        return data
-
-    def budget(self) -> dict:
-        return {k: getattr(self, k) for k in ("max_size_mb", "max_bpw", "max_kld") if getattr(self, k) is not None}
-
-    def describe(self) -> str:
-        (name, value), = self.budget().items()
-        return f"search {name.removeprefix('max_')}≤{value:g} {self.objective}"
-
 
 @dataclass(frozen=True)
 class Group:
@@ -235,10 +158,10 @@ def check_search(variant, ctx, field: str) -> None:
                                              "evaluation.kld: true and evaluation.perplexity")
 
 
-def plan_search(variant, ctx, inputs: dict[str, Step], quantize_step, block_size, names, cols) -> Step:
-    """The search's steps (module docstring); returns the step whose output is the variant's artifact.
-    `quantize_step(name, params, extra_inputs)` makes a quantize step like the variant's own."""
-    from qbuild.planning.evaluation import kld_step
+def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], block_size, names, cols) -> Step:
+    """The search's steps (module docstring); returns the step whose output is the variant's artifact. `inputs`: the
+    variant's quantize inputs (the converted GGUF, the importance matrix), `tools` its quantize steps' tools."""
+    from qbuild.planning.evaluation import probe_step
 
     search = variant.search
     imatrix = "imatrix" in inputs
@@ -249,20 +172,21 @@ def plan_search(variant, ctx, inputs: dict[str, Step], quantize_step, block_size
     if not imatrix:
         common.pop("imatrix")
     label = variant.name
-    base = quantize_step(f"quantize[{label}~base]", dict(common), {})
-    alloc_inputs = {"base": base,
-                    "base_kld": kld_step(ctx, f"{label}~base", base, search.sensitivity_windows)}
-    sensitivity_reference = alloc_inputs["base_kld"].inputs["reference"]   # its own over the first windows (or shared)
+
+    def probe(tag: str, build: dict, extra: dict, windows: int | None) -> Step:
+        return probe_step(ctx, "gguf-probe", f"probe[{label}~{tag}]", f"{label}~{tag}", inputs["gguf"], build,
+                          {**inputs, **extra}, windows, "qbuild.quantize.gguf_probe:run_probe", tools)
+
+    alloc_inputs = {"base": probe("base", dict(common), {}, search.sensitivity_windows)}
+    sensitivity_reference = alloc_inputs["base"].inputs["reference"]   # its own over the first windows (or shared)
     table = []
     for g in groups:
         types = group_types(g, search, imatrix, block_size)
         table.append({"group": g.name, "pattern": g.pattern, "tensors": list(g.tensors), "types": types})
         for t in types:
             tag = f"{g.name}@{t}"
-            q = quantize_step(f"quantize[{label}~{tag}]", {**common, "tensor_types": [{"pattern": g.pattern, "type": t}]},
-                              {})
-            alloc_inputs[f"q:{tag}"] = q
-            alloc_inputs[f"m:{tag}"] = kld_step(ctx, f"{label}~{tag}", q, search.sensitivity_windows)
+            alloc_inputs[f"p:{tag}"] = probe(tag, {**common, "tensor_types": [{"pattern": g.pattern, "type": t}]}, {},
+                                             search.sensitivity_windows)
     if not any(row["types"] for row in table):
         raise RecipeError(f"variants[{ctx.recipe.variants.index(variant)}].search.types",
                           "no candidate type fits any tensor group's rows")
@@ -272,18 +196,19 @@ def plan_search(variant, ctx, inputs: dict[str, Step], quantize_step, block_size
                               "qbuild.quantize.gguf_search:run_allocate", inputs={**alloc_inputs, "gguf": inputs["gguf"]},
                               tools=("gguf", "numpy"), threads=1, format="metrics",
                               runtime_args={"variant": label}))   # for its messages; not hashed
-    select_inputs = {"allocation": allocation}
+    select_inputs = {"allocation": allocation, **inputs}
     for i in range(search.max_candidates):
-        q = quantize_step(f"quantize[{label}~cand{i}]", {**common, "candidate": i}, {"allocation": allocation})
-        select_inputs[f"q:{i}"] = q
-        select_inputs[f"m:{i}"] = kld_step(ctx, f"{label}~cand{i}", q, None)
+        select_inputs[f"m:{i}"] = probe(f"cand{i}", {**common, "candidate": i}, {"allocation": allocation}, None)
     select = ctx.add(Step("gguf-search-select", f"quantize[{label}]", {"budget": search.budget(), "imatrix": imatrix,
-                                                                        "objective": search.objective},
-                          "qbuild.quantize.gguf_search:run_select", inputs=select_inputs, threads=1,
-                          runtime_args={"variant": label}, impl_version=2,   # 2: search.json beside the .gguf
+                                                                        "objective": search.objective,
+                                                                        "quantize": common},
+                          "qbuild.quantize.gguf_search:run_select", inputs=select_inputs, tools=tools,
+                          threads=ctx.threads, runtime_args={"variant": label}, impl_version=3,
+                          # 2: search.json beside the .gguf; 3: the chosen probe's file built again here
                           variant=label, format="gguf", scheme=search.base_type))
     if search.max_minutes is not None:
         steps = [*alloc_inputs.values(), allocation, *select_inputs.values(), select]
+        steps = [s for s in steps if s.key not in {v.key for v in inputs.values()}]
         if "~" in sensitivity_reference.name:
             steps.append(sensitivity_reference)   # reference[baseline~Nw]: made for the search alone
         index = ctx.recipe.variants.index(variant)
@@ -315,29 +240,29 @@ def estimated_weights(info: dict) -> int:
 
 def guessed_seconds(step: Step, weights: int) -> float:
     """A search step's time from the model's size alone (SECONDS_PER_WEIGHT*): used where the store has no history."""
-    if step.kind in ("perplexity", "reference"):
-        windows = step.params.get("max_windows") or WINDOWS_IF_ALL
-        return SECONDS_PER_WEIGHT_TOKEN * weights * windows * int(step.params.get("context_length") or 512)
-    if step.kind == "quantize":
+    if step.kind == "gguf-probe":   # a quantization and an evaluation pass in one step
         kind = "candidate-quantize" if "allocation" in step.inputs else "sensitivity-quantize"
-        return SECONDS_PER_WEIGHT[kind] * weights
-    return 5.0   # allocation, selection: reading manifests and a small DP
+        return SECONDS_PER_WEIGHT[kind] * weights + _pass_seconds(step.params["measure"], weights)
+    if step.kind in ("perplexity", "reference"):
+        return _pass_seconds(step.params, weights)
+    if step.kind == "gguf-search-select":   # the chosen candidate quantized again
+        return SECONDS_PER_WEIGHT["candidate-quantize"] * weights
+    return 5.0   # allocation: reading manifests and a small DP
+
+
+def _pass_seconds(params, weights: int) -> float:
+    windows = params.get("max_windows") or WINDOWS_IF_ALL
+    return SECONDS_PER_WEIGHT_TOKEN * weights * windows * int(params.get("context_length") or 512)
 
 
 # --- runners -----------------------------------------------------------------------------------------------------
-def _metrics(ctx: StepContext, role: str) -> dict:
+def input_metrics(ctx: StepContext, role: str) -> dict:
     return ctx.input_manifests.get(role, {}).get("metrics", {})
 
 
-def _size(ctx: StepContext, role: str) -> int:
-    return (Path(ctx.inputs[role]) / OUTPUT_FILE).stat().st_size
-
-
-def gguf_weights(path: Path) -> int:
-    """Number of weights (elements of every tensor) in a GGUF file: the denominator of bits per weight."""
-    import gguf
-
-    return int(sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors))
+def probed_size(ctx: StepContext, role: str) -> int:
+    """The size of the .gguf a probe measured (it is not stored: its manifest says)."""
+    return int(input_metrics(ctx, role)["gguf_bytes"])
 
 
 def size_budget(budget: dict, weights: int) -> int | None:
@@ -351,14 +276,14 @@ def size_budget(budget: dict, weights: int) -> int | None:
 def run_allocate(ctx: StepContext) -> dict:
     """Measured sizes and KLDs → allocations under the budget (additive model), as candidates to build."""
     p = ctx.params
-    base_size, base_kld = _size(ctx, "base"), float(_metrics(ctx, "base_kld")["kld"])
+    base_size, base_kld = probed_size(ctx, "base"), float(input_metrics(ctx, "base")["kld"])
     weights = gguf_weights(Path(ctx.inputs["gguf"]) / OUTPUT_FILE)
     options, measured = [], []
     for row in p["groups"]:
         opts = [(0, 0.0, p["base_type"])]
         for t in row["types"]:
             tag = f"{row['group']}@{t}"
-            size, kld = _size(ctx, f"q:{tag}"), float(_metrics(ctx, f"m:{tag}")["kld"])
+            size, kld = probed_size(ctx, f"p:{tag}"), float(input_metrics(ctx, f"p:{tag}")["kld"])
             opts.append((size - base_size, kld - base_kld, t))
             measured.append({"group": row["group"], "type": t, "size_bytes": size, "kld": kld})
         options.append(opts)
@@ -397,32 +322,12 @@ def run_allocate(ctx: StepContext) -> dict:
     return {"format": "metrics", "metrics": {"candidates": len(choices), "measurements": len(measured)}}
 
 
-def unreachable_budget(variant: str, budget: dict, pairs, base_size: int, base_kld: float, weights: int) -> str:
-    """One line: no mix of the candidate types meets the budget, and what the types can reach (by the measured,
-    additive sensitivity): the smallest file for a size budget, the least KLD for a KLD budget."""
-    (name, value), = budget.items()
-    head = f"search for {variant}: no mix of its types meets {name} {value:g}"
-    if name == "max_kld":
-        least = base_kld + sum(min(v for _, v in o) for o in pairs)
-        return (f"{head}: the least KLD they reach is {least:.5f} (the base type alone: {base_kld:.5f}); raise "
-                "max_kld or use a more precise base_type")
-    pick = [min(range(len(o)), key=lambda i, o=o: (o[i][0], o[i][1])) for o in pairs]
-    size, dkld = _total(pairs, pick)
-    smallest = base_size + size + RECORD_RESERVE
-    return (f"{head}: the smallest they reach is {smallest / MB:.2f} MB ({smallest * 8 / weights:.2f} bpw, KLD "
-            f"{base_kld + dkld:.5f} predicted); raise {name} or add smaller types")
-
-
-def candidate_overrides(allocation_dir: Path, index: int) -> list[dict]:
-    """The tensor_types of allocation candidate `index` (what its quantize step passes to llama.cpp)."""
-    record = json.loads((Path(allocation_dir) / ALLOCATION_FILE).read_text())
-    return record["candidates"][index]["tensor_types"]
-
-
 def run_select(ctx: StepContext) -> dict:
-    """The best measured candidate that meets the budget becomes the artifact: its .gguf and a short search.json
-    (which makes it an object of its own: the winning candidate's .gguf alone is already stored, under the
-    candidate's manifest; and it travels with the file on `qbuild pull`). A size budget counts both files."""
+    """The best measured candidate that meets the budget becomes the artifact: its .gguf, quantized again here from the
+    same inputs as its probe (which measured it and did not keep it), and a short search.json (it travels with the
+    file on `qbuild pull`). A size budget counts both files. The .gguf must be the probe's byte for byte (llama.cpp's
+    quantization is deterministic); a different sha256 fails the step, since the measurements would not be this
+    file's."""
     p = ctx.params
     alloc = json.loads((Path(ctx.inputs["allocation"]) / ALLOCATION_FILE).read_text())
     weights, base_type = alloc["weights"], alloc["base"]["type"]
@@ -430,8 +335,8 @@ def run_select(ctx: StepContext) -> dict:
     budget_bytes = None if limit is None else limit + RECORD_RESERVE
     rows, shorts = [], []
     for i, cand in enumerate(alloc["candidates"]):
-        m = _metrics(ctx, f"m:{i}")
-        size = _size(ctx, f"q:{i}")
+        m = input_metrics(ctx, f"m:{i}")
+        size = probed_size(ctx, f"m:{i}")
         short = {"budget": p["budget"], "objective": p["objective"], "base_type": base_type,
                  "tensor_types": cand["tensor_types"], "gguf_bytes": size, "bpw": size * 8 / weights, "kld": m["kld"],
                  "command": llama_quantize_command(base_type, cand["tensor_types"], p.get("imatrix", False))}
@@ -450,7 +355,8 @@ def run_select(ctx: StepContext) -> dict:
     order = (lambda r: (r["kld"], r["size_bytes"])) if p["objective"] == "min_kld" else \
         (lambda r: (r["size_bytes"], r["kld"]))
     best = min(fits, key=order)
-    shutil.copyfile(Path(ctx.inputs[f"q:{best['candidate']}"]) / OUTPUT_FILE, ctx.out / OUTPUT_FILE)
+    rebuild_probed(ctx, {**p["quantize"], "candidate": best["candidate"]}, f"m:{best['candidate']}",
+                   ctx.out / OUTPUT_FILE)
     (ctx.out / SEARCH_FILE).write_text(shorts[best["candidate"]])
     record = {**json.loads(shorts[best["candidate"]]), "chosen": best["candidate"], "size_bytes": best["size_bytes"],
               "candidates": rows, "base": alloc["base"], "sensitivity": alloc["sensitivity"],
@@ -459,6 +365,38 @@ def run_select(ctx: StepContext) -> dict:
     info = {"gguf_type": base_type, "part_types": types, "tensor_types": best["tensor_types"], "search": record}
     return {"format": "gguf", "metrics": {"size_bytes": best["size_bytes"], "gguf_bytes": best["gguf_bytes"],
                                           "bpw": round(best["bpw"], 4), "search_kld": best["kld"]}, "info": info}
+
+
+def rebuild_probed(ctx: StepContext, build: dict, role: str, out: Path) -> None:
+    """The file probe `role` measured, quantized again to `out` under its build params `build` (the step has the
+    probe's inputs); RuntimeError (one line) when its sha256 is not the one the probe recorded."""
+    from qbuild.base.hashing import sha256_file
+    from qbuild.quantize.gguf.run import quantize_into
+
+    quantize_into(ctx, build, out)
+    probed, = ctx.input_manifests[role]["info"]["probed_files"]
+    got = sha256_file(out)
+    if got != probed["sha256"]:
+        raise RuntimeError(f"search for {ctx.runtime_args.get('variant', '?')}: the chosen candidate quantized again "
+                           f"({got[:12]}, {out.stat().st_size} bytes) is not the file its probe measured "
+                           f"({probed['sha256'][:12]}, {probed['size']} bytes): llama.cpp's quantization was not "
+                           "deterministic here, so the measurements do not stand for the file")
+
+
+def unreachable_budget(variant: str, budget: dict, pairs, base_size: int, base_kld: float, weights: int) -> str:
+    """One line: no mix of the candidate types meets the budget, and what the types can reach (by the measured,
+    additive sensitivity): the smallest file for a size budget, the least KLD for a KLD budget."""
+    (name, value), = budget.items()
+    head = f"search for {variant}: no mix of its types meets {name} {value:g}"
+    if name == "max_kld":
+        least = base_kld + sum(min(v for _, v in o) for o in pairs)
+        return (f"{head}: the least KLD they reach is {least:.5f} (the base type alone: {base_kld:.5f}); raise "
+                "max_kld or use a more precise base_type")
+    pick = [min(range(len(o)), key=lambda i, o=o: (o[i][0], o[i][1])) for o in pairs]
+    size, dkld = _total(pairs, pick)
+    smallest = base_size + size + RECORD_RESERVE
+    return (f"{head}: the smallest they reach is {smallest / MB:.2f} MB ({smallest * 8 / weights:.2f} bpw, KLD "
+            f"{base_kld + dkld:.5f} predicted); raise {name} or add smaller types")
 
 
 def llama_quantize_command(base_type: str, tensor_types: list[dict], imatrix: bool = False) -> str:

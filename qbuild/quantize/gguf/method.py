@@ -179,17 +179,11 @@ class GGUF(Method):
                                              variant=imatrix_ref(variant.convert_type), impl_version=IMATRIX_IMPL,
                                              env_toolchain=imatrix_toolchain()))
         if variant.search is not None:
-            def quantize_step(name: str, params: dict, extra: dict) -> Step:
-                return ctx.add(Step("quantize", name, params, "qbuild.quantize.gguf.run:run_quantize",
-                                    inputs={**inputs, **extra}, tools=TOOLS, threads=ctx.threads, format=Format.GGUF,
-                                    scheme=params["type"]))
-
             names = gguf_weight_names(model.source_path, ctx.model_info()) or []
             if not names:
                 raise RecipeError(f"variants[{ctx.recipe.variants.index(variant)}].search",
                                   "the model's tensor names are unknown (not a llama-style checkpoint)")
-            return plan_search(variant, ctx, inputs, quantize_step, block_size, names,
-                               gguf_tensor_columns(ctx.model_info()))
+            return plan_search(variant, ctx, inputs, TOOLS, block_size, names, gguf_tensor_columns(ctx.model_info()))
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.gguf.run:run_quantize", inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.GGUF,

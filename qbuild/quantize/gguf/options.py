@@ -9,7 +9,7 @@ from pydantic import Field, field_validator, model_validator
 
 from qbuild.base.schema_base import StrictModel
 from qbuild.contract.variant import VariantBase
-from qbuild.quantize.gguf_search import GGUFSearch
+from qbuild.quantize.gguf_search_options import GGUFSearch
 
 TOOLS = ("llama-cpp-python",)
 CONVERT_TOOLS = ("llama-cpp-python", "torch", "transformers", "safetensors")

@@ -105,15 +105,14 @@ def ggml_type_id(llama_cpp, name: str) -> int:
     return int(value)
 
 
-def _tensor_overrides(llama_cpp, ctx: StepContext, params, keep: list) -> list[dict]:
+def _tensor_overrides(llama_cpp, ctx: StepContext, p: dict, params, keep: list) -> list[dict]:
     """Per-tensor types (the variant's tensor_types, or a search candidate's from the allocation step's output) as
     `params.tt_overrides`; returns them."""
     import ctypes
 
-    p = ctx.params
     overrides = p.get("tensor_types") or []
     if "allocation" in ctx.inputs:   # a search's candidate: its types come from the allocation step's output
-        from qbuild.quantize.gguf_search import candidate_overrides
+        from qbuild.quantize.gguf_search_options import candidate_overrides
 
         overrides = candidate_overrides(Path(ctx.inputs["allocation"]), p["candidate"])
     if overrides:
@@ -168,14 +167,21 @@ def _imatrix_params(llama_cpp, ctx: StepContext, params, keep: list) -> dict:
 
 
 def run_quantize(ctx: StepContext) -> dict:
+    out = ctx.out / OUTPUT_FILE
+    info = quantize_into(ctx, ctx.params, out)
+    return {"format": "gguf", "metrics": {"size_bytes": out.stat().st_size}, "info": info}
+
+
+def quantize_into(ctx: StepContext, p: dict, out: Path) -> dict:
+    """llama_model_quantize of the step's converted GGUF (with its importance matrix, if an input) to `out` under the
+    quantize params `p` (type, output/embedding types, tensor_types or a search candidate); returns the manifest's
+    info. A search's probes and selection call it with their own `out` (qbuild.quantize.gguf_probe)."""
     import llama_cpp
 
     from qbuild.base.tool_run import ToolFailed
     from qbuild.quantize.llamacpp_log import llama_log_tail
 
     src = Path(ctx.inputs["gguf"]) / OUTPUT_FILE
-    out = ctx.out / OUTPUT_FILE
-    p = ctx.params
     name = p["type"]
     ftype = llama_cpp.LLAMA_FTYPE_ALL_F32 if name == "F32" else getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{name}", None)
     if ftype is None:
@@ -188,7 +194,7 @@ def run_quantize(ctx: StepContext) -> dict:
     if p.get("embedding_type"):
         params.token_embedding_type = ggml_type_id(llama_cpp, p["embedding_type"])
     keep = []  # ctypes buffers must outlive the call
-    overrides = _tensor_overrides(llama_cpp, ctx, params, keep)
+    overrides = _tensor_overrides(llama_cpp, ctx, p, params, keep)
     info: dict = {"gguf_type": name, "llama_cpp_python": llama_cpp.__version__}
     requested = sorted({o["type"] for o in overrides} | {p.get("output_type"), p.get("embedding_type")} - {None})
     if requested:   # tensors stored in other types than the file type: they decide where it loads too (loads_in)
@@ -201,4 +207,4 @@ def run_quantize(ctx: StepContext) -> dict:
     if rc != 0:
         raise ToolFailed(f"llama_model_quantize({name})", rc, log_tail.lines(), ended="returned")
     ctx.progress(1, 1, "quantized")
-    return {"format": "gguf", "metrics": {"size_bytes": out.stat().st_size}, "info": info}
+    return info
