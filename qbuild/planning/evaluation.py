@@ -296,8 +296,8 @@ def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
     KLD and top-1 against the baseline's stored log-probs, on the recipe's evaluation text, on its first
     `max_windows` windows (None: the recipe's). Shares the recipe's reference where the windows are the same."""
     params, inputs, rt = kld_measurement(ctx, label, artifact.format, max_windows)
-    return runtime_step("perplexity", f"perplexity[{label}]", params, rt, label, artifact, {"model": artifact, **inputs}, (),
-                 ctx)
+    return runtime_step("perplexity", f"perplexity[{label}]", params, rt, label, artifact,
+                        {"model": artifact, **inputs}, (), ctx)
 
 
 def kld_measurement(ctx, label: str, fmt: str, max_windows: int | None) -> tuple[dict, dict[str, Step], Runtime]:
