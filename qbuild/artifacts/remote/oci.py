@@ -419,18 +419,14 @@ class OciRemote(RemoteStore):
 
     def _push_file_resumable(self, path: Path, desc: dict, digest: str, rel: str, resume: UploadResume) -> None:
         """A large blob through a chunked session the local store remembers (qbuild.artifacts.remote.oci_upload):
-        a push cut off in the middle continues it. The record is dropped once the session is closed or refused."""
+        a push cut off in the middle continues it. The record is dropped once the session is closed; one the
+        registry no longer continues (refused, expired) is found out by the next push, which opens a new session."""
         record = resume.get(self.display, digest, rel)
 
         def remember(new: dict) -> None:
             resume.put(self.display, digest, rel, new)
 
-        try:
-            kept = push_blob_resumable(self, path, desc, record, remember, UPLOAD_CHUNK)
-        except RemoteError as exc:
-            if "DIGEST_INVALID" in str(exc) or "HTTP 400" in str(exc):   # the session held other bytes
-                resume.drop(self.display, digest, rel)
-            raise
+        kept = push_blob_resumable(self, path, desc, record, remember, UPLOAD_CHUNK)
         resume.drop(self.display, digest, rel)
         self._count(bytes_resumed=kept)
 
