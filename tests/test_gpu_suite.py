@@ -58,7 +58,21 @@ def test_dry_run_plan_is_within_limits():
     assert "test_vllm_gpu.py" in only and "test_trtllm" not in only and "env create" not in only
     offline = run_sh("--dry-run", "--wheels", ROOT).stdout
     assert f"--offline --find-links {ROOT}" in offline
+    assert "test_torch_cuda_gpu.py" in text
     assert not Path("/tmp/never-written").exists()
+
+
+def test_system_python_runs_qbuild_from_the_checkout_with_carried_wheels(tmp_path):
+    """A GPU machine with CUDA torch and no package index (the one lent on 2026-11-27): no venv, no uv, qbuild's
+    missing dependencies from a wheel folder into <out>/site, and the machine's python3 runs the tests."""
+    res = run_sh("--dry-run", "--system-python", "--wheels", tmp_path, "--only", "torch", "--out", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    steps = [line for line in res.stdout.splitlines() if line.startswith("[")]
+    assert len(steps) == 2, steps
+    assert f"pip install -q --no-index --no-deps --no-compile --target {tmp_path}/out/site {tmp_path}/*.whl" in steps[0]
+    assert "-m pytest -m gpu" in steps[1] and "tests/gpu/test_torch_cuda_gpu.py" in steps[1]
+    assert "uv " not in res.stdout and ".venv-gpu" not in res.stdout
+    assert f"PYTHONPATH={ROOT}:{tmp_path}/out/site" in res.stdout
 
 
 def test_without_a_gpu_nothing_runs_and_the_report_says_why(tmp_path):

@@ -121,6 +121,32 @@ def test_the_plan_says_which_device_each_step_uses(tmp_path):
     assert "every step runs on the CPU" in cpu_only.stdout and "cuda" not in cpu_only.stdout
 
 
+def test_llm_compressor_steps_use_the_gpu_the_plan_gives_them(tmp_path, monkeypatch):
+    """llm-compressor onloads each layer to the GPU whenever torch sees one, so its steps are on `cuda` in the plan
+    of a GPU machine; a step whose recipe says `device: cpu` is kept on the CPU: the library's onload device is
+    replaced for its oneshot call (checked on an H200 by tests/gpu/test_torch_cuda_gpu.py)."""
+    import torch
+    from llmcompressor.pipelines.data_free import pipeline as data_free
+    from llmcompressor.pipelines.sequential import pipeline as sequential
+
+    from qbuild.contract.step import StepContext
+    from qbuild.quantize.llmcompressor import onload_to_cpu
+
+    gpu = _plan_rows(tmp_path, "methods.yaml", "NVIDIA H100 80GB HBM3:9.0:550.54.15")
+    assert gpu["quantize[gptq-w4g64]"] == gpu["quantize[rtn-w4g64]"] == gpu["quantize[fp8-static]"] == "cuda", gpu
+    assert gpu["quantize[q4km]"] == "cpu"
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ctx = {d: StepContext({}, {}, {}, tmp_path, 1, d, "quantize[x]") for d in ("auto", "cuda", "cpu")}
+    assert [ctx[d].torch_device() for d in ("auto", "cuda", "cpu")] == ["cuda", "cuda", "cpu"]
+    # the names the pipelines look the device up by: if llm-compressor moves them, the override must not go quiet
+    assert callable(sequential.get_main_device) and callable(data_free.get_main_device)
+    monkeypatch.setattr(sequential, "get_main_device", lambda: torch.device("cuda"))
+    with onload_to_cpu():
+        assert sequential.get_main_device() == data_free.get_main_device() == torch.device("cpu")
+    assert sequential.get_main_device() == torch.device("cuda")
+
+
 def test_llama_cpp_offloads_the_layers_that_fit_the_gpu():
     """A GGUF larger than the GPU's free memory (a 70B F16 on an 80 GB card) goes partly on the GPU: as many of its
     layers as fit beside the runtime's reserve, read from the file's own block count; a file that fits goes whole."""

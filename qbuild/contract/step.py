@@ -142,6 +142,15 @@ class StepContext:
             raise NotOurs(f"step {self.step_name} has no store: refusing to delete or move files under {self.out}")
         return owned_root(self.store_root, "store")
 
+    def torch_device(self) -> str:
+        """Where a torch step computes: "cuda" when the recipe's device allows a GPU (auto or cuda) and torch sees
+        one, else "cpu" (runtime.device: cpu keeps a GPU machine's steps on its CPU)."""
+        if self.device == "cpu":
+            return "cpu"
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def threads_now(self) -> int:
         """The threads this step may use now: `threads`, or more while the executor has idle cores for it."""
         if self.threads_file is None:

@@ -90,7 +90,7 @@ class AutoRound(Method):
                             inputs={"model": ctx.model(), "calibration": ctx.calibration()}, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=FORMATS[variant.format],
                             scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self),
-                            memory="whole-model"))
+                            memory="whole-model", gpu_capable=True))
 
 
 # --- worker side ------------------------------------------------------------------------------------
@@ -141,7 +141,7 @@ def run(ctx: StepContext) -> dict:
 
     p = ctx.params
     src = Path(ctx.inputs["model"])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = ctx.torch_device()
     ctx.progress(0, 3, "loading model")
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
     tokenizer = AutoTokenizer.from_pretrained(str(src))

@@ -85,7 +85,7 @@ class BitsAndBytes(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.bitsandbytes:run", inputs={"model": ctx.model()}, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=FORMAT,
-                            scheme=variant.scheme, memory="whole-model"))
+                            scheme=variant.scheme, memory="whole-model", gpu_capable=True))
 
 
 # --- worker side ------------------------------------------------------------------------------------
@@ -108,7 +108,7 @@ def run(ctx: StepContext) -> dict:
 
     p = ctx.params
     src = Path(ctx.inputs["model"])
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = ctx.torch_device()
     ctx.progress(0, 2, f"loading + quantizing ({p['scheme']}) on {device}")
     dtype = "auto" if p["dtype"] == "auto" else getattr(torch, p["dtype"])
     model = AutoModelForCausalLM.from_pretrained(str(src), quantization_config=bnb_config(p), dtype=dtype,

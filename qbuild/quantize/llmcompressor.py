@@ -112,7 +112,7 @@ class LLMCompressorMethod(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.COMPRESSED_TENSORS,
                             scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self),
-                            memory="offloads-to-disk"))
+                            memory="offloads-to-disk", gpu_capable=True))
 
     @abstractmethod
     def modifiers(self, params: dict) -> list:
@@ -156,6 +156,24 @@ def layer_progress(ctx: StepContext, total: int):
         yield
     finally:
         LifecycleCallbacks.sequential_epoch_end = original
+
+
+@contextlib.contextmanager
+def onload_to_cpu():
+    """llm-compressor's pipelines onload each layer to the first accelerator torch sees (`get_main_device`), whatever
+    the caller wants; a step told to stay on the CPU (runtime.device: cpu on a GPU machine) replaces that choice
+    where the pipelines look it up, for the length of one oneshot call."""
+    import torch
+    from unittest import mock
+
+    from llmcompressor.pipelines.data_free import pipeline as data_free
+    from llmcompressor.pipelines.sequential import pipeline as sequential
+
+    with contextlib.ExitStack() as stack:
+        for module in (sequential, data_free):
+            if hasattr(module, "get_main_device"):
+                stack.enter_context(mock.patch.object(module, "get_main_device", lambda: torch.device("cpu")))
+        yield
 
 
 def load_offloadable(src: Path, offload_dir: Path):
@@ -203,7 +221,14 @@ def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.Abstract
         if workarounds is not None:
             stack.enter_context(workarounds)
         stack.enter_context(torch.no_grad())
+        device = ctx.torch_device()
+        if device == "cpu":
+            stack.enter_context(onload_to_cpu())
+        else:
+            torch.cuda.reset_peak_memory_stats()
         oneshot(model=model, recipe=recipe, **kwargs)
+    # what the GPU held at most: the layers onloaded there, and the evidence that they were
+    gpu = {"gpu_peak_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1)} if device == "cuda" else {}
     ctx.progress(n_layers + 1, n_layers + 1, "saving compressed-tensors")
     # a model partly on disk is saved a shard at a time (each shard is assembled in memory); otherwise one file, as
     # before, so outputs of models that fit are unchanged
@@ -213,5 +238,5 @@ def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.Abstract
     return {"format": Format.COMPRESSED_TENSORS, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
                      "ignore": qc.get("ignore"), "calibration_samples": kwargs.get("num_calibration_samples", 0),
-                     "device": "cuda" if torch.cuda.is_available() else "cpu",
+                     "device": device, **gpu,
                      "threads": ctx.threads, **({"offloaded_to_disk": True} if offloaded else {})}}
