@@ -288,3 +288,20 @@ def test_an_interrupt_inside_a_step_kills_its_worker_before_its_scratch_goes(tmp
     assert workers.stdout == "", "the step's worker outlived the interrupt"
     time.sleep(0.5)   # a worker still alive would write its result into the scratch now
     assert not list((store_dir / "tmp").iterdir())
+
+
+def test_steps_that_would_fill_the_disk_together_run_one_at_a_time(tmp_path, store_dir, monkeypatch):
+    """Each step fits the free disk alone, two do not: the executor holds what a running step is expected to write
+    against the free space, so the second waits for the first (and with room for both they overlap)."""
+    from qbuild.pipeline import executor
+
+    variants = [{"name": f"v{i}", "method": "fake", "level": i, "sleep": 1.0} for i in range(2)]
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
+    model = tmp_path / "fake-model"
+    one = sum(f.stat().st_size for f in model.iterdir()) // 4   # what a quantize step is expected to write
+    for free, expected in ((one * 3 // 2, 1), (one * 3, 2)):
+        monkeypatch.setattr(executor, "free_bytes", lambda _root, free=free: free)
+        store = store_dir.with_name(f"store-{free}")
+        rc, summary = run_api(recipe, store, jobs=2)
+        assert rc == 0
+        assert _overlaps(_built(summary)) == min(expected, cpu_count()), free

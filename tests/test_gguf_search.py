@@ -159,6 +159,7 @@ def test_plan_sensitivity_is_shared_across_budgets(tiny_model_dir, tmp_path):
     for name in sens + ["probe[mix~base]"]:
         assert a[name].key == b[name].key, name          # a second budget reuses every measurement
         assert a[name].kind == "gguf-probe" and a[name].format == "metrics"   # a probe stores no file
+        assert a[name].scratch == 0.6   # ...but writes one while it runs: the executor holds that disk for it
     for name in ("gguf-search-allocate[mix]", "probe[mix~cand0]", "quantize[mix]"):
         assert a[name].key != b[name].key
     # the search stores one .gguf: its selection; nothing else it plans is a model file (no whole file per point)

@@ -83,6 +83,8 @@ class Step:
                                               # for the plan-time memory check (qbuild.pipeline.memory_fit), not hashed
     gpu_capable: bool = False                 # runs on the GPU where the recipe's device gives one (cuda, or auto
                                               # on a machine with one); False: CPU only. The plan shows it; not hashed
+    scratch: float = 0.0                      # bytes it writes into its scratch while it runs, as a share of the
+                                              # model it reads (a search's probe GGUF); for disk scheduling, not hashed
     key: str = field(init=False)
 
     def __post_init__(self) -> None:

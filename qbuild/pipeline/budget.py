@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class Claim:
     base: int = 0                      # the threads the step asked for (what an elastic step returns to)
     elastic: bool = False
     standby: Standby | None = None     # a worker started ahead for this step, if one was
+    disk_bytes: int = 0                # what it is expected to write (output and scratch) while it runs
 
 
 @dataclass
@@ -62,11 +64,15 @@ class Budget:
     gpus: list[str]      # free devices
     running: int = 0
     exclusive: bool = False
+    # free bytes on the store's disk now (None: unknown); what running steps are expected to write is held
+    # against it, so steps that each fit alone do not fill the disk together
+    disk_free: Callable[[], int | None] = lambda: None
+    disk_held: int = 0
 
     def __post_init__(self):
         self.cores = self.cpus
 
-    def claim(self, step: Step, memory_mb: float, alone: bool) -> Claim | None:
+    def claim(self, step: Step, memory_mb: float, alone: bool, disk_bytes: int = 0) -> Claim | None:
         threads = min(max(step.threads, 1), self.cores)  # a step wanting more cores than exist gets them all
         if self.exclusive or (alone and self.running) or self.running >= self.jobs:
             return None
@@ -74,10 +80,15 @@ class Budget:
             return None
         if step.requires_gpu and not self.gpus and self.running:
             return None
+        if self.running and disk_bytes and (free := self.disk_free()) is not None \
+                and disk_bytes > free - self.disk_held:
+            return None   # waits for a running step to finish; alone, it starts (and fails in one line if it cannot fit)
         claim = Claim(cpus=threads, memory_mb=memory_mb, gpu=self.gpus.pop(0) if step.requires_gpu and self.gpus
-                      else None, alone=alone, key=step.key, base=threads, elastic=step.elastic_threads)
+                      else None, alone=alone, key=step.key, base=threads, elastic=step.elastic_threads,
+                      disk_bytes=disk_bytes)
         self.cpus -= threads
         self.memory_mb -= memory_mb
+        self.disk_held += disk_bytes
         self.running += 1
         self.exclusive = alone
         return claim
@@ -103,6 +114,7 @@ class Budget:
     def release(self, claim: Claim) -> None:
         self.cpus += claim.cpus
         self.memory_mb += claim.memory_mb
+        self.disk_held -= claim.disk_bytes
         if claim.gpu is not None:
             self.gpus.append(claim.gpu)
         self.running -= 1

@@ -88,7 +88,8 @@ class Executor(StandbyWorkers, WorkerLaunch):
         self._prepare(planned)
         budget = Budget(cpus=cpu_count(), jobs=self.jobs, memory_mb=available_memory_mb() * 0.9,
                         gpus=gpu_devices() if any(ps.step.requires_gpu and ps.status == PlanStatus.MISS
-                                                  for ps in planned) else [])
+                                                  for ps in planned) else [],
+                        disk_free=lambda: free_bytes(self.store.root))
         outcomes: dict[str, StepOutcome] = {}
         pending = list(planned)
         running: dict[Future, tuple[PlannedStep, dict]] = {}
@@ -163,7 +164,8 @@ class Executor(StandbyWorkers, WorkerLaunch):
                 outcomes[ps.step.key] = done
                 pending.remove(ps)
                 continue
-            claim = budget.claim(ps.step, self._memory_estimate(ps.step, outcomes), ps.step.per_hardware)
+            claim = budget.claim(ps.step, self._memory_estimate(ps.step, outcomes), ps.step.per_hardware,
+                                 self._output_estimate(ps.step, outcomes))
             if claim is None:
                 continue
             pending.remove(ps)
@@ -296,7 +298,8 @@ class Executor(StandbyWorkers, WorkerLaunch):
                 self.progress.update(task, visible=False)
 
     def _output_estimate(self, step: Step, outcomes: dict[str, StepOutcome]) -> int:
-        """Rough bytes a step writes: a quantized model is at least a quarter of the model it reads (0: unknown)."""
+        """Rough bytes a step writes: a quantized model is at least a quarter of the model it reads, a step with scratch
+        (a search's probe file) that share of it (0: unknown)."""
         total = 0
         for s in step.inputs.values():
             o = outcomes.get(s.key)
@@ -306,7 +309,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
                 total = max(total, o.size)
             elif o.path is not None and o.path.is_dir():  # a source: the local model directory
                 total = max(total, sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file()))
-        return total // 4
+        return max(total // 4, int(total * step.scratch))
 
     def _run_worker(self, step: Step, outcomes: dict[str, StepOutcome], task, claim: Claim) -> Hit:
         needed = self._output_estimate(step, outcomes)
