@@ -251,24 +251,20 @@ class FsspecRemote(RemoteStore):
         """Upload one large file so that a push cut off in the middle continues it (qbuild.artifacts.remote.
         fsspec_upload): a partial file renamed into place, or an S3 multipart upload."""
         what = f"upload {entry['path']}"
-        record = resume.get(self.display, digest, entry["path"])
-
-        def remember(new: dict) -> None:
-            resume.put(self.display, digest, entry["path"], new)
-
+        upload = resume.upload(self.display, digest, entry["path"])
         if self.is_s3:
-            ok, kept = self._call(what, multipart_upload, self.fs, src, dst, entry, record, remember)
+            ok, kept = self._call(what, multipart_upload, self.fs, src, dst, entry, upload.get(), upload.remember)
         else:
             parent, name = dst.rsplit("/", 1)
             self._call("mkdir", self.fs.makedirs, parent, exist_ok=True)
-            part = partial_name(parent, name, record)
-            remember({"part": part.rsplit("/", 1)[1]})
+            part = partial_name(parent, name, upload.get())
+            upload.remember({"part": part.rsplit("/", 1)[1]})
             ok, kept = self._call(what, append_upload, self.fs, src, part, entry)
             if ok:
                 self._call(what, self.fs.mv, part, dst)
             else:
                 self._call(f"remove {entry['path']}", self.fs.rm, part, missing_ok=True)
-        resume.drop(self.display, digest, entry["path"])
+        upload.drop()
         self._count(bytes_resumed=kept)
         if not ok:
             raise self.mismatch(entry)

@@ -421,13 +421,9 @@ class OciRemote(RemoteStore):
         """A large blob through a chunked session the local store remembers (qbuild.artifacts.remote.oci_upload):
         a push cut off in the middle continues it. The record is dropped once the session is closed; one the
         registry no longer continues (refused, expired) is found out by the next push, which opens a new session."""
-        record = resume.get(self.display, digest, rel)
-
-        def remember(new: dict) -> None:
-            resume.put(self.display, digest, rel, new)
-
-        kept = push_blob_resumable(self, path, desc, record, remember, UPLOAD_CHUNK)
-        resume.drop(self.display, digest, rel)
+        upload = resume.upload(self.display, digest, rel)
+        kept = push_blob_resumable(self, path, desc, upload.get(), upload.remember, UPLOAD_CHUNK)
+        upload.drop()
         self._count(bytes_resumed=kept)
 
     # --- contract ---------------------------------------------------------------------------------------------

@@ -48,6 +48,28 @@ class UploadResume:
     def drop(self, remote: str, digest: str, path: str) -> None:
         self.root.remove(self._record(remote, digest, path))
 
+    def upload(self, remote: str, digest: str, path: str) -> FileUpload:
+        return FileUpload(self, remote, digest, path)
+
+
+@dataclass(frozen=True)
+class FileUpload:
+    """The record of one file's upload: (remote, object, file) bound, for the backend that continues it."""
+
+    resume: UploadResume
+    remote: str
+    digest: str
+    path: str
+
+    def get(self) -> dict | None:
+        return self.resume.get(self.remote, self.digest, self.path)
+
+    def remember(self, record: dict) -> None:
+        self.resume.put(self.remote, self.digest, self.path, record)
+
+    def drop(self) -> None:
+        self.resume.drop(self.remote, self.digest, self.path)
+
 
 def store_resume(store) -> UploadResume:
     """The unfinished-upload records of a local store (qbuild.artifacts.store.Store)."""
