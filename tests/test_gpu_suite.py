@@ -143,3 +143,11 @@ def test_gpu_test_engine_settings_give_context_logits(tmp_path, tiny_model_dir, 
         want -= logp[np.arange(len(w) - 1), np.asarray(w[1:])].sum()
     assert checked["count"] == 8 and checked["nll"] == pytest.approx(want, rel=1e-6)
 
+
+
+def test_fetch_wheels_names_its_arguments():
+    script = ROOT / "tests" / "gpu" / "fetch_wheels.sh"
+    res = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--system-python --wheels DIR" in res.stdout
+    res = subprocess.run(["bash", str(script), "--bogus"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and res.stderr.strip() == "fetch_wheels.sh: unknown argument '--bogus' (see --help)"
