@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import math
 
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -269,3 +270,46 @@ def test_kept_probes_are_written_only_into_a_folder_qbuild_owns(tmp_path, monkey
     (tmp_path / "foreign" / "capacity-probes" / "notes.txt").write_text("mine")
     keep_probe(family, 3, {"rate": 1.5})
     assert sorted(p.name for p in (tmp_path / "foreign" / "capacity-probes").iterdir()) == ["notes.txt"]
+
+
+def test_a_conversation_makes_each_probe_arrival_a_conversation(monkeypatch):
+    """With `conversation`, a probe's open-loop arrivals start conversations: the workload it sends carries the turns
+    and think time, `turns` prompts per conversation (the shared prefix on each first turn only)."""
+    from qbuild.planning import serving_capacity
+
+    sent = []
+    monkeypatch.setattr(serving_capacity, "probe_round", lambda url, work, rate, seed: sent.append(work) or {
+        "requests": 1, "completed": 1, "errors": 0, "ttft_ms_p99": 1.0, "mean_in_flight": 1.0})
+    tokens = np.arange(5000)   # the prefix (the last 8 tokens) appears in no window
+    w = {"requests": 4, "warmup": 1, "rounds": 1, "seed": 0, "input_len": 16, "output_len": 4, "timeout_s": 5,
+         "prefix_tokens": 8, "conversation": {"turns": 3, "think_s": 0.5}}
+    serving_capacity.measure_probe("http://127.0.0.1:1", tokens, w, 0, "m")
+    [work] = sent
+    assert (work.turns, work.think_s, work.requests, work.warmup) == (3, 0.5, 4, 1)
+    assert len(work.prompts) == (4 + 1) * 3
+    prefix = tokens[-8:].tolist()
+    assert all((p[:8] == prefix) == (i % 3 == 0) for i, p in enumerate(work.prompts))
+    assert [len(p) for p in work.prompts[:3]] == [24, 16, 16]
+
+
+
+@pytest.mark.slow
+def test_capacity_search_with_conversations_on_a_real_server(tmp_path, tiny_model_dir, monkeypatch):
+    """Each probe's arrivals are conversations of 2 turns (token-id prompts: the second turn appends the first's
+    output through llama-server's /tokenize); every request completes, and the capacity is in conversations/s."""
+    from serving_helpers import llama_server_bin
+
+    from helpers import run_api, write_recipe
+
+    monkeypatch.setenv("QBUILD_LLAMA_CPP_BIN", str(llama_server_bin()))
+    monkeypatch.setenv("QBUILD_CACHE", str(tmp_path / "cache"))
+    data = capacity_recipe(tiny_model_dir, tmp_path / "store", 400)
+    serving = data["evaluation"]["serving"]
+    serving["conversation"] = {"turns": 2}
+    serving["capacity"].update({"requests": 4, "rounds": 1, "max_minutes": 3})
+    rc, summary = run_api(write_recipe(tmp_path / "r.yaml", data))
+    assert rc == 0, summary["steps"]
+    [cap] = next(v for v in summary["variants"] if v["variant"] == "q8_0")["capacity"]
+    assert cap["probes"] and cap["capacity_rps"]
+    for p in cap["probes"]:   # 4 conversations of 2 turns, every one answered
+        assert p["requests"] == 8 and p["errors"] == 0, p

@@ -154,6 +154,17 @@ def test_a_conversation_is_part_of_the_workload_and_its_context_holds_every_turn
     assert all(p[:16] == tokens[-16:].tolist() for p in prompts[::3])
 
 
+def test_a_conversation_enters_the_capacity_search_only_when_set(tmp_path, no_gpu):
+    def plan(**extra):
+        return steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"],
+                                               "capacity": {"slo": {"ttft_p99_ms": 500}}, **extra}), tmp_path)
+
+    plain, chat = plan(), plan(conversation={"turns": 3, "think_s": 0.5})
+    assert "conversation" not in plain["capacity[q8_0@default]"].params["workload"]   # the key it had
+    assert chat["capacity[q8_0@default]"].params["workload"]["conversation"] == {"turns": 3, "think_s": 0.5}
+    assert chat["capacity[q8_0@default]"].key != plain["capacity[q8_0@default]"].key
+
+
 @pytest.mark.parametrize("config, problem", [
     ({"name": "fp8", "kv_cache_dtype": "fp8"}, "llama.cpp has no fp8 KV cache"),
     ({"name": "nofa", "kv_cache_dtype": "q4_0", "flash_attn": False}, "only with flash attention"),

@@ -221,8 +221,8 @@ class Serving(StrictModel):
         "request (seeded).")
     conversation: Conversation | None = Field(
         None, description="{turns, think_s}: send multi-turn conversations instead of independent requests; each turn "
-        "resends the history (the prefix only opens a conversation). Off by default. The trace and capacity probes "
-        "stay single requests.")
+        "resends the history (the prefix only opens a conversation). Off by default. Capacity probes send "
+        "conversations too (their rate: new conversations per second); a trace stays single requests.")
     seed: int = Field(0, description="Which corpus windows become prompts, their lengths when drawn, and the Poisson "
                       "arrivals.")
     dataset: Dataset = Field(default_factory=lambda: Dataset(sources=[{"type": "pydocs", "split": "test"}]),

@@ -132,6 +132,8 @@ def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving
     workload = {**serving.model_dump(include={"input_len", "output_len", "seed", "timeout_s", "warmup",
                                                "prefix_tokens"}),
                 "requests": cap.requests, "rounds": cap.rounds}
+    if serving.conversation is not None:   # left out when off: searches without one keep their keys and probes
+        workload["conversation"] = serving.conversation.model_dump()
     probes = {k: serving_params[k] for k in ("config", "server", "engine", "server_args", "context", "slots")}
     probes["workload"] = workload
     common = dict(inputs={"model": art.step, "prompts": data}, tools=tuple(sorted(server.tools)),

@@ -55,6 +55,14 @@ def drawn_lengths(length: int | dict, count: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(length["min"], length["max"], endpoint=True, size=count).tolist()
 
 
+def conversation_prompts(prompts: list[list[int]], turns: int, prefix_tokens: int) -> list[list[int]]:
+    """Each turn's own input: a conversation's later turns resend the shared prefix as part of its history, so only
+    its first turn's prompt keeps it."""
+    if turns <= 1 or not prefix_tokens:
+        return prompts
+    return [p if k % turns == 0 else p[prefix_tokens:] for k, p in enumerate(prompts)]
+
+
 def _cpu_seconds(pid: int) -> float | None:
     import os
 
@@ -72,9 +80,8 @@ def _round_prompts(tokens, w: dict, n_points: int) -> tuple[int, list, list[int]
     turns = w.get("conversation", {}).get("turns", 1)
     count = n_points * (w["requests"] + w["warmup"]) * turns   # per round: each round sends prompts of its own
     prefix = w.get("prefix_tokens", 0)
-    prompts = prompts_from(tokens, w["input_len"], count * (first + rounds), w["seed"], prefix)[count * first:]
-    if turns > 1 and prefix:   # a conversation's later turns resend the prefix as part of its history
-        prompts = [p if k % turns == 0 else p[prefix:] for k, p in enumerate(prompts)]
+    prompts = conversation_prompts(
+        prompts_from(tokens, w["input_len"], count * (first + rounds), w["seed"], prefix)[count * first:], turns, prefix)
     output_len = drawn_lengths(w["output_len"], count * (first + rounds), w["seed"] + 2)[count * first:]
     return count, prompts, output_len
 

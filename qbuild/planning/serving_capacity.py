@@ -246,18 +246,22 @@ def _write_result(ctx, label: str, result: dict, counts: dict, max_minutes) -> N
 def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, ignore_eos: bool = True,
                   between: Callable[[], None] = lambda: None) -> dict:
     """The probe at rate_of(k): `w["rounds"]` rounds (workload `w` as the step's params hold it), each after its
-    own warm-up, with prompts (windows of `tokens`), output lengths and arrivals seeded by the rate and the round."""
-    from qbuild.planning.serving_bench import drawn_lengths, prompts_from
+    own warm-up, with prompts (windows of `tokens`), output lengths and arrivals seeded by the rate and the round.
+    With a conversation, the rate is of new conversations (each of `turns` requests, their latencies pooled)."""
+    from qbuild.planning.serving_bench import conversation_prompts, drawn_lengths, prompts_from
     from qbuild.serving.client import Workload
 
-    per_round = w["requests"] + w["warmup"]
+    conversation = w.get("conversation", {})
+    turns = conversation.get("turns", 1)
+    per_round = (w["requests"] + w["warmup"]) * turns
+    prefix = w.get("prefix_tokens", 0)
     rounds = []
     for r in range(w["rounds"]):
         seed = probe_seed(w["seed"], k, r)
-        prompts = prompts_from(tokens, w["input_len"], per_round, seed, w.get("prefix_tokens", 0))
+        prompts = conversation_prompts(prompts_from(tokens, w["input_len"], per_round, seed, prefix), turns, prefix)
         work = Workload(prompts=prompts, output_len=drawn_lengths(w["output_len"], per_round, seed + 2),
                         requests=w["requests"], warmup=w["warmup"], timeout_s=w["timeout_s"],
-                        ignore_eos=ignore_eos, model=model)
+                        ignore_eos=ignore_eos, model=model, turns=turns, think_s=conversation.get("think_s", 0.0))
         rounds.append(probe_round(url, work, rate_of(k), seed))
         between()
     return _pooled(rounds, w["seed"])
