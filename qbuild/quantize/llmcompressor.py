@@ -163,9 +163,9 @@ def onload_to_cpu():
     """llm-compressor's pipelines onload each layer to the first accelerator torch sees (`get_main_device`), whatever
     the caller wants; a step told to stay on the CPU (runtime.device: cpu on a GPU machine) replaces that choice
     where the pipelines look it up, for the length of one oneshot call."""
-    import torch
     from unittest import mock
 
+    import torch
     from llmcompressor.pipelines.data_free import pipeline as data_free
     from llmcompressor.pipelines.sequential import pipeline as sequential
 

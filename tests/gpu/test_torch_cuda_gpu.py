@@ -94,7 +94,7 @@ def _qbuild(*args) -> tuple[int, dict]:
     try:
         return p.returncode, json.loads(p.stdout)
     except json.JSONDecodeError:
-        raise AssertionError(f"qbuild {' '.join(args)}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+        raise AssertionError(f"qbuild {' '.join(args)}: exit {p.returncode}\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}") from None
 
 
 def _metrics(store) -> dict:
