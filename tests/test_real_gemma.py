@@ -28,6 +28,7 @@ def gemma_gguf(models_cache) -> Path:
     return path
 
 
+@pytest.mark.slow   # a real 270M model through both runtimes: 154 s, the suite's second slowest (CI's 45 min)
 def test_gemma3_baseline_matches_llamacpp_on_its_source(gemma_gguf, tmp_path):
     recipe = yaml.safe_load(RECIPE.read_text())
     recipe["model"]["path"] = str(gemma_gguf)

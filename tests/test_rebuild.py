@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from helpers import fake_recipe, qbuild, write_recipe
 
 
@@ -84,12 +86,11 @@ def test_a_recipe_can_require_a_rebuild_check_of_chosen_steps(tmp_path):
     assert [(g["variant"], g["check"]) for g in failed] == [("quantize[noisy]", "rebuild_identical")]
 
 
+@pytest.mark.slow   # a real server swept twice (run, then verify --rebuild): 141 s (CI's 45 min)
 def test_rebuild_of_a_serving_recipe_leaves_its_timings_out(tmp_path, tiny_model_dir):
     """A recipe with evaluation.serving (a real llama-server sweep): `verify --rebuild` re-executes its other steps,
     lists the serving step as not rebuilt (a timing, like throughput) and exits 0 (it re-ran the sweep, whose
     numbers are never the same bytes, and exited 1)."""
-    import pytest
-
     from qbuild.serving.llamacpp_build import cached_bin_dir
 
     if cached_bin_dir() is None:
