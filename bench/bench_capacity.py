@@ -48,7 +48,7 @@ def run_qbuild(url: str, model: str, args) -> dict:
 
     def measure(k):
         p = measure_probe(url, tokens, w, k, model)
-        print(f"  qbuild probe {2 ** (k / 16):.3f}/s: TTFT p99 {p['ttft_ms_p99']} ms {p['ci'] and p['ci']['ttft_ms_p99']}"
+        print(f"  qbuild probe {2 ** (k / 16):.3f}/s: TTFT p99 {p['ttft_ms_p99']} ms {(p.get('ci') or {}).get('ttft_ms_p99', '')}"
               f", {p['errors']} errors, {p['mean_in_flight']} in flight", flush=True)
         return p
 
