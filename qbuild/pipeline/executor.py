@@ -215,16 +215,21 @@ class Executor(StandbyWorkers, WorkerLaunch):
 
     def _memory_estimate(self, step: Step, outcomes: dict[str, StepOutcome]) -> float:
         """MEMORY_FACTOR × the size of the model artifacts a step reads (MiB); 0 when it reads none."""
-        total = 0
+        return MEMORY_FACTOR * sum(self._model_input_sizes(step, outcomes)) / 2**20
+
+    @staticmethod
+    def _model_input_sizes(step: Step, outcomes: dict[str, StepOutcome]) -> list[int]:
+        """The size in bytes of each model artifact a step reads that is built or found (a source: its directory)."""
+        sizes = []
         for s in step.inputs.values():
-            if not format_spec(s.format).model:
+            o = outcomes.get(s.key)
+            if o is None or not format_spec(s.format).model:
                 continue
-            o = outcomes[s.key]
             if o.record:
-                total += o.size
+                sizes.append(o.size)
             elif o.path is not None and o.path.is_dir():  # a source: the local model directory
-                total += sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file())
-        return MEMORY_FACTOR * total / 2**20
+                sizes.append(sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file()))
+        return sizes
 
     def cancel(self) -> None:
         """Kill every running worker (its whole process group) and remove its scratch."""
@@ -300,15 +305,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
     def _output_estimate(self, step: Step, outcomes: dict[str, StepOutcome]) -> int:
         """Rough bytes a step writes: a quantized model is at least a quarter of the model it reads, a step with scratch
         (a search's probe file) that share of it (0: unknown)."""
-        total = 0
-        for s in step.inputs.values():
-            o = outcomes.get(s.key)
-            if o is None or not format_spec(s.format).model:
-                continue
-            if o.record:
-                total = max(total, o.size)
-            elif o.path is not None and o.path.is_dir():  # a source: the local model directory
-                total = max(total, sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file()))
+        total = max(self._model_input_sizes(step, outcomes), default=0)
         return max(total // 4, int(total * step.scratch))
 
     def _run_worker(self, step: Step, outcomes: dict[str, StepOutcome], task, claim: Claim) -> Hit:
