@@ -86,7 +86,7 @@ class GPTQModel(Method):
         calibration = [{"input_ids": row.astype("int64").tolist(), "attention_mask": m.astype("int64").tolist()}
                        for row, m in zip(ids, mask, strict=True)]
         ctx.progress(0, 3, "loading model")
-        device = "cuda" if ctx.device != "cpu" and _cuda() else "cpu"
+        device = ctx.torch_device()
         model = Library.load(str(ctx.inputs["model"]), config, device=device)
         ctx.progress(1, 3, f"GPTQ on {len(calibration)} calibration sequences")
         model.quantize(calibration, batch_size=1)
@@ -98,9 +98,3 @@ class GPTQModel(Method):
                 "info": {"checkpoint_format": qc.get("checkpoint_format", qc.get("format")),
                          "quant_method": qc.get("quant_method"), "quantizer": (qc.get("meta") or {}).get("quantizer"),
                          "calibration_samples": len(calibration)}}
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
