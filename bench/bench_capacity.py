@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serving import GUIDELLM, REPO, find_artifacts
+from bench_serving import GUIDELLM, REPO, find_artifacts, pin
 
 MAX_ERROR_PCT = 1.0
 
@@ -49,11 +50,13 @@ def run_qbuild(url: str, model: str, args) -> dict:
     def measure(k):
         p = measure_probe(url, tokens, w, k, model)
         print(f"  qbuild probe {2 ** (k / 16):.3f}/s: TTFT p99 {p['ttft_ms_p99']} ms {(p.get('ci') or {}).get('ttft_ms_p99', '')}"
-              f", {p['errors']} errors, {p['mean_in_flight']} in flight", flush=True)
+              f", {p['errors']} errors, {p['mean_in_flight']} in flight, completed {p['completed_rps']}/s of "
+              f"{p['offered_rps']}/s arriving", flush=True)
         return p
 
     started = time.monotonic()
-    found = search(measure, {"ttft_p99_ms": args.slo_ttft_p99}, MAX_ERROR_PCT, grid_index(args.start_rps))
+    found = search(measure, {"ttft_p99_ms": args.slo_ttft_p99}, MAX_ERROR_PCT, grid_index(args.start_rps),
+                   min_completed_share=args.min_completed_share)
     found["seconds"] = time.monotonic() - started
     return found
 
@@ -81,10 +84,11 @@ def run_guidellm(url: str, model: str, tokenizer: Path, args, out: Path) -> dict
         done = totals["successful"] + totals["errored"] + totals.get("incomplete", 0)
         rate = strategy.get("rate") or m["requests_per_second"]["successful"]["mean"]
         points.append({"type": strategy["type_"], "rate": rate,
+                       "completed_rps": m["requests_per_second"]["successful"]["mean"],
                        "ttft_ms_p99": m["time_to_first_token_ms"]["successful"]["percentiles"]["p99"],
                        "error_pct": 100 * (done - totals["successful"]) / done if done else 100.0})
         print(f"  guidellm {points[-1]['type']:11} {rate:.3f}/s: TTFT p99 {points[-1]['ttft_ms_p99']:.1f} ms, "
-              f"{points[-1]['error_pct']:.1f} % errors", flush=True)
+              f"{points[-1]['error_pct']:.1f} % errors, completed {points[-1]['completed_rps']:.3f}/s", flush=True)
     return {"seconds": seconds, "points": points}
 
 
@@ -140,6 +144,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12, help="per round of a qbuild probe")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per qbuild probe (guidellm: requests × rounds)")
     ap.add_argument("--start-rps", type=float, default=0.5)
+    ap.add_argument("--min-completed-share", type=float, default=0.9,
+                    help="a qbuild probe counts only if the server completed this share of its rate (0: latency only)")
     ap.add_argument("--sweep-size", type=int, default=8)
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--only", choices=["qbuild", "guidellm"])
@@ -160,9 +166,16 @@ def main() -> None:
     launch = LlamaServer().launch(gguf, ServingConfig(name="nocache", prefix_caching=False), threads=1,
                                   slots=args.parallel, context=args.input_len + args.output_len + 8, workdir=tmp)
     result = {"args": {k: str(v) for k, v in vars(args).items()}}
+    cores = sorted(os.sched_getaffinity(0))
+    server_cores, client_cores = {cores[0]}, set(cores[1:]) or {cores[0]}
+    # the clients (this process, its asyncio client, guidellm's worker processes) never take the server's core: on a
+    # 2-core machine guidellm's workers otherwise slow the server they measure, and the two tools measure two servers
+    os.sched_setaffinity(0, client_cores)
     with running(launch, tmp / "server.log", args.ref) as srv:
-        print(f"llama-server {srv.url} pid {srv.pid}, 1 thread, --parallel {args.parallel}; {args.input_len}+"
-              f"{args.output_len} tokens per request; SLO TTFT p99 <= {args.slo_ttft_p99} ms, <= 1 % errors", flush=True)
+        pin(srv.pid, server_cores)
+        print(f"llama-server {srv.url} pid {srv.pid}, 1 thread on CPU {sorted(server_cores)}, clients on "
+              f"{sorted(client_cores)}, --parallel {args.parallel}; {args.input_len}+{args.output_len} tokens per "
+              f"request; SLO TTFT p99 <= {args.slo_ttft_p99} ms, <= 1 % errors", flush=True)
         if args.only != "guidellm":
             result["qbuild"] = run_qbuild(srv.url, launch.model_name, args)
             srv.check_alive()

@@ -13,7 +13,9 @@ from rich.console import Console
 
 from qbuild.errors import RecipeError
 from qbuild.planning.recipe import Selection, Serving, parse_recipe
-from qbuild.planning.serving_capacity import STEPS_PER_DOUBLING, grid_index, judge, rate_of, search
+from qbuild.planning.serving_capacity import (STEPS_PER_DOUBLING, grid_index, judge, pace, paced_rates, rate_of,
+                                              search)
+from qbuild.serving.client import RequestResult
 from qbuild.results.selection import select
 from qbuild.results.summary import render_selection
 
@@ -99,6 +101,65 @@ def test_judge_marks_a_bound_within_noise():
     assert judge(probe, {"ttft_p99_ms": 500}, 1.0) == {"meets": True, "misses": [], "uncertain": ["ttft_p99_ms"]}
 
 
+def served(arrivals: list[float], service_s: float, slots: int) -> list[RequestResult]:
+    """What a server with `slots` parallel slots, each taking `service_s` per request, does with requests arriving
+    at `arrivals` (first come, first served): each request's send and end time."""
+    free = [0.0] * slots
+    out = []
+    for t in arrivals:
+        slot = min(range(slots), key=free.__getitem__)
+        begin = max(t, free[slot])
+        free[slot] = begin + service_s
+        out.append(RequestResult(True, start=t, end=free[slot], ttft_s=begin - t + 0.05, e2e_s=free[slot] - t))
+    return out
+
+
+def short_probe(capacity_rps: float, requests: int = 24):
+    """A constructed server completing `capacity_rps` requests/s (4 slots), probed with `requests` evenly spaced
+    arrivals: its TTFT p99 is the queue the probe built, which stays short however far the rate is over capacity."""
+    def measure(k: int) -> dict:
+        rate = rate_of(k)
+        results = served([i / rate for i in range(requests)], 4 / capacity_rps, 4)
+        ttft = max(r.ttft_s for r in results) * 1000
+        return {"ttft_ms_p99": ttft, "requests": requests, "errors": 0, "mean_in_flight": 1.0, "ci": None,
+                **paced_rates([pace(results)])}
+    return measure
+
+
+def test_pace_times_completions_from_the_first_so_the_drain_does_not_count():
+    keeping_up = served([i * 0.5 for i in range(24)], service_s=1.5, slots=4)   # 2/s offered, 2.67/s possible
+    rates = paced_rates([pace(keeping_up)])
+    assert rates["offered_rps"] == pytest.approx(2.0) and rates["completed_rps"] == pytest.approx(2.0)
+    falling_behind = served([i * 0.5 for i in range(24)], service_s=2.5, slots=4)   # 1.6/s possible
+    rates = paced_rates([pace(falling_behind)])
+    assert rates["completed_rps"] == pytest.approx(1.6, rel=0.05)
+    # rounds pool as one probe: gaps over spans, summed
+    two = paced_rates([pace(keeping_up), pace(falling_behind)])
+    assert rates["completed_rps"] < two["completed_rps"] < 2.0
+
+
+def test_a_rate_above_what_the_server_completes_misses_however_short_the_probe():
+    # the defect this guards against (docs/serving.md, compared with guidellm): 24 arrivals above capacity end before
+    # the queue breaks the TTFT bound, so latency alone lets the search report a capacity the server does not have
+    measure = short_probe(capacity_rps=2.37)
+    latency_only = search(measure, {"ttft_p99_ms": 1500}, 1.0, grid_index(1.0), min_completed_share=0.0)
+    assert latency_only["capacity_rps"] > 2.37 * 1.1
+    found = search(measure, {"ttft_p99_ms": 1500}, 1.0, grid_index(1.0))
+    # a rate counts while the server completes 0.9 of it: the capacity is within a grid step of 2.37 / 0.9
+    assert found["capacity_rps"] <= 2.37 / 0.9 < found["next_rps"]
+    assert found["capacity_rps"] < latency_only["capacity_rps"]
+    missed = next(p for p in found["probes"] if p["k"] == grid_index(found["next_rps"]))
+    assert any("the queue grows" in m for m in missed["misses"])
+
+
+def test_judge_misses_a_probe_the_server_fell_behind():
+    probe = {"ttft_ms_p99": 300, "requests": 24, "errors": 0, "offered_rps": 2.8, "completed_rps": 2.4}
+    verdict = judge(probe, {"ttft_p99_ms": 500}, 1.0)
+    assert not verdict["meets"] and verdict["misses"] == ["completed 2.4 requests/s of 2.8/s arriving (< 0.9×): the queue grows"]
+    assert judge({**probe, "completed_rps": 2.6}, {"ttft_p99_ms": 500}, 1.0)["meets"]
+    assert judge(probe, {"ttft_p99_ms": 500}, 1.0, min_completed_share=0.8)["meets"]
+
+
 def candidate(variant, config, capacity, rss, kld=0.01):
     return {"variant": variant, "status": "built", "size_bytes": 2**20, "kld": kld, "delta_ppl_pct": 1.0,
             "digest": "d" + variant, "key": "k" + variant,
@@ -174,7 +235,9 @@ def test_capacity_search_on_a_real_server_reruns_nothing_and_another_slo_reuses_
     assert cap["next_rps"] / cap["capacity_rps"] == pytest.approx(2 ** (1 / STEPS_PER_DOUBLING), rel=1e-3)
     for p in cap["probes"]:   # each probe a measured point: 2 rounds of 8, with an interval; the verdict follows it
         assert p["requests"] == 16 and p["ci"]["ttft_ms_p99"][0] <= p["ttft_ms_p99"] <= p["ci"]["ttft_ms_p99"][1]
-        assert p["meets"] == (p["ttft_ms_p99"] <= 150 and p["errors"] == 0)
+        assert p["offered_rps"] > 0 and p["completed_rps"] > 0
+        assert p["meets"] == (p["ttft_ms_p99"] <= 150 and p["errors"] == 0
+                              and p["completed_rps"] >= 0.9 * p["offered_rps"])
         assert p["meets"] == (p["rate_rps"] <= cap["capacity_rps"] + 1e-9), cap["probes"]
     best = next(p for p in cap["probes"] if p["rate_rps"] == pytest.approx(cap["capacity_rps"], rel=1e-3))
     assert cap["concurrency"] == best["mean_in_flight"] > 0

@@ -6,8 +6,11 @@ doubling while the rate meets the SLOs, halving while it does not) and then bise
 highest rate that met them and the lowest that did not, until they are neighbours. Each probe is a measured point:
 `rounds` rounds of Poisson arrivals (each after its own warm-up, with prompts and arrivals of its own, seeded by the
 rate and the round), pooled, with bootstrap intervals (qbuild.serving.confidence). A probe meets the SLOs when its
-pooled TTFT p99 / TPOT p50 are within the bounds and at most `max_error_pct` % of its requests failed; its interval
-and verdict (met, missed, within noise) are kept beside it.
+pooled TTFT p99 / TPOT p50 are within the bounds, at most `max_error_pct` % of its requests failed, and the server
+completed requests at `min_completed_share` of the rate they arrived at or more; its interval and verdict (met,
+missed, within noise) are kept beside it. The last condition is what makes a short probe honest: above the rate a
+server completes, its queue grows for as long as arrivals go on, and 24 arrivals can end before the queue breaks a
+latency bound (measured: a probe at 2.83/s "met" TTFT p99 ≤ 1.5 s on a server guidellm found completes 2.37/s).
 
 Probes are kept in the step's result, and in a per-user cache (QBUILD_CACHE/capacity-probes) under the identity of
 everything that decides what they measure except the SLOs: the artifact, the server and its flags, the workload,
@@ -33,6 +36,7 @@ HIGHEST_K = 12 * STEPS_PER_DOUBLING   # 4096 requests/s
 RESULT = "capacity.json"
 SERVER_LOG = "server.log"
 # recipe SLO field → the probe's figure, as selection names them
+MIN_COMPLETED_SHARE = 0.9    # the recipe's default (Capacity.min_completed_share)
 SLO_FIELDS = {"ttft_p99_ms": "ttft_ms_p99", "tpot_p50_ms": "tpot_ms_p50", "itl_p99_ms": "itl_ms_p99",
               "e2e_p99_ms": "e2e_ms_p99"}
 
@@ -46,15 +50,20 @@ def grid_index(rate: float) -> int:
     return int(round(STEPS_PER_DOUBLING * np.log2(rate)))
 
 
-def judge(probe: dict, slo: dict, max_error_pct: float) -> dict:
+def judge(probe: dict, slo: dict, max_error_pct: float, min_completed_share: float = MIN_COMPLETED_SHARE) -> dict:
     """A probe's verdict under `slo` (field → bound): {meets, misses, uncertain}. The pooled value decides; a bound
-    whose 95 % interval straddles it is listed as within noise."""
+    whose 95 % interval straddles it is listed as within noise. A server that completed requests at less than
+    `min_completed_share` of their arrival rate misses, whatever the latencies."""
     from qbuild.serving.confidence import verdict
 
     misses, uncertain = [], []
     error_pct = 100 * probe["errors"] / probe["requests"] if probe["requests"] else 100.0
     if error_pct > max_error_pct:
         misses.append(f"errors {error_pct:.1f} % > {max_error_pct:g} %")
+    offered, completed = probe.get("offered_rps"), probe.get("completed_rps")
+    if offered and completed is not None and completed < min_completed_share * offered:
+        misses.append(f"completed {completed:.3g} requests/s of {offered:.3g}/s arriving "
+                      f"(< {min_completed_share:g}×): the queue grows")
     for field, bound in slo.items():
         value = probe.get(SLO_FIELDS[field])
         if value is None:
@@ -68,7 +77,8 @@ def judge(probe: dict, slo: dict, max_error_pct: float) -> dict:
 
 
 def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, start_k: int,
-           out_of_time: Callable[[], bool] = lambda: False) -> dict:
+           out_of_time: Callable[[], bool] = lambda: False,
+           min_completed_share: float = MIN_COMPLETED_SHARE) -> dict:
     """Bracket, then bisect the grid index. `measure(k)` is the probe at rate_of(k) (measured or cached); the result:
     {capacity_rps, k, concurrency, probes (in the order asked, each with its verdict), bracketed, complete}."""
     probes: dict[int, dict] = {}
@@ -81,7 +91,7 @@ def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, star
         if out_of_time():
             return None
         p = measure(k)
-        probes[k] = {**p, "rate_rps": rate_of(k), "k": k, **judge(p, slo, max_error_pct)}
+        probes[k] = {**p, "rate_rps": rate_of(k), "k": k, **judge(p, slo, max_error_pct, min_completed_share)}
         order.append(k)
         return probes[k]["meets"]
 
@@ -129,6 +139,27 @@ def mean_in_flight(results) -> float | None:
         return None
     span = max(r.end for r in done) - min(r.start for r in done)
     return round(sum(r.end - r.start for r in done) / span, 3) if span > 0 else None
+
+
+def pace(results) -> dict:
+    """How fast requests arrived and how fast the server completed them: the gaps between successive sends and their
+    span (first send to last), the same of the completions. Completions are timed from the first to the last, so
+    the drain after the last arrival does not count against a server that keeps up."""
+    sends = sorted(r.start for r in results)
+    ends = sorted(r.end for r in results if r.ok)
+    return {"arrival_gaps": max(len(sends) - 1, 0), "arrival_span_s": round(sends[-1] - sends[0], 4) if sends else 0.0,
+            "completion_gaps": max(len(ends) - 1, 0), "completion_span_s": round(ends[-1] - ends[0], 4) if ends else 0.0}
+
+
+def paced_rates(paces: list[dict]) -> dict:
+    """offered_rps and completed_rps of one or more rounds (their gaps over their spans, summed: rounds are pooled
+    as one longer probe would be, less the idle server between them); None where a span is empty."""
+    def rate(gaps: str, span: str) -> float | None:
+        total_span = sum(p[span] for p in paces)
+        return round(sum(p[gaps] for p in paces) / total_span, 4) if total_span > 0 else None
+
+    return {"offered_rps": rate("arrival_gaps", "arrival_span_s"),
+            "completed_rps": rate("completion_gaps", "completion_span_s")}
 
 
 def probe_seed(seed: int, k: int, r: int) -> int:
@@ -210,7 +241,8 @@ def run(ctx) -> dict:
         probe = measure_probe(srv.url, tokens, w, k, launch.model_name, launch.ignore_eos, between=srv.check_alive)
         counts["measured"] += 1
         ctx.log(f"rate {rate_of(k):.4g}/s: TTFT p99 {probe['ttft_ms_p99']} ms, TPOT p50 {probe['tpot_ms_p50']} ms, "
-                f"{probe['errors']} errors, {probe['mean_in_flight']} in flight")
+                f"{probe['errors']} errors, {probe['mean_in_flight']} in flight, "
+                f"completed {probe['completed_rps']}/s of {probe['offered_rps']}/s arriving")
         keep_probe(family, k, probe)
         return probe
 
@@ -219,7 +251,8 @@ def run(ctx) -> dict:
 
     try:
         with stack:
-            found = search(measure, cap["slo"], cap["max_error_pct"], grid_index(cap["start_rps"]), out_of_time)
+            found = search(measure, cap["slo"], cap["max_error_pct"], grid_index(cap["start_rps"]), out_of_time,
+                           cap.get("min_completed_share", MIN_COMPLETED_SHARE))
             peak_rss = srv.peak_rss_bytes() if srv is not None else None
     except BaseException:
         if log.exists():
@@ -288,7 +321,8 @@ async def _probe_round(url: str, work, rate: float, seed: int) -> dict:
         results = await _open_loop(client, url, work, rate, work.warmup, work.requests, seed, lambda: None)
         point = summarize_point(results, time.perf_counter() - start)
     point["mean_in_flight"] = mean_in_flight(results)
-    return point
+    point["pace"] = pace(results)
+    return {**point, **paced_rates([point["pace"]])}
 
 
 def _pooled(rounds: list[dict], seed: int) -> dict:
@@ -298,6 +332,7 @@ def _pooled(rounds: list[dict], seed: int) -> dict:
         return {k: v for k, v in rounds[0].items() if k != "samples"}
     out = combine_rounds(rounds, seed)
     out["mean_in_flight"] = round(float(np.mean([r["mean_in_flight"] or 0 for r in rounds])), 3)
+    out |= paced_rates([r["pace"] for r in rounds])
     out.pop("samples", None)
     for r in out["rounds"]:   # per-request samples stay out of the stored probe: its figures and interval suffice
         r.pop("samples", None)
