@@ -33,6 +33,7 @@ class FakeVariant(VariantBase):
     elastic: bool = False  # its step may take idle cores (Step.elastic_threads): it records the allowances it saw
     preload: list[str] = []  # modules its worker imports (Step.preload): it records which were imported before it ran
     noise: bool = False    # also write random bytes: a step that is not bit-reproducible (verify --rebuild tests)
+    at_once: int = 0       # at most this many fake steps asking it run at once (Step.at_once, group "fake"); 0: no cap
 
     def needs_calibration(self) -> bool:
         return self.calibrated
@@ -55,7 +56,8 @@ class FakeMethod(Method):
                             inputs=inputs, tools=TOOLS, variant=variant.name, format="fake", scheme=f"l{variant.level}",
                             per_hardware=variant.timing, threads=ctx.threads,
                             elastic_threads=variant.elastic and ctx.elastic_threads, preload=tuple(variant.preload),
-                            backend_env=ctx.backend_env(variant, self)))
+                            backend_env=ctx.backend_env(variant, self),
+                            at_once=("fake", variant.at_once) if variant.at_once else None))
 
 
 def run(ctx: StepContext) -> dict:

@@ -305,3 +305,18 @@ def test_steps_that_would_fill_the_disk_together_run_one_at_a_time(tmp_path, sto
         rc, summary = run_api(recipe, store, jobs=2)
         assert rc == 0
         assert _overlaps(_built(summary)) == min(expected, cpu_count()), free
+
+
+def test_steps_of_one_at_once_group_never_run_more_than_its_limit_together(tmp_path, store_dir):
+    """A search's probes share a group (Step.at_once) whose limit keeps their scratch within the search's disk bound:
+    with 4 cores' worth of jobs, 3 such steps run one at a time while a step outside the group still overlaps them."""
+    variants = [*({"name": f"p{i}", "method": "fake", "level": i, "sleep": 1.0, "at_once": 1} for i in range(3)),
+                {"name": "free", "method": "fake", "level": 9, "sleep": 2.0}]
+    recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, variants, runtime={"threads": 1}))
+    rc, summary = run_api(recipe, store_dir, jobs=4)
+    assert rc == 0
+    built = _built(summary)
+    grouped = [s for s in built if "[p" in s["name"]]
+    assert len(grouped) == 3 and _overlaps(grouped) == 1
+    if cpu_count() > 1:
+        assert _overlaps(built) == 2   # the step outside the group ran beside them

@@ -182,6 +182,24 @@ def test_step_resources_for_ray():
     assert resources(engine, max_cpus=16) == {"num_cpus": 2, "num_gpus": 1, "resources": {"sm_90": 0.001}}
 
 
+def test_a_group_limit_holds_across_the_cluster():
+    """A search's probes (Step.at_once) are not submitted past their limit, wherever the running ones are."""
+    from types import SimpleNamespace
+
+    from qbuild.contract.step import Step
+    from qbuild.pipeline.executor_ray import _group_full
+
+    def probe(i, group="gguf-search[mix]"):
+        return Step("gguf-probe", f"probe[{i}]", {"i": i}, "m:f", at_once=(group, 2))
+
+    running = {i: (SimpleNamespace(step=probe(i)), None, 0.0) for i in range(2)}
+    assert _group_full(probe(9), running)
+    assert not _group_full(probe(9, "gguf-search[other]"), running)   # another search's probes are not counted
+    assert not _group_full(Step("quantize", "q", {}, "m:f"), running)
+    running.pop(0)
+    assert not _group_full(probe(9), running)
+
+
 # a few minutes on 2 shared cores: ~60 steps, each a Ray task in a fresh interpreter
 @pytest.mark.slow
 def test_a_gguf_search_spreads_over_the_nodes_and_meets_its_budget(cluster, tmp_path, s3_url, tiny_model_dir):

@@ -16,7 +16,8 @@ from qbuild.artifacts.store import Store
 from qbuild.pipeline.plan import build_steps
 from qbuild.planning.recipe import parse_recipe
 from qbuild.quantize.gguf import GGUFVariant
-from qbuild.quantize.gguf_search import allocate, smallest_within, tensor_groups
+from qbuild.quantize.gguf_search import allocate, probes_at_once, smallest_within, tensor_groups
+from qbuild.quantize.gguf_search_options import GGUFSearch
 
 from helpers import rerun_then_another_budget, run_api, write_recipe
 
@@ -131,6 +132,22 @@ def test_schema():
             variant(**bad)
 
 
+def test_probes_at_once_keep_their_scratch_within_three_times_the_artifact():
+    """Each probe's file is about the base type's size; the artifact about the budget's. n probes at once hold
+    n × base, which must stay within 3 × the artifact, and one always runs."""
+    at = probes_at_once
+    assert at(GGUFSearch(max_bpw=4.5), 10**9) == 1      # 2 Q8_0 probes (17 bits) would be 3.8× a 4.5-bpw artifact
+    assert at(GGUFSearch(max_bpw=6.0), 10**9) == 2      # 17 bits ≤ 18
+    assert at(GGUFSearch(max_bpw=8.5), 10**9) == 3
+    assert at(GGUFSearch(max_bpw=12, base_type="F16"), 10**9) == 2
+    # recipes/mixed-precision.yaml: Q4_K_M's 105.45 MB on SmolLM2-135M's ~134.5M weights is 6.27 bpw
+    assert at(GGUFSearch(max_size_mb=105.4544), 134_515_008) == 2
+    # a KLD budget's artifact size is unknown: as small as its smallest candidate type (Q2_K by default, Q5_0 here)
+    assert at(GGUFSearch(max_kld=0.1), 10**9) == 1
+    assert at(GGUFSearch(max_kld=0.1, types=["Q6_K", "Q5_0"]), 10**9) == 1
+    assert at(GGUFSearch(max_kld=0.1, types=["Q6_K"]), 10**9) == 2
+
+
 # --- plan ----------------------------------------------------------------------------------------------------
 def recipe_for(model: Path, store: Path, search: dict, imatrix=True) -> dict:
     return {"name": "gsearch", "model": {"source": "local", "path": str(model)},
@@ -160,6 +177,7 @@ def test_plan_sensitivity_is_shared_across_budgets(tiny_model_dir, tmp_path):
         assert a[name].key == b[name].key, name          # a second budget reuses every measurement
         assert a[name].kind == "gguf-probe" and a[name].format == "metrics"   # a probe stores no file
         assert a[name].scratch == 0.6   # ...but writes one while it runs: the executor holds that disk for it
+        assert a[name].at_once == ("gguf-search[mix]", 2)   # two at once: 2 × 8.5 bits within 3 × 36 MB's ~8.2
     for name in ("gguf-search-allocate[mix]", "probe[mix~cand0]", "quantize[mix]"):
         assert a[name].key != b[name].key
     # the search stores one .gguf: its selection; nothing else it plans is a model file (no whole file per point)

@@ -85,6 +85,9 @@ class Step:
                                               # on a machine with one); False: CPU only. The plan shows it; not hashed
     scratch: float = 0.0                      # bytes it writes into its scratch while it runs, as a share of the
                                               # model it reads (a search's probe GGUF); for disk scheduling, not hashed
+    at_once: tuple[str, int] | None = None    # (group, n): at most n steps of the group run at the same time (a
+                                              # search's probes, so their scratch files stay within its disk bound);
+                                              # for scheduling, not hashed
     key: str = field(init=False)
 
     def __post_init__(self) -> None:

@@ -52,6 +52,7 @@ class Claim:
     elastic: bool = False
     standby: Standby | None = None     # a worker started ahead for this step, if one was
     disk_bytes: int = 0                # what it is expected to write (output and scratch) while it runs
+    group: str = ""                    # its Step.at_once group, if any
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Budget:
 
     def __post_init__(self):
         self.cores = self.cpus
+        self.in_group: dict[str, int] = {}   # Step.at_once group → its steps running now
 
     def claim(self, step: Step, memory_mb: float, alone: bool, disk_bytes: int = 0) -> Claim | None:
         threads = min(max(step.threads, 1), self.cores)  # a step wanting more cores than exist gets them all
@@ -80,12 +82,16 @@ class Budget:
             return None
         if step.requires_gpu and not self.gpus and self.running:
             return None
+        if step.at_once is not None and self.in_group.get(step.at_once[0], 0) >= step.at_once[1]:
+            return None
         if self.running and disk_bytes and (free := self.disk_free()) is not None \
                 and disk_bytes > free - self.disk_held:
             return None   # waits for a running step to finish; alone, it starts (and fails in one line if it cannot fit)
         claim = Claim(cpus=threads, memory_mb=memory_mb, gpu=self.gpus.pop(0) if step.requires_gpu and self.gpus
                       else None, alone=alone, key=step.key, base=threads, elastic=step.elastic_threads,
-                      disk_bytes=disk_bytes)
+                      disk_bytes=disk_bytes, group=step.at_once[0] if step.at_once else "")
+        if claim.group:
+            self.in_group[claim.group] = self.in_group.get(claim.group, 0) + 1
         self.cpus -= threads
         self.memory_mb -= memory_mb
         self.disk_held += disk_bytes
@@ -115,6 +121,8 @@ class Budget:
         self.cpus += claim.cpus
         self.memory_mb += claim.memory_mb
         self.disk_held -= claim.disk_bytes
+        if claim.group:
+            self.in_group[claim.group] -= 1
         if claim.gpu is not None:
             self.gpus.append(claim.gpu)
         self.running -= 1

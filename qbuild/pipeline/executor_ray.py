@@ -233,7 +233,7 @@ class RayExecutor(Executor):
             while pending or running:
                 for ps in list(pending):
                     ins = [outcomes.get(s.key) for s in ps.step.prerequisites()]
-                    if any(o is None for o in ins):
+                    if any(o is None for o in ins) or _group_full(ps.step, running):
                         continue
                     done = self._resolve_without_building(ps, ins)
                     pending.remove(ps)
@@ -317,6 +317,14 @@ class RayExecutor(Executor):
         if self.materialize_all:
             self.materialize(outcome)
         return outcome
+
+
+def _group_full(step: Step, running: dict) -> bool:
+    """Step.at_once across the cluster: as many steps of its group are running as it allows (a search's probes)."""
+    if step.at_once is None:
+        return False
+    group, limit = step.at_once
+    return sum(1 for ps, _, _ in running.values() if ps.step.at_once and ps.step.at_once[0] == group) >= limit
 
 
 def _cancel(ray, running: dict) -> None:

@@ -326,15 +326,18 @@ def kld_measurement(ctx, label: str, fmt: str, max_windows: int | None) -> tuple
 
 
 def probe_step(ctx, kind: str, name: str, label: str, source: Step, build: dict, inputs: dict[str, Step],
-               max_windows: int | None, runner: str, tools: tuple[str, ...], scratch: float = 1.0) -> Step:
+               max_windows: int | None, runner: str, tools: tuple[str, ...], scratch: float = 1.0,
+               at_once: tuple[str, int] | None = None) -> Step:
     """A probe: one step that builds a model of `source`'s format from `inputs` under the params `build`, in its own
     scratch (never stored), and measures it as kld_step would measure that model stored (same params, data and
     reference; `params.measure`); it stores the measurement only. A search's sensitivity points and candidates are
     probes (qbuild.quantize.gguf_probe), so their files never reach the store. `scratch`: the probe file's size as
-    a share of `source`'s (at most; the executor holds that much disk for it while it runs)."""
+    a share of `source`'s (at most; the executor holds that much disk for it while it runs); `at_once`: (group, n),
+    at most n probes of the group at once."""
     measure, measured_inputs, rt = kld_measurement(ctx, label, source.format, max_windows)
     return runtime_step(kind, name, {"build": build, "measure": measure}, rt, label, source,
-                        {**inputs, **measured_inputs}, tools, ctx, runner=runner, scratch=scratch)
+                        {**inputs, **measured_inputs}, tools, ctx, runner=runner, scratch=scratch,
+                        at_once=at_once)
 
 
 def load_check_runtimes(ctx, check, fmt: str) -> list[Runtime]:

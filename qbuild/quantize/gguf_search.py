@@ -33,7 +33,7 @@ from pathlib import Path
 from qbuild.base.errors import RecipeError
 from qbuild.contract.step import Step, StepContext
 from qbuild.quantize.gguf_probe import gguf_weights
-from qbuild.quantize.gguf_search_options import ALLOCATION_FILE, DEFAULT_TYPES, NEEDS_IMATRIX, GGUFSearch
+from qbuild.quantize.gguf_search_options import ALLOCATION_FILE, BPW, DEFAULT_TYPES, NEEDS_IMATRIX, GGUFSearch
 
 OUTPUT_FILE = "model.gguf"   # qbuild.quantize.gguf.options' file name (a quantize step's one file)
 SEARCH_FILE = "search.json"   # the artifact's own short record (budget, chosen types, command) beside the .gguf
@@ -43,6 +43,8 @@ MB = 1_000_000               # max_size_mb is in decimal megabytes, as file size
 # one group at another type; measured 1.14 GB from 2.15 GB (0.53) on the 1B model. The executor holds this much
 # disk for each running probe, so probes that each fit do not fill the disk together
 PROBE_SCRATCH = 0.6
+# a search's scratch files at once stay within this many times the artifact it ends with (issue 33's bound)
+SEARCH_DISK_BOUND = 3
 
 @dataclass(frozen=True)
 class Group:
@@ -176,11 +178,12 @@ def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], b
     if not imatrix:
         common.pop("imatrix")
     label = variant.name
+    at_once = (f"gguf-search[{label}]", probes_at_once(search, estimated_weights(info)))
 
     def probe(tag: str, build: dict, extra: dict, windows: int | None) -> Step:
         return probe_step(ctx, "gguf-probe", f"probe[{label}~{tag}]", f"{label}~{tag}", inputs["gguf"], build,
                           {**inputs, **extra}, windows, "qbuild.quantize.gguf_probe:run_probe", tools,
-                          scratch=PROBE_SCRATCH)
+                          scratch=PROBE_SCRATCH, at_once=at_once)
 
     alloc_inputs = {"base": probe("base", dict(common), {}, search.sensitivity_windows)}
     sensitivity_reference = alloc_inputs["base"].inputs["reference"]   # its own over the first windows (or shared)
@@ -228,6 +231,20 @@ def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], b
 SECONDS_PER_WEIGHT = {"sensitivity-quantize": 3.3e-8, "candidate-quantize": 2.2e-7}
 SECONDS_PER_WEIGHT_TOKEN = 1.4e-10     # a perplexity pass: ~10 s per 512-token window at 135M weights
 WINDOWS_IF_ALL = 16                    # max_windows null: the text's windows, unknown at plan time
+
+
+def probes_at_once(search, weights: int) -> int:
+    """How many of a search's probes may run at once: each quantizes a whole model, about the base type's size
+    (one group at another type), into its scratch, and together they stay within SEARCH_DISK_BOUND × the artifact
+    the search ends with, which is about the budget's size (a KLD budget's is unknown: taken as its smallest
+    candidate type's). Never fewer than one: a probe alone is about base/target × the artifact."""
+    if search.max_bpw is not None:
+        target = search.max_bpw
+    elif search.max_size_mb is not None and weights:
+        target = search.max_size_mb * MB * 8 / weights
+    else:
+        target = min(BPW.get(t, BPW[search.base_type]) for t in (search.types or DEFAULT_TYPES))
+    return max(1, int(SEARCH_DISK_BOUND * target / BPW[search.base_type]))
 
 
 def estimated_weights(info: dict) -> int:
