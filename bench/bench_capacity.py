@@ -48,15 +48,14 @@ def run_qbuild(url: str, model: str, args) -> dict:
          "rounds": args.rounds, "seed": 0, "timeout_s": 300}
 
     def measure(k):
-        p = measure_probe(url, tokens, w, k, model)
+        p = measure_probe(url, tokens, w, k, model, args.parallel)
         print(f"  qbuild probe {2 ** (k / 16):.3f}/s: TTFT p99 {p['ttft_ms_p99']} ms {(p.get('ci') or {}).get('ttft_ms_p99', '')}"
-              f", {p['errors']} errors, {p['mean_in_flight']} in flight, completed {p['completed_rps']}/s of "
-              f"{p['offered_rps']}/s arriving", flush=True)
+              f", {p['errors']} errors, {p['mean_in_flight']} in flight, full-batch throughput "
+              f"{p['saturated_rps'] or '-'}/s", flush=True)
         return p
 
     started = time.monotonic()
-    found = search(measure, {"ttft_p99_ms": args.slo_ttft_p99}, MAX_ERROR_PCT, grid_index(args.start_rps),
-                   min_completed_share=args.min_completed_share)
+    found = search(measure, {"ttft_p99_ms": args.slo_ttft_p99}, MAX_ERROR_PCT, grid_index(args.start_rps))
     found["seconds"] = time.monotonic() - started
     return found
 
@@ -144,8 +143,6 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=12, help="per round of a qbuild probe")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per qbuild probe (guidellm: requests × rounds)")
     ap.add_argument("--start-rps", type=float, default=0.5)
-    ap.add_argument("--min-completed-share", type=float, default=0.9,
-                    help="a qbuild probe counts only if the server completed this share of its rate (0: latency only)")
     ap.add_argument("--sweep-size", type=int, default=8)
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--only", choices=["qbuild", "guidellm"])

@@ -13,7 +13,7 @@ from rich.console import Console
 
 from qbuild.errors import RecipeError
 from qbuild.planning.recipe import Selection, Serving, parse_recipe
-from qbuild.planning.serving_capacity import (STEPS_PER_DOUBLING, grid_index, judge, pace, paced_rates, rate_of,
+from qbuild.planning.serving_capacity import (STEPS_PER_DOUBLING, grid_index, judge, pace, rate_of, saturated_rps,
                                               search)
 from qbuild.serving.client import RequestResult
 from qbuild.results.selection import select
@@ -122,42 +122,75 @@ def short_probe(capacity_rps: float, requests: int = 24):
         results = served([i / rate for i in range(requests)], 4 / capacity_rps, 4)
         ttft = max(r.ttft_s for r in results) * 1000
         return {"ttft_ms_p99": ttft, "requests": requests, "errors": 0, "mean_in_flight": 1.0, "ci": None,
-                **paced_rates([pace(results)])}
+                "arrival_rps": rate, "saturated_rps": saturated_rps([pace(results, 4)], 4)}
     return measure
 
 
-def test_pace_times_completions_from_the_first_so_the_drain_does_not_count():
-    keeping_up = served([i * 0.5 for i in range(24)], service_s=1.5, slots=4)   # 2/s offered, 2.67/s possible
-    rates = paced_rates([pace(keeping_up)])
-    assert rates["offered_rps"] == pytest.approx(2.0) and rates["completed_rps"] == pytest.approx(2.0)
-    falling_behind = served([i * 0.5 for i in range(24)], service_s=2.5, slots=4)   # 1.6/s possible
-    rates = paced_rates([pace(falling_behind)])
-    assert rates["completed_rps"] == pytest.approx(1.6, rel=0.05)
-    # rounds pool as one probe: gaps over spans, summed
-    two = paced_rates([pace(keeping_up), pace(falling_behind)])
-    assert rates["completed_rps"] < two["completed_rps"] < 2.0
+def test_the_full_batch_throughput_is_read_while_every_slot_is_busy():
+    # 2/s arriving, 1.5 s each on 4 slots (2.67/s possible): at most 3 in flight, never full, nothing to judge by
+    keeping_up = served([i * 0.5 for i in range(24)], service_s=1.5, slots=4)
+    assert saturated_rps([pace(keeping_up, 4)], 4) is None
+    # 2/s arriving, 2.5 s each (1.6/s possible): full from the 4th arrival on, ending 1.6 requests/s then (less the
+    # time from the moment it filled to its first completion: 3 % here)
+    behind = served([i * 0.5 for i in range(24)], service_s=2.5, slots=4)
+    assert saturated_rps([pace(behind, 4)], 4) == pytest.approx(1.6, rel=0.05)
+    # rounds pool as one longer probe: counts over times, summed
+    assert saturated_rps([pace(behind, 4), pace(keeping_up, 4)], 4) == pytest.approx(1.6, rel=0.05)
+    # fewer requests ended while full than the server has slots: too little to read its throughput from
+    assert saturated_rps([pace(served([0.0, 0.1, 0.2, 0.3, 0.4], 2.5, 4), 4)], 4) is None
 
 
 def test_a_rate_above_what_the_server_completes_misses_however_short_the_probe():
     # the defect this guards against (docs/serving.md, compared with guidellm): 24 arrivals above capacity end before
     # the queue breaks the TTFT bound, so latency alone lets the search report a capacity the server does not have
     measure = short_probe(capacity_rps=2.37)
-    latency_only = search(measure, {"ttft_p99_ms": 1500}, 1.0, grid_index(1.0), min_completed_share=0.0)
-    assert latency_only["capacity_rps"] > 2.37 * 1.1
+
+    def latency_only(k):
+        return {**measure(k), "saturated_rps": None}
+
+    assert search(latency_only, {"ttft_p99_ms": 1500}, 1.0, grid_index(1.0))["capacity_rps"] > 2.37 * 1.1
     found = search(measure, {"ttft_p99_ms": 1500}, 1.0, grid_index(1.0))
-    # a rate counts while the server completes 0.9 of it: the capacity is within a grid step of 2.37 / 0.9
-    assert found["capacity_rps"] <= 2.37 / 0.9 < found["next_rps"]
-    assert found["capacity_rps"] < latency_only["capacity_rps"]
+    assert found["capacity_rps"] <= 2.37 < found["next_rps"]
     missed = next(p for p in found["probes"] if p["k"] == grid_index(found["next_rps"]))
-    assert any("the queue grows" in m for m in missed["misses"])
+    assert missed["misses"] and all("its queue grows" in m for m in missed["misses"])
 
 
-def test_judge_misses_a_probe_the_server_fell_behind():
-    probe = {"ttft_ms_p99": 300, "requests": 24, "errors": 0, "offered_rps": 2.8, "completed_rps": 2.4}
+def served_with_noise(rng, utilization: float, requests: int = 24):
+    """A 4-slot server completing 2.37/s on average, service times ±30 %, fed `requests` Poisson arrivals."""
+    service = 4 / 2.37
+    rate = 2.37 * utilization
+    arrivals = np.cumsum(rng.exponential(1 / rate, requests))
+    return served_with(arrivals - arrivals[0], rng.uniform(0.7, 1.3, requests) * service, 4)
+
+
+def served_with(arrivals, services, slots):
+    free, out = [0.0] * slots, []
+    for t, s in zip(arrivals, services):
+        slot = min(range(slots), key=free.__getitem__)
+        free[slot] = max(t, free[slot]) + s
+        out.append(RequestResult(True, start=float(t), end=free[slot]))
+    return out
+
+
+def test_one_probe_tells_a_server_that_keeps_up_from_one_that_cannot():
+    """The check's power on probes as short as the search's (24 Poisson arrivals, one round), seeded: at 80 % of
+    capacity it almost never rejects, at 120 % almost always."""
+    rng = np.random.default_rng(0)
+
+    def rejected(utilization):
+        full = [saturated_rps([pace(served_with_noise(rng, utilization), 4)], 4) for _ in range(200)]
+        return np.mean([f is not None and 2.37 * utilization > f for f in full])
+
+    assert rejected(0.8) <= 0.03 and rejected(1.2) >= 0.95
+
+
+def test_judge_misses_arrivals_faster_than_the_full_server_completes():
+    probe = {"ttft_ms_p99": 300, "requests": 24, "errors": 0, "arrival_rps": 2.8, "saturated_rps": 2.4}
     verdict = judge(probe, {"ttft_p99_ms": 500}, 1.0)
-    assert not verdict["meets"] and verdict["misses"] == ["completed 2.4 requests/s of 2.8/s arriving (< 0.9×): the queue grows"]
-    assert judge({**probe, "completed_rps": 2.6}, {"ttft_p99_ms": 500}, 1.0)["meets"]
-    assert judge(probe, {"ttft_p99_ms": 500}, 1.0, min_completed_share=0.8)["meets"]
+    assert not verdict["meets"] and verdict["misses"] == [
+        "requests arriving at 2.8/s outpace the 2.4/s the server completes with every slot busy: its queue grows"]
+    assert judge({**probe, "saturated_rps": 2.9}, {"ttft_p99_ms": 500}, 1.0)["meets"]
+    assert judge({**probe, "saturated_rps": None}, {"ttft_p99_ms": 500}, 1.0)["meets"]   # never full: it kept up
 
 
 def candidate(variant, config, capacity, rss, kld=0.01):
@@ -235,9 +268,9 @@ def test_capacity_search_on_a_real_server_reruns_nothing_and_another_slo_reuses_
     assert cap["next_rps"] / cap["capacity_rps"] == pytest.approx(2 ** (1 / STEPS_PER_DOUBLING), rel=1e-3)
     for p in cap["probes"]:   # each probe a measured point: 2 rounds of 8, with an interval; the verdict follows it
         assert p["requests"] == 16 and p["ci"]["ttft_ms_p99"][0] <= p["ttft_ms_p99"] <= p["ci"]["ttft_ms_p99"][1]
-        assert p["offered_rps"] > 0 and p["completed_rps"] > 0
-        assert p["meets"] == (p["ttft_ms_p99"] <= 150 and p["errors"] == 0
-                              and p["completed_rps"] >= 0.9 * p["offered_rps"])
+        assert p["arrival_rps"] == pytest.approx(p["rate_rps"], rel=1e-3)
+        kept_up = p["saturated_rps"] is None or p["arrival_rps"] <= p["saturated_rps"]
+        assert p["meets"] == (p["ttft_ms_p99"] <= 150 and p["errors"] == 0 and kept_up)
         assert p["meets"] == (p["rate_rps"] <= cap["capacity_rps"] + 1e-9), cap["probes"]
     best = next(p for p in cap["probes"] if p["rate_rps"] == pytest.approx(cap["capacity_rps"], rel=1e-3))
     assert cap["concurrency"] == best["mean_in_flight"] > 0
@@ -341,13 +374,14 @@ def test_a_conversation_makes_each_probe_arrival_a_conversation(monkeypatch):
     from qbuild.planning import serving_capacity
 
     sent = []
-    monkeypatch.setattr(serving_capacity, "probe_round", lambda url, work, rate, seed: sent.append(work) or {
+    monkeypatch.setattr(serving_capacity, "probe_round", lambda url, work, rate, seed, slots: sent.append(work) or {
         "requests": 1, "completed": 1, "errors": 0, "ttft_ms_p99": 1.0, "mean_in_flight": 1.0})
     tokens = np.arange(5000)   # the prefix (the last 8 tokens) appears in no window
     w = {"requests": 4, "warmup": 1, "rounds": 1, "seed": 0, "input_len": 16, "output_len": 4, "timeout_s": 5,
          "prefix_tokens": 8, "conversation": {"turns": 3, "think_s": 0.5}}
-    serving_capacity.measure_probe("http://127.0.0.1:1", tokens, w, 0, "m")
+    probe = serving_capacity.measure_probe("http://127.0.0.1:1", tokens, w, 0, "m", slots=4)
     [work] = sent
+    assert probe["arrival_rps"] == 3.0   # 1 conversation/s of 3 turns: what the full server must complete
     assert (work.turns, work.think_s, work.requests, work.warmup) == (3, 0.5, 4, 1)
     assert len(work.prompts) == (4 + 1) * 3
     prefix = tokens[-8:].tolist()

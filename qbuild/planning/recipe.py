@@ -174,11 +174,6 @@ class Capacity(StrictModel):
     max_minutes: float = Field(10.0, gt=0, le=1440, description="Time budget of one search; reaching it, the search "
                                "stops with the highest rate that met the SLOs so far (marked incomplete).")
     max_error_pct: float = Field(1.0, ge=0, le=100, description="Largest share of failed requests at a rate, in %.")
-    min_completed_share: float = Field(
-        0.9, gt=0, le=1, description="A rate counts only if the server completed requests at least this share of "
-        "it (completions per second over the span from the first to the last completion, against arrivals per "
-        "second over theirs): a server that cannot keep up grows a queue however short the probe, and a short probe "
-        "can end before that queue breaks a latency bound.")
     start_rps: float = Field(1.0, gt=0, description="The first rate probed (snapped to the grid); the bracket doubles "
                              "or halves from it.")
     requests: int = Field(24, ge=2, le=100_000, description="Poisson arrivals measured per round of a probe.")

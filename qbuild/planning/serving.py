@@ -22,7 +22,7 @@ from qbuild.planning.recipe import longest
 
 RUNNER = "qbuild.planning.serving_bench:run"
 CAPACITY_RUNNER = "qbuild.planning.serving_capacity:run"
-CAPACITY_IMPL_VERSION = 2   # 2: probes record the rate the server completed requests at
+CAPACITY_IMPL_VERSION = 2   # 2: probes record the server's throughput while full (a rate above it misses)
 IMPL_VERSION = 3   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
 # 3: a point's warm-up requests lead into the measured ones without a pause (it was measured from an idle server)
 WORKLOAD_FIELDS = ("concurrency", "request_rates", "requests", "warmup", "input_len", "output_len", "seed", "timeout_s")
@@ -141,7 +141,7 @@ def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving
                   impl_version=CAPACITY_IMPL_VERSION)
     family = Step("capacity-probes", "capacity-probes", probes, None, **common).key
     search = {"slo": cap.slo.bounds(), "max_minutes": cap.max_minutes, "max_error_pct": cap.max_error_pct,
-              "min_completed_share": cap.min_completed_share, "start_rps": cap.start_rps}
+              "start_rps": cap.start_rps}
     return ctx.add(Step("capacity", f"capacity[{art.label}@{config.name}]", {**probes, "capacity": search},
                         CAPACITY_RUNNER, **common, requires_gpu=server.needs_gpu, unavailable=unavailable,
                         on_unavailable=OnUnavailable.SKIP, format="metrics",

@@ -6,11 +6,12 @@ doubling while the rate meets the SLOs, halving while it does not) and then bise
 highest rate that met them and the lowest that did not, until they are neighbours. Each probe is a measured point:
 `rounds` rounds of Poisson arrivals (each after its own warm-up, with prompts and arrivals of its own, seeded by the
 rate and the round), pooled, with bootstrap intervals (qbuild.serving.confidence). A probe meets the SLOs when its
-pooled TTFT p99 / TPOT p50 are within the bounds, at most `max_error_pct` % of its requests failed, and the server
-completed requests at `min_completed_share` of the rate they arrived at or more; its interval and verdict (met,
-missed, within noise) are kept beside it. The last condition is what makes a short probe honest: above the rate a
-server completes, its queue grows for as long as arrivals go on, and 24 arrivals can end before the queue breaks a
-latency bound (measured: a probe at 2.83/s "met" TTFT p99 ≤ 1.5 s on a server guidellm found completes 2.37/s).
+pooled TTFT p99 / TPOT p50 are within the bounds, at most `max_error_pct` % of its requests failed, and requests did
+not arrive faster than the server completed them while every slot was busy (`saturated_rps`, the server's own
+throughput at full batch, measured inside the probe); its interval and verdict (met, missed, within noise) are
+kept beside it. The last condition is what makes a short probe honest: above the rate a server completes, its
+queue grows for as long as arrivals go on, and 24 arrivals can end before the queue breaks a latency bound
+(measured: a probe at 2.83/s "met" TTFT p99 ≤ 1.5 s on a server guidellm found completes 2.37/s).
 
 Probes are kept in the step's result, and in a per-user cache (QBUILD_CACHE/capacity-probes) under the identity of
 everything that decides what they measure except the SLOs: the artifact, the server and its flags, the workload,
@@ -36,7 +37,6 @@ HIGHEST_K = 12 * STEPS_PER_DOUBLING   # 4096 requests/s
 RESULT = "capacity.json"
 SERVER_LOG = "server.log"
 # recipe SLO field → the probe's figure, as selection names them
-MIN_COMPLETED_SHARE = 0.9    # the recipe's default (Capacity.min_completed_share)
 SLO_FIELDS = {"ttft_p99_ms": "ttft_ms_p99", "tpot_p50_ms": "tpot_ms_p50", "itl_p99_ms": "itl_ms_p99",
               "e2e_p99_ms": "e2e_ms_p99"}
 
@@ -50,20 +50,20 @@ def grid_index(rate: float) -> int:
     return int(round(STEPS_PER_DOUBLING * np.log2(rate)))
 
 
-def judge(probe: dict, slo: dict, max_error_pct: float, min_completed_share: float = MIN_COMPLETED_SHARE) -> dict:
+def judge(probe: dict, slo: dict, max_error_pct: float) -> dict:
     """A probe's verdict under `slo` (field → bound): {meets, misses, uncertain}. The pooled value decides; a bound
-    whose 95 % interval straddles it is listed as within noise. A server that completed requests at less than
-    `min_completed_share` of their arrival rate misses, whatever the latencies."""
+    whose 95 % interval straddles it is listed as within noise. Arrivals faster than the server completes requests
+    with every slot busy are a miss, whatever the latencies: its queue grows."""
     from qbuild.serving.confidence import verdict
 
     misses, uncertain = [], []
     error_pct = 100 * probe["errors"] / probe["requests"] if probe["requests"] else 100.0
     if error_pct > max_error_pct:
         misses.append(f"errors {error_pct:.1f} % > {max_error_pct:g} %")
-    offered, completed = probe.get("offered_rps"), probe.get("completed_rps")
-    if offered and completed is not None and completed < min_completed_share * offered:
-        misses.append(f"completed {completed:.3g} requests/s of {offered:.3g}/s arriving "
-                      f"(< {min_completed_share:g}×): the queue grows")
+    arriving, full = probe.get("arrival_rps"), probe.get("saturated_rps")
+    if arriving and full is not None and arriving > full:
+        misses.append(f"requests arriving at {arriving:.3g}/s outpace the {full:.3g}/s the server completes with "
+                      "every slot busy: its queue grows")
     for field, bound in slo.items():
         value = probe.get(SLO_FIELDS[field])
         if value is None:
@@ -77,8 +77,7 @@ def judge(probe: dict, slo: dict, max_error_pct: float, min_completed_share: flo
 
 
 def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, start_k: int,
-           out_of_time: Callable[[], bool] = lambda: False,
-           min_completed_share: float = MIN_COMPLETED_SHARE) -> dict:
+           out_of_time: Callable[[], bool] = lambda: False) -> dict:
     """Bracket, then bisect the grid index. `measure(k)` is the probe at rate_of(k) (measured or cached); the result:
     {capacity_rps, k, concurrency, probes (in the order asked, each with its verdict), bracketed, complete}."""
     probes: dict[int, dict] = {}
@@ -91,7 +90,7 @@ def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, star
         if out_of_time():
             return None
         p = measure(k)
-        probes[k] = {**p, "rate_rps": rate_of(k), "k": k, **judge(p, slo, max_error_pct, min_completed_share)}
+        probes[k] = {**p, "rate_rps": rate_of(k), "k": k, **judge(p, slo, max_error_pct)}
         order.append(k)
         return probes[k]["meets"]
 
@@ -141,25 +140,28 @@ def mean_in_flight(results) -> float | None:
     return round(sum(r.end - r.start for r in done) / span, 3) if span > 0 else None
 
 
-def pace(results) -> dict:
-    """How fast requests arrived and how fast the server completed them: the gaps between successive sends and their
-    span (first send to last), the same of the completions. Completions are timed from the first to the last, so
-    the drain after the last arrival does not count against a server that keeps up."""
-    sends = sorted(r.start for r in results)
-    ends = sorted(r.end for r in results if r.ok)
-    return {"arrival_gaps": max(len(sends) - 1, 0), "arrival_span_s": round(sends[-1] - sends[0], 4) if sends else 0.0,
-            "completion_gaps": max(len(ends) - 1, 0), "completion_span_s": round(ends[-1] - ends[0], 4) if ends else 0.0}
+def pace(results, slots: int) -> dict:
+    """How fast the server completed requests when it was full: the time during which `slots` or more requests were
+    in flight (every slot of the server busy, the rest queued) and the requests that ended in it. That is its
+    throughput at full batch (what guidellm's throughput benchmark measures), read from the probe's own requests:
+    unlike the completions' overall pace, it does not lag the arrivals of a server that keeps up."""
+    events = sorted([(r.start, 1) for r in results] + [(r.end, -1) for r in results if r.ok])
+    in_flight, full_s, full_ends, last = 0, 0.0, 0, None
+    for t, step in events:
+        if in_flight >= slots:
+            full_s += t - last
+            full_ends += step < 0
+        in_flight += step
+        last = t
+    return {"full_completions": full_ends, "full_s": round(full_s, 4)}
 
 
-def paced_rates(paces: list[dict]) -> dict:
-    """offered_rps and completed_rps of one or more rounds (their gaps over their spans, summed: rounds are pooled
-    as one longer probe would be, less the idle server between them); None where a span is empty."""
-    def rate(gaps: str, span: str) -> float | None:
-        total_span = sum(p[span] for p in paces)
-        return round(sum(p[gaps] for p in paces) / total_span, 4) if total_span > 0 else None
-
-    return {"offered_rps": rate("arrival_gaps", "arrival_span_s"),
-            "completed_rps": rate("completion_gaps", "completion_span_s")}
+def saturated_rps(paces: list[dict], slots: int) -> float | None:
+    """The full-batch throughput of one or more rounds (their counts over their times, summed: rounds pool as one
+    longer probe would). None until at least `slots` requests ended with the server full: fewer say too little of
+    its throughput, and a server that was rarely full kept up."""
+    full_s, ends = sum(p["full_s"] for p in paces), sum(p["full_completions"] for p in paces)
+    return round(ends / full_s, 4) if ends >= slots and full_s > 0 else None
 
 
 def probe_seed(seed: int, k: int, r: int) -> int:
@@ -238,11 +240,12 @@ def run(ctx) -> dict:
         if srv is None:
             ctx.log(f"starting {launch.engine} for {label}: {shlex.join(_portable(list(launch.command), ctx.inputs['model']))}")
             srv = stack.enter_context(running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)))
-        probe = measure_probe(srv.url, tokens, w, k, launch.model_name, launch.ignore_eos, between=srv.check_alive)
+        probe = measure_probe(srv.url, tokens, w, k, launch.model_name, p["slots"], launch.ignore_eos,
+                              between=srv.check_alive)
         counts["measured"] += 1
         ctx.log(f"rate {rate_of(k):.4g}/s: TTFT p99 {probe['ttft_ms_p99']} ms, TPOT p50 {probe['tpot_ms_p50']} ms, "
-                f"{probe['errors']} errors, {probe['mean_in_flight']} in flight, "
-                f"completed {probe['completed_rps']}/s of {probe['offered_rps']}/s arriving")
+                f"{probe['errors']} errors, {probe['mean_in_flight']} in flight, full-batch throughput "
+                f"{probe['saturated_rps'] or '-'} requests/s")
         keep_probe(family, k, probe)
         return probe
 
@@ -251,8 +254,7 @@ def run(ctx) -> dict:
 
     try:
         with stack:
-            found = search(measure, cap["slo"], cap["max_error_pct"], grid_index(cap["start_rps"]), out_of_time,
-                           cap.get("min_completed_share", MIN_COMPLETED_SHARE))
+            found = search(measure, cap["slo"], cap["max_error_pct"], grid_index(cap["start_rps"]), out_of_time)
             peak_rss = srv.peak_rss_bytes() if srv is not None else None
     except BaseException:
         if log.exists():
@@ -276,11 +278,12 @@ def _write_result(ctx, label: str, result: dict, counts: dict, max_minutes) -> N
             + ("" if result["complete"] else f"; stopped by max_minutes {max_minutes}"))
 
 
-def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, ignore_eos: bool = True,
+def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, slots: int, ignore_eos: bool = True,
                   between: Callable[[], None] = lambda: None) -> dict:
     """The probe at rate_of(k): `w["rounds"]` rounds (workload `w` as the step's params hold it), each after its
-    own warm-up, with prompts (windows of `tokens`), output lengths and arrivals seeded by the rate and the round.
-    With a conversation, the rate is of new conversations (each of `turns` requests, their latencies pooled)."""
+    own warm-up, with prompts (windows of `tokens`), output lengths and arrivals seeded by the rate and the round,
+    on a server running `slots` requests at once. With a conversation, the rate is of new conversations (each of
+    `turns` requests, their latencies pooled)."""
     from qbuild.planning.serving_bench import conversation_prompts, drawn_lengths, prompts_from
     from qbuild.serving.client import Workload
 
@@ -295,19 +298,21 @@ def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, ign
         work = Workload(prompts=prompts, output_len=drawn_lengths(w["output_len"], per_round, seed + 2),
                         requests=w["requests"], warmup=w["warmup"], timeout_s=w["timeout_s"],
                         ignore_eos=ignore_eos, model=model, turns=turns, think_s=conversation.get("think_s", 0.0))
-        rounds.append(probe_round(url, work, rate_of(k), seed))
+        rounds.append(probe_round(url, work, rate_of(k), seed, slots))
         between()
-    return _pooled(rounds, w["seed"])
+    # the rate the probe asks for, in requests: what a capacity at this rate would claim (the arrivals one round
+    # happened to draw are faster or slower by chance; 24 Poisson arrivals vary by about 20 %)
+    return {**_pooled(rounds, w["seed"], slots), "arrival_rps": round(rate_of(k) * turns, 4)}
 
 
-def probe_round(url: str, work, rate: float, seed: int) -> dict:
+def probe_round(url: str, work, rate: float, seed: int, slots: int) -> dict:
     """One round of a probe: `warmup` requests one at a time, then `requests` Poisson arrivals at `rate`."""
     import asyncio
 
-    return asyncio.run(_probe_round(url, work, rate, seed))
+    return asyncio.run(_probe_round(url, work, rate, seed, slots))
 
 
-async def _probe_round(url: str, work, rate: float, seed: int) -> dict:
+async def _probe_round(url: str, work, rate: float, seed: int, slots: int) -> dict:
     import httpx
 
     from qbuild.serving.client import _closed_loop, _open_loop, summarize_point
@@ -321,18 +326,19 @@ async def _probe_round(url: str, work, rate: float, seed: int) -> dict:
         results = await _open_loop(client, url, work, rate, work.warmup, work.requests, seed, lambda: None)
         point = summarize_point(results, time.perf_counter() - start)
     point["mean_in_flight"] = mean_in_flight(results)
-    point["pace"] = pace(results)
-    return {**point, **paced_rates([point["pace"]])}
+    point["pace"] = pace(results, slots)
+    point["saturated_rps"] = saturated_rps([point["pace"]], slots)
+    return point
 
 
-def _pooled(rounds: list[dict], seed: int) -> dict:
+def _pooled(rounds: list[dict], seed: int, slots: int) -> dict:
     from qbuild.serving.confidence import combine_rounds
 
     if len(rounds) == 1:
         return {k: v for k, v in rounds[0].items() if k != "samples"}
     out = combine_rounds(rounds, seed)
     out["mean_in_flight"] = round(float(np.mean([r["mean_in_flight"] or 0 for r in rounds])), 3)
-    out |= paced_rates([r["pace"] for r in rounds])
+    out["saturated_rps"] = saturated_rps([r["pace"] for r in rounds], slots)
     out.pop("samples", None)
     for r in out["rounds"]:   # per-request samples stay out of the stored probe: its figures and interval suffice
         r.pop("samples", None)

@@ -187,7 +187,7 @@ def _capacity(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
 
 
 CAPACITY_PROBE_FIELDS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99", "e2e_ms_p99", "requests_s",
-                         "output_tok_s", "errors", "requests", "offered_rps", "completed_rps")
+                         "output_tok_s", "errors", "requests", "arrival_rps", "saturated_rps")
 
 
 def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None,
