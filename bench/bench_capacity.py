@@ -72,22 +72,33 @@ def run_guidellm(url: str, model: str, tokenizer: Path, args, out: Path) -> dict
            "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": str(tokenizer)}),
            "--seed", json.dumps({"kind": "static", "value": 1}),
            "--output", json.dumps({"kind": "json", "path": str(out)}), "--disable-progress", "--disable-console"]
+    # guidellm 0.8's poisson strategy seeds random.Random(seed) in each worker process and adds each worker's draws
+    # to one shared clock, so with its default 10 processes every inter-arrival gap comes ~10 times in a row: bursts
+    # of 10 arrivals, not a Poisson process (seen in its own request_start_time). One process draws one sequence.
+    env = {**os.environ, "GUIDELLM__MAX_WORKER_PROCESSES": str(args.guidellm_workers)}
     started = time.monotonic()
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800, env=env)
     seconds = time.monotonic() - started
     points = []
     for b in json.loads(out.read_text())["benchmarks"]:
         m = b["metrics"]
+        starts = np.sort([r["request_start_time"] for r in b["requests"]["successful"]])
+        gaps = np.diff(starts)
         strategy = b["config"]["strategy"]
         totals = m["request_totals"]
         done = totals["successful"] + totals["errored"] + totals.get("incomplete", 0)
         rate = strategy.get("rate") or m["requests_per_second"]["successful"]["mean"]
         points.append({"type": strategy["type_"], "rate": rate,
                        "completed_rps": m["requests_per_second"]["successful"]["mean"],
+                       # what arrived: the realized rate, and the gaps' coefficient of variation (Poisson: ~1; the
+                       # repeated gaps of several worker processes: bursts, higher)
+                       "arrived_rps": (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) > 1 else None,
+                       "gap_cv": float(gaps.std() / gaps.mean()) if len(gaps) > 1 and gaps.mean() > 0 else None,
                        "ttft_ms_p99": m["time_to_first_token_ms"]["successful"]["percentiles"]["p99"],
                        "error_pct": 100 * (done - totals["successful"]) / done if done else 100.0})
         print(f"  guidellm {points[-1]['type']:11} {rate:.3f}/s: TTFT p99 {points[-1]['ttft_ms_p99']:.1f} ms, "
-              f"{points[-1]['error_pct']:.1f} % errors, completed {points[-1]['completed_rps']:.3f}/s", flush=True)
+              f"{points[-1]['error_pct']:.1f} % errors, completed {points[-1]['completed_rps']:.3f}/s; arrivals "
+              f"{points[-1]['arrived_rps'] or 0:.3f}/s, gap CV {points[-1]['gap_cv'] or 0:.2f}", flush=True)
     return {"seconds": seconds, "points": points}
 
 
@@ -146,6 +157,8 @@ def main() -> None:
     ap.add_argument("--sweep-size", type=int, default=8)
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--only", choices=["qbuild", "guidellm"])
+    ap.add_argument("--guidellm-workers", type=int, default=1,
+                    help="guidellm worker processes (its default 10 repeats each poisson gap 10 times: bursts)")
     ap.add_argument("--guidellm", type=Path, default=GUIDELLM, help="the guidellm program (a checkout's .venv-guidellm)")
     ap.add_argument("--reanalyze", type=Path, help="print the figures of a saved bench/results/capacity.json again")
     args = ap.parse_args()
