@@ -38,6 +38,11 @@ class FakeVariant(VariantBase):
     def needs_calibration(self) -> bool:
         return self.calibrated
 
+    def quant_params(self) -> dict:
+        data = super().quant_params()
+        data.pop("at_once")   # how the step is scheduled, not what it builds: not in its key
+        return data
+
     def describe(self) -> str:
         return f"level {self.level}"
 
