@@ -168,7 +168,7 @@ def saturated_rps(paces: list[dict], slots: int) -> float | None:
     longer probe would). None when the server was full for less than FULL_SHARE_TO_JUDGE of the probe, or fewer
     than `slots` requests ended while it was: that says too little of its throughput, and such a server kept up."""
     full_s, ends = sum(p["full_s"] for p in paces), sum(p["full_completions"] for p in paces)
-    span = sum(p.get("span_s", full_s) for p in paces)
+    span = sum(p["span_s"] for p in paces)
     if ends < slots or full_s <= 0 or full_s < FULL_SHARE_TO_JUDGE * span:
         return None
     return round(ends / full_s, 4)

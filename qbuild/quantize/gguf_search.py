@@ -178,7 +178,8 @@ def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], b
     if not imatrix:
         common.pop("imatrix")
     label = variant.name
-    at_once = (f"gguf-search[{label}]", probes_at_once(search, estimated_weights(info)))
+    weights = estimated_weights(info)
+    at_once = (f"gguf-search[{label}]", probes_at_once(search, weights))
 
     def probe(tag: str, build: dict, extra: dict, windows: int | None) -> Step:
         return probe_step(ctx, "gguf-probe", f"probe[{label}~{tag}]", f"{label}~{tag}", inputs["gguf"], build,
@@ -221,7 +222,7 @@ def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], b
             steps.append(sensitivity_reference)   # reference[baseline~Nw]: made for the search alone
         index = ctx.recipe.variants.index(variant)
         ctx.limit_time(f"variants[{index}].search.max_minutes", search.max_minutes, f"the search for {label}", steps,
-                       {s.key: guessed_seconds(s, estimated_weights(info)) for s in steps},
+                       {s.key: guessed_seconds(s, weights) for s in steps},
                        "lower types, layer_bands, max_candidates or sensitivity_windows")
     return select
 
