@@ -13,11 +13,10 @@ from rich.console import Console
 
 from qbuild.errors import RecipeError
 from qbuild.planning.recipe import Selection, Serving, parse_recipe
-from qbuild.planning.serving_capacity import (STEPS_PER_DOUBLING, grid_index, judge, pace, rate_of, saturated_rps,
-                                              search)
-from qbuild.serving.client import RequestResult
+from qbuild.planning.serving_capacity import STEPS_PER_DOUBLING, grid_index, judge, pace, rate_of, saturated_rps, search
 from qbuild.results.selection import select
 from qbuild.results.summary import render_selection
+from qbuild.serving.client import RequestResult
 
 
 def queue(saturation: float, errors_above: float | None = None):
@@ -168,7 +167,7 @@ def served_with_noise(rng, utilization: float, requests: int = 24):
 
 def served_with(arrivals, services, slots):
     free, out = [0.0] * slots, []
-    for t, s in zip(arrivals, services):
+    for t, s in zip(arrivals, services, strict=True):
         slot = min(range(slots), key=free.__getitem__)
         free[slot] = max(t, free[slot]) + s
         out.append(RequestResult(True, start=float(t), end=free[slot]))
