@@ -66,13 +66,16 @@ def project(size: str, host_gb: float = 24, gpu_gb: float = 80) -> None:
             self.kind, self.memory = kind, memory
 
     # PROJECTED_GPU: streamed evaluation keeps the embeddings and head and one layer, in bf16, on the GPU; whole-model
-    # evaluation all of it; llm-compressor's sequential onloading one layer plus its calibration activations; llama.cpp
+    # evaluation all of it; llm-compressor's sequential onloading one layer plus its calibration activations, its
+    # model_free_ptq one shard and its quantized copy (a hub checkpoint's shards: 5 GB at most); llama.cpp
     # with every layer offloaded the whole GGUF (more than the card: the runtime offloads the layers that fit)
     rows = [("gguf-convert / quantize (llama.cpp)", None, "CPU: about the largest tensor", None)]
     for t, bits in GGUF_BITS.items():
         rows.append((f"perplexity[{t.lower()}] (llama.cpp)", None, "maps the file", est.parameters * bits / 8 + act))
     rows += [
-        ("quantize[w4a16] (llm-compressor RTN)", step_memory(S("quantize", "offloads-to-disk"), est, False),
+        ("quantize[w4a16] (llm-compressor RTN)", step_memory(S("quantize", "shard-streamed"), est, False),
+         "one 5 GB shard at a time (model_free_ptq)", 2 * min(est.total, 5 * GB) + 1 * GB),
+        ("quantize GPTQ / AWQ (llm-compressor)", step_memory(S("quantize", "offloads-to-disk"), est, False),
          "host: whole model, else offloaded to disk", est.layer * 2 + 2 * GB),
         ("reference / perplexity (transformers, streamed)", step_memory(S("reference", "layer-streamed"), est, False),
          "layer-streamed", est.outside + est.layer + act),

@@ -1,5 +1,6 @@
 """llm-compressor steps load what fits in memory and offload the rest to disk (compressed-tensors' offloading):
-with a memory budget far below the model (QBUILD_MEMORY_GB), RTN and GPTQ still quantize, to the same bytes."""
+with a memory budget far below the model (QBUILD_MEMORY_GB), GPTQ still quantizes, to the same bytes. RTN (data-free)
+reads one shard at a time whatever the budget (tests/test_quantize_model_free.py): the same bytes too."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def test_offloaded_quantization_writes_the_same_checkpoint(tmp_path, tiny_model_
     in_memory = _quantize(tmp_path, tiny_model_dir, "memory")
     monkeypatch.setenv("QBUILD_MEMORY_GB", "1.75")   # 50 MB for the model: most of it goes to disk
     on_disk = _quantize(tmp_path, tiny_model_dir, "disk")
+    assert on_disk["gptq"]["info"].get("offloaded_to_disk") is True
+    assert "offloaded_to_disk" not in in_memory["gptq"]["info"]
+    assert on_disk["rtn"]["info"]["shard_by_shard"] is True
     for variant in ("rtn", "gptq"):
-        assert on_disk[variant]["info"].get("offloaded_to_disk") is True, variant
-        assert "offloaded_to_disk" not in in_memory[variant]["info"]
         assert on_disk[variant]["files"] == in_memory[variant]["files"], variant

@@ -79,7 +79,8 @@ class Step:
     backend_env: BackendEnv | None = None     # runs in this interpreter (qbuild.contract.envs); its versions enter the key
     after: tuple[Step, ...] = ()              # must succeed first (a check of what it reads); not hashed, not read
     memory: str = ""                          # how it holds the model: "whole-model", "offloads-to-disk" (what
-                                              # does not fit), "layer-streamed", "" (a file map, another machine);
+                                              # does not fit), "layer-streamed", "shard-streamed" (one safetensors
+                                              # file at a time), "" (a file map, another machine);
                                               # for the plan-time memory check (qbuild.pipeline.memory_fit), not hashed
     gpu_capable: bool = False                 # runs on the GPU where the recipe's device gives one (cuda, or auto
                                               # on a machine with one); False: CPU only. The plan shows it; not hashed

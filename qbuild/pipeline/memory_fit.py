@@ -9,6 +9,9 @@ on random-weight Llama-shaped models of 135M-3B parameters (bench/bench_model_si
   + 1.7 GB;
 - `memory="offloads-to-disk"` (llm-compressor): the same where it fits; what does not fit is offloaded to disk
   (compressed-tensors' offloading), so the step is not refused, and the plan says it will be slower;
+- `memory="shard-streamed"` (llm-compressor's model_free_ptq, data-free schemes: RTN, FP8 dynamic): 2 x the largest
+  safetensors shard (read, and its quantized copy) + 1 GB (torch, transformers and llm-compressor imported: 0.75 GB
+  peak on a 40M-parameter model); a hub model's shards are taken as 5 GB at most;
 - `memory="layer-streamed"` (transformers evaluating windows of one length: qbuild.runtimes.layer_stream): the
   weights outside the layers in fp32, one layer in fp32 and as stored, and 1.2 GB of activations and runtime (an
   unquantized or compressed-tensors checkpoint); a MoE checkpoint, or one another quantizer loads (bitsandbytes,
@@ -29,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GB = 1 << 30
+HUB_SHARD = 5 * GB   # transformers' default max_shard_size: what a hub checkpoint's shards are at most
 QUANTIZER_OVERHEAD = 1.7 * GB
+SHARD_QUANTIZER_OVERHEAD = 1.0 * GB
 RUNTIME_OVERHEAD = 1.2 * GB
 
 
@@ -40,6 +45,7 @@ class ModelSize:
     layer: int          # one decoder layer
     parameters: int
     experts: bool = False   # MoE: transformers fuses the experts on load, so it evaluates the whole model
+    largest_shard: int = 0  # bytes of the largest safetensors file, where the files are at hand
 
 
 def model_size(info: dict, source: Path | None = None) -> ModelSize | None:
@@ -60,12 +66,13 @@ def model_size(info: dict, source: Path | None = None) -> ModelSize | None:
     outside_params = vocab * hidden * (1 if text.get("tie_word_embeddings", info.get("tie_word_embeddings")) else 2)
     params = outside_params + layers * layer_params
     total = 2 * params
+    largest = 0
     if source is not None:   # the files say exactly; the layers share what the config does not explain
-        files = sum(f.stat().st_size for f in Path(source).glob("*.safetensors"))
-        if files:
-            total = files
+        sizes = [f.stat().st_size for f in Path(source).glob("*.safetensors")]
+        if sizes:
+            total, largest = sum(sizes), max(sizes)
     layer = max(0, total - 2 * outside_params) // max(1, layers)
-    return ModelSize(total, min(total, 2 * outside_params), layer, params, experts > 0)
+    return ModelSize(total, min(total, 2 * outside_params), layer, params, experts > 0, largest)
 
 
 def machine_memory() -> tuple[int, str]:
@@ -86,6 +93,9 @@ def machine_memory() -> tuple[int, str]:
 def step_memory(step, size: ModelSize, loaded_whole: bool) -> tuple[int, str] | None:
     """(peak bytes, how the step holds the model) for a step that holds model weights in memory (Step.memory, as the
     plugin that made the step declares it); None otherwise."""
+    if step.memory == "shard-streamed":
+        shard = size.largest_shard or min(size.total, HUB_SHARD)
+        return int(2 * shard + SHARD_QUANTIZER_OVERHEAD), "quantizes one safetensors shard at a time"
     if step.memory in ("whole-model", "offloads-to-disk") and step.kind == "quantize":
         return int(1.1 * size.total + QUANTIZER_OVERHEAD), "loads the whole model to quantize it"
     if step.memory == "whole-model" or (step.memory == "layer-streamed" and (loaded_whole or size.experts)):

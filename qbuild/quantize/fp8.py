@@ -45,6 +45,9 @@ class FP8(lc.LLMCompressorMethod):
     def scheme(self, variant: FP8Variant) -> str:
         return f"fp8-{variant.scheme}"
 
+    def model_free_scheme(self, p: dict) -> str | None:
+        return "FP8_DYNAMIC" if p["scheme"] == "dynamic" and not p["kv_cache"] else None
+
     def modifiers(self, p: dict) -> list:
         from llmcompressor.modifiers.quantization import QuantizationModifier
 

@@ -3,7 +3,9 @@
 Each method is its own module (gptq.py, awq.py, fp8.py, rtn.py) with a `LLMCompressorMethod`
 subclass that declares its options and turns its params into llm-compressor modifiers; this module
 runs `oneshot` on the shared calibration set and saves a compressed-tensors HF directory (vLLM,
-SGLang and transformers load it). Nothing here imports torch or llm-compressor at module level.
+SGLang and transformers load it). A data-free scheme (RTN, FP8 dynamic) runs llm-compressor's `model_free_ptq`
+instead, one safetensors shard at a time, so its memory is a shard's, not the model's (an 8B or 70B quantizes on a
+24 GB machine), with the same quantized tensors. Nothing here imports torch or llm-compressor at module level.
 """
 
 from __future__ import annotations
@@ -109,20 +111,42 @@ class LLMCompressorMethod(Method):
         if variant.needs_calibration():
             inputs["calibration"] = ctx.calibration()
         runner = f"{type(self).__module__}:{type(self).__name__}.run"
+        # shard by shard where the scheme is data-free and the model's files name its modules (impl 2: files laid
+        # out as the source's shards); the whole model through oneshot otherwise
+        shards = self.model_free_scheme(params) is not None and model_free_fits(ctx.model_info())
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.COMPRESSED_TENSORS,
                             scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self),
-                            memory="offloads-to-disk", gpu_capable=True))
+                            memory="shard-streamed" if shards else "offloads-to-disk", gpu_capable=True,
+                            impl_version=2 if shards else 1, runtime_args={"model_free": True} if shards else {}))
 
     @abstractmethod
     def modifiers(self, params: dict) -> list:
         """The llm-compressor recipe (a list of modifiers) for these params."""
 
+    def model_free_scheme(self, params: dict) -> dict | str | None:
+        """The compressed-tensors scheme (QuantizationScheme fields, or a preset's name) when these params need no
+        calibration data, so `model_free_ptq` can quantize the checkpoint shard by shard; None: run oneshot."""
+        return None
+
     def workarounds(self) -> contextlib.AbstractContextManager | None:
         return None
 
     def run(self, ctx: StepContext) -> dict:
+        scheme = self.model_free_scheme(ctx.params)
+        if scheme is not None and ctx.runtime_args.get("model_free"):
+            done = run_model_free(ctx, scheme, resolved_ignore(ctx.params))
+            if done is not None:
+                return done
         return run_oneshot(ctx, self.modifiers(ctx.params), self.workarounds())
+
+
+def model_free_fits(info: dict) -> bool:
+    """Plan time (no torch): may the checkpoint go through model_free_ptq? Not a MoE (transformers fuses the experts
+    on load, so the files' names are not the model's modules) nor a multimodal checkpoint (towers of their own)."""
+    text = info.get("text_config") or info
+    return not (text.get("num_experts") or text.get("num_local_experts") or "vision_config" in info
+                or "text_config" in info)
 
 
 # --- run time ------------------------------------------------------------------------------------
@@ -196,6 +220,74 @@ def load_offloadable(src: Path, offload_dir: Path):
     with load_offloaded_model():
         model = AutoModelForCausalLM.from_pretrained(str(src), **kwargs)
     return model, any(get_offloaded_device(m) == "disk" for m in model.modules())
+
+
+def weights_not_in_linears(src: Path) -> list[str] | None:
+    """The modules of the checkpoint's weight tensors that are not Linear layers (embeddings, ...), read from the
+    model's definition on the meta device: model_free_ptq matches tensors by name, not by class, and would
+    quantize them where oneshot (targets: Linear) leaves them. Norms it skips itself. None when a weight in the files
+    names no module of the definition (renamed or fused on load): the checkpoint is not what oneshot would see."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(src)))
+    modules = dict(model.named_modules())
+    others = []
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            names = list(f.keys())
+        for name in names:
+            module, _, param = name.rpartition(".")
+            if param != "weight" or module.endswith("norm"):
+                continue
+            if module not in modules:
+                return None
+            if not isinstance(modules[module], torch.nn.Linear):
+                others.append(module)
+    return sorted(set(others))
+
+
+# what a checkpoint folder may hold besides its weights, copied beside the quantized shards (model_free_ptq copies
+# every other file of the folder it reads, so it reads a view holding these only)
+CHECKPOINT_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+                    "tokenizer*", "special_tokens_map.json", "vocab.*", "merges.txt", "*.model", "chat_template*")
+
+
+def run_model_free(ctx: StepContext, scheme: dict | str, ignore: list[str]) -> dict | None:
+    """llm-compressor's model_free_ptq: each safetensors shard loaded, its Linear weights quantized and compressed,
+    written, before the next (max_workers 1: the step's memory is one shard's). None when the checkpoint's tensor
+    names are not its modules' (the caller runs oneshot instead)."""
+    import torch
+    from compressed_tensors.quantization import QuantizationScheme
+    from llmcompressor import model_free_ptq
+
+    src = Path(ctx.inputs["model"])
+    others = weights_not_in_linears(src)
+    if others is None:
+        ctx.log("the checkpoint's tensor names are not its modules' (renamed or fused on load): quantizing the whole "
+                "model through oneshot instead of shard by shard")
+        return None
+    view = ctx.out.parent / "model-free-source"
+    view.mkdir()
+    for pattern in CHECKPOINT_FILES:
+        for f in src.glob(pattern):
+            if f.is_file() and not (view / f.name).exists():
+                (view / f.name).symlink_to(f.resolve())
+    if isinstance(scheme, dict):
+        scheme = QuantizationScheme(targets=["Linear"], **scheme)
+    device = ctx.torch_device()
+    ctx.progress(0, 1, "quantizing shard by shard")
+    ctx.log(f"model_free_ptq: scheme {scheme}, ignore {ignore + others}, on {device}")
+    model_free_ptq(model_stub=str(view), save_directory=str(ctx.out), scheme=scheme, ignore=ignore + others,
+                   max_workers=1, device=torch.device(device))
+    ctx.progress(1, 1, "quantized")
+    qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
+    return {"format": Format.COMPRESSED_TENSORS, "metrics": {"size_bytes": dir_size(ctx.out)},
+            "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
+                     "ignore": qc.get("ignore"), "calibration_samples": 0, "device": device,
+                     "threads": ctx.threads, "shard_by_shard": True}}
 
 
 def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.AbstractContextManager | None = None) -> dict:

@@ -50,6 +50,9 @@ class RTN(lc.LLMCompressorMethod):
         return [QuantizationModifier(config_groups={"group_0": {"targets": ["Linear"], "weights": lc.weight_args(p)}},
                                      ignore=lc.resolved_ignore(p))]
 
+    def model_free_scheme(self, p: dict) -> dict | None:
+        return None if p.get("search") else {"weights": lc.weight_args(p)}
+
     def check(self, variant: RTNVariant, ctx, field: str) -> None:
         super().check(variant, ctx, field)
         if variant.search is not None:
