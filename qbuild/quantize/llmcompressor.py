@@ -261,8 +261,12 @@ def run_model_free(ctx: StepContext, scheme: dict | str, ignore: list[str]) -> d
     names are not its modules' (the caller runs oneshot instead)."""
     import torch
     from compressed_tensors.quantization import QuantizationScheme
-    from llmcompressor import model_free_ptq
 
+    try:
+        from llmcompressor import model_free_ptq
+    except ImportError:   # an `env:` with an llm-compressor older than model_free_ptq
+        ctx.log("this llm-compressor has no model_free_ptq: quantizing the whole model through oneshot")
+        return None
     src = Path(ctx.inputs["model"])
     others = weights_not_in_linears(src)
     if others is None:
