@@ -15,6 +15,11 @@ downloaded. For each size, in a fresh process each (peak RSS from the kernel, `r
    Q4_K_M with the conversion check, RTN W4A16 through llm-compressor, the baseline's reference, perplexity and KLD
    of each): every step's wall time and peak RSS, from its manifest.
 
+With --memory-limit-gb N the `qbuild run` goes into a memory cgroup (v1, `/sys/fs/cgroup/memory/qbuild-bench`, made
+once and left in place, empty, for the next run; needs root) limited to N GB, page cache included: a run that
+completes there needed no more than N GB, whatever RSS counts of mapped files the kernel could drop. The cgroup's
+peak usage (page cache included) and how often it hit the limit are printed.
+
 The plan-time estimate (qbuild.pipeline.memory_fit) is printed beside each measurement. Figures go to
 docs/benchmarks.md by hand; random weights measure memory and time, not quality.
 
@@ -179,8 +184,22 @@ RECIPE_VARIANTS = [{"name": "f16", "method": "gguf", "type": "F16"}, {"name": "q
                    {"name": "w4a16", "method": "rtn", "bits": 4, "group_size": 64}]
 
 
-def qbuild_run(path: Path, windows: int, tmp: Path, variants: list[str] | None = None) -> dict:
-    """`qbuild run` of the issue's recipe on `path`: each step's wall time and peak RSS from its manifest."""
+CGROUP = Path("/sys/fs/cgroup/memory/qbuild-bench")
+
+
+def memory_cgroup(limit_gb: float) -> Path:
+    """The bench's cgroup (v1 memory controller), limited to `limit_gb`, its peak and fail counters reset."""
+    CGROUP.mkdir(exist_ok=True)
+    (CGROUP / "memory.limit_in_bytes").write_text(str(int(limit_gb * GB)))
+    for counter in ("memory.max_usage_in_bytes", "memory.failcnt"):
+        (CGROUP / counter).write_text("0")
+    return CGROUP
+
+
+def qbuild_run(path: Path, windows: int, tmp: Path, variants: list[str] | None = None,
+               limit_gb: float | None = None) -> dict:
+    """`qbuild run` of the issue's recipe on `path`: each step's wall time and peak RSS from its manifest; under
+    `limit_gb`, in the bench's memory cgroup."""
     recipe = tmp / "recipe.yaml"
     recipe.write_text(json.dumps({
         "name": f"size-{path.name}", "model": {"source": "local", "path": str(path)},
@@ -190,9 +209,19 @@ def qbuild_run(path: Path, windows: int, tmp: Path, variants: list[str] | None =
                                       "protocol": "fixed-window", "context_length": 512, "max_windows": windows}}}))
     store = tmp / "store"
     t = time.perf_counter()
+    group = memory_cgroup(limit_gb) if limit_gb else None
+
+    def enter_group():   # in the child, before exec: it and everything it starts are charged to the cgroup
+        if group is not None:
+            (group / "cgroup.procs").write_text(str(os.getpid()))
+
     done = subprocess.run([sys.executable, "-m", "qbuild", "run", str(recipe), "--store", str(store), "--json",
-                           "--jobs", "1"], capture_output=True, text=True)
+                           "--jobs", "1"], capture_output=True, text=True, preexec_fn=enter_group)
     result = {"seconds": time.perf_counter() - t, "returncode": done.returncode, "steps": []}
+    if group is not None:
+        result["cgroup"] = {"limit_gb": limit_gb,
+                            "peak_gb": int((group / "memory.max_usage_in_bytes").read_text()) / GB,
+                            "times_at_limit": int((group / "memory.failcnt").read_text())}
     for manifest in sorted((store / "objects").glob("*/*/manifest.json")):
         m = json.loads(manifest.read_text())
         timings = m.get("timings") or {}
@@ -215,6 +244,7 @@ def main() -> None:
                     "an 8B run of all four needs ~60 GB of disk")
     ap.add_argument("--skip-session", action="store_true", help="for --qbuild sizes, only the qbuild run")
     ap.add_argument("--keep", type=Path, help="keep the checkpoints here (reused by later runs)")
+    ap.add_argument("--memory-limit-gb", type=float, help="run `qbuild run` in a memory cgroup of this size (root)")
     ap.add_argument("--project", default="", help="only print the projection at these Llama-3.1 sizes (8b,70b)")
     args = ap.parse_args()
     if args.project:
@@ -258,12 +288,17 @@ def main() -> None:
                 print(f"{size:>5} {bf16 / GB:8.2f} {mode:>7} {r['seconds']:7.1f} {peak / GB:8.2f} {peak / bf16:9.2f} "
                       f"{plan_gb:11.2f}  {note}", flush=True)
             if size in args.qbuild.split(","):
-                run = qbuild_run(path, args.windows, tmp, args.variants.split(",") if args.variants else None)
+                run = qbuild_run(path, args.windows, tmp, args.variants.split(",") if args.variants else None,
+                                 args.memory_limit_gb)
                 for name, seconds, peak in run["steps"]:
                     print(f"{size:>5} {bf16 / GB:8.2f} {name[:24]:>24} {seconds or 0:7.1f} {peak / GB:8.2f} "
                           f"{peak / bf16:9.2f}", flush=True)
                 print(f"{size:>5} qbuild run: {run['seconds']:.0f} s, exit {run['returncode']}, "
                       f"{run.get('numbers') or run.get('error')}", flush=True)
+                if run.get("cgroup"):
+                    c = run["cgroup"]
+                    print(f"{size:>5} in a {c['limit_gb']:g} GB memory cgroup: peak {c['peak_gb']:.2f} GB (page cache "
+                          f"included), at the limit {c['times_at_limit']} times", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     total, where = machine_memory()
