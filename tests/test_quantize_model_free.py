@@ -83,7 +83,8 @@ def test_shard_by_shard_writes_the_tensors_oneshot_writes(tmp_path, tiny_model_d
         assert torch.equal(ours[name], tensor), name
     assert "model.embed_tokens.weight" in ours   # not quantized: oneshot's targets are Linear layers, not embeddings
     config = json.loads((files[0].parent / "config.json").read_text())
-    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    qc = config["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and list(qc["config_groups"]) == ["group_0"]   # as oneshot
     # qbuild's evaluation reads it back: a finite perplexity, close to the unquantized model's
     ppl = {r["variant"]: r["ppl"] for r in summary["variants"]}
     assert 1 < ppl[method] < 1.5 * ppl["baseline"] and ppl[method] != ppl["baseline"], ppl

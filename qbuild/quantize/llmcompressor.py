@@ -260,7 +260,7 @@ def run_model_free(ctx: StepContext, scheme: dict | str, ignore: list[str]) -> d
     written, before the next (max_workers 1: the step's memory is one shard's). None when the checkpoint's tensor
     names are not its modules' (the caller runs oneshot instead)."""
     import torch
-    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, QuantizationStatus, preset_name_to_scheme
 
     try:
         from llmcompressor import model_free_ptq
@@ -279,12 +279,14 @@ def run_model_free(ctx: StepContext, scheme: dict | str, ignore: list[str]) -> d
         for f in src.glob(pattern):
             if f.is_file() and not (view / f.name).exists():
                 (view / f.name).symlink_to(f.resolve())
-    if isinstance(scheme, dict):
-        scheme = QuantizationScheme(targets=["Linear"], **scheme)
+    # one group named as oneshot names it ("group_0"), so the checkpoint's config reads the same
+    group = (preset_name_to_scheme(scheme, ["Linear"]) if isinstance(scheme, str)
+             else QuantizationScheme(targets=["Linear"], **scheme))
+    config = QuantizationConfig(config_groups={"group_0": group}, quantization_status=QuantizationStatus.INITIALIZED)
     device = ctx.torch_device()
     ctx.progress(0, 1, "quantizing shard by shard")
-    ctx.log(f"model_free_ptq: scheme {scheme}, ignore {ignore + others}, on {device}")
-    model_free_ptq(model_stub=str(view), save_directory=str(ctx.out), scheme=scheme, ignore=ignore + others,
+    ctx.log(f"model_free_ptq: scheme {group}, ignore {ignore + others}, on {device}")
+    model_free_ptq(model_stub=str(view), save_directory=str(ctx.out), config=config, ignore=ignore + others,
                    max_workers=1, device=torch.device(device))
     ctx.progress(1, 1, "quantized")
     qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
