@@ -58,7 +58,7 @@ GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q4_K_M": 4.85}   # bits a weight, llama.
 def project(size: str, host_gb: float = 24, gpu_gb: float = 80) -> None:
     """What each step of the issue-33 recipe needs at Llama-3.1 `size`: host memory from qbuild.pipeline.memory_fit (what
     the planner refuses on), GPU memory from PROJECTED_GPU below. Printed as a table; nothing is built."""
-    from qbuild.pipeline.memory_fit import model_size, step_memory
+    from qbuild.pipeline.memory_fit import HUB_SHARD, model_size, step_memory
 
     hidden, ffn, layers, heads, kv = LLAMA31[size]
     est = model_size({"hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": layers,
@@ -79,7 +79,7 @@ def project(size: str, host_gb: float = 24, gpu_gb: float = 80) -> None:
         rows.append((f"perplexity[{t.lower()}] (llama.cpp)", None, "maps the file", est.parameters * bits / 8 + act))
     rows += [
         ("quantize[w4a16] (llm-compressor RTN)", step_memory(S("quantize", "shard-streamed"), est, False),
-         "one 5 GB shard at a time (model_free_ptq)", 2 * min(est.total, 5 * GB) + 1 * GB),
+         "one 5 GB shard at a time (model_free_ptq)", 2 * min(est.total, HUB_SHARD) + 1 * GB),
         ("quantize GPTQ / AWQ (llm-compressor)", step_memory(S("quantize", "offloads-to-disk"), est, False),
          "host: whole model, else offloaded to disk", est.layer * 2 + 2 * GB),
         ("reference / perplexity (transformers, streamed)", step_memory(S("reference", "layer-streamed"), est, False),

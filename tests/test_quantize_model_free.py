@@ -70,11 +70,9 @@ def test_shard_by_shard_writes_the_tensors_oneshot_writes(tmp_path, tiny_model_d
                                       "protocol": "fixed-window", "context_length": 64, "max_windows": 2}}})
     rc, summary = run_api(recipe)
     assert rc == 0, summary["steps"]
-    manifest = next(json.loads(m.read_text()) for m in (tmp_path / "s" / "objects").glob("*/*/manifest.json")
-                    if json.loads(m.read_text())["kind"] == "quantize")
+    manifests = {p.parent: json.loads(p.read_text()) for p in (tmp_path / "s" / "objects").glob("*/*/manifest.json")}
+    obj, manifest = next((d, m) for d, m in manifests.items() if m["kind"] == "quantize")
     assert manifest["info"]["shard_by_shard"] is True
-    obj = next(p.parent for p in (tmp_path / "s" / "objects").glob("*/*/manifest.json")
-               if json.loads(p.read_text())["kind"] == "quantize")
     files = list(obj.rglob("*.safetensors"))
     assert len(files) == len(list(model.glob("*.safetensors")))     # the source's shards, each quantized in turn
     ours, theirs = tensors_of(files[0].parent), oneshot_tensors(model, method, tmp_path / "oneshot")

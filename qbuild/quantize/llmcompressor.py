@@ -144,8 +144,7 @@ class LLMCompressorMethod(Method):
 def model_free_fits(info: dict) -> bool:
     """Plan time (no torch): may the checkpoint go through model_free_ptq? Not a MoE (transformers fuses the experts
     on load, so the files' names are not the model's modules) nor a multimodal checkpoint (towers of their own)."""
-    text = info.get("text_config") or info
-    return not (text.get("num_experts") or text.get("num_local_experts") or "vision_config" in info
+    return not (info.get("num_experts") or info.get("num_local_experts") or "vision_config" in info
                 or "text_config" in info)
 
 
@@ -289,11 +288,16 @@ def run_model_free(ctx: StepContext, scheme: dict | str, ignore: list[str]) -> d
     model_free_ptq(model_stub=str(view), save_directory=str(ctx.out), config=config, ignore=ignore + others,
                    max_workers=1, device=torch.device(device))
     ctx.progress(1, 1, "quantized")
+    return checkpoint_result(ctx, 0, device, shard_by_shard=True)
+
+
+def checkpoint_result(ctx: StepContext, calibration_samples: int, device: str, **info) -> dict:
+    """The step's result for the compressed-tensors checkpoint written in ctx.out, read back from its config."""
     qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
     return {"format": Format.COMPRESSED_TENSORS, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
-                     "ignore": qc.get("ignore"), "calibration_samples": 0, "device": device,
-                     "threads": ctx.threads, "shard_by_shard": True}}
+                     "ignore": qc.get("ignore"), "calibration_samples": calibration_samples, "device": device,
+                     "threads": ctx.threads, **info}}
 
 
 def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.AbstractContextManager | None = None) -> dict:
@@ -332,9 +336,5 @@ def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.Abstract
     # before, so outputs of models that fit are unchanged
     model.save_pretrained(str(ctx.out), save_compressed=True, **({"max_shard_size": "2GB"} if offloaded else {}))
     tokenizer.save_pretrained(str(ctx.out))
-    qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
-    return {"format": Format.COMPRESSED_TENSORS, "metrics": {"size_bytes": dir_size(ctx.out)},
-            "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
-                     "ignore": qc.get("ignore"), "calibration_samples": kwargs.get("num_calibration_samples", 0),
-                     "device": device, **gpu,
-                     "threads": ctx.threads, **({"offloaded_to_disk": True} if offloaded else {})}}
+    return checkpoint_result(ctx, kwargs.get("num_calibration_samples", 0), device, **gpu,
+                             **({"offloaded_to_disk": True} if offloaded else {}))
