@@ -251,6 +251,38 @@ def capacity_recipe(model, store, ttft_p99_ms: float, **selection) -> dict:
 
 
 @pytest.mark.slow
+def test_without_a_start_rate_the_search_starts_at_the_one_at_a_time_rate(tmp_path, tiny_model_dir, monkeypatch):
+    from serving_helpers import llama_server_bin
+
+    from qbuild.planning.serving_capacity import grid_index, rate_of
+
+    from helpers import run_api, write_recipe
+
+    monkeypatch.setenv("QBUILD_LLAMA_CPP_BIN", str(llama_server_bin()))
+    monkeypatch.setenv("QBUILD_CACHE", str(tmp_path / "cache"))
+
+    def recipe_for(ttft_p99_ms):
+        data = capacity_recipe(tiny_model_dir, tmp_path / "store", ttft_p99_ms)
+        del data["evaluation"]["serving"]["capacity"]["start_rps"]
+        return write_recipe(tmp_path / "r.yaml", data)
+
+    rc, summary = run_api(recipe_for(150))
+    assert rc == 0, summary["steps"]
+    [cap] = next(v for v in summary["variants"] if v["variant"] == "q8_0")["capacity"]
+    lone = cap["one_at_a_time_rps"]
+    # a 2-layer model answers an 8-token request in milliseconds: far from the 1/s a fixed start would probe first
+    assert lone > 4 and cap["one_at_a_time_reused"] is False
+    assert cap["probes"][0]["rate_rps"] == pytest.approx(cap["start_rps"]) == pytest.approx(rate_of(grid_index(lone)))
+    assert cap["bracketed"] and cap["complete"], cap["probes"]
+
+    rc, other = run_api(recipe_for(100))   # another SLO: the one-at-a-time rate is reused, so the start is the same
+    assert rc == 0
+    [cap2] = next(v for v in other["variants"] if v["variant"] == "q8_0")["capacity"]
+    assert cap2["one_at_a_time_reused"] is True and cap2["one_at_a_time_rps"] == lone
+    assert cap2["probes"][0]["reused"] and cap2["probes"][0]["rate_rps"] == cap["probes"][0]["rate_rps"]
+
+
+@pytest.mark.slow
 def test_capacity_search_on_a_real_server_reruns_nothing_and_another_slo_reuses_probes(
         tmp_path, tiny_model_dir, monkeypatch):
     from serving_helpers import llama_server_bin

@@ -174,8 +174,10 @@ class Capacity(StrictModel):
     max_minutes: float = Field(10.0, gt=0, le=1440, description="Time budget of one search; reaching it, the search "
                                "stops with the highest rate that met the SLOs so far (marked incomplete).")
     max_error_pct: float = Field(1.0, ge=0, le=100, description="Largest share of failed requests at a rate, in %.")
-    start_rps: float = Field(1.0, gt=0, description="The first rate probed (snapped to the grid); the bracket doubles "
-                             "or halves from it.")
+    start_rps: float | None = Field(None, gt=0, description="The first rate probed (snapped to the grid); the "
+                                    "bracket doubles or halves from it. Unset: the rate at which the server completes "
+                                    "requests sent one at a time (a few lone requests, measured before the first "
+                                    "probe).")
     requests: int = Field(24, ge=2, le=100_000, description="Poisson arrivals measured per round of a probe.")
     rounds: int = Field(2, ge=1, le=100, description="Rounds per probe (each with its own warm-up, prompts and "
                         "arrivals): the probe's figures pool them, with 95 % bootstrap intervals from 2 rounds on.")

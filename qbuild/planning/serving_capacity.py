@@ -1,8 +1,10 @@
 """The `capacity[<artifact>@<config>]` step: the highest open-loop request rate an artifact's server sustains within SLOs.
 
 Rates lie on one grid for every search, 2^(k/16) requests/s for integer k (steps of 4.4 %), so that searches under
-another SLO, or restarted with another budget, ask for the same rates. The search brackets (from `start_rps`,
-doubling while the rate meets the SLOs, halving while it does not) and then bisects the grid index between the
+another SLO, or restarted with another budget, ask for the same rates. The search brackets (from `start_rps`, or, by
+default, from the rate the server completes requests sent one at a time, measured with a few lone requests: its
+capacity lies within a factor of a few of it, where probes are short; doubling while the rate meets the SLOs,
+halving while it does not) and then bisects the grid index between the
 highest rate that met them and the lowest that did not, until they are neighbours. Each probe is a measured point:
 `rounds` rounds of Poisson arrivals (each after its own warm-up, with prompts and arrivals of its own, seeded by the
 rate and the round), pooled, with bootstrap intervals (qbuild.serving.confidence). A probe meets the SLOs when its
@@ -36,6 +38,8 @@ LOWEST_K = -8 * STEPS_PER_DOUBLING    # 1/256 requests/s: below it the artifact 
 HIGHEST_K = 12 * STEPS_PER_DOUBLING   # 4096 requests/s
 RESULT = "capacity.json"
 SERVER_LOG = "server.log"
+LONE_REQUESTS = 3             # requests sent one at a time (after the warm-up) to find where the search starts
+ONE_AT_A_TIME = "one-at-a-time"   # the cache entry of that measurement, beside the probes
 # recipe SLO field → the probe's figure, as selection names them
 SLO_FIELDS = {"ttft_p99_ms": "ttft_ms_p99", "tpot_p50_ms": "tpot_ms_p50", "itl_p99_ms": "itl_ms_p99",
               "e2e_p99_ms": "e2e_ms_p99"}
@@ -193,7 +197,8 @@ def _only_probes(root: Path) -> str | None:
     return f"it holds {', '.join(foreign[:3])}" if foreign else None
 
 
-def cached_probe(family: str, k: int) -> dict | None:
+def cached_probe(family: str, k: int | str) -> dict | None:
+    """The probe at grid index `k` (or the ONE_AT_A_TIME measurement) an earlier search of `family` kept."""
     if not FAMILY.match(family):
         return None
     try:
@@ -202,7 +207,7 @@ def cached_probe(family: str, k: int) -> dict | None:
         return None
 
 
-def keep_probe(family: str, k: int, probe: dict) -> None:
+def keep_probe(family: str, k: int | str, probe: dict) -> None:
     """Keep a measured probe for searches under another SLO: written only through a root qbuild owns (its marker
     checked, no link followed), under the per-user cache."""
     from qbuild.base.owned import NotOurs, claim_root
@@ -240,6 +245,10 @@ def run(ctx) -> dict:
     srv = None
     counts = {"measured": 0, "reused": 0}
 
+    def start_server():
+        ctx.log(f"starting {launch.engine} for {label}: {shlex.join(_portable(list(launch.command), ctx.inputs['model']))}")
+        return stack.enter_context(running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)))
+
     def measure(k: int) -> dict:
         nonlocal srv
         hit = cached_probe(family, k)
@@ -248,8 +257,7 @@ def run(ctx) -> dict:
             ctx.log(f"rate {rate_of(k):.4g}/s: reused (measured by an earlier search)")
             return {**hit, "reused": True}
         if srv is None:
-            ctx.log(f"starting {launch.engine} for {label}: {shlex.join(_portable(list(launch.command), ctx.inputs['model']))}")
-            srv = stack.enter_context(running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)))
+            srv = start_server()
         probe = measure_probe(srv.url, tokens, w, k, launch.model_name, p["slots"], launch.ignore_eos,
                               between=srv.check_alive)
         counts["measured"] += 1
@@ -262,15 +270,34 @@ def run(ctx) -> dict:
     def out_of_time() -> bool:
         return time.monotonic() - started > cap["max_minutes"] * 60
 
+    start = {"one_at_a_time_rps": None, "one_at_a_time_reused": None}
+
+    def start_k() -> int:
+        nonlocal srv
+        if cap.get("start_rps") is not None:
+            return grid_index(cap["start_rps"])
+        lone = cached_probe(family, ONE_AT_A_TIME)
+        start["one_at_a_time_reused"] = lone is not None
+        if lone is None:
+            if srv is None:
+                srv = start_server()
+            lone = {"rps": one_at_a_time_rps(srv.url, tokens, w, launch.model_name, launch.ignore_eos)}
+            keep_probe(family, ONE_AT_A_TIME, lone)
+        start["one_at_a_time_rps"] = lone["rps"]
+        ctx.log(f"one request at a time: {lone['rps']:.4g} requests/s; the search starts there")
+        return start_index(lone["rps"])
+
     try:
         with stack:
-            found = search(measure, cap["slo"], cap["max_error_pct"], grid_index(cap["start_rps"]), out_of_time)
+            first = start_k()
+            found = search(measure, cap["slo"], cap["max_error_pct"], first, out_of_time)
             peak_rss = srv.peak_rss_bytes() if srv is not None else None
     except BaseException:
         if log.exists():
             print(f"--- {SERVER_LOG} (last lines) ---\n" + "\n".join(_tail(log, 20)), flush=True)
         raise
-    result = {**found, "slo": cap["slo"], "max_error_pct": cap["max_error_pct"], "server": server.name,
+    result = {**found, "start_rps": rate_of(first), **start, "slo": cap["slo"], "max_error_pct": cap["max_error_pct"],
+              "server": server.name,
               "engine": launch.engine, "config": p["config"], "workload": w,
               "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
               "seconds": round(time.monotonic() - started, 1), "probes_measured": counts["measured"],
@@ -286,6 +313,47 @@ def _write_result(ctx, label: str, result: dict, counts: dict, max_minutes) -> N
              else "no rate meets the SLOs")
     ctx.log(f"capacity of {label}: {where}; {counts['measured']} probe(s) measured, {counts['reused']} reused"
             + ("" if result["complete"] else f"; stopped by max_minutes {max_minutes}"))
+
+
+def start_index(one_at_a_time_rps: float) -> int:
+    """Where the search starts when the recipe names no rate: the grid rate nearest the one-at-a-time rate, within
+    the grid's ends."""
+    return min(max(grid_index(one_at_a_time_rps), LOWEST_K), HIGHEST_K)
+
+
+def one_at_a_time_rps(url: str, tokens: np.ndarray, w: dict, model: str, ignore_eos: bool = True) -> float:
+    """The rate at which the server completes requests sent one at a time: 1 / the median end-to-end time of
+    LONE_REQUESTS requests (after `w["warmup"]`), of the workload's prompts and lengths. With conversations, a rate of
+    new conversations: `turns` requests and the think times between them."""
+    import asyncio
+
+    import httpx
+
+    from qbuild.planning.serving_bench import conversation_prompts, drawn_lengths, prompts_from
+    from qbuild.serving.client import Workload, _closed_loop
+
+    conversation = w.get("conversation", {})
+    turns = conversation.get("turns", 1)
+    count = (LONE_REQUESTS + w["warmup"]) * turns
+    # four words of entropy where a probe's seed has three: no probe shares these prompts
+    seed = int(np.random.SeedSequence([w["seed"], 0, 0, 1]).generate_state(1)[0])
+    prefix = w.get("prefix_tokens", 0)
+    work = Workload(prompts=conversation_prompts(prompts_from(tokens, w["input_len"], count, seed, prefix), turns,
+                                                 prefix),
+                    output_len=drawn_lengths(w["output_len"], count, seed + 2), requests=LONE_REQUESTS,
+                    warmup=w["warmup"], timeout_s=w["timeout_s"], ignore_eos=ignore_eos, model=model, turns=turns,
+                    think_s=conversation.get("think_s", 0.0))
+
+    async def lone() -> list:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(work.timeout_s, connect=10.0), trust_env=False) as client:
+            results, _ = await _closed_loop(client, url, work, 1, 0, w["warmup"] + LONE_REQUESTS, lambda: None)
+        return results[w["warmup"] * turns:]
+
+    e2e = [r.e2e_s for r in asyncio.run(lone()) if r.ok]
+    if not e2e:
+        raise RuntimeError(f"none of {LONE_REQUESTS} requests sent one at a time to {url} completed")
+    conversation_s = turns * float(np.median(e2e)) + (turns - 1) * conversation.get("think_s", 0.0)
+    return round(1.0 / conversation_s, 4)
 
 
 def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, slots: int, ignore_eos: bool = True,

@@ -179,7 +179,8 @@ def _capacity(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
         m = o.metrics or {}
         row = {"config": o.step.params["config"]["name"], "status": o.status, "step": o.step.name, "error": o.error}
         row.update({k: m.get(k) for k in ("capacity_rps", "concurrency", "next_rps", "bracketed", "complete", "slo",
-                                          "max_error_pct", "seconds", "probes_measured", "probes_reused", "command")})
+                                          "max_error_pct", "seconds", "probes_measured", "probes_reused", "command",
+                                          "start_rps", "one_at_a_time_rps", "one_at_a_time_reused")})
         row["probes"] = [{k: p.get(k) for k in ("rate_rps", "meets", "misses", "uncertain", "reused", "mean_in_flight",
                                                 "ci", *CAPACITY_PROBE_FIELDS)} for p in m.get("probes") or []]
         by_artifact.setdefault(o.step.inputs["model"].key, []).append(row)
