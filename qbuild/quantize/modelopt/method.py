@@ -6,7 +6,9 @@ calibration set, export either a TensorRT-LLM checkpoint (config.json + rank<N>.
 input of `trtllm-build`) or a Hugging Face checkpoint with hf_quant_config.json (what TensorRT-LLM's
 PyTorch backend loads), then validate the export against the source model and record every fix
 (see qbuild/models/checkpoint.py: ModelOpt 0.47 writes no rotary_base, for one).
-Runs on CPU; ModelOpt is imported only inside the step's worker process.
+Runs on CPU; ModelOpt is imported only inside the step's worker process. With the HF export, fp8 (and none) load what
+fits in host memory and offload the rest to disk (accelerate's device_map, ModelOpt's streaming export): a model
+larger than memory quantizes instead of being killed.
 
 NVFP4 and W4A8-MXFP4 (MXFP4 weights, FP8 activations) are exported as HF checkpoints for TensorRT-LLM's
 PyTorch backend, whose Linear layers run exactly these two FP4 layouts (QuantAlgo NVFP4 and
@@ -30,6 +32,7 @@ from qbuild.quantize.modelopt.options import (
     EXPORT_RAISES,
     FORMATS,
     FP4_SCHEMES,
+    OFFLOADABLE_SCHEMES,
     TOOLS,
     ModelOptVariant,
 )
@@ -83,7 +86,12 @@ class ModelOpt(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.modelopt.run:run", inputs=inputs, tools=TOOLS, threads=ctx.threads,
                             variant=variant.name, format=FORMATS[variant.export], scheme=variant.scheme,
-                            memory="whole-model", **gpu))
+                            memory="offloads-to-disk" if offloads(variant) else "whole-model", **gpu))
+
+
+def offloads(variant: ModelOptVariant) -> bool:
+    """Whether the step loads what fits in host memory and offloads the rest to disk (run.load_model)."""
+    return variant.export == "hf" and variant.scheme in OFFLOADABLE_SCHEMES
 
 
 def _modelopt_version() -> str:

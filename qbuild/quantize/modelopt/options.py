@@ -17,6 +17,11 @@ FP4_SCHEMES = ("nvfp4", "w4a8-mxfp4-fp8")   # CUDA-only in ModelOpt 0.47; HF exp
 FP4_QUANT_ALGO = {"nvfp4": "NVFP4", "w4a8-mxfp4-fp8": "W4A8_MXFP4_FP8"}
 FP4_GROUP_SIZE = {"nvfp4": 16, "w4a8-mxfp4-fp8": 32}   # elements per FP4 scale block along the input dim
 AWQ_SCHEMES = ("int4-awq", "w4a8-awq")
+# schemes whose calibration only observes (amax), never rewrites a weight: with the HF export, ModelOpt 0.47 calibrates
+# a model accelerate offloaded to disk and exports it a layer at a time (export_hf_checkpoint's streaming path).
+# SmoothQuant and AWQ rescale weights, and ModelOpt keeps a rewritten disk-offloaded weight in host memory, so for them
+# offloading bounds nothing; the FP4 schemes run on CUDA, untried with offload here.
+OFFLOADABLE_SCHEMES = ("fp8", "none")
 AWQ_BLOCK_SIZES = (64, 128)  # group sizes TensorRT-LLM's weight-only/W4A8 AWQ kernels take
 # HF model_type -> ModelOpt's TensorRT-LLM decoder_type, for the types whose checkpoint ModelOpt 0.37-0.47 writes
 # without tensorrt_llm importable (the `modelopt` environment): convert_to_tensorrt_llm_config

@@ -15,6 +15,7 @@ from qbuild.quantize.modelopt.options import (
     FP4_GROUP_SIZE,
     FP4_QUANT_ALGO,
     FP4_SCHEMES,
+    OFFLOADABLE_SCHEMES,
     TOKENIZER_FILES,
 )
 
@@ -74,10 +75,21 @@ def run(ctx: StepContext) -> dict:
         device, load_dtype = "cuda", getattr(torch, p["dtype"])
     else:
         device, load_dtype = "cpu", torch.float32
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=load_dtype).to(device).eval()
+    dtype = getattr(torch, p["dtype"])
+    offload = disk_offload_budget(src, src_cfg) if device == "cpu" and p["export"] == "hf" and \
+        p["scheme"] in OFFLOADABLE_SCHEMES else None
+    if offload is None:
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=load_dtype).to(device).eval()
+    else:
+        # in the export dtype: an offloaded model cannot be cast as a whole before the export
+        ctx.log(f"the model does not fit in memory in fp32: {offload / (1 << 30):.2f} GB of it in memory, the rest "
+                f"offloaded to disk")
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype, device_map="auto",
+                                                     max_memory={"cpu": offload},
+                                                     offload_folder=str(ctx.out.parent / "offload")).eval()
+    on_disk = "disk" in (getattr(model, "hf_device_map", None) or {}).values()
     if p["scheme"] != "none":
         model = _calibrated(model, ctx, device)
-    dtype = getattr(torch, p["dtype"])
     ctx.progress(1, 3, f"exporting {p['export']}")
     with torch.no_grad():
         if p["export"] == "trtllm-checkpoint":
@@ -89,7 +101,10 @@ def run(ctx: StepContext) -> dict:
         else:
             from modelopt.torch.export import export_hf_checkpoint
 
-            export_hf_checkpoint(model.to(dtype), export_dir=str(ctx.out))
+            if offload is None:
+                export_hf_checkpoint(model.to(dtype), export_dir=str(ctx.out))
+            else:   # ModelOpt's streaming export: one layer at a time, as accelerate onloads it
+                export_hf_checkpoint(model, dtype=dtype, export_dir=str(ctx.out))
     for name in TOKENIZER_FILES:  # the engine/runtime needs the tokenizer next to the weights
         if (src / name).is_file() and not (ctx.out / name).exists():
             shutil.copyfile(src / name, ctx.out / name)
@@ -110,7 +125,25 @@ def run(ctx: StepContext) -> dict:
     algo = FP4_QUANT_ALGO.get(p["scheme"]) or QUANT_ALGO[p["scheme"]]
     return {"format": FORMATS[p["export"]], "metrics": {"size_bytes": size},
             "info": {"quant_algo": algo, "device": device, "checkpoint_fixes": fixes,
-                     "validated_against_source": True, "modelopt": version("nvidia-modelopt")}}
+                     "validated_against_source": True, "modelopt": version("nvidia-modelopt"),
+                     **({"offloaded_to_disk": True} if on_disk else {})}}
+
+
+def disk_offload_budget(src: Path, src_cfg: dict) -> int | None:
+    """The host memory (bytes) to give the model when its fp32 copy would not fit this machine's memory
+    (memory_fit.machine_memory, QBUILD_MEMORY_GB where declared) beside the quantizer's own; None when it fits (it
+    is then loaded whole, as before). At least the weights outside the layers and two layers stay in memory:
+    ModelOpt's export runs a forward on the device of the model's first weights, which must not be on disk, and
+    accelerate keeps room for one offloaded layer."""
+    from qbuild.pipeline.memory_fit import QUANTIZER_OVERHEAD, machine_memory, model_size
+
+    size = model_size(src_cfg, src)
+    if size is None:
+        return None
+    memory = machine_memory()[0]
+    if 2 * size.total + QUANTIZER_OVERHEAD <= memory:   # fp32: twice a 16-bit checkpoint
+        return None
+    return int(max(memory - QUANTIZER_OVERHEAD, size.outside + 2 * size.layer))
 
 
 def check_fp4_export(ckpt: Path, scheme: str) -> dict:
