@@ -3,12 +3,15 @@
     qbuild recipes/demo.yaml                                   # the demo's GGUF variants and its HF checkpoint
     flock /tmp/qbuild-heavy.lock .venv/bin/python bench/bench_capacity.py --store artifacts --slo-ttft-p99 1500
 
-One llama-server (qbuild's build and lifecycle: 127.0.0.1, a free port, --parallel 4, 1 thread, its prompt cache
-off so no request profits from another's) serves the demo's q8_0. On it, in turn:
+One llama-server (qbuild's build and lifecycle: 127.0.0.1, a free port, --parallel 4, `--server-threads` threads
+(default 1, on a core of its own; 2 on a 2-core machine is where batching four requests pays, so a sweep's poisson
+rates hold the capacity: docs/serving.md, runs 8-10), its prompt cache off so no request profits from another's)
+serves the demo's q8_0. On it, in turn:
 
 * qbuild's capacity search (qbuild.planning.serving_capacity.search with the probes the `capacity[...]` step measures:
-  Poisson arrivals, `--rounds` rounds of `--requests` requests per rate, each after one warm-up request): the
-  highest grid rate whose TTFT p99 meets the SLO with at most 1 % errors;
+  Poisson arrivals, `--rounds` rounds of `--requests` requests per rate, each after one warm-up request; from the
+  one-at-a-time rate unless `--start-rps`): the highest grid rate whose TTFT p99 meets the SLO with at most 1 %
+  errors;
 * `guidellm run --profile sweep` (synchronous, throughput, then poisson rates spread evenly between the two
   measured rates; `--requests` × `--rounds` requests per benchmark, so both tools send as many requests per
   point): the highest rate whose TTFT p99 meets the same SLO with at most 1 % errors (a poisson benchmark's arrival

@@ -77,6 +77,28 @@ def test_llm_compressor_steps_that_do_not_fit_are_offloaded_not_refused(monkeypa
     assert len(gptq) == 1 and "offloaded to disk" in gptq[0]
 
 
+def test_modelopt_on_cpu_is_sized_in_fp32_and_its_hf_fp8_offloads(monkeypatch):
+    """ModelOpt calibrates an fp32 copy on CPU: twice what a whole-model quantizer of the 16-bit checkpoint holds. FP8
+    with the HF export offloads to disk instead of being refused; the FP4 schemes load on CUDA in the export dtype."""
+    from types import SimpleNamespace
+
+    from qbuild.quantize.modelopt import ModelOptVariant
+    from qbuild.quantize.modelopt.method import memory_kind
+
+    def kind(**options):
+        return memory_kind(ModelOptVariant(name="v", method="modelopt", **options))
+
+    assert kind(scheme="fp8", export="hf") == kind(scheme="none", export="hf") == "offloads-to-disk"
+    assert kind(scheme="fp8") == kind(scheme="int8-sq", export="hf") == kind(scheme="int4-awq") == "whole-model-fp32"
+    assert kind(scheme="nvfp4") == "whole-model"
+    size = memory_fit.ModelSize(total=16 * memory_fit.GB, outside=2 * memory_fit.GB, layer=memory_fit.GB // 2,
+                                parameters=8_000_000_000, experts=False)
+    fp32 = memory_fit.step_memory(SimpleNamespace(kind="quantize", memory="whole-model-fp32"), size, False)
+    whole = memory_fit.step_memory(SimpleNamespace(kind="quantize", memory="whole-model"), size, False)
+    assert fp32[0] - memory_fit.QUANTIZER_OVERHEAD == pytest.approx(2 * (whole[0] - memory_fit.QUANTIZER_OVERHEAD))
+    assert "in fp32" in fp32[1]
+
+
 def test_qbuild_plan_refuses_in_one_line_before_building(tmp_path):
     store = tmp_path / "store"
     out = qbuild("plan", ROOT / "recipes" / "demo.yaml", "--store", store, env={"QBUILD_MEMORY_GB": "0.3"})

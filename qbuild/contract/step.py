@@ -78,7 +78,7 @@ class Step:
     impl_version: int = 1                     # bump when the runner's output changes for the same inputs
     backend_env: BackendEnv | None = None     # runs in this interpreter (qbuild.contract.envs); its versions enter the key
     after: tuple[Step, ...] = ()              # must succeed first (a check of what it reads); not hashed, not read
-    memory: str = ""                          # how it holds the model: "whole-model", "offloads-to-disk" (what
+    memory: str = ""                          # how it holds the model: "whole-model" ("-fp32"), "offloads-to-disk" (what
                                               # does not fit), "layer-streamed", "shard-streamed" (one safetensors
                                               # file at a time), "" (a file map, another machine);
                                               # for the plan-time memory check (qbuild.pipeline.memory_fit), not hashed

@@ -5,10 +5,12 @@ The model's size comes from its config (parameters in the decoder layers and out
 bf16/fp16 checkpoints store them) or, for a local checkpoint, its safetensors files. What a step holds, measured
 on random-weight Llama-shaped models of 135M-3B parameters (bench/bench_model_size.py, docs/benchmarks.md):
 
-- `memory="whole-model"` on a quantize step (ModelOpt, GPTQModel, AutoRound, bitsandbytes): 1.1 x the checkpoint
-  + 1.7 GB;
-- `memory="offloads-to-disk"` (llm-compressor): the same where it fits; what does not fit is offloaded to disk
-  (compressed-tensors' offloading), so the step is not refused, and the plan says it will be slower;
+- `memory="whole-model"` on a quantize step (GPTQModel, AutoRound, bitsandbytes, ModelOpt's FP4 on CUDA): 1.1 x the
+  checkpoint + 1.7 GB;
+- `memory="whole-model-fp32"` (ModelOpt on CPU: it calibrates an fp32 copy): 2.2 x the 16-bit checkpoint + 1.7 GB;
+- `memory="offloads-to-disk"` (llm-compressor; ModelOpt fp8 with the HF export, in fp32 where it fits): the same
+  where it fits; what does not fit is offloaded to disk (compressed-tensors' or accelerate's offloading), so the step
+  is not refused, and the plan says it will be slower;
 - `memory="shard-streamed"` (llm-compressor's model_free_ptq, data-free schemes: RTN, FP8 dynamic): 2 x the largest
   safetensors shard (read, and its quantized copy) + 1 GB (torch, transformers and llm-compressor imported: 0.75 GB
   peak on a 40M-parameter model); a hub model's shards are taken as 5 GB at most;
@@ -96,6 +98,8 @@ def step_memory(step, size: ModelSize, loaded_whole: bool) -> tuple[int, str] | 
     if step.memory == "shard-streamed":
         shard = size.largest_shard or min(size.total, HUB_SHARD)
         return int(2 * shard + SHARD_QUANTIZER_OVERHEAD), "quantizes one safetensors shard at a time"
+    if step.memory == "whole-model-fp32" and step.kind == "quantize":
+        return int(2.2 * size.total + QUANTIZER_OVERHEAD), "loads the whole model in fp32 to quantize it"
     if step.memory in ("whole-model", "offloads-to-disk") and step.kind == "quantize":
         return int(1.1 * size.total + QUANTIZER_OVERHEAD), "loads the whole model to quantize it"
     if step.memory == "whole-model" or (step.memory == "layer-streamed" and (loaded_whole or size.experts)):

@@ -86,12 +86,16 @@ class ModelOpt(Method):
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.modelopt.run:run", inputs=inputs, tools=TOOLS, threads=ctx.threads,
                             variant=variant.name, format=FORMATS[variant.export], scheme=variant.scheme,
-                            memory="offloads-to-disk" if offloads(variant) else "whole-model", **gpu))
+                            memory=memory_kind(variant), **gpu))
 
 
-def offloads(variant: ModelOptVariant) -> bool:
-    """Whether the step loads what fits in host memory and offloads the rest to disk (run.load_model)."""
-    return variant.export == "hf" and variant.scheme in OFFLOADABLE_SCHEMES
+def memory_kind(variant: ModelOptVariant) -> str:
+    """How the step holds the model (qbuild.pipeline.memory_fit): the FP4 schemes load it on CUDA in the export dtype;
+    on CPU it is calibrated in fp32, and fp8 (or none) with the HF export offloads to disk what does not fit
+    (run.disk_offload_budget)."""
+    if variant.scheme in FP4_SCHEMES:
+        return "whole-model"
+    return "offloads-to-disk" if variant.export == "hf" and variant.scheme in OFFLOADABLE_SCHEMES else "whole-model-fp32"
 
 
 def _modelopt_version() -> str:
