@@ -181,7 +181,11 @@ def evaluate(path: Path, mode: str, windows: int, tmp: Path) -> dict:
 
 RECIPE_VARIANTS = [{"name": "f16", "method": "gguf", "type": "F16"}, {"name": "q8_0", "method": "gguf", "type": "Q8_0"},
                    {"name": "q4km", "method": "gguf", "type": "Q4_K_M"},
-                   {"name": "w4a16", "method": "rtn", "bits": 4, "group_size": 64}]
+                   {"name": "w4a16", "method": "rtn", "bits": 4, "group_size": 64},
+                   # not in the issue's recipe (pick it with --variants): ModelOpt FP8, HF export, which offloads to
+                   # disk what does not fit (docs/methods.md, Memory)
+                   {"name": "fp8-modelopt", "method": "modelopt", "scheme": "fp8", "export": "hf", "dtype": "bfloat16"}]
+DEFAULT_VARIANTS = ["f16", "q8_0", "q4km", "w4a16"]
 
 
 CGROUP = Path("/sys/fs/cgroup/memory/qbuild-bench")
@@ -197,16 +201,19 @@ def memory_cgroup(limit_gb: float) -> Path:
 
 
 def qbuild_run(path: Path, windows: int, tmp: Path, variants: list[str] | None = None,
-               limit_gb: float | None = None) -> dict:
+               limit_gb: float | None = None, declare: bool = False, evaluate: bool = True) -> dict:
     """`qbuild run` of the issue's recipe on `path`: each step's wall time and peak RSS from its manifest; under
-    `limit_gb`, in the bench's memory cgroup."""
+    `limit_gb`, in the bench's memory cgroup (and, with `declare`, QBUILD_MEMORY_GB set to it, so that qbuild sizes
+    its steps by it: it does not read a cgroup-v1 limit); without `evaluate`, the quantize steps only."""
     recipe = tmp / "recipe.yaml"
+    evaluation = {"baseline": True, "kld": True,
+                  "perplexity": {"dataset": {"sources": [{"type": "pydocs", "split": "test"}]},
+                                 "protocol": "fixed-window", "context_length": 512, "max_windows": windows}}
     recipe.write_text(json.dumps({
         "name": f"size-{path.name}", "model": {"source": "local", "path": str(path)},
-        "variants": [v for v in RECIPE_VARIANTS if not variants or v["name"] in variants],
-        "evaluation": {"baseline": True, "kld": True,
-                       "perplexity": {"dataset": {"sources": [{"type": "pydocs", "split": "test"}]},
-                                      "protocol": "fixed-window", "context_length": 512, "max_windows": windows}}}))
+        "variants": [v for v in RECIPE_VARIANTS if v["name"] in (variants or DEFAULT_VARIANTS)],
+        "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 8, "seq_len": 256},
+        "evaluation": evaluation if evaluate else {"baseline": False, "perplexity": None}}))
     store = tmp / "store"
     t = time.perf_counter()
     group = memory_cgroup(limit_gb) if limit_gb else None
@@ -215,8 +222,9 @@ def qbuild_run(path: Path, windows: int, tmp: Path, variants: list[str] | None =
         if group is not None:
             (group / "cgroup.procs").write_text(str(os.getpid()))
 
+    env = {**os.environ, **({"QBUILD_MEMORY_GB": str(limit_gb)} if declare and limit_gb else {})}
     done = subprocess.run([sys.executable, "-m", "qbuild", "run", str(recipe), "--store", str(store), "--json",
-                           "--jobs", "1"], capture_output=True, text=True, preexec_fn=enter_group)
+                           "--jobs", "1"], capture_output=True, text=True, preexec_fn=enter_group, env=env)
     result = {"seconds": time.perf_counter() - t, "returncode": done.returncode, "steps": []}
     if group is not None:
         result["cgroup"] = {"limit_gb": limit_gb,
@@ -240,11 +248,13 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--whole-up-to", default="1b", help="largest size also evaluated whole (fp32)")
     ap.add_argument("--qbuild", default="", help="sizes also run through `qbuild run` (reference + perplexity)")
-    ap.add_argument("--variants", default="", help="only these of the recipe's variants (f16,q8_0,q4km,w4a16); "
-                    "an 8B run of all four needs ~60 GB of disk")
+    ap.add_argument("--variants", default="", help="only these of the recipe's variants (f16,q8_0,q4km,w4a16, the "
+                    "default; fp8-modelopt); an 8B run of all four needs ~60 GB of disk")
     ap.add_argument("--skip-session", action="store_true", help="for --qbuild sizes, only the qbuild run")
     ap.add_argument("--keep", type=Path, help="keep the checkpoints here (reused by later runs)")
     ap.add_argument("--memory-limit-gb", type=float, help="run `qbuild run` in a memory cgroup of this size (root)")
+    ap.add_argument("--declare-memory", action="store_true", help="and tell qbuild so (QBUILD_MEMORY_GB)")
+    ap.add_argument("--quantize-only", action="store_true", help="the qbuild run without evaluation steps")
     ap.add_argument("--project", default="", help="only print the projection at these Llama-3.1 sizes (8b,70b)")
     args = ap.parse_args()
     if args.project:
@@ -289,7 +299,7 @@ def main() -> None:
                       f"{plan_gb:11.2f}  {note}", flush=True)
             if size in args.qbuild.split(","):
                 run = qbuild_run(path, args.windows, tmp, args.variants.split(",") if args.variants else None,
-                                 args.memory_limit_gb)
+                                 args.memory_limit_gb, args.declare_memory, not args.quantize_only)
                 for name, seconds, peak in run["steps"]:
                     print(f"{size:>5} {bf16 / GB:8.2f} {name[:24]:>24} {seconds or 0:7.1f} {peak / GB:8.2f} "
                           f"{peak / bf16:9.2f}", flush=True)

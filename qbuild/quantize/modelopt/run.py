@@ -131,11 +131,11 @@ def run(ctx: StepContext) -> dict:
 
 def disk_offload_budget(src: Path, src_cfg: dict) -> int | None:
     """The host memory (bytes) to give the model when its fp32 copy would not fit this machine's memory
-    (memory_fit.machine_memory, QBUILD_MEMORY_GB where declared) beside the quantizer's own; None when it fits (it
+    (qbuild.models.size.machine_memory, QBUILD_MEMORY_GB where declared) beside the quantizer's own; None when it fits (it
     is then loaded whole, as before). At least the weights outside the layers and two layers stay in memory:
     ModelOpt's export runs a forward on the device of the model's first weights, which must not be on disk, and
     accelerate keeps room for one offloaded layer."""
-    from qbuild.pipeline.memory_fit import QUANTIZER_OVERHEAD, machine_memory, model_size
+    from qbuild.models.size import QUANTIZER_OVERHEAD, machine_memory, model_size
 
     size = model_size(src_cfg, src)
     if size is None:
