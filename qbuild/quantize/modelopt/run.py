@@ -103,8 +103,10 @@ def run(ctx: StepContext) -> dict:
 
             if offload is None:
                 export_hf_checkpoint(model.to(dtype), export_dir=str(ctx.out))
-            else:   # ModelOpt's streaming export: one layer at a time, as accelerate onloads it
-                export_hf_checkpoint(model, dtype=dtype, export_dir=str(ctx.out))
+            else:   # ModelOpt's streaming export: one layer at a time, as accelerate onloads it; it buffers a
+                # whole shard in memory before writing it, so a shard is a quarter of the memory the model was given
+                export_hf_checkpoint(model, dtype=dtype, export_dir=str(ctx.out),
+                                     max_shard_size=max(offload // 4, 64 << 20))
     for name in TOKENIZER_FILES:  # the engine/runtime needs the tokenizer next to the weights
         if (src / name).is_file() and not (ctx.out / name).exists():
             shutil.copyfile(src / name, ctx.out / name)
