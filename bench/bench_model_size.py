@@ -234,6 +234,8 @@ def qbuild_run(path: Path, windows: int, tmp: Path, variants: list[str] | None =
         m = json.loads(manifest.read_text())
         timings = m.get("timings") or {}
         result["steps"].append((m["name"], timings.get("seconds"), (timings.get("peak_rss_mb") or 0) * (1 << 20)))
+        if (m.get("info") or {}).get("offloaded_to_disk"):
+            result.setdefault("offloaded", []).append(m["name"])
     if done.returncode == 0:
         summary = json.loads(done.stdout)
         result["numbers"] = {v["variant"]: {k: v.get(k) for k in ("ppl", "kld")} for v in summary["variants"]}
@@ -304,7 +306,9 @@ def main() -> None:
                     print(f"{size:>5} {bf16 / GB:8.2f} {name[:24]:>24} {seconds or 0:7.1f} {peak / GB:8.2f} "
                           f"{peak / bf16:9.2f}", flush=True)
                 print(f"{size:>5} qbuild run: {run['seconds']:.0f} s, exit {run['returncode']}, "
-                      f"{run.get('numbers') or run.get('error')}", flush=True)
+                      f"{run.get('numbers') or run.get('error')}"
+                      + (f"; offloaded to disk: {', '.join(run['offloaded'])}" if run.get("offloaded") else ""),
+                      flush=True)
                 if run.get("cgroup"):
                     c = run["cgroup"]
                     print(f"{size:>5} in a {c['limit_gb']:g} GB memory cgroup: peak {c['peak_gb']:.2f} GB (page cache "

@@ -120,6 +120,27 @@ def test_machine_memory_is_the_ram_or_the_declared_budget(monkeypatch):
     assert memory_fit.machine_memory() == (2 << 30, "QBUILD_MEMORY_GB")
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_machine_memory_is_the_limit_of_the_memory_cgroup_the_process_is_in(tmp_path, monkeypatch, version):
+    """A job in a memory cgroup (v1 or v2, at its own path): its limit, not the machine's RAM, sizes the steps."""
+    monkeypatch.delenv("QBUILD_MEMORY_GB", raising=False)
+    root = tmp_path / "sys-fs-cgroup"
+    if version == "v1":
+        group = root / "memory" / "jobs" / "q1"
+        proc = "12:cpuset:/\n4:memory:/jobs/q1\n1:name=systemd:/\n"
+        limit = "memory.limit_in_bytes"
+    else:
+        group = root / "jobs" / "q1"
+        proc = "0::/jobs/q1\n"
+        limit = "memory.max"
+    group.mkdir(parents=True)
+    (group / limit).write_text(str(3 << 30))
+    (tmp_path / "cgroup").write_text(proc)
+    assert memory_fit.machine_memory(tmp_path / "cgroup", root) == (3 << 30, f"this cgroup's {limit}")
+    (group / limit).write_text("max" if version == "v2" else str(1 << 62))   # no limit: the RAM
+    assert memory_fit.machine_memory(tmp_path / "cgroup", root)[1] == "this machine's RAM"
+
+
 def _plan_rows(tmp_path, recipe: str, fake_gpu: str) -> dict[str, str]:
     import json
 

@@ -52,16 +52,39 @@ def model_size(info: dict, source: Path | None = None) -> ModelSize | None:
     return ModelSize(total, min(total, 2 * outside_params), layer, params, experts > 0, largest)
 
 
-def machine_memory() -> tuple[int, str]:
-    """(bytes, where the figure comes from): QBUILD_MEMORY_GB, else the smaller of RAM and the cgroup's limit."""
+def machine_memory(proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+                   ) -> tuple[int, str]:
+    """(bytes, where the figure comes from): QBUILD_MEMORY_GB, else the smaller of RAM and the limit of the memory
+    cgroup this process is in (cgroup v2's memory.max, or v1's memory.limit_in_bytes: a container, a systemd slice,
+    a job scheduler's group)."""
     declared = os.environ.get("QBUILD_MEMORY_GB")
     if declared:
         return int(float(declared) * GB), "QBUILD_MEMORY_GB"
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    for limit_file, what in _cgroup_limit_files(proc_cgroup, root):
+        try:
+            limit = limit_file.read_text().strip()
+        except OSError:
+            continue
         if limit.isdigit() and int(limit) < total:
-            return int(limit), "this cgroup's memory.max"
-    except OSError:
-        pass
+            return int(limit), f"this cgroup's {what}"
     return total, "this machine's RAM"
+
+
+def _cgroup_limit_files(proc_cgroup: Path, root: Path) -> list[tuple[Path, str]]:
+    """The memory limit files of this process's cgroup: v2 (the `0::/path` line) and v1 (the `N:memory:/path`
+    line), at its own path under `root` and at the root of the hierarchy as the process sees it (a container's)."""
+    files: list[tuple[Path, str]] = []
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        rel = path.strip().lstrip("/")
+        if controllers == "":
+            files.append((root / rel / "memory.max", "memory.max"))
+        elif "memory" in controllers.split(","):
+            files.append((root / "memory" / rel / "memory.limit_in_bytes", "memory.limit_in_bytes"))
+    files += [(root / "memory.max", "memory.max"), (root / "memory" / "memory.limit_in_bytes", "memory.limit_in_bytes")]
+    return files
