@@ -5,7 +5,7 @@
 
 One llama-server (qbuild's build and lifecycle: 127.0.0.1, a free port, --parallel 4, `--server-threads` threads
 (default 1, on a core of its own; 2 on a 2-core machine is where batching four requests pays, so a sweep's poisson
-rates hold the capacity: docs/serving.md, runs 8-10), its prompt cache off so no request profits from another's)
+rates hold the capacity: docs/serving.md, runs 8-11), its prompt cache off so no request profits from another's)
 serves the demo's q8_0. On it, in turn:
 
 * qbuild's capacity search (qbuild.planning.serving_capacity.search with the probes the `capacity[...]` step measures:
