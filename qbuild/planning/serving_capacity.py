@@ -329,20 +329,13 @@ def one_at_a_time_rps(url: str, tokens: np.ndarray, w: dict, model: str, ignore_
 
     import httpx
 
-    from qbuild.planning.serving_bench import conversation_prompts, drawn_lengths, prompts_from
-    from qbuild.serving.client import Workload, _closed_loop
+    from qbuild.serving.client import _closed_loop
 
     conversation = w.get("conversation", {})
     turns = conversation.get("turns", 1)
-    count = (LONE_REQUESTS + w["warmup"]) * turns
     # four words of entropy where a probe's seed has three: no probe shares these prompts
     seed = int(np.random.SeedSequence([w["seed"], 0, 0, 1]).generate_state(1)[0])
-    prefix = w.get("prefix_tokens", 0)
-    work = Workload(prompts=conversation_prompts(prompts_from(tokens, w["input_len"], count, seed, prefix), turns,
-                                                 prefix),
-                    output_len=drawn_lengths(w["output_len"], count, seed + 2), requests=LONE_REQUESTS,
-                    warmup=w["warmup"], timeout_s=w["timeout_s"], ignore_eos=ignore_eos, model=model, turns=turns,
-                    think_s=conversation.get("think_s", 0.0))
+    work = workload(tokens, w, LONE_REQUESTS, seed, model, ignore_eos)
 
     async def lone() -> list:
         async with httpx.AsyncClient(timeout=httpx.Timeout(work.timeout_s, connect=10.0), trust_env=False) as client:
@@ -362,25 +355,33 @@ def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, slo
     own warm-up, with prompts (windows of `tokens`), output lengths and arrivals seeded by the rate and the round,
     on a server running `slots` requests at once. With a conversation, the rate is of new conversations (each of
     `turns` requests, their latencies pooled)."""
+    turns = w.get("conversation", {}).get("turns", 1)
+    rounds = []
+    for r in range(w["rounds"]):
+        seed = probe_seed(w["seed"], k, r)
+        rounds.append(probe_round(url, workload(tokens, w, w["requests"], seed, model, ignore_eos), rate_of(k), seed,
+                                  slots))
+        between()
+    # the rate the probe asks for, in requests: what a capacity at this rate would claim (the arrivals one round
+    # happened to draw are faster or slower by chance; 24 Poisson arrivals vary by about 20 %)
+    return {**_pooled(rounds, w["seed"], slots), "arrival_rps": round(rate_of(k) * turns, 4)}
+
+
+def workload(tokens: np.ndarray, w: dict, requests: int, seed: int, model: str, ignore_eos: bool):
+    """`requests` conversations (one request each without turns) after `w["warmup"]`, of workload `w` as the step's
+    params hold it: prompts (windows of `tokens`, after the shared prefix) and output lengths drawn from `seed`."""
     from qbuild.planning.serving_bench import conversation_prompts, drawn_lengths, prompts_from
     from qbuild.serving.client import Workload
 
     conversation = w.get("conversation", {})
     turns = conversation.get("turns", 1)
-    per_round = (w["requests"] + w["warmup"]) * turns
+    count = (requests + w["warmup"]) * turns
     prefix = w.get("prefix_tokens", 0)
-    rounds = []
-    for r in range(w["rounds"]):
-        seed = probe_seed(w["seed"], k, r)
-        prompts = conversation_prompts(prompts_from(tokens, w["input_len"], per_round, seed, prefix), turns, prefix)
-        work = Workload(prompts=prompts, output_len=drawn_lengths(w["output_len"], per_round, seed + 2),
-                        requests=w["requests"], warmup=w["warmup"], timeout_s=w["timeout_s"],
-                        ignore_eos=ignore_eos, model=model, turns=turns, think_s=conversation.get("think_s", 0.0))
-        rounds.append(probe_round(url, work, rate_of(k), seed, slots))
-        between()
-    # the rate the probe asks for, in requests: what a capacity at this rate would claim (the arrivals one round
-    # happened to draw are faster or slower by chance; 24 Poisson arrivals vary by about 20 %)
-    return {**_pooled(rounds, w["seed"], slots), "arrival_rps": round(rate_of(k) * turns, 4)}
+    return Workload(prompts=conversation_prompts(prompts_from(tokens, w["input_len"], count, seed, prefix), turns,
+                                                 prefix),
+                    output_len=drawn_lengths(w["output_len"], count, seed + 2), requests=requests,
+                    warmup=w["warmup"], timeout_s=w["timeout_s"], ignore_eos=ignore_eos, model=model, turns=turns,
+                    think_s=conversation.get("think_s", 0.0))
 
 
 def probe_round(url: str, work, rate: float, seed: int, slots: int) -> dict:

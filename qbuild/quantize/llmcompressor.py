@@ -215,7 +215,9 @@ def load_offloadable(src: Path, offload_dir: Path):
     kwargs = {"dtype": "auto", "device_map": "auto_offload", "offload_folder": str(offload_dir)}
     budget = os.environ.get("QBUILD_MEMORY_GB")
     if budget:
-        kwargs["max_memory"] = {"cpu": max(1, int((float(budget) - 1.7) * (1 << 30)))}
+        from qbuild.models.size import GB, QUANTIZER_OVERHEAD
+
+        kwargs["max_memory"] = {"cpu": max(1, int(float(budget) * GB - QUANTIZER_OVERHEAD))}
     with load_offloaded_model():
         model = AutoModelForCausalLM.from_pretrained(str(src), **kwargs)
     return model, any(get_offloaded_device(m) == "disk" for m in model.modules())
