@@ -44,7 +44,14 @@ MAX_ERROR_PCT = 1.0
 
 
 def run_qbuild(url: str, model: str, args) -> dict:
-    from qbuild.planning.serving_capacity import grid_index, measure_probe, one_at_a_time_rps, search, start_index
+    from qbuild.planning.serving_capacity import (
+        full_batch_verdict,
+        grid_index,
+        measure_probe,
+        one_at_a_time_rps,
+        search,
+        start_index,
+    )
 
     tokens = np.random.default_rng(0).integers(100, 20000, 200_000)   # prompts: windows of seeded random ids
     w = {"input_len": args.input_len, "output_len": args.output_len, "requests": args.requests, "warmup": 1,
@@ -54,7 +61,8 @@ def run_qbuild(url: str, model: str, args) -> dict:
         p = measure_probe(url, tokens, w, k, model, args.parallel)
         print(f"  qbuild probe {2 ** (k / 16):.3f}/s: TTFT p99 {p['ttft_ms_p99']} ms {(p.get('ci') or {}).get('ttft_ms_p99', '')}"
               f", {p['errors']} errors, {p['mean_in_flight']} in flight, full-batch throughput "
-              f"{p['saturated_rps'] or '-'}/s", flush=True)
+              f"{p['saturated_rps'] or '-'}/s {p.get('saturated_rps_ci') or ''}, {len(p.get('rounds') or [None])} "
+              f"round(s), keeping up: {full_batch_verdict(p)}", flush=True)
         return p
 
     started = time.monotonic()

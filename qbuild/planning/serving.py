@@ -22,7 +22,8 @@ from qbuild.planning.recipe import longest
 
 RUNNER = "qbuild.planning.serving_bench:run"
 CAPACITY_RUNNER = "qbuild.planning.serving_capacity:run"
-CAPACITY_IMPL_VERSION = 2   # 2: probes record the server's throughput while full (a rate above it misses)
+CAPACITY_IMPL_VERSION = 3   # 2: probes record the server's throughput while full (a rate above it misses); 3: with
+# its interval, and rounds added while it is within noise of the rate
 IMPL_VERSION = 3   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
 # 3: a point's warm-up requests lead into the measured ones without a pause (it was measured from an idle server)
 WORKLOAD_FIELDS = ("concurrency", "request_rates", "requests", "warmup", "input_len", "output_len", "seed", "timeout_s")

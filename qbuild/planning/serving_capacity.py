@@ -10,8 +10,9 @@ highest rate that met them and the lowest that did not, until they are neighbour
 rate and the round), pooled, with bootstrap intervals (qbuild.serving.confidence). A probe meets the SLOs when its
 pooled TTFT p99 / TPOT p50 are within the bounds, at most `max_error_pct` % of its requests failed, and requests did
 not arrive faster than the server completed them while every slot was busy (`saturated_rps`, the server's own
-throughput at full batch, measured inside the probe); its interval and verdict (met, missed, within noise) are
-kept beside it. The last condition is what makes a short probe honest: above the rate a server completes, its
+throughput at full batch, measured inside the probe) beyond that throughput's noise; within its noise the probe
+runs more rounds (up to twice its rounds), then leaves the call to the latencies. Its intervals and verdict (met,
+missed, within noise) are kept beside it. The last condition is what makes a short probe honest: above the rate a server completes, its
 queue grows for as long as arrivals go on, and 24 arrivals can end before the queue breaks a latency bound
 (measured: a probe at 2.83/s "met" TTFT p99 ≤ 1.5 s on a server guidellm found completes 2.37/s).
 
@@ -30,16 +31,21 @@ import shlex
 import time
 from collections.abc import Callable
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
+
+from qbuild.base.bootstrap import LEVEL
 
 STEPS_PER_DOUBLING = 16       # grid resolution: 2^(1/16) = 4.4 % between neighbouring rates
 LOWEST_K = -8 * STEPS_PER_DOUBLING    # 1/256 requests/s: below it the artifact has no capacity worth the name
 HIGHEST_K = 12 * STEPS_PER_DOUBLING   # 4096 requests/s
 RESULT = "capacity.json"
 SERVER_LOG = "server.log"
+MORE_ROUNDS_FACTOR = 2        # a probe whose full-batch check is within noise runs up to this many times its rounds
 LONE_REQUESTS = 3             # requests sent one at a time (after the warm-up) to find where the search starts
 ONE_AT_A_TIME = "one-at-a-time"   # the cache entry of that measurement, beside the probes
+FULL_BATCH = "full_batch_rps"     # a probe's uncertain list names the full-batch check so when it was within noise
 # recipe SLO field → the probe's figure, as selection names them
 SLO_FIELDS = {"ttft_p99_ms": "ttft_ms_p99", "tpot_p50_ms": "tpot_ms_p50", "itl_p99_ms": "itl_ms_p99",
               "e2e_p99_ms": "e2e_ms_p99"}
@@ -57,17 +63,20 @@ def grid_index(rate: float) -> int:
 def judge(probe: dict, slo: dict, max_error_pct: float) -> dict:
     """A probe's verdict under `slo` (field → bound): {meets, misses, uncertain}. The pooled value decides; a bound
     whose 95 % interval straddles it is listed as within noise. Arrivals faster than the server completes requests
-    with every slot busy are a miss, whatever the latencies: its queue grows."""
+    with every slot busy, beyond that throughput's noise, are a miss whatever the latencies: its queue grows. Within
+    its noise the latencies decide, and FULL_BATCH is listed as uncertain."""
     from qbuild.serving.confidence import verdict
 
     misses, uncertain = [], []
     error_pct = 100 * probe["errors"] / probe["requests"] if probe["requests"] else 100.0
     if error_pct > max_error_pct:
         misses.append(f"errors {error_pct:.1f} % > {max_error_pct:g} %")
-    arriving, full = probe.get("arrival_rps"), probe.get("saturated_rps")
-    if arriving and full is not None and arriving > full:
-        misses.append(f"requests arriving at {arriving:.3g}/s outpace the {full:.3g}/s the server completes with "
-                      "every slot busy: its queue grows")
+    keeping_up = full_batch_verdict(probe)
+    if keeping_up == "missed":
+        misses.append(f"requests arriving at {probe['arrival_rps']:.3g}/s outpace the {probe['saturated_rps']:.3g}/s "
+                      "the server completes with every slot busy: its queue grows")
+    elif keeping_up == "uncertain":
+        uncertain.append(FULL_BATCH)
     for field, bound in slo.items():
         value = probe.get(SLO_FIELDS[field])
         if value is None:
@@ -151,14 +160,26 @@ def pace(results, slots: int) -> dict:
     unlike the completions' overall pace, it does not lag the arrivals of a server that keeps up."""
     events = sorted([(r.start, 1) for r in results] + [(r.end, -1) for r in results if r.ok])
     in_flight, full_s, full_ends, last = 0, 0.0, 0, None
+    # the full time splits into blocks of `slots` completions (a full spell always ends with one): the spread of the
+    # blocks' times is the throughput's noise. Blocks, not single completions: the slots end in turn, so the gaps
+    # between single completions vary with the slots' phases even on a server whose every request takes as long
+    block, block_ends, blocks = 0.0, 0, []
     for t, step in events:
         if in_flight >= slots:
             full_s += t - last
-            full_ends += step < 0
+            block += t - last
+            if step < 0:
+                full_ends += 1
+                block_ends += 1
+                if block_ends == slots:
+                    blocks.append(block)
+                    block, block_ends = 0.0, 0
         in_flight += step
         last = t
     span = max((r.end for r in results), default=0.0) - min((r.start for r in results), default=0.0)
-    return {"full_completions": full_ends, "full_s": round(full_s, 4), "span_s": round(max(span, 0.0), 4)}
+    return {"full_completions": full_ends, "full_s": round(full_s, 4), "blocks": len(blocks),
+            "blocks_s": round(sum(blocks), 4), "blocks_sq_s2": round(sum(b * b for b in blocks), 6),
+            "span_s": round(max(span, 0.0), 4)}
 
 
 # a server whose queue grows is full from the moment the queue forms; one full for less of the probe than this had
@@ -176,6 +197,37 @@ def saturated_rps(paces: list[dict], slots: int) -> float | None:
     if ends < slots or full_s <= 0 or full_s < FULL_SHARE_TO_JUDGE * span:
         return None
     return round(ends / full_s, 4)
+
+
+def saturated_ci(paces: list[dict], slots: int) -> list[float | None] | None:
+    """The 95 % interval of saturated_rps (None where it is): the mean time per block of `slots` completions while
+    full, ± its standard error over the blocks (the normal interval, at the level of every other interval), per
+    completion, inverted. Open ([0, None]: nothing known) with fewer than two blocks, and unbounded above when the
+    interval of the time reaches zero. Paces measured before blocks were kept have no interval."""
+    if saturated_rps(paces, slots) is None or any("blocks" not in p for p in paces):
+        return None
+    n = sum(p["blocks"] for p in paces)
+    if n < 2:
+        return [0.0, None]
+    total = sum(p["blocks_s"] for p in paces)
+    var = max(sum(p["blocks_sq_s2"] for p in paces) - total ** 2 / n, 0.0) / (n - 1)
+    per_completion = sum(p["full_s"] for p in paces) / sum(p["full_completions"] for p in paces)
+    half = NormalDist().inv_cdf(0.5 + LEVEL / 2) * (var / n) ** 0.5 / slots
+    return [round(1 / (per_completion + half), 4),
+            round(1 / (per_completion - half), 4) if per_completion > half else None]
+
+
+def full_batch_verdict(probe: dict) -> str | None:
+    """Whether the server kept up with the probe's arrivals: "met" (its full-batch throughput is above the arrival
+    rate beyond noise, or it was never full long enough to judge), "missed" (below it beyond noise), "uncertain" (the
+    interval straddles it). Without an interval the measured value alone decides."""
+    arriving, full = probe.get("arrival_rps"), probe.get("saturated_rps")
+    if not arriving or full is None:
+        return "met"
+    from qbuild.serving.confidence import verdict
+
+    lo, hi = probe.get("saturated_rps_ci") or (full, full)
+    return verdict(full, [lo, float("inf") if hi is None else hi], arriving, "min")
 
 
 def probe_seed(seed: int, k: int, r: int) -> int:
@@ -263,7 +315,8 @@ def run(ctx) -> dict:
         counts["measured"] += 1
         ctx.log(f"rate {rate_of(k):.4g}/s: TTFT p99 {probe['ttft_ms_p99']} ms, TPOT p50 {probe['tpot_ms_p50']} ms, "
                 f"{probe['errors']} errors, {probe['mean_in_flight']} in flight, full-batch throughput "
-                f"{probe['saturated_rps'] or '-'} requests/s")
+                f"{probe['saturated_rps'] or '-'} requests/s {_interval(probe.get('saturated_rps_ci'))}, "
+                f"{len(probe.get('rounds') or [None])} round(s)")
         keep_probe(family, k, probe)
         return probe
 
@@ -315,6 +368,10 @@ def _write_result(ctx, label: str, result: dict, counts: dict, max_minutes) -> N
             + ("" if result["complete"] else f"; stopped by max_minutes {max_minutes}"))
 
 
+def _interval(ci) -> str:
+    return "" if not ci else f"[{ci[0]:.4g}, {'∞' if ci[1] is None else f'{ci[1]:.4g}'}]"
+
+
 def start_index(one_at_a_time_rps: float) -> int:
     """Where the search starts when the recipe names no rate: the grid rate nearest the one-at-a-time rate, within
     the grid's ends."""
@@ -351,20 +408,37 @@ def one_at_a_time_rps(url: str, tokens: np.ndarray, w: dict, model: str, ignore_
 
 def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, slots: int, ignore_eos: bool = True,
                   between: Callable[[], None] = lambda: None) -> dict:
-    """The probe at rate_of(k): `w["rounds"]` rounds (workload `w` as the step's params hold it), each after its
+    """The probe at rate_of(k): `w["rounds"]` rounds (more while its full-batch check is within noise: settled;
+    workload `w` as the step's params hold it), each after its
     own warm-up, with prompts (windows of `tokens`), output lengths and arrivals seeded by the rate and the round,
     on a server running `slots` requests at once. With a conversation, the rate is of new conversations (each of
     `turns` requests, their latencies pooled)."""
     turns = w.get("conversation", {}).get("turns", 1)
-    rounds = []
-    for r in range(w["rounds"]):
+
+    def one_round(r: int) -> dict:
         seed = probe_seed(w["seed"], k, r)
-        rounds.append(probe_round(url, workload(tokens, w, w["requests"], seed, model, ignore_eos), rate_of(k), seed,
-                                  slots))
+        point = probe_round(url, workload(tokens, w, w["requests"], seed, model, ignore_eos), rate_of(k), seed, slots)
         between()
+        return point
+
     # the rate the probe asks for, in requests: what a capacity at this rate would claim (the arrivals one round
     # happened to draw are faster or slower by chance; 24 Poisson arrivals vary by about 20 %)
-    return {**_pooled(rounds, w["seed"], slots), "arrival_rps": round(rate_of(k) * turns, 4)}
+    return settled(one_round, w["rounds"],
+                   lambda rounds: {**_pooled(rounds, w["seed"], slots), "arrival_rps": round(rate_of(k) * turns, 4)})
+
+
+def settled(one_round: Callable[[int], dict], rounds: int, pooled: Callable[[list[dict]], dict]) -> dict:
+    """A probe of `rounds` rounds (`one_round(r)` measures round r), pooled; then one more round at a time, up to
+    MORE_ROUNDS_FACTOR × `rounds`, while its full-batch check is within noise of its rate. Whether the server keeps
+    up at a rate is a fact of the rate, not of any SLO, so it is settled here, in the probe every search reuses."""
+    done: list[dict] = []
+    while True:
+        done.append(one_round(len(done)))
+        if len(done) < rounds:
+            continue
+        probe = pooled(done)
+        if len(done) >= MORE_ROUNDS_FACTOR * rounds or full_batch_verdict(probe) != "uncertain":
+            return probe
 
 
 def workload(tokens: np.ndarray, w: dict, requests: int, seed: int, model: str, ignore_eos: bool):
@@ -407,6 +481,7 @@ async def _probe_round(url: str, work, rate: float, seed: int, slots: int) -> di
     point["mean_in_flight"] = mean_in_flight(results)
     point["pace"] = pace(results, slots)
     point["saturated_rps"] = saturated_rps([point["pace"]], slots)
+    point["saturated_rps_ci"] = saturated_ci([point["pace"]], slots)
     return point
 
 
@@ -418,7 +493,9 @@ def _pooled(rounds: list[dict], seed: int, slots: int) -> dict:
     out = combine_rounds(rounds, seed)
     out["mean_in_flight"] = round(float(np.mean([r["mean_in_flight"] or 0 for r in rounds])), 3)
     out["saturated_rps"] = saturated_rps([r["pace"] for r in rounds], slots)
+    out["saturated_rps_ci"] = saturated_ci([r["pace"] for r in rounds], slots)
     out.pop("samples", None)
-    for r in out["rounds"]:   # per-request samples stay out of the stored probe: its figures and interval suffice
-        r.pop("samples", None)
+    # per-request samples stay out of the stored probe (its figures and interval suffice); copies, as the rounds are
+    # pooled again when the probe runs more
+    out["rounds"] = [{k: v for k, v in r.items() if k != "samples"} for r in out["rounds"]]
     return out

@@ -181,14 +181,15 @@ def _capacity(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
         row.update({k: m.get(k) for k in ("capacity_rps", "concurrency", "next_rps", "bracketed", "complete", "slo",
                                           "max_error_pct", "seconds", "probes_measured", "probes_reused", "command",
                                           "start_rps", "one_at_a_time_rps", "one_at_a_time_reused")})
-        row["probes"] = [{k: p.get(k) for k in ("rate_rps", "meets", "misses", "uncertain", "reused", "mean_in_flight",
-                                                "ci", *CAPACITY_PROBE_FIELDS)} for p in m.get("probes") or []]
+        row["probes"] = [{**{k: p.get(k) for k in ("rate_rps", "meets", "misses", "uncertain", "reused",
+                                                   "mean_in_flight", "ci", *CAPACITY_PROBE_FIELDS)},
+                          "rounds": len(p.get("rounds") or [p])} for p in m.get("probes") or []]
         by_artifact.setdefault(o.step.inputs["model"].key, []).append(row)
     return by_artifact
 
 
 CAPACITY_PROBE_FIELDS = ("ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "itl_ms_p99", "e2e_ms_p99", "requests_s",
-                         "output_tok_s", "errors", "requests", "arrival_rps", "saturated_rps")
+                         "output_tok_s", "errors", "requests", "arrival_rps", "saturated_rps", "saturated_rps_ci")
 
 
 def _row(art: Artifact, artifact: StepOutcome | None, evals: dict, not_evaluated: str | None,
