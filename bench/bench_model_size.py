@@ -184,7 +184,11 @@ RECIPE_VARIANTS = [{"name": "f16", "method": "gguf", "type": "F16"}, {"name": "q
                    {"name": "w4a16", "method": "rtn", "bits": 4, "group_size": 64},
                    # not in the issue's recipe (pick it with --variants): ModelOpt FP8, HF export, which offloads to
                    # disk what does not fit (docs/methods.md, Memory)
-                   {"name": "fp8-modelopt", "method": "modelopt", "scheme": "fp8", "export": "hf", "dtype": "bfloat16"}]
+                   {"name": "fp8-modelopt", "method": "modelopt", "scheme": "fp8", "export": "hf", "dtype": "bfloat16"},
+                   # AutoRound with one tuning step per block (a tuned run's memory at a fraction of its time; its
+                   # iters: 0, the optimized round-to-nearest, takes ~85 s a block at 1B here): whole-model
+                   # (docs/methods.md, Memory: why its disk streaming is not used)
+                   {"name": "w4-autoround", "method": "autoround", "bits": 4, "group_size": 64, "iters": 1}]
 DEFAULT_VARIANTS = ["f16", "q8_0", "q4km", "w4a16"]
 
 
@@ -251,7 +255,7 @@ def main() -> None:
     ap.add_argument("--whole-up-to", default="1b", help="largest size also evaluated whole (fp32)")
     ap.add_argument("--qbuild", default="", help="sizes also run through `qbuild run` (reference + perplexity)")
     ap.add_argument("--variants", default="", help="only these of the recipe's variants (f16,q8_0,q4km,w4a16, the "
-                    "default; fp8-modelopt); an 8B run of all four needs ~60 GB of disk")
+                    "default; fp8-modelopt, w4-autoround); an 8B run of all four needs ~60 GB of disk")
     ap.add_argument("--skip-session", action="store_true", help="for --qbuild sizes, only the qbuild run")
     ap.add_argument("--keep", type=Path, help="keep the checkpoints here (reused by later runs)")
     ap.add_argument("--memory-limit-gb", type=float, help="run `qbuild run` in a memory cgroup of this size (root)")
