@@ -98,8 +98,9 @@ def project(size: str, host_gb: float = 24, gpu_gb: float = 80) -> None:
         print(f"{name:48} {h} {hf:>5} {g} {gf:>5}  {how}")
 
 
-def make_checkpoint(size: str, out: Path) -> Path:
-    """A random bf16 Llama checkpoint of `size`, one safetensors shard per decoder layer."""
+def make_checkpoint(size: str, out: Path, shard_gb: float | None = None) -> Path:
+    """A random bf16 Llama checkpoint of `size`: one safetensors shard per decoder layer, or, with `shard_gb`, layers
+    packed into shards of at most that size (a hub checkpoint's shape: transformers' default is 5 GB)."""
     import torch
     from safetensors.torch import save_file
 
@@ -114,10 +115,24 @@ def make_checkpoint(size: str, out: Path) -> Path:
         return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
 
     weight_map = {}
+    pending: dict = {}
 
-    def shard(name: str, tensors: dict):
+    def write(name: str, tensors: dict):
         save_file(tensors, str(out / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
+
+    def shard(name: str, tensors: dict):
+        if shard_gb is None:
+            return write(name, tensors)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        if pending and sum(t.numel() * t.element_size() for t in pending.values()) + nbytes > shard_gb * 1e9:
+            flush()
+        pending.update(tensors)
+
+    def flush():
+        if pending:
+            write(f"model-{len(set(weight_map.values())) + 1:05d}.safetensors", dict(pending))
+            pending.clear()
 
     shard("embed.safetensors", {"model.embed_tokens.weight": rand(VOCAB, hidden),
                                 "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
@@ -132,6 +147,7 @@ def make_checkpoint(size: str, out: Path) -> Path:
             p + "mlp.down_proj.weight": rand(hidden, inter),
             p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)})
+    flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
               "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
@@ -258,6 +274,8 @@ def main() -> None:
                     "default; fp8-modelopt, w4-autoround); an 8B run of all four needs ~60 GB of disk")
     ap.add_argument("--skip-session", action="store_true", help="for --qbuild sizes, only the qbuild run")
     ap.add_argument("--keep", type=Path, help="keep the checkpoints here (reused by later runs)")
+    ap.add_argument("--shard-gb", type=float, help="pack the checkpoints' layers into shards of at most this size "
+                    "(5: a hub checkpoint's shape) instead of one shard per layer")
     ap.add_argument("--memory-limit-gb", type=float, help="run `qbuild run` in a memory cgroup of this size (root)")
     ap.add_argument("--declare-memory", action="store_true", help="and tell qbuild so (QBUILD_MEMORY_GB)")
     ap.add_argument("--quantize-only", action="store_true", help="the qbuild run without evaluation steps")
@@ -277,7 +295,8 @@ def main() -> None:
     try:
         for size in sizes:
             t = time.perf_counter()
-            path = make_checkpoint(size, root / f"llama-{size}")
+            path = make_checkpoint(size, root / (f"llama-{size}" + (f"-{args.shard_gb:g}gb-shards" if args.shard_gb
+                                                                     else "")), args.shard_gb)
             made = time.perf_counter() - t
             bf16 = sum(f.stat().st_size for f in path.glob("*.safetensors"))
             est = model_size(json.loads((path / "config.json").read_text()), path)
