@@ -80,9 +80,11 @@ def run_qbuild(url: str, model: str, args) -> dict:
 def run_guidellm(url: str, model: str, tokenizer: Path, args, out: Path) -> dict:
     backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
                "extras": {"body": {"ignore_eos": True}}}
-    cmd = [str(args.guidellm), "run", "--backend", json.dumps(backend),
-           "--profile", json.dumps({"kind": "sweep", "sweep_size": args.sweep_size, "strategy_type": "poisson",
-                                    "warmup": {"mode": "requests", "value": 1}}),
+    warmup = {"mode": "requests", "value": 1}
+    # a sweep, or poisson benchmarks at the rates given (where a sweep has none: below its first poisson rate)
+    profile = ({"kind": "poisson", "rate": args.guidellm_rates, "warmup": warmup} if args.guidellm_rates else
+               {"kind": "sweep", "sweep_size": args.sweep_size, "strategy_type": "poisson", "warmup": warmup})
+    cmd = [str(args.guidellm), "run", "--backend", json.dumps(backend), "--profile", json.dumps(profile),
            "--constraint", json.dumps({"kind": "max_requests", "count": args.requests * args.rounds + 1}),
            "--data", json.dumps({"kind": "synthetic_text", "prompt_tokens": args.input_len,
                                  "output_tokens": args.output_len}),
@@ -191,6 +193,9 @@ def main() -> None:
                     help="llama-server threads; with 1 it gets a core of its own and the clients the others, with "
                          "more nothing is pinned")
     ap.add_argument("--only", choices=["qbuild", "guidellm"])
+    ap.add_argument("--guidellm-rates", type=lambda v: [float(r) for r in v.split(",")],
+                    help="guidellm poisson benchmarks at these rates (comma-separated) instead of a sweep: where the "
+                         "sweep has no rate near the capacity (a tight SLO: every poisson rate of the sweep misses)")
     ap.add_argument("--guidellm-workers", type=int, default=1,
                     help="guidellm worker processes (its default 10 repeats each poisson gap 10 times: bursts)")
     ap.add_argument("--guidellm", type=Path, default=GUIDELLM, help="the guidellm program (a checkout's .venv-guidellm)")
