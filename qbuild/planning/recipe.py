@@ -180,7 +180,9 @@ class Capacity(StrictModel):
                                     "probe).")
     requests: int = Field(24, ge=2, le=100_000, description="Poisson arrivals measured per round of a probe.")
     rounds: int = Field(2, ge=1, le=100, description="Rounds per probe (each with its own warm-up, prompts and "
-                        "arrivals): the probe's figures pool them, with 95 % bootstrap intervals from 2 rounds on.")
+                        "arrivals): the probe's figures pool them, with 95 % bootstrap intervals from 2 rounds on. "
+                        "A probe whose rate is within noise of the server's full-batch throughput runs up to twice as "
+                        "many.")
 
 
 class Conversation(StrictModel):

@@ -12,9 +12,9 @@ pooled TTFT p99 / TPOT p50 are within the bounds, at most `max_error_pct` % of i
 not arrive faster than the server completed them while every slot was busy (`saturated_rps`, the server's own
 throughput at full batch, measured inside the probe) beyond that throughput's noise; within its noise the probe
 runs more rounds (up to twice its rounds), then leaves the call to the latencies. Its intervals and verdict (met,
-missed, within noise) are kept beside it. The last condition is what makes a short probe honest: above the rate a server completes, its
-queue grows for as long as arrivals go on, and 24 arrivals can end before the queue breaks a latency bound
-(measured: a probe at 2.83/s "met" TTFT p99 ≤ 1.5 s on a server guidellm found completes 2.37/s).
+missed, within noise) are kept beside it. The last condition is what makes a short probe honest: above the rate a
+server completes, its queue grows for as long as arrivals go on, and 24 arrivals can end before the queue breaks a
+latency bound (measured: a probe at 2.83/s "met" TTFT p99 ≤ 1.5 s on a server guidellm found completes 2.37/s).
 
 Probes are kept in the step's result, and in a per-user cache (QBUILD_CACHE/capacity-probes) under the identity of
 everything that decides what they measure except the SLOs: the artifact, the server and its flags, the workload,
@@ -217,7 +217,7 @@ def saturated_ci(paces: list[dict], slots: int) -> list[float | None] | None:
             round(1 / (per_completion - half), 4) if per_completion > half else None]
 
 
-def full_batch_verdict(probe: dict) -> str | None:
+def full_batch_verdict(probe: dict) -> str:
     """Whether the server kept up with the probe's arrivals: "met" (its full-batch throughput is above the arrival
     rate beyond noise, or it was never full long enough to judge), "missed" (below it beyond noise), "uncertain" (the
     interval straddles it). Without an interval the measured value alone decides."""
