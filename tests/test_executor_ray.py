@@ -149,6 +149,25 @@ def test_each_step_is_built_once_across_the_nodes_and_a_lost_node_is_retried(clu
         assert json.loads(res.stdout)["damaged"] == [], res.stdout
 
 
+def test_a_worker_killed_by_a_signal_is_retried(cluster, tmp_path, s3_url):
+    """SIGKILL of a step's worker process (what a node going down or the OOM killer does) while its Ray task lives
+    on: the task reports it and Ray runs the step again, instead of the run failing. Also what made the lost-node
+    check above flaky: the lost node's task reported its killed worker before the node was gone."""
+    slow = [{"name": "k", "method": "fake", "level": 40, "sleep": 8.0}]
+    proc = _run(cluster, write_recipe(tmp_path / "k.yaml", fake_recipe(tmp_path, slow, runtime={"threads": 1})),
+                s3_url, tmp_path / "driver")
+    deadline = time.time() + 120
+    while time.time() < deadline and not _workers(cluster["root"]):
+        time.sleep(0.1)
+    [pid] = _workers(cluster["root"])
+    os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-1500:]
+    [step] = [s for s in json.loads(out)["steps"] if s["kind"] == "quantize"]
+    assert step["status"] == "built"
+    assert pid not in _workers(cluster["root"])
+
+
 def test_ray_without_a_remote_store_fails_at_once_in_one_line(tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", fake_recipe(tmp_path, [{"name": "a", "method": "fake"}]))
     res = qbuild("run", recipe, "--store", tmp_path / "s", "--executor", "ray", "--address", "127.0.0.1:9",

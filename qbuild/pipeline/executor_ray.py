@@ -34,12 +34,18 @@ from qbuild.pipeline.budget import Claim
 from qbuild.pipeline.executor import UNBUILDABLE, Executor
 from qbuild.pipeline.outcome import Origin, StepOutcome
 from qbuild.pipeline.plan import PlannedStep
-from qbuild.pipeline.worker_launch import escape
+from qbuild.pipeline.worker_launch import escape, killed_by_signal
 
 MAX_RETRIES = 3          # a step whose node (or worker process) dies is run again, up to this many times
 CANCEL_GRACE_S = 10      # on Ctrl-C, how long a task may take to stop its worker and remove its scratch (a loaded node)
 LOG_LIMIT = 4 << 20      # bytes of a step's log sent back to the driver
 PROBE_TIMEOUT_S = 5      # a cluster address that accepts no TCP connection in this long is reported dead
+
+
+class WorkerKilled(RuntimeError):
+    """The step's worker process on a node was killed by a signal. Its node going down kills it (and the task can
+    live long enough to report that, as a failed step, before the node is gone) and so does the kernel's OOM
+    killer: either way the step is run again, on any node, like a task lost with its node (`max_retries`)."""
 
 
 def need_remote_message() -> str:
@@ -147,6 +153,8 @@ def build_on_node(step: Step, origin: Origin | None, run_id: str, device: str, r
     except BaseException:   # ray.cancel: KeyboardInterrupt here; stop the worker process, remove its scratch
         ex.cancel()
         raise
+    if out.status == Outcome.FAILED and killed_by_signal(out.error):
+        raise WorkerKilled(f"{step.name} on node {where}: {out.error}")
     log = store.log_path(run_id, step.name)
     text = log.read_bytes()[-LOG_LIMIT:].decode(errors="replace") if log.is_file() else ""
     result = {"status": out.status, "digest": out.digest, "record": out.record, "seconds": out.seconds,
@@ -246,7 +254,7 @@ class RayExecutor(Executor):
                         opts["scheduling_strategy"] = pinned
                     inputs = {role: {"source": str(outcomes[s.key].path)} if outcomes[s.key].status == Outcome.SOURCE
                               else {"key": s.key} for role, s in ps.step.inputs.items()}
-                    ref = task.options(max_retries=MAX_RETRIES, retry_exceptions=False, name=ps.step.name,
+                    ref = task.options(max_retries=MAX_RETRIES, retry_exceptions=[WorkerKilled], name=ps.step.name,
                                        **opts).remote(ps.step, self.origins.get(ps.step.key), self.run_id, self.device,
                                                       specs, inputs, queue)
                     bar = self.progress.add_task(escape(ps.step.name), total=None, step=escape(ps.step.name)) \

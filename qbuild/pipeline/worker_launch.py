@@ -26,6 +26,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qbuild")
 
+KILLED = "worker exited with code {rc} (killed? out of memory?)"
+
+
+def killed_reason(rc: int) -> str:
+    """Why a step failed whose worker wrote no result: its exit code (negative: the signal that killed it)."""
+    return KILLED.format(rc=rc)
+
+
+def killed_by_signal(reason: str | None) -> bool:
+    """Whether `reason` (a failed step's error) says its worker was killed by a signal: SIGKILL from a node going
+    down or the kernel's OOM killer, not an error of the step."""
+    return bool(reason) and reason.startswith(KILLED.split("{rc}")[0] + "-")
 
 def escape(text: str) -> str:
     from rich.markup import escape as _escape
@@ -99,7 +111,7 @@ class WorkerLaunch:
         except (OSError, ValueError):
             free = free_bytes(tmp)
             result = {"error": "[Errno 28] No space left on device" if rc != 0 and free is not None and free < 1 << 20
-                      else f"worker exited with code {rc} (killed? out of memory?)"}
+                      else killed_reason(rc)}
         if rc != 0 or "error" in result:
             reason = result.get("error", f"exit code {rc}")
             if step.backend_env is not None:   # an import error there is the environment's, not qbuild's
