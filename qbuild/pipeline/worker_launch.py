@@ -26,18 +26,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qbuild")
 
-KILLED = "worker exited with code {rc} (killed? out of memory?)"
+EXITED = "worker exited with code "   # killed_reason writes it, killed_by_signal reads it
 
 
 def killed_reason(rc: int) -> str:
     """Why a step failed whose worker wrote no result: its exit code (negative: the signal that killed it)."""
-    return KILLED.format(rc=rc)
+    return f"{EXITED}{rc} (killed? out of memory?)"
 
 
 def killed_by_signal(reason: str | None) -> bool:
     """Whether `reason` (a failed step's error) says its worker was killed by a signal: SIGKILL from a node going
     down or the kernel's OOM killer, not an error of the step."""
-    return bool(reason) and reason.startswith(KILLED.split("{rc}")[0] + "-")
+    return bool(reason) and reason.startswith(EXITED + "-")
+
 
 def escape(text: str) -> str:
     from rich.markup import escape as _escape
