@@ -27,6 +27,14 @@ moment the request's headers start onto the wire (httpcore's trace event), as gu
 before that (opening a connection, building the request, waiting for the event loop) is not the server's latency.
 Per point: p50/p90/p99 of each, requests/s, output tok/s, errors, and with turns, TTFT and prompt tokens per turn
 (`by_turn`: later turns find their history in the server's prompt cache).
+
+What a server answers is bounded, so no server can stall or grow the step: each request has a total deadline
+(`timeout_s`, from when the client starts it to its last byte; httpx's own timeout is per read, which a server that
+keeps streaming never trips), a line of the stream is at most MAX_LINE_BYTES, a stream at most stream_byte_limit()
+and an error body is read only as far as its reason is kept. A request past a bound, or whose answer is malformed
+(not JSON, a field of the wrong type), is one failed request with its reason, and its connection is closed.
+`Workload.stop_at` (time.monotonic) is a time limit of the caller's (a capacity search's budget): past it no request
+is sent, and requests in flight end there, failed with STOPPED_AT_LIMIT.
 """
 
 from __future__ import annotations
@@ -40,6 +48,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+MAX_LINE_BYTES = 1 << 20          # one line of a stream: a chunk's JSON is a few hundred bytes
+STREAM_BYTES_PER_TOKEN = 16 << 10  # a stream's bound grows with the tokens asked for (about 300 bytes each, as served)
+MAX_ERROR_BODY_BYTES = 4096       # of an error answer: only its first 200 characters are kept
+MAX_JSON_BODY_BYTES = 16 << 20    # /tokenize's answer: the token ids of one turn's text
+STOPPED_AT_LIMIT = "stopped at the time limit"
 
 
 @dataclass
@@ -74,6 +87,10 @@ class Workload:
     rampup_s: float = 0.0
     turns: int = 1        # requests per conversation; `requests` and `warmup` count conversations
     think_s: float = 0.0  # the pause before a conversation's next turn
+    stop_at: float | None = None   # time.monotonic() past which nothing is sent and requests in flight end
+
+    def past_stop(self) -> bool:
+        return self.stop_at is not None and time.monotonic() >= self.stop_at
 
     def request(self, i: int) -> tuple[list[int] | str, int]:
         """The prompt (a conversation's later turn: its own input) and output length of request i (turn i % turns
@@ -91,6 +108,81 @@ class ConversationError(RuntimeError):
     """A conversation that cannot go on (the server gave no token ids for what it generated)."""
 
 
+class ResponseTooLarge(RuntimeError):
+    """An answer past one of the client's bounds (a line, a stream, a body)."""
+
+
+class MalformedResponse(ValueError):
+    """An answer that is not what the OpenAI completions API sends (a chunk that is no object, a field of the wrong
+    type)."""
+
+
+def stream_byte_limit(output_len: int) -> int:
+    """The most bytes a completion stream of `output_len` tokens may take."""
+    return MAX_LINE_BYTES + STREAM_BYTES_PER_TOKEN * output_len
+
+
+# asked of every server: a compressed answer would bound what arrives, not what it inflates to
+PLAIN = {"Accept-Encoding": "identity"}
+
+
+async def _lines(resp, max_line: int, max_total: int):
+    """The lines of a streamed body (without their ends), read in the chunks the socket gives: a line longer than
+    `max_line` bytes, or a body past `max_total`, raises ResponseTooLarge (aiter_lines would keep the whole line)."""
+    pending = b""
+    total = 0
+    async for chunk in resp.aiter_raw():
+        total += len(chunk)
+        if total > max_total:
+            raise ResponseTooLarge(f"the stream passed {max_total} bytes")
+        lines = (pending + chunk).splitlines(keepends=True)
+        pending = lines.pop() if lines and not lines[-1].endswith((b"\n", b"\r")) else b""
+        for line in lines:
+            yield line.rstrip(b"\r\n").decode(errors="replace")
+        if len(pending) > max_line:
+            raise ResponseTooLarge(f"a line of the stream passed {max_line} bytes")
+    if pending:
+        yield pending.decode(errors="replace")
+
+
+async def _body(resp, limit: int, truncate: bool) -> bytes:
+    """At most `limit` bytes of a body: the rest is left unread (truncate) or raises ResponseTooLarge."""
+    out = bytearray()
+    async for chunk in resp.aiter_raw():
+        out += chunk
+        if len(out) > limit:
+            if truncate:
+                return bytes(out[:limit])
+            raise ResponseTooLarge(f"the answer passed {limit} bytes")
+    return bytes(out)
+
+
+def _count(value, name: str) -> int | None:
+    """A token count from the server: a non-negative integer or absent."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedResponse(f"usage.{name} is {value!r:.40}, not a count")
+    return value
+
+
+def _chunk_fields(data: str) -> tuple[object, dict, dict | None]:
+    """A stream chunk's error (None without one), usage ({} without one) and first choice (None without one),
+    each of the type the API gives it, or MalformedResponse naming what is not."""
+    chunk = json.loads(data)
+    if not isinstance(chunk, dict):
+        raise MalformedResponse(f"a chunk is {type(chunk).__name__}, not an object")
+    usage, choices = chunk.get("usage") or {}, chunk.get("choices") or []
+    if not isinstance(usage, dict):
+        raise MalformedResponse(f"usage is {type(usage).__name__}, not an object")
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        raise MalformedResponse("choices is not a list of objects")
+    choice = choices[0] if choices else None
+    if choice is not None and not isinstance(choice.get("text") or "", str):
+        raise MalformedResponse(f"choices[0].text is {type(choice['text']).__name__}, not text")
+    return chunk.get("error"), usage, choice
+
+
 async def one_request(client, url: str, i: int, work: Workload, history: list[int] | str | None = None
                       ) -> RequestResult:
     """Request i, after its conversation's `history` (the earlier turns) if any."""
@@ -106,7 +198,8 @@ async def _conversation(client, url: str, work: Workload, first: int, results: d
     history = None
     for turn in range(work.turns):
         if turn and work.think_s:
-            await asyncio.sleep(work.think_s)
+            await asyncio.sleep(work.think_s if work.stop_at is None
+                                else min(work.think_s, max(work.stop_at - time.monotonic(), 0.0)))
         results[first + turn] = result = await one_request(client, url, first + turn, work, history)
         done()
         if turn + 1 == work.turns:
@@ -114,7 +207,10 @@ async def _conversation(client, url: str, work: Workload, first: int, results: d
         try:
             if not result.ok:
                 raise ConversationError(f"turn {turn + 1} failed")
-            history = await _so_far(client, url, work.prompt(first + turn, history), result.text, work.model)
+            if work.past_stop():
+                raise ConversationError(STOPPED_AT_LIMIT)
+            history = await _so_far(client, url, work.prompt(first + turn, history), result.text, work.model,
+                                    work.timeout_s)
         except Exception as exc:   # the conversation ends here: its turns not sent count as errors
             now = time.perf_counter()
             for rest in range(first + turn + 1, first + work.turns):
@@ -124,16 +220,21 @@ async def _conversation(client, url: str, work: Workload, first: int, results: d
             return
 
 
-async def _so_far(client, url: str, prompt: list[int] | str, generated: str, model: str) -> list[int] | str:
+async def _so_far(client, url: str, prompt: list[int] | str, generated: str, model: str,
+                  timeout_s: float = 120.0) -> list[int] | str:
     """A conversation after a turn: its prompt and what was generated, as text or (for token ids) as the server's
-    own tokenizer reads the generated text."""
+    own tokenizer reads the generated text (within `timeout_s` in all)."""
     if isinstance(prompt, str):
         return prompt + generated
     # llama-server reads `content`/`add_special`, vLLM `prompt`/`add_special_tokens`; each ignores the other's
-    resp = await client.post(url + "/tokenize", json={"model": model, "content": generated, "prompt": generated,
-                                                      "add_special": False, "add_special_tokens": False})
-    tokens = resp.json().get("tokens") if resp.status_code == 200 else None
-    if not isinstance(tokens, list):
+    async with asyncio.timeout(timeout_s):
+        async with client.stream("POST", url + "/tokenize", headers=PLAIN, json={
+                "model": model, "content": generated, "prompt": generated, "add_special": False,
+                "add_special_tokens": False}) as resp:
+            body = await _body(resp, MAX_JSON_BODY_BYTES, truncate=False) if resp.status_code == 200 else b""
+    answer = json.loads(body) if body else None
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise ConversationError(f"POST /tokenize answered HTTP {resp.status_code} without token ids: the server "
                                 "cannot continue a conversation of token-id prompts")
     return prompt + tokens
@@ -154,30 +255,36 @@ async def _stream(client, url: str, prompt: list[int] | str, output_len: int, wo
     stamps: list[float] = []
     usage_tokens = prompt_tokens = None
     pieces: list[str] = []   # the generated text, chunk by chunk
+    budget, past_budget = work.timeout_s, f"timed out: not done within timeout_s {work.timeout_s:g} s"
+    if work.stop_at is not None and work.stop_at - time.monotonic() < budget:
+        budget, past_budget = work.stop_at - time.monotonic(), STOPPED_AT_LIMIT
+        if budget <= 0:   # not sent at all
+            return replace(failed, end=failed.start, error=STOPPED_AT_LIMIT)
+    deadline = asyncio.timeout(budget)
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body,
-                                 extensions={"trace": on_the_wire}) as resp:
+        async with deadline, client.stream("POST", url + "/v1/completions", json=body, headers=PLAIN,
+                                           extensions={"trace": on_the_wire}) as resp:
             if resp.status_code != 200:
-                text = (await resp.aread()).decode(errors="replace")
+                text = (await _body(resp, MAX_ERROR_BODY_BYTES, truncate=True)).decode(errors="replace")
                 return replace(failed, end=time.perf_counter(), error=f"HTTP {resp.status_code}: {text[:200]}")
-            async for line in resp.aiter_lines():
+            async for line in _lines(resp, MAX_LINE_BYTES, stream_byte_limit(output_len)):
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    return replace(failed, end=time.perf_counter(), error=str(chunk["error"])[:200])
-                usage = chunk.get("usage") or {}
+                error, usage, choice = _chunk_fields(data)
+                if error:
+                    return replace(failed, end=time.perf_counter(), error=str(error)[:200])
                 if usage.get("completion_tokens") is not None:
-                    usage_tokens, prompt_tokens = usage["completion_tokens"], usage.get("prompt_tokens")
-                choices = chunk.get("choices") or []
-                if choices and (choices[0].get("text") or choices[0].get("finish_reason") is None):
+                    usage_tokens = _count(usage["completion_tokens"], "completion_tokens")
+                    prompt_tokens = _count(usage.get("prompt_tokens"), "prompt_tokens")
+                if choice is not None and (choice.get("text") or choice.get("finish_reason") is None):
                     stamps.append(time.perf_counter())
-                    pieces.append(choices[0].get("text") or "")
-    except Exception as exc:   # connection refused/reset, timeout, bad JSON: counted as an error of this request
-        return replace(failed, end=time.perf_counter(), error=f"{type(exc).__name__}: {exc}"[:200])
+                    pieces.append(choice.get("text") or "")
+    except Exception as exc:   # refused/reset, past a deadline or bound, malformed: an error of this request alone
+        error = past_budget if deadline.expired() else f"{type(exc).__name__}: {exc}"
+        return replace(failed, end=time.perf_counter(), error=error[:200])
     end = time.perf_counter()
     if not stamps:
         return replace(failed, end=end, error="no token streamed")
@@ -206,7 +313,7 @@ async def _closed_loop(client, url: str, work: Workload, concurrency: int, first
         if rampup_s:
             await asyncio.sleep(rampup_s * k / concurrency)
         busy_at.append(time.perf_counter())
-        while queue:
+        while queue and not work.past_stop():
             await _conversation(client, url, work, queue.pop(0) * work.turns, results, done)
         idle_at.append(time.perf_counter())
 
@@ -230,12 +337,15 @@ async def _open_loop(client, url: str, work: Workload, rate: float, first: int, 
 async def _replay(client, url: str, work: Workload, arrivals: list[float], first: int,
                   done: Callable[[], None]) -> list[RequestResult]:
     """Conversations (requests, without turns) first, first+1, ... started at `arrivals` (seconds from the start,
-    ascending), however many are in flight: a user's trace replayed. Their requests' results, in index order."""
+    ascending), however many are in flight: a user's trace replayed. Their requests' results, in index order (those
+    due past `work.stop_at` are not sent, and have none)."""
     start = time.perf_counter()
     tasks = []
     results: dict[int, RequestResult] = {}
     for k, at in enumerate(arrivals):
         delay = start + at - time.perf_counter()
+        if work.stop_at is not None and time.monotonic() + max(delay, 0.0) >= work.stop_at:
+            break
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(_conversation(client, url, work, (first + k) * work.turns, results, done)))

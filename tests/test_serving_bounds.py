@@ -1,0 +1,260 @@
+"""What a server answers cannot stall or grow a serving step (issue 46, items 8, 9 and 10), against a stand-in on
+127.0.0.1 that each test starts and stops: a server that keeps streaming past the request's deadline, one that sends
+one endless line or an endless error body, one whose answer is malformed. Every stand-in stops by itself (a time or
+byte bound) and is shut down by its test."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("httpx")
+
+from qbuild.serving.client import MAX_LINE_BYTES, Workload, stream_byte_limit, sweep
+
+ENDLESS_BYTES = 128 << 20   # what an "endless" answer sends at most: far past every bound, and it still ends
+STAND_IN_SECONDS = 8.0      # how long a stand-in that keeps streaming goes on at most
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        with self.server.lock:
+            index = len(self.server.seen)
+            self.server.seen.append((self.path, body))
+        try:
+            self.server.answer(self, index)
+        except OSError:   # the client closed the connection: what a bound is meant to do
+            self.server.cut.set()
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def stand_in(answer):
+    """An HTTP server on 127.0.0.1 whose every POST is `answer(handler, index)` (index: the requests before it)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    server.daemon_threads = True
+    server.answer, server.seen, server.lock, server.cut, server.sent = answer, [], threading.Lock(), threading.Event(), 0
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def sse_head(h, status: int = 200, kind: str = "text/event-stream") -> None:
+    h.send_response(status)
+    h.send_header("Content-Type", kind)
+    h.end_headers()
+
+
+def send(h, data: str) -> None:
+    h.wfile.write(f"data: {data}\n\n".encode())
+    h.wfile.flush()
+
+
+TOKEN = json.dumps({"choices": [{"text": "a", "index": 0, "finish_reason": None}]})
+
+
+def well_formed(h, tokens: int = 4, gap_s: float = 0.0, usage: str | None = None) -> None:
+    """A completion as llama-server streams one: a chunk per token, the finish, the usage, [DONE]."""
+    sse_head(h)
+    for _ in range(tokens):
+        send(h, TOKEN)
+        time.sleep(gap_s)
+    send(h, json.dumps({"choices": [{"text": "", "index": 0, "finish_reason": "length"}]}))
+    send(h, usage or json.dumps({"choices": [], "usage": {"completion_tokens": tokens, "prompt_tokens": 3}}))
+    send(h, "[DONE]")
+
+
+def one_request(timeout_s: float = 30.0, requests: int = 1, warmup: int = 0) -> Workload:
+    return Workload(prompts=["a prompt"], output_len=4, requests=requests, warmup=warmup, timeout_s=timeout_s,
+                    model="m")
+
+
+def rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@contextlib.contextmanager
+def peak_rss_growth():
+    """This process's resident memory over what it was before, at its peak while the block runs (sampled every 2 ms:
+    the client reads in this process)."""
+    import httpx  # noqa: F401  (imported before the baseline: its first import is not what the block grows by)
+
+    base, peak, done = rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    growth = SimpleNamespace(bytes=0)
+    try:
+        yield growth
+    finally:
+        done.set()
+        sampler.join()
+        growth.bytes = max(peak[0], rss_bytes()) - base
+
+
+def endless(h, head: bytes) -> None:
+    """`head`, then one line of "x" that goes on until ENDLESS_BYTES: a server writing without end."""
+    h.wfile.write(head)
+    block = b"x" * (64 << 10)
+    while h.server.sent < ENDLESS_BYTES:
+        h.wfile.write(block)
+        h.server.sent += len(block)
+
+
+def wait_for_cut(server, seconds: float = 3.0) -> bool:
+    return server.cut.wait(seconds)
+
+
+# --- 8. a total deadline per request ----------------------------------------------------------------------------
+def test_a_server_that_keeps_streaming_fails_the_request_at_its_deadline():
+    """timeout_s is the request's whole time: a server that streams a token every 50 ms for ever (here: 8 s) kept the
+    request open for as long as it streamed (httpx's timeout is per read)."""
+    def keeps_streaming(h, index):
+        sse_head(h)
+        until = time.monotonic() + STAND_IN_SECONDS
+        while time.monotonic() < until:
+            send(h, TOKEN)
+            time.sleep(0.05)
+
+    with stand_in(keeps_streaming) as (server, url):
+        started = time.monotonic()
+        [p] = sweep(url, one_request(timeout_s=1), [1])
+        took = time.monotonic() - started
+        assert wait_for_cut(server)   # the client closed the connection at the deadline
+    assert (p["requests"], p["completed"], p["errors"]) == (1, 0, 1)
+    assert p["first_error"] == "timed out: not done within timeout_s 1 s"
+    assert took < 3, took
+
+
+def test_a_slow_request_within_its_deadline_is_measured():
+    with stand_in(lambda h, index: well_formed(h, tokens=4, gap_s=0.2)) as (_, url):
+        [p] = sweep(url, one_request(timeout_s=5), [1])
+    assert p["errors"] == 0 and p["completed"] == 1 and p["e2e_ms_p50"] >= 600
+
+
+# --- 9. bounded lines and bodies ---------------------------------------------------------------------------------
+def test_one_endless_line_fails_the_request_quickly_and_memory_stays_bounded():
+    """One SSE line without end: the client read it whole (4.1 → 5.0 GB in 10 s). Now the request fails once the line
+    passes MAX_LINE_BYTES, the connection is closed, and the reading process grows by a few MiB, not by the line."""
+    def one_endless_line(h, index):
+        sse_head(h)
+        endless(h, b"data: ")
+
+    with stand_in(one_endless_line) as (server, url), peak_rss_growth() as growth:
+        started = time.monotonic()
+        [p] = sweep(url, one_request(), [1])
+        took = time.monotonic() - started
+        assert wait_for_cut(server), "the stand-in was never cut off"
+        sent = server.sent
+    assert (p["completed"], p["errors"]) == (0, 1)
+    assert p["first_error"] == f"ResponseTooLarge: a line of the stream passed {MAX_LINE_BYTES} bytes"
+    assert took < 3, took
+    assert sent < 32 << 20, sent             # cut off long before the stand-in's 128 MiB (socket buffers aside)
+    assert growth.bytes < 48 << 20, growth.bytes   # 128 MiB read whole would grow it by more than that
+
+
+def test_an_endless_error_body_is_read_only_as_far_as_its_reason_is_kept():
+    def endless_error(h, index):
+        sse_head(h, status=500, kind="text/plain")
+        endless(h, b"")
+
+    with stand_in(endless_error) as (server, url), peak_rss_growth() as growth:
+        started = time.monotonic()
+        [p] = sweep(url, one_request(), [1])
+        took = time.monotonic() - started
+        assert wait_for_cut(server), "the stand-in was never cut off"
+        sent = server.sent
+    assert (p["completed"], p["errors"]) == (0, 1)
+    assert p["first_error"] == "HTTP 500: " + "x" * 200   # the reason, as long as a reason is kept
+    assert took < 3 and sent < 32 << 20, (took, sent)
+    assert growth.bytes < 48 << 20, growth.bytes
+
+
+def test_a_stream_far_longer_than_the_tokens_asked_for_is_cut():
+    """Short, well-formed lines that never end: the stream is bounded by the tokens asked for."""
+    def floods(h, index):
+        sse_head(h)
+        line = f"data: {TOKEN}\n\n".encode() * 1000
+        while h.server.sent < ENDLESS_BYTES:
+            h.wfile.write(line)
+            h.server.sent += len(line)
+
+    with stand_in(floods) as (server, url):
+        started = time.monotonic()
+        [p] = sweep(url, one_request(), [1])
+        assert wait_for_cut(server)
+    assert p["errors"] == 1 and p["first_error"] == f"ResponseTooLarge: the stream passed {stream_byte_limit(4)} bytes"
+    assert time.monotonic() - started < 5
+
+
+# --- 10. a malformed answer is one failed request ------------------------------------------------------------------
+MALFORMED = {
+    "usage not a count": ('{"choices": [], "usage": {"completion_tokens": "many", "prompt_tokens": 3}}',
+                          "MalformedResponse: usage.completion_tokens is 'many', not a count"),
+    "prompt tokens not a count": ('{"choices": [], "usage": {"completion_tokens": 4, "prompt_tokens": [3]}}',
+                                  "MalformedResponse: usage.prompt_tokens is [3], not a count"),
+    "text not text": ('{"choices": [{"text": 5, "finish_reason": null}]}',
+                      "MalformedResponse: choices[0].text is int, not text"),
+    "chunk not an object": ("[1, 2]", "MalformedResponse: a chunk is list, not an object"),
+    "choices not a list": ('{"choices": "abc"}', "MalformedResponse: choices is not a list of objects"),
+    "usage not an object": ('{"choices": [], "usage": 7}', "MalformedResponse: usage is int, not an object"),
+    "not JSON": ("{not json", "JSONDecodeError: Expecting property name enclosed in double quotes: line 1 column 2 "
+                              "(char 1)"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=list(MALFORMED))
+def test_one_malformed_answer_is_one_failed_request_and_the_others_are_measured(case):
+    """Request 3 of 5 (one warm-up, 4 measured, one stream) gets a malformed last chunk: that request fails with the
+    reason, the step goes on ("completion_tokens": "many" raised TypeError out of the whole sweep)."""
+    bad, reason = MALFORMED[case]
+
+    def answer(h, index):
+        well_formed(h, usage=bad if index == 2 else None)
+
+    with stand_in(answer) as (_, url):
+        [p] = sweep(url, one_request(requests=4, warmup=1), [1])
+    assert (p["requests"], p["completed"], p["errors"]) == (4, 3, 1)
+    assert p["first_error"] == reason
+
+
+def test_token_ids_of_the_wrong_type_end_the_conversation_not_the_step():
+    """/tokenize answering ids that are not integers: the conversation's next turn is not sent (it was sent with
+    them as its prompt)."""
+    from dataclasses import replace
+
+    def answer(h, index):
+        if h.path == "/tokenize":
+            sse_head(h, kind="application/json")
+            h.wfile.write(b'{"tokens": ["a", "b"]}')
+        else:
+            well_formed(h)
+
+    with stand_in(answer) as (server, url):
+        [p] = sweep(url, replace(Workload(prompts=[[1, 2, 3]] * 4, output_len=4, requests=2, warmup=0, timeout_s=10,
+                                          model="m"), turns=2), [1])
+        paths = [path for path, _ in server.seen]
+    assert (p["requests"], p["completed"], p["errors"]) == (4, 2, 2)
+    assert p["first_error"].startswith("not sent: ConversationError: POST /tokenize answered HTTP 200 without token ids")
+    assert paths == ["/v1/completions", "/tokenize", "/v1/completions", "/tokenize"]
