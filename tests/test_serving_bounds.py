@@ -1,7 +1,8 @@
-"""What a server answers cannot stall or grow a serving step (issue 46, items 8, 9 and 10), against a stand-in on
+"""What a server answers cannot stall or grow a serving step (issue 46, items 8, 9, 10 and 13), against a stand-in on
 127.0.0.1 that each test starts and stops: a server that keeps streaming past the request's deadline, one that sends
-one endless line or an endless error body, one whose answer is malformed. Every stand-in stops by itself (a time or
-byte bound) and is shut down by its test."""
+one endless line or an endless error body, one whose answer is malformed, and a capacity step whose probe its time
+limit cuts short or whose start rate lies below the grid. Every stand-in stops by itself (a time or byte bound) and is
+shut down by its test."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("httpx")
@@ -258,3 +260,80 @@ def test_token_ids_of_the_wrong_type_end_the_conversation_not_the_step():
     assert (p["requests"], p["completed"], p["errors"]) == (4, 2, 2)
     assert p["first_error"].startswith("not sent: ConversationError: POST /tokenize answered HTTP 200 without token ids")
     assert paths == ["/v1/completions", "/tokenize", "/v1/completions", "/tokenize"]
+
+
+# --- 8 and 13: the capacity step's time limit inside a probe, and a start rate below the grid ----------------------
+FAMILY = "c" * 64
+
+
+def capacity_step(tmp_path, monkeypatch, url: str, start_rps: float, max_minutes: float) -> tuple[dict, list[str]]:
+    """The `capacity[...]` step's runner on the stand-in at `url` (the server plugin, its lifecycle and the prompt
+    corpus replaced by stand-ins; everything else as a run does it): its result and its log."""
+    import qbuild.evaluate.data
+    import qbuild.serving.server
+    from qbuild.planning import serving_capacity
+    from qbuild.plugins import servers
+
+    @contextlib.contextmanager
+    def running(launch, log, label, ready_timeout_s):
+        yield SimpleNamespace(url=url, check_alive=lambda: None, peak_rss_bytes=lambda: None)
+
+    launch = SimpleNamespace(engine="stand-in", command=("stand-in", "--port", "8080"), model_name="m",
+                             ignore_eos=True)
+    monkeypatch.setenv("QBUILD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(qbuild.serving.server, "running", running)
+    monkeypatch.setattr(qbuild.evaluate.data, "load_tokens", lambda path: (np.arange(4000), {}))
+    monkeypatch.setattr(servers, "get", lambda name: SimpleNamespace(name="stand-in", launch=lambda *a, **k: launch))
+    log: list[str] = []
+    (tmp_path / "out").mkdir()
+    ctx = SimpleNamespace(
+        params={"workload": {"input_len": 8, "output_len": 4, "seed": 0, "timeout_s": 30, "warmup": 1,
+                             "prefix_tokens": 0, "requests": 16, "rounds": 1},
+                "capacity": {"slo": {"ttft_p99_ms": 5000}, "max_minutes": max_minutes, "max_error_pct": 1.0,
+                             "start_rps": start_rps},
+                "server": "stand-in", "config": {"name": "default"}, "slots": 4, "context": 64},
+        runtime_args={"label": "q8_0", "probe_family": FAMILY}, step_name="capacity[q8_0@default]",
+        inputs={"model": tmp_path / "model.gguf", "prompts": tmp_path / "prompts"}, threads=1, out=tmp_path / "out",
+        log=log.append, progress=lambda *a: None)
+    return serving_capacity.run(ctx)["metrics"], log
+
+
+def test_a_probe_stops_at_max_minutes_and_is_neither_judged_nor_kept(tmp_path, monkeypatch):
+    """The budget was checked only between probes: a probe of slow requests ran to its end however long that took.
+    Now no request is sent past max_minutes (2.4 s here), those in flight end there, and the probe, cut short, is not
+    judged and not kept for other searches; the search says it was stopped by its time limit."""
+    from qbuild.planning.serving_capacity import cached_probe, grid_index, rate_of
+
+    def answer(h, index):   # the warm-up request answers at once, every later one streams for 10 s
+        well_formed(h, tokens=4, gap_s=0.0 if index == 0 else 2.5)
+
+    with stand_in(answer) as (server, url):
+        started = time.monotonic()
+        result, log = capacity_step(tmp_path, monkeypatch, url, start_rps=4, max_minutes=0.04)
+        took = time.monotonic() - started
+        sent = len(server.seen)
+    k = grid_index(4)
+    assert took < 6, took   # 2.4 s of budget; the probe's 16 requests of 10 s each would take some 14 s
+    assert result["complete"] is False and result["stopped_by"] == "max_minutes" and result["probes"] == []
+    stopped = result["stopped_probe"]
+    assert stopped["stopped_by"] == "max_minutes" and stopped["rate_rps"] == rate_of(k)
+    assert 1 <= stopped["stopped_requests"] == stopped["requests"] - stopped["completed"] and stopped["completed"] == 0
+    assert sent <= 1 + stopped["requests"] < 1 + 16   # the warm-up, then only the arrivals due before the limit
+    assert cached_probe(FAMILY, k) is None   # another search measures this rate whole
+    assert any("stopped by max_minutes 0.04" in line and "not judged, not kept" in line for line in log)
+    assert json.loads((tmp_path / "out" / "capacity.json").read_text())["stopped_by"] == "max_minutes"
+
+
+def test_a_start_rate_below_the_grid_starts_at_its_lowest_rate(tmp_path, monkeypatch):
+    """start_rps: 0.001 (the schema takes any positive rate) failed the step with "ValueError: expected non-negative
+    integer": the start is clamped to the grid's lowest rate, 1/256 requests/s, where the first arrival is due
+    minutes later, past max_minutes (3 s here), so the step ends at its budget."""
+    from qbuild.planning.serving_capacity import LOWEST_K, rate_of
+
+    with stand_in(lambda h, index: well_formed(h)) as (_, url):
+        started = time.monotonic()
+        result, _ = capacity_step(tmp_path, monkeypatch, url, start_rps=0.001, max_minutes=0.05)
+        took = time.monotonic() - started
+    assert result["start_rps"] == rate_of(LOWEST_K) == 1 / 256
+    assert result["stopped_probe"]["k"] == LOWEST_K and result["stopped_by"] == "max_minutes"
+    assert took < 6, took

@@ -22,8 +22,9 @@ from qbuild.planning.recipe import longest
 
 RUNNER = "qbuild.planning.serving_bench:run"
 CAPACITY_RUNNER = "qbuild.planning.serving_capacity:run"
-CAPACITY_IMPL_VERSION = 3   # 2: probes record the server's throughput while full (a rate above it misses); 3: with
-# its interval, and rounds added while it is within noise of the rate
+CAPACITY_IMPL_VERSION = 4   # 2: probes record the server's throughput while full (a rate above it misses); 3: with
+# its interval, and rounds added while it is within noise of the rate; 4: a request past timeout_s in all (not per
+# read) fails, and a malformed or oversized answer is one failed request (it failed the step)
 IMPL_VERSION = 3   # 2: KV-cache bytes per token from the model's shape (llama.cpp's log line counts per stream)
 # 3: a point's warm-up requests lead into the measured ones without a pause (it was measured from an idle server)
 WORKLOAD_FIELDS = ("concurrency", "request_rates", "requests", "warmup", "input_len", "output_len", "seed", "timeout_s")

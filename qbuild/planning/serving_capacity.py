@@ -16,6 +16,10 @@ missed, within noise) are kept beside it. The last condition is what makes a sho
 server completes, its queue grows for as long as arrivals go on, and 24 arrivals can end before the queue breaks a
 latency bound (measured: a probe at 2.83/s "met" TTFT p99 ≤ 1.5 s on a server guidellm found completes 2.37/s).
 
+The search's budget, `max_minutes`, holds inside a probe too: past it no request is sent, the requests in flight end
+(failed with the client's STOPPED_AT_LIMIT), and the probe, cut short, is neither judged nor kept: the search stops
+(`complete: false`, `stopped_by: max_minutes`) with what it found, and keeps the cut probe apart (`stopped_probe`).
+
 Probes are kept in the step's result, and in a per-user cache (QBUILD_CACHE/capacity-probes) under the identity of
 everything that decides what they measure except the SLOs: the artifact, the server and its flags, the workload,
 the hardware and the rate. A search under another SLO is another step, which measures only the probes it does not
@@ -89,12 +93,15 @@ def judge(probe: dict, slo: dict, max_error_pct: float) -> dict:
     return {"meets": not misses, "misses": misses, "uncertain": uncertain}
 
 
-def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, start_k: int,
+def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, start_k: int | None,
            out_of_time: Callable[[], bool] = lambda: False) -> dict:
-    """Bracket, then bisect the grid index. `measure(k)` is the probe at rate_of(k) (measured or cached); the result:
-    {capacity_rps, k, concurrency, probes (in the order asked, each with its verdict), bracketed, complete}."""
+    """Bracket, then bisect the grid index. `measure(k)` is the probe at rate_of(k) (measured or cached; one with
+    `stopped_by` was cut short by the time limit); the result: {capacity_rps, k, concurrency, probes (in the order
+    asked, each with its verdict), bracketed, complete, stopped_probe (the cut one, unjudged, or None)}. A start_k of
+    None (the time ran out before a start was found) probes nothing."""
     probes: dict[int, dict] = {}
     order: list[int] = []
+    stopped: list[dict] = []
 
     # measure() returns the probe; its verdict under this SLO is added here (a cached probe has none of its own)
     def measured(k: int) -> bool | None:
@@ -103,14 +110,17 @@ def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, star
         if out_of_time():
             return None
         p = measure(k)
+        if p.get("stopped_by"):   # too few of its requests ran to judge the rate by
+            stopped.append({**p, "rate_rps": rate_of(k), "k": k})
+            return None
         probes[k] = {**p, "rate_rps": rate_of(k), "k": k, **judge(p, slo, max_error_pct)}
         order.append(k)
         return probes[k]["meets"]
 
     good, bad = None, None   # the highest index that met the SLOs, the lowest that did not
     k = start_k
-    complete = True
-    while good is None or bad is None:
+    complete = start_k is not None
+    while complete and (good is None or bad is None):
         ok = measured(k)
         if ok is None:
             complete = False
@@ -140,7 +150,7 @@ def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, star
             "concurrency": best.get("mean_in_flight") if best else None,
             "next_rps": rate_of(bad) if bad is not None else None,
             "bracketed": bracketed, "complete": complete,
-            "probes": [probes[i] for i in order]}
+            "probes": [probes[i] for i in order], "stopped_probe": stopped[0] if stopped else None}
 
 
 def mean_in_flight(results) -> float | None:
@@ -293,6 +303,7 @@ def run(ctx) -> dict:
                            workdir=ctx.out, log=ctx.log)
     log = ctx.out / SERVER_LOG
     started = time.monotonic()
+    stop_at = started + cap["max_minutes"] * 60   # the budget, inside a probe too
     stack = contextlib.ExitStack()
     srv = None
     counts = {"measured": 0, "reused": 0}
@@ -311,8 +322,12 @@ def run(ctx) -> dict:
         if srv is None:
             srv = start_server()
         probe = measure_probe(srv.url, tokens, w, k, launch.model_name, p["slots"], launch.ignore_eos,
-                              between=srv.check_alive)
+                              between=srv.check_alive, stop_at=stop_at)
         counts["measured"] += 1
+        if probe.get("stopped_by"):   # cut short: another search must measure it whole
+            ctx.log(f"rate {rate_of(k):.4g}/s: stopped by max_minutes {cap['max_minutes']} after "
+                    f"{probe['completed']} of {probe['requests']} requests sent completed; not judged, not kept")
+            return probe
         ctx.log(f"rate {rate_of(k):.4g}/s: TTFT p99 {probe['ttft_ms_p99']} ms, TPOT p50 {probe['tpot_ms_p50']} ms, "
                 f"{probe['errors']} errors, {probe['mean_in_flight']} in flight, full-batch throughput "
                 f"{probe['saturated_rps'] or '-'} requests/s {_interval(probe.get('saturated_rps_ci'))}, "
@@ -321,20 +336,24 @@ def run(ctx) -> dict:
         return probe
 
     def out_of_time() -> bool:
-        return time.monotonic() - started > cap["max_minutes"] * 60
+        return time.monotonic() >= stop_at
 
     start = {"one_at_a_time_rps": None, "one_at_a_time_reused": None}
 
-    def start_k() -> int:
+    def start_k() -> int | None:
         nonlocal srv
-        if cap.get("start_rps") is not None:
-            return grid_index(cap["start_rps"])
+        if cap.get("start_rps") is not None:   # the schema allows any positive rate: the grid's ends bound it
+            return start_index(cap["start_rps"])
         lone = cached_probe(family, ONE_AT_A_TIME)
         start["one_at_a_time_reused"] = lone is not None
         if lone is None:
             if srv is None:
                 srv = start_server()
-            lone = {"rps": one_at_a_time_rps(srv.url, tokens, w, launch.model_name, launch.ignore_eos)}
+            rps = one_at_a_time_rps(srv.url, tokens, w, launch.model_name, launch.ignore_eos, stop_at)
+            if rps is None:
+                ctx.log(f"stopped by max_minutes {cap['max_minutes']} while sending requests one at a time")
+                return None
+            lone = {"rps": rps}
             keep_probe(family, ONE_AT_A_TIME, lone)
         start["one_at_a_time_rps"] = lone["rps"]
         ctx.log(f"one request at a time: {lone['rps']:.4g} requests/s; the search starts there")
@@ -349,7 +368,8 @@ def run(ctx) -> dict:
         if log.exists():
             print(f"--- {SERVER_LOG} (last lines) ---\n" + "\n".join(_tail(log, 20)), flush=True)
         raise
-    result = {**found, "start_rps": rate_of(first), **start, "slo": cap["slo"], "max_error_pct": cap["max_error_pct"],
+    result = {**found, "start_rps": rate_of(first) if first is not None else None, **start, "slo": cap["slo"],
+              "max_error_pct": cap["max_error_pct"], "stopped_by": None if found["complete"] else "max_minutes",
               "server": server.name,
               "engine": launch.engine, "config": p["config"], "workload": w,
               "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
@@ -372,16 +392,18 @@ def _interval(ci) -> str:
     return "" if not ci else f"[{ci[0]:.4g}, {'∞' if ci[1] is None else f'{ci[1]:.4g}'}]"
 
 
-def start_index(one_at_a_time_rps: float) -> int:
-    """Where the search starts when the recipe names no rate: the grid rate nearest the one-at-a-time rate, within
-    the grid's ends."""
-    return min(max(grid_index(one_at_a_time_rps), LOWEST_K), HIGHEST_K)
+def start_index(rps: float) -> int:
+    """Where the search starts: the grid rate nearest `rps` (start_rps, or the one-at-a-time rate), within the
+    grid's ends."""
+    return min(max(grid_index(rps), LOWEST_K), HIGHEST_K)
 
 
-def one_at_a_time_rps(url: str, tokens: np.ndarray, w: dict, model: str, ignore_eos: bool = True) -> float:
+def one_at_a_time_rps(url: str, tokens: np.ndarray, w: dict, model: str, ignore_eos: bool = True,
+                      stop_at: float | None = None) -> float | None:
     """The rate at which the server completes requests sent one at a time: 1 / the median end-to-end time of
     LONE_REQUESTS requests (after `w["warmup"]`), of the workload's prompts and lengths. With conversations, a rate of
-    new conversations: `turns` requests and the think times between them."""
+    new conversations: `turns` requests and the think times between them. None when `stop_at` (time.monotonic) came
+    first."""
     import asyncio
 
     import httpx
@@ -392,14 +414,17 @@ def one_at_a_time_rps(url: str, tokens: np.ndarray, w: dict, model: str, ignore_
     turns = conversation.get("turns", 1)
     # four words of entropy where a probe's seed has three: no probe shares these prompts
     seed = int(np.random.SeedSequence([w["seed"], 0, 0, 1]).generate_state(1)[0])
-    work = workload(tokens, w, LONE_REQUESTS, seed, model, ignore_eos)
+    work = workload(tokens, w, LONE_REQUESTS, seed, model, ignore_eos, stop_at)
 
     async def lone() -> list:
         async with httpx.AsyncClient(timeout=httpx.Timeout(work.timeout_s, connect=10.0), trust_env=False) as client:
             results, _ = await _closed_loop(client, url, work, 1, 0, w["warmup"] + LONE_REQUESTS, lambda: None)
         return results[w["warmup"] * turns:]
 
-    e2e = [r.e2e_s for r in asyncio.run(lone()) if r.ok]
+    results = asyncio.run(lone())
+    if work.past_stop() and (len(results) < LONE_REQUESTS * turns or not all(r.ok for r in results)):
+        return None
+    e2e = [r.e2e_s for r in results if r.ok]
     if not e2e:
         raise RuntimeError(f"none of {LONE_REQUESTS} requests sent one at a time to {url} completed")
     conversation_s = turns * float(np.median(e2e)) + (turns - 1) * conversation.get("think_s", 0.0)
@@ -407,17 +432,19 @@ def one_at_a_time_rps(url: str, tokens: np.ndarray, w: dict, model: str, ignore_
 
 
 def measure_probe(url: str, tokens: np.ndarray, w: dict, k: int, model: str, slots: int, ignore_eos: bool = True,
-                  between: Callable[[], None] = lambda: None) -> dict:
+                  between: Callable[[], None] = lambda: None, stop_at: float | None = None) -> dict:
     """The probe at rate_of(k): `w["rounds"]` rounds (more while its full-batch check is within noise: settled;
     workload `w` as the step's params hold it), each after its
     own warm-up, with prompts (windows of `tokens`), output lengths and arrivals seeded by the rate and the round,
     on a server running `slots` requests at once. With a conversation, the rate is of new conversations (each of
-    `turns` requests, their latencies pooled)."""
+    `turns` requests, their latencies pooled). A round that `stop_at` (time.monotonic) cuts short ends the probe, as
+    `stopped_by: max_minutes` with what its rounds sent."""
     turns = w.get("conversation", {}).get("turns", 1)
 
     def one_round(r: int) -> dict:
         seed = probe_seed(w["seed"], k, r)
-        point = probe_round(url, workload(tokens, w, w["requests"], seed, model, ignore_eos), rate_of(k), seed, slots)
+        point = probe_round(url, workload(tokens, w, w["requests"], seed, model, ignore_eos, stop_at), rate_of(k),
+                            seed, slots)
         between()
         return point
 
@@ -434,6 +461,8 @@ def settled(one_round: Callable[[int], dict], rounds: int, pooled: Callable[[lis
     done: list[dict] = []
     while True:
         done.append(one_round(len(done)))
+        if done[-1].get("stopped_by"):
+            return stopped_probe(done)
         if len(done) < rounds:
             continue
         probe = pooled(done)
@@ -441,9 +470,18 @@ def settled(one_round: Callable[[int], dict], rounds: int, pooled: Callable[[lis
             return probe
 
 
-def workload(tokens: np.ndarray, w: dict, requests: int, seed: int, model: str, ignore_eos: bool):
+def stopped_probe(rounds: list[dict]) -> dict:
+    """A probe the time limit cut short: what its rounds sent and completed, unpooled (too few requests to judge)."""
+    return {"stopped_by": "max_minutes", **{n: sum(r.get(n, 0) for r in rounds) for n in
+                                           ("requests", "completed", "errors", "stopped_requests")},
+            "rounds": [{k: v for k, v in r.items() if k != "samples"} for r in rounds]}
+
+
+def workload(tokens: np.ndarray, w: dict, requests: int, seed: int, model: str, ignore_eos: bool,
+             stop_at: float | None = None):
     """`requests` conversations (one request each without turns) after `w["warmup"]`, of workload `w` as the step's
-    params hold it: prompts (windows of `tokens`, after the shared prefix) and output lengths drawn from `seed`."""
+    params hold it: prompts (windows of `tokens`, after the shared prefix) and output lengths drawn from `seed`; nothing
+    is sent past `stop_at`."""
     from qbuild.planning.serving_bench import conversation_prompts, drawn_lengths, prompts_from
     from qbuild.serving.client import Workload
 
@@ -455,11 +493,12 @@ def workload(tokens: np.ndarray, w: dict, requests: int, seed: int, model: str, 
                                                  prefix),
                     output_len=drawn_lengths(w["output_len"], count, seed + 2), requests=requests,
                     warmup=w["warmup"], timeout_s=w["timeout_s"], ignore_eos=ignore_eos, model=model, turns=turns,
-                    think_s=conversation.get("think_s", 0.0))
+                    think_s=conversation.get("think_s", 0.0), stop_at=stop_at)
 
 
 def probe_round(url: str, work, rate: float, seed: int, slots: int) -> dict:
-    """One round of a probe: `warmup` requests one at a time, then `requests` Poisson arrivals at `rate`."""
+    """One round of a probe: `warmup` requests one at a time, then `requests` Poisson arrivals at `rate`; with
+    `stopped_by` when the workload's stop_at cut it short."""
     import asyncio
 
     return asyncio.run(_probe_round(url, work, rate, seed, slots))
@@ -468,16 +507,20 @@ def probe_round(url: str, work, rate: float, seed: int, slots: int) -> dict:
 async def _probe_round(url: str, work, rate: float, seed: int, slots: int) -> dict:
     import httpx
 
-    from qbuild.serving.client import _closed_loop, _open_loop, summarize_point
+    from qbuild.serving.client import STOPPED_AT_LIMIT, _closed_loop, _open_loop, summarize_point
 
     limits = httpx.Limits(max_connections=work.requests + 1, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(work.timeout_s, connect=10.0), limits=limits,
                                  trust_env=False) as client:
+        warmed = []
         if work.warmup:
-            await _closed_loop(client, url, work, 1, 0, work.warmup, lambda: None)
+            warmed, _ = await _closed_loop(client, url, work, 1, 0, work.warmup, lambda: None)
         start = time.perf_counter()
         results = await _open_loop(client, url, work, rate, work.warmup, work.requests, seed, lambda: None)
         point = summarize_point(results, time.perf_counter() - start)
+    stopped = [r for r in (*warmed, *results) if STOPPED_AT_LIMIT in r.error]
+    if stopped or len(results) < work.requests * work.turns:   # cut short by the time limit: not a probe to judge
+        return {**point, "stopped_by": "max_minutes", "stopped_requests": len(stopped)}
     point["mean_in_flight"] = mean_in_flight(results)
     point["pace"] = pace(results, slots)
     point["saturated_rps"] = saturated_rps([point["pace"]], slots)
