@@ -173,6 +173,7 @@ def test_a_run_whose_variants_were_not_served_exits_3_and_records_the_run(tmp_pa
     assert (tmp_path / "s" / "refs" / "t" / "a" / "latest").exists()
     sel = qbuild("select", recipe, "--json")
     assert sel.returncode == 3 and "none has what objective max_throughput" in json.loads(sel.stdout)["reason"]
+    assert json.loads(sel.stdout)["bounds"]["max_error_pct"] == 0   # applied without being asked for: stated
 
 
 def test_a_crash_after_the_build_keeps_refs_and_a_run_record(tmp_path, monkeypatch):
@@ -192,3 +193,40 @@ def test_a_crash_after_the_build_keeps_refs_and_a_run_record(tmp_path, monkeypat
     assert steps["quantize[a]"]["status"] == "built" and record["recipe"] == "t"
     assert Store(tmp_path / "s").get_ref("t", "a", "latest")["digest"] == steps["quantize[a]"]["digest"]
     assert Store(tmp_path / "s").last_good_run("t") is None
+
+
+def test_failed_requests_reject_a_candidate_whatever_bounds_are_given():
+    """Issue 46, item 12: with only max_size_mb and max_throughput, q4_0 (5 of 10 requests failed) was selected over
+    q8_0 (none failed): errors were looked at only inside the latency SLOs. Now max_error_pct (default 0) applies at
+    every serving point of a candidate's config, and the verdict names the worst point with its figure."""
+    def failing(errors, requests=10, **where):
+        return {**point("default", 4, 150, 240, 26, errors=errors), "requests": requests, **where}
+
+    rows = [row("q4_0", 100, 0.05, [failing(5)]), row("q8_0", 144, 0.004, [point("default", 4, 110, 300, 35)])]
+    out = select(Selection(max_size_mb=200), rows, SERVING)
+    assert out["selected"]["variant"] == "q8_0" and out["selected"]["error_pct"] == 0
+    assert out["bounds"]["max_error_pct"] == 0
+    [rejected] = out["rejected"]
+    assert rejected["why"] == "5 of 10 requests failed at concurrency 4 (50.0 % > max_error_pct 0 %)"
+    assert rejected["error_pct"] == 50.0
+    # a bound the recipe sets: 50 % is within 60 %, so throughput decides again
+    lenient = select(Selection(max_size_mb=200, max_error_pct=60), rows, SERVING)
+    assert lenient["selected"]["variant"] == "q4_0" and lenient["bounds"]["max_error_pct"] == 60
+    # errors away from the selection's concurrency count too: the worst point is named
+    elsewhere = [row("q4_0", 100, 0.05, [point("default", 4, 150, 240, 26), failing(1, request_rate=2.0,
+                                                                                     concurrency=None),
+                                         failing(3, concurrency=1)]), rows[1]]
+    out = select(Selection(max_size_mb=200, max_error_pct=5), elsewhere, SERVING)
+    assert out["selected"]["variant"] == "q8_0"
+    assert out["rejected"][0]["why"] == "3 of 10 requests failed at concurrency 1 (30.0 % > max_error_pct 5 %)"
+
+
+def test_max_error_pct_is_a_validated_selection_field(tmp_path):
+    from qbuild.errors import RecipeError
+    from qbuild.planning.recipe import parse_recipe
+
+    assert Selection().max_error_pct == 0 and Selection(max_error_pct=2.5).max_error_pct == 2.5
+    data = fake_recipe(tmp_path, [{"name": "a", "method": "fake"}], selection={"objective": "min_size",
+                                                                               "max_error_pct": 101})
+    with pytest.raises(RecipeError, match="selection.max_error_pct"):
+        parse_recipe(data)

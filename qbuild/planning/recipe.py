@@ -400,6 +400,9 @@ class Selection(StrictModel):
     max_delta_ppl_pct: float | None = Field(None, description="Largest PPL increase over the baseline, in %.")
     max_size_mb: float | None = Field(None, gt=0, description="Largest artifact size (MiB).")
     max_memory_mb: float | None = Field(None, gt=0, description="Largest server peak RSS (MiB) over the sweep.")
+    max_error_pct: float = Field(0.0, ge=0, le=100, description="Largest share of failed requests at any serving point "
+                                 "of a candidate's config, in %; applied whatever other bounds are given. Default 0: "
+                                 "a server that failed a request is not shipped.")
     objective: Literal["max_throughput", "min_size", "min_kld", "max_capacity"] = Field(
         "max_throughput", description="Among those meeting every bound: most output tok/s at the selection's "
         "concurrency, smallest artifact, lowest KLD, or highest capacity (requests/s within "

@@ -3,8 +3,10 @@
 Candidates are the summary's rows (variants and target outputs; the baseline only with include_baseline) × their
 serving configs. Each bound is checked where it applies: latency and throughput SLOs at their concurrency point of
 that config, quality (KLD, ΔPPL %) as measured under that config (a quantized KV cache has its own pass; other configs
-carry the artifact's own numbers), size per artifact, memory as the config's server peak RSS. Every candidate
-that is not selected says why: each bound it missed and by how much, or that the objective preferred another.
+carry the artifact's own numbers), size per artifact, memory as the config's server peak RSS, and failed requests
+always (`max_error_pct`, default 0, at the config's worst serving point, whatever other bounds are given: a server
+that fails requests is not shipped for its speed). Every candidate that is not selected says why: each bound it
+missed and by how much, or that the objective preferred another.
 
 Serving figures measured in rounds carry 95 % intervals (qbuild.serving.confidence), and selection reads them: a
 bound is met when the whole interval is on its side, missed when the whole interval is past it, and otherwise
@@ -93,6 +95,7 @@ def select(sel, rows: list[dict], serving=None) -> dict:
     bounds = {f: {"value": b[0], "concurrency": b[1]} for f, *_ in SLOS if (b := _bound(sel, f, default_c))}
     bounds.update({f: getattr(sel, f) for f in ("max_kld", "max_delta_ppl_pct", "max_size_mb", "max_memory_mb")
                    if getattr(sel, f) is not None})
+    bounds["max_error_pct"] = sel.max_error_pct   # always applied, so always stated
     out = {"objective": sel.objective, "concurrency": at, "bounds": bounds, "on_uncertain": sel.on_uncertain,
            "tie_break": list(sel.tie_break), "selected": selected, "rejected": rejected, "passed": selected is not None,
            "tie": {k: v for k, v in tie.items() if k != "tied"} if tie else None}
@@ -124,8 +127,6 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
         if pt is None:
             misses.append(f"{field}: not measured at concurrency {c}")
             continue
-        if pt.get("errors"):
-            misses.append(f"{pt['errors']} of {pt['requests']} requests failed at concurrency {c}")
         value = pt.get(pfield)
         if value is None:
             misses.append(f"{field}: not measured at concurrency {c}")
@@ -141,6 +142,10 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
                              f"within noise")
             if sel.on_uncertain != "accept":   # measure_more: what is still in doubt after the added rounds
                 misses.append(f"{uncertain[-1]} (on_uncertain: {sel.on_uncertain})")
+    errors = worst_errors(points)
+    if errors is not None and errors["pct"] > sel.max_error_pct:
+        misses.append(f"{errors['errors']} of {errors['requests']} requests failed {errors['where']} "
+                      f"({errors['pct']:.1f} % > max_error_pct {sel.max_error_pct:g} %)")
     quality = _quality(row, points)
     misses += _quality_misses(sel, row, points, quality, config)
     pt = point(at)
@@ -150,12 +155,29 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
             "capacity_rps": (cap or {}).get("capacity_rps"), "capacity_concurrency": (cap or {}).get("concurrency"),
             "capacity_complete": (cap or {}).get("complete"), "capacity_why": _no_capacity(cap),
             "uncertain": uncertain, "slo": slo, "memory_mb": memory,
+            "error_pct": errors["pct"] if errors is not None else None,
             "output_tok_s_ci": ((pt or {}).get("ci") or {}).get("output_tok_s"),
             "rounds": (pt or {}).get("rounds"),
             "output_tok_s": pt.get("output_tok_s") if pt else None, "size_bytes": row.get("size_bytes"),
             "kld": quality.get("kld"), "command": (pt or {}).get("command") or next(
                 (p.get("command") for p in points if p.get("command")), None),
             "digest": row.get("digest"), "key": row.get("key")}
+
+
+def worst_errors(points: list[dict]) -> dict | None:
+    """The serving point (concurrency, request rate or trace) with the largest share of failed requests: {pct,
+    errors, requests, where}; None when no point counted requests (not served, its step failed)."""
+    worst = None
+    for p in points:
+        if not p.get("requests"):
+            continue
+        pct = 100 * (p.get("errors") or 0) / p["requests"]
+        if worst is None or pct > worst["pct"]:
+            where = (f"at concurrency {p['concurrency']}" if p.get("concurrency") is not None
+                     else f"at {p['request_rate']:g} requests/s" if p.get("request_rate") is not None
+                     else f"on trace {p.get('trace')}")
+            worst = {"pct": round(pct, 2), "errors": p.get("errors") or 0, "requests": p["requests"], "where": where}
+    return worst
 
 
 def _quality_misses(sel, row: dict, points: list[dict], quality: dict, config: str | None) -> list[str]:
@@ -204,7 +226,7 @@ def _measure(objective: str, c: dict) -> float | None:
 
 # what every candidate of the verdict carries besides its name: each SLO's value, interval and verdict, the bounds
 # within noise, its memory, and the objective's interval and rounds at the selection's concurrency
-CANDIDATE_DETAIL = ("slo", "uncertain", "memory_mb", "output_tok_s_ci", "rounds", "capacity_rps",
+CANDIDATE_DETAIL = ("slo", "uncertain", "memory_mb", "error_pct", "output_tok_s_ci", "rounds", "capacity_rps",
                     "capacity_concurrency", "capacity_complete")
 TIE_BREAK = {"kld": ("kld", "lower KLD", "KLD {:.4g}"), "memory": ("memory_mb", "smaller memory", "{:.0f} MiB"),
              "size": ("size_bytes", "smaller file", "{:,} bytes")}
