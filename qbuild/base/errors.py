@@ -15,6 +15,15 @@ def quoted(value: object, limit: int = 120) -> str:
     return f"{text[:limit]}... ({len(str(value)):,} characters)"
 
 
+FIELD_LIMIT = 200
+MESSAGE_LIMIT = 1000
+
+
+def cut(text: str, limit: int) -> str:
+    """`text` at most about `limit` characters: its start and how long it was."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
+
+
 def first_line(exc: BaseException, limit: int = 200) -> str:
     """An exception in one line for a one-line error: its message's first line, or its class when it has none."""
     text = str(exc).strip()
@@ -50,7 +59,9 @@ class RecipeError(UserError):
         where = self.source or "recipe"
         if self.line is not None:
             where = f"{where}:{self.line}"
-        return f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
+        # a hostile recipe can make a key or a value as long as it likes: the line stays readable
+        field, message = cut(self.field, FIELD_LIMIT), cut(self.message, MESSAGE_LIMIT)
+        return f"{where}: {field}: {message}" if field else f"{where}: {message}"
 
 
 class MissingBackendError(UserError):

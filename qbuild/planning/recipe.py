@@ -19,11 +19,17 @@ NAME_RE = NAME_PATTERN   # the one name grammar (qbuild/base/names.py)
 
 
 # --- model sources -----------------------------------------------------------------------------
+TRUST_REMOTE_CODE = ("Let the checkpoint's own Python code run (an `auto_map` in its configs, `*.py` beside its "
+                     "weights): only for a model whose code you have read. Off, such a checkpoint is refused at plan "
+                     "time and no tool qbuild starts runs it.")
+
+
 class LocalModel(StrictModel):
     """A Hugging Face checkpoint directory on disk, fingerprinted by content."""
 
     source: Literal["local"]
     path: str
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE)
 
 
 class HubModel(StrictModel):
@@ -32,6 +38,7 @@ class HubModel(StrictModel):
     source: Literal["hub"]
     repo: str
     revision: str = Field("main", description="Branch, tag or commit; resolved to a commit sha through the local cache.")
+    trust_remote_code: bool = Field(False, description=TRUST_REMOTE_CODE)
 
 
 class GGUFModel(StrictModel):
@@ -645,6 +652,8 @@ def _describe(err: dict) -> str:
         return f"missing the {ctx.get('discriminator', 'kind')} key that says which kind this is"
     msg = err["msg"]
     msg = msg.removeprefix("Value error, ")
+    if isinstance(value, str | bytes | int | float) and repr(value) in msg:   # a validator quoted the value: cut it
+        msg = msg.replace(repr(value), quoted(value))
     if value is not None and not isinstance(value, (dict, list)) and kind != "value_error":
         return f"{msg} (got {quoted(value)})"
     return msg
