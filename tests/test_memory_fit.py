@@ -105,8 +105,8 @@ def test_qbuild_plan_refuses_in_one_line_before_building(tmp_path):
     assert out.returncode == 2, out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("qbuild: error:")]
     assert len(errors) == 1 and "Traceback" not in out.stderr
-    # the first step in plan order that cannot fit: the import's check, which runs the imported model layer-streamed
-    assert "model: import-check needs about" in errors[0] and "layer-streamed" in errors[0]
+    # the first step in plan order that cannot fit: the import itself (step `model`), which dequantizes in memory
+    assert "model: model needs about" in errors[0] and "dequantizes the GGUF" in errors[0]
     assert not (store / "objects").exists() or not any((store / "objects").iterdir())
 
 
@@ -139,6 +139,28 @@ def test_machine_memory_is_the_limit_of_the_memory_cgroup_the_process_is_in(tmp_
     assert memory_fit.machine_memory(tmp_path / "cgroup", root) == (3 << 30, f"this cgroup's {limit}")
     (group / limit).write_text("max" if version == "v2" else str(1 << 62))   # no limit: the RAM
     assert memory_fit.machine_memory(tmp_path / "cgroup", root)[1] == "this machine's RAM"
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_an_enclosing_cgroups_limit_bounds_a_process_nested_below_it(tmp_path, monkeypatch, version):
+    """Slurm / systemd nesting: the job's cgroup has the limit, the process sits in job/step/task below it, whose
+    own limits say "max". The tightest limit on the way up sizes the steps."""
+    monkeypatch.delenv("QBUILD_MEMORY_GB", raising=False)
+    root = tmp_path / "sys-fs-cgroup"
+    base, limit, none = (root / "memory", "memory.limit_in_bytes", str(1 << 62)) if version == "v1" else \
+        (root, "memory.max", "max")
+    task = base / "job_1" / "step_0" / "task_0"
+    task.mkdir(parents=True)
+    for level in (task, task.parent):
+        (level / limit).write_text(none)
+    (task.parent.parent / limit).write_text(str(4 << 30))
+    (base / "job_1" / "step_0" / "other").mkdir()   # a sibling's limit is not ours
+    (base / "job_1" / "step_0" / "other" / limit).write_text(str(1 << 30))
+    proc = "4:memory:/job_1/step_0/task_0\n" if version == "v1" else "0::/job_1/step_0/task_0\n"
+    (tmp_path / "cgroup").write_text(proc)
+    assert memory_fit.machine_memory(tmp_path / "cgroup", root) == (4 << 30, f"the enclosing cgroup job_1's {limit}")
+    (task / limit).write_text(str(2 << 30))   # the tightest wins, wherever it is
+    assert memory_fit.machine_memory(tmp_path / "cgroup", root) == (2 << 30, f"this cgroup's {limit}")
 
 
 def _plan_rows(tmp_path, recipe: str, fake_gpu: str) -> dict[str, str]:

@@ -80,7 +80,8 @@ class Step:
     after: tuple[Step, ...] = ()              # must succeed first (a check of what it reads); not hashed, not read
     memory: str = ""                          # how it holds the model: "whole-model" ("-fp32"), "offloads-to-disk" (what
                                               # does not fit), "layer-streamed", "shard-streamed" (one safetensors
-                                              # file at a time), "" (a file map, another machine);
+                                              # file at a time), "dequantizes-gguf" (a GGUF's import), "" (a file
+                                              # map, another machine);
                                               # for the plan-time memory check (qbuild.pipeline.memory_fit), not hashed
     gpu_capable: bool = False                 # runs on the GPU where the recipe's device gives one (cuda, or auto
                                               # on a machine with one); False: CPU only. The plan shows it; not hashed

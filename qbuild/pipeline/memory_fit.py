@@ -20,6 +20,9 @@ on random-weight Llama-shaped models of 135M-3B parameters (bench/bench_model_si
   GPTQ, AWQ), is loaded whole by transformers instead;
 - `memory="whole-model"` on an evaluation step (generation), or a streamed one that cannot stream: 3 x the
   checkpoint (the fp32 copy and the stored file's pages);
+- `memory="dequantizes-gguf"` (the import of a GGUF source: transformers dequantizes every tensor to float32 in
+  memory, then saves): 6.2 bytes a parameter of the file + 0.6 GB (peaks of 1.37 GB at 135M parameters, SmolLM2, and
+  2.32 GB at 309M);
 - `memory=""`: llama.cpp steps map the GGUF file (pages the kernel can drop) and hold about one tensor; steps on
   another machine or without a model: not limited here.
 
@@ -34,6 +37,8 @@ from pathlib import Path
 from qbuild.models.size import (
     GB,
     HUB_SHARD,
+    IMPORT_BYTES_PER_PARAMETER,
+    IMPORT_OVERHEAD,
     QUANTIZER_OVERHEAD,
     RUNTIME_OVERHEAD,
     SHARD_QUANTIZER_OVERHEAD,
@@ -46,6 +51,10 @@ from qbuild.models.size import (
 def step_memory(step, size: ModelSize, loaded_whole: bool) -> tuple[int, str] | None:
     """(peak bytes, how the step holds the model) for a step that holds model weights in memory (Step.memory, as the
     plugin that made the step declares it); None otherwise."""
+    if step.memory == "dequantizes-gguf":
+        parameters = max(size.file_parameters, size.parameters)
+        return (int(IMPORT_BYTES_PER_PARAMETER * parameters + IMPORT_OVERHEAD),
+                "dequantizes the GGUF to float32 in memory")
     if step.memory == "shard-streamed":
         shard = size.largest_shard or min(size.total, HUB_SHARD)
         return int(2 * shard + SHARD_QUANTIZER_OVERHEAD), "quantizes one safetensors shard at a time"
@@ -95,7 +104,7 @@ def check_memory(planned, model_info: dict, source: Path | None, variants) -> li
                             f"(slower, same result)")
             continue
         index = next((i for i, v in enumerate(variants) if f"[{v.name}" in p.step.name), None)
-        field = ("model" if p.step.kind in ("import-check", "convert-check") else
+        field = ("model" if p.step.kind in ("import-gguf", "import-check", "convert-check") else
                  f"variants[{index}]" if p.step.kind == "quantize" and index is not None else "evaluation")
         raise RecipeError(field, refusal(p.step, need, size, memory))
     return warnings
