@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,16 +61,34 @@ def gemma_attention_scalar(config) -> int | None:
 
 
 def gguf_config(path: Path) -> dict:
-    """HF-style architecture facts from GGUF metadata (numpy only; the tensors are not read)."""
+    """HF-style architecture facts from GGUF metadata (numpy only; the tensors are not read).
+
+    The file is untrusted: its header is walked with bounds first (qbuild.models.gguf_header), so gguf-py only ever
+    parses a file whose counts and offsets hold; the facts are then checked (qbuild.models.model_config). Raises
+    GGUFRefused or ConfigRefused naming the field."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    from qbuild.models.gguf_header import GGUFRefused, check_gguf
+    from qbuild.models.model_config import ConfigRefused, check_sizes
+
+    header = check_gguf(path)
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OverflowError, struct.error) as exc:   # a rule the walk does not know
+        raise GGUFRefused(f"gguf-py cannot read it ({type(exc).__name__}: {str(exc)[:120]})") from None
 
     def value(name):
         field = reader.fields.get(name)
-        return None if field is None else field.contents()
+        if field is None:
+            return None
+        try:
+            return field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as exc:
+            raise GGUFRefused(f"{name}: unreadable ({type(exc).__name__})") from None
 
     arch = value("general.architecture")
+    if not isinstance(arch, str) or not arch.replace("-", "_").replace(".", "_").isidentifier() or len(arch) > 64:
+        raise GGUFRefused(f"general.architecture: {str(arch)[:60]!r} is not an architecture name")
     config = {"model_type": arch}
     for suffix, hf_name in _CONFIG_KEYS.items():
         v = value(f"{arch}.{suffix}")
@@ -79,12 +98,18 @@ def gguf_config(path: Path) -> dict:
     if add_bos is not None:
         config["add_bos_token"] = bool(add_bos)
     bos = value("tokenizer.ggml.bos_token_id")   # None: the imported tokenizer has no BOS token (Qwen's GGUFs)
-    config["bos_token_id"] = None if bos is None else int(bos)
+    config["bos_token_id"] = None if not isinstance(bos, int) else int(bos)
     # llama.cpp writes no output.weight for a model whose output matrix is its token embedding
     config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
         config["vocab_size"] = len(tokens.data)
+    config = check_sizes(config, {hf: f"{arch}.{suffix}" for suffix, hf in _CONFIG_KEYS.items()}
+                         | {"vocab_size": "tokenizer.ggml.tokens"})
+    layers = config.get("num_hidden_layers")
+    if header.blocks and layers != header.blocks:
+        raise ConfigRefused(f"{arch}.block_count: {layers} but the file's tensors hold {header.blocks} blocks")
+    config["gguf_elements"] = header.elements   # parameters the import dequantizes (its memory estimate)
     return config
 
 

@@ -104,11 +104,24 @@ def check_sdist(sdist: Path, pinned: str) -> None:
         raise RuntimeError(f"{sdist.name}: sha256 {got} does not match the pinned {pinned}; refusing to use it")
 
 
-def run_converter(model_dir: Path, outfile: Path, outtype: str, log=print) -> None:
+def converter_command(model_dir: Path, outfile: Path, outtype: str, trust_remote_code: bool = False,
+                      log=print) -> list[str]:
+    """llama.cpp's converter on `model_dir`; unless the recipe trusts the model's code, behind the guard that keeps
+    transformers from running it (the converter asks for trust_remote_code=True for some architectures)."""
+    from qbuild.models.custom_code import LAUNCHER
+
     script = converter_dir(log) / "convert_hf_to_gguf.py"
-    cmd = [sys.executable, str(script), str(model_dir), "--outfile", str(outfile), "--outtype", outtype]
-    log("running " + " ".join(cmd))
+    guard = [] if trust_remote_code else [str(LAUNCHER)]
+    return [sys.executable, *guard, str(script), str(model_dir), "--outfile", str(outfile), "--outtype", outtype]
+
+
+def converter_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)  # the converter must use its vendored gguf-py, not PyPI's
-    run_tool(cmd, "convert_hf_to_gguf.py", env=env)
+    return env
 
+
+def run_converter(model_dir: Path, outfile: Path, outtype: str, log=print, trust_remote_code: bool = False) -> None:
+    cmd = converter_command(model_dir, outfile, outtype, trust_remote_code, log)
+    log("running " + " ".join(cmd))
+    run_tool(cmd, "convert_hf_to_gguf.py", env=converter_env())

@@ -57,18 +57,35 @@ def hub_snapshot(repo: str, revision: str) -> Path:
         raise RecipeError("model.repo", f"cannot resolve {repo}@{revision} from the local cache: {exc}") from None
 
 
+def checkpoint_code(path: Path, spec, field: str) -> dict:
+    """Refuse a checkpoint that carries its own Python unless the recipe trusts it; the model step's params for
+    that choice (empty when off, so no key changes for a checkpoint without code)."""
+    from qbuild.models.custom_code import carries_code
+
+    if spec.trust_remote_code:
+        return {"trust_remote_code": True}
+    why = carries_code(path)
+    if why:
+        raise RecipeError(field, f"{path} carries its own Python code: {why}. qbuild runs no code from a model "
+                                 f"unless the recipe says so: read the code, then set model.trust_remote_code: true")
+    return {}
+
+
 def model_step(spec, recipe_dir: Path) -> Step:
     if isinstance(spec, LocalModel):
         path = resolve_path(spec.path, recipe_dir, "model.path")
         if not (path / "config.json").is_file():
             raise RecipeError("model.path", f"{path} is not a Hugging Face checkpoint (no config.json)")
+        trust = checkpoint_code(path, spec, "model.path")
         digest = sha256_text("local-dir:" + dir_fingerprint(path))
-        return Step("model", "model", {"source": "local"}, None, source_path=path, source_digest=digest, format=Format.HF)
+        return Step("model", "model", {"source": "local", **trust}, None, source_path=path, source_digest=digest,
+                    format=Format.HF)
     if isinstance(spec, HubModel):
         path = hub_snapshot(spec.repo, spec.revision)
+        trust = checkpoint_code(path, spec, "model.repo")
         commit = path.name  # snapshots/<commit sha>
         digest = sha256_text(f"hub:{spec.repo}@{commit}")
-        return Step("model", "model", {"source": "hub", "repo": spec.repo, "commit": commit}, None,
+        return Step("model", "model", {"source": "hub", "repo": spec.repo, "commit": commit, **trust}, None,
                     source_path=path, source_digest=digest, format=Format.HF)
     if isinstance(spec, GGUFModel):
         path = resolve_path(spec.path, recipe_dir, "model.path")
@@ -78,7 +95,7 @@ def model_step(spec, recipe_dir: Path) -> Step:
         return Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
                     tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format=Format.HF,
                     runtime_args={"gguf_path": str(path)},
-                    preload=HF_PRELOAD,
+                    preload=HF_PRELOAD, memory="dequantizes-gguf",
                     impl_version=4)  # 2: byte-level BPE tokenizers restored; 3: tokenizers rebuilt from the GGUF's own
                                      # vocabulary (SentencePiece as tokenizer.model, BPE with its pre-tokenizer);
                                      # 4: Llama 3's RoPE scaling recovered from rope_freqs, Gemma's query scaling
@@ -86,34 +103,49 @@ def model_step(spec, recipe_dir: Path) -> Step:
 
 
 def model_info(step: Step) -> dict:
-    """Architecture facts for plan-time checks (hidden size, layer dims), read without torch."""
+    """Architecture facts for plan-time checks (hidden size, layer dims), read without torch. The model is untrusted:
+    what it states is read bounded and checked first (qbuild.models.model_config); a bad file is one RecipeError
+    naming it and the field."""
+    from qbuild.models.model_config import ConfigRefused, check_sizes, read_json_mapping
+
     if step.source_path is not None:
-        return json.loads((step.source_path / "config.json").read_text())
-    # Parsing a GGUF's metadata (vocab, merges) takes seconds: memoize by the file's content hash.
-    memo = fingerprint_cache() / "model-info" / f"{step.params['gguf_sha256']}.v4.json"   # v4: bos_token_id, experts
+        config = step.source_path / "config.json"
+        try:
+            return check_sizes(read_json_mapping(config))
+        except ConfigRefused as exc:
+            raise RecipeError("model.path", f"{config}: {exc}") from None
+    # Parsing a GGUF's metadata (vocab, merges) takes seconds: memoize by the file's content hash (only what passed
+    # the checks is memoized).
+    memo = fingerprint_cache() / "model-info" / f"{step.params['gguf_sha256']}.v5.json"   # v5: checked, gguf_elements
     try:
         return json.loads(memo.read_text())
     except (OSError, ValueError):
         pass
-    from qbuild.models.gguf_import import gguf_config
-
-    info = gguf_config(Path(step.runtime_args["gguf_path"]))
+    info = _read_gguf(Path(step.runtime_args["gguf_path"]))
     atomic_write_json(memo, info)
     return info
+
+
+def _read_gguf(path: Path) -> dict:
+    from qbuild.models.gguf_header import GGUFRefused
+    from qbuild.models.gguf_import import gguf_config
+    from qbuild.models.model_config import ConfigRefused
+
+    try:
+        return gguf_config(path)
+    except (GGUFRefused, ConfigRefused) as exc:
+        raise RecipeError("model.path", f"{path}: {exc}") from None
 
 
 def model_adds_bos(step: Step) -> bool | None:
     """Whether the model's tokenizer starts a sequence with BOS (HF tokenizer_config.json `add_bos_token`, GGUF
     `tokenizer.ggml.add_bos_token`); None when the model does not say."""
+    from qbuild.models.model_config import ConfigRefused, read_json_mapping
+
     if step.source_path is not None:
         try:
-            value = json.loads((step.source_path / "tokenizer_config.json").read_text()).get("add_bos_token")
-        except (OSError, ValueError):
+            value = read_json_mapping(step.source_path / "tokenizer_config.json").get("add_bos_token")
+        except ConfigRefused:
             return None
         return value if isinstance(value, bool) else None
-    info = model_info(step)
-    if "add_bos_token" not in info:   # memoized before the key was read: read it now
-        from qbuild.models.gguf_import import gguf_config
-
-        info = gguf_config(Path(step.runtime_args["gguf_path"]))
-    return info.get("add_bos_token")
+    return model_info(step).get("add_bos_token")

@@ -166,7 +166,9 @@ class GGUF(Method):
         model = ctx.model()
         convert = ctx.add(Step("gguf-convert", f"gguf-convert[{variant.convert_type}]", {"outtype": variant.convert_type},
                                "qbuild.quantize.gguf.run:run_convert", inputs={"model": model}, tools=CONVERT_TOOLS,
-                               threads=ctx.threads, format=Format.GGUF))
+                               threads=ctx.threads, format=Format.GGUF,
+                               # the model's own code runs in the converter only where the recipe trusts it
+                               runtime_args={"trust_remote_code": bool(model.params.get("trust_remote_code"))}))
         ctx.check_conversion(convert)   # held to the checkpoint before any variant is built on it
         inputs = {"gguf": convert}
         if variant.uses_imatrix():

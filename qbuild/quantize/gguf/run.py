@@ -14,7 +14,8 @@ def run_convert(ctx: StepContext) -> dict:
 
     ctx.progress(0, 1, "convert_hf_to_gguf.py")
     out = ctx.out / OUTPUT_FILE
-    run_converter(Path(ctx.inputs["model"]), out, ctx.params["outtype"], log=ctx.log)
+    run_converter(Path(ctx.inputs["model"]), out, ctx.params["outtype"], log=ctx.log,
+                  trust_remote_code=bool(ctx.runtime_args.get("trust_remote_code")))
     ctx.progress(1, 1, "converted")
     return {"format": "gguf", "metrics": {"size_bytes": out.stat().st_size}}
 
