@@ -34,7 +34,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
@@ -86,6 +86,12 @@ TAG_MAX = 128                       # the distribution spec's tag grammar: [A-Za
 READ_CHUNK = 1 << 20
 ERROR_BODY = 64 << 10              # what is read of an error answer, for its message
 BLOB_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+# the whole tag list, beside each page's bound (MAX_JSON_BYTES): a repository of 200,000 objects has ~400,000 tags
+# of ~70 characters (26 MiB of JSON, ~400 pages of 1,000); past any of these the listing fails in one line
+MAX_TAGS = 500_000
+MAX_TAG_LIST_BYTES = 48 << 20
+MAX_TAG_PAGES = 5_000
+TAG_LIST_SECONDS = 300.0
 
 WEIGHT_EXT = {".safetensors", ".bin", ".gguf", ".pt", ".pth", ".ckpt", ".engine", ".plan", ".onnx", ".npz", ".h5",
               ".msgpack", ".tflite", ".mlmodel"}
@@ -317,13 +323,17 @@ class OciRemote(RemoteStore):
         return self.error(f"{what}: HTTP {resp.status_code}" + (f" ({detail})" if detail else ""))
 
     # --- manifests and blobs -------------------------------------------------------------------------------
-    def _read_bounded(self, resp, what: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    def _read_bounded(self, resp, what: str, limit: int = MAX_JSON_BYTES, deadline: float | None = None,
+                      late: Callable[[], Exception] | None = None) -> bytes:
         """The body of a streamed response, read at most `limit` bytes: a declared Content-Length over the limit is
         refused before any byte is read, a body that runs past it as soon as it does (RemoteRecordError: the record
-        is bad, not the remote)."""
+        is bad, not the remote). With `deadline` (time.monotonic()), late() is raised for a body still arriving then."""
         declared = resp.headers.get("Content-Length")
+        chunks = resp.iter_content(READ_CHUNK)
+        if deadline is not None and late is not None:
+            chunks = _until(chunks, deadline, late)
         try:
-            return read_bounded(resp.iter_content(READ_CHUNK), what, limit=limit,
+            return read_bounded(chunks, what, limit=limit,
                                 size=int(declared) if declared is not None and declared.isdigit() else None)
         except ValueError as exc:
             raise RemoteRecordError(self.display, str(exc)) from None
@@ -439,21 +449,42 @@ class OciRemote(RemoteStore):
         return True
 
     def _tags(self) -> list[str]:
+        """Every tag of the repository, page by page. Each page is bounded (read_bounded), and so is the whole list:
+        at most MAX_TAGS tags, MAX_TAG_LIST_BYTES bytes, MAX_TAG_PAGES pages and TAG_LIST_SECONDS seconds. A registry
+        whose pages link on without end once grew `ls --remote` to 1.6 GB in 45 s; past a bound the listing fails in
+        one line naming the remote, never a silently cut list (gc decides from it what no ref reaches)."""
         tags: list[str] = []
         url = self._url("tags", "list") + "?n=1000"
-        for _ in range(10000):
+        read, deadline = 0, time.monotonic() + TAG_LIST_SECONDS
+
+        def past(bound: str, pages: int):
+            return self.error(f"the tag list goes on past {bound} ({len(tags):,} tags, {read:,} bytes in {pages:,} "
+                              "pages; a registry whose pages link on without end?); stopped reading")
+
+        for page in range(1, MAX_TAG_PAGES + 2):
+            if page > MAX_TAG_PAGES:
+                raise past(f"{MAX_TAG_PAGES:,} pages", page - 1)
+            if time.monotonic() > deadline:
+                raise past(f"{TAG_LIST_SECONDS:g} s", page - 1)
             resp = self._req(self.client, "GET", url, stream=True)
             if resp.status_code == 404:
                 resp.close()
                 return tags
             if resp.status_code != 200:
                 raise self._fail(resp, "list tags", streamed=True)
+            body = self._read_bounded(resp, f"page {page:,} of the tag list", deadline=deadline,
+                                      late=lambda page=page: past(f"{TAG_LIST_SECONDS:g} s", page - 1))
+            read += len(body)
             try:
-                listing = bounded_json(self._read_bounded(resp, "the tag list"), "the tag list")
+                listing = bounded_json(body, "the tag list")
             except ValueError as exc:
                 raise self.error(f"the tag list is not valid: {first_line(exc)}") from None
             found = listing.get("tags") if isinstance(listing, dict) else None
             tags += [t for t in found or [] if isinstance(t, str)]
+            if read > MAX_TAG_LIST_BYTES or len(tags) > MAX_TAGS:
+                raise self.error(f"the tag list is longer than {MAX_TAGS:,} tags or {MAX_TAG_LIST_BYTES:,} bytes "
+                                 f"({len(tags):,} tags, {read:,} bytes in {page:,} pages so far; a registry whose pages "
+                                 "link on without end?); stopped reading")
             link = resp.links.get("next", {}).get("url")
             if not link:
                 break
@@ -783,6 +814,14 @@ def _make_client(host: str, plain_http: bool, backend: str):
     client.session = session
     client.auth.session = session
     return client
+
+
+def _until(chunks: Iterator[bytes], deadline: float, late: Callable[[], Exception]) -> Iterator[bytes]:
+    """The chunks of a body until time.monotonic() passes `deadline`; then late() is raised."""
+    for chunk in chunks:
+        if time.monotonic() > deadline:
+            raise late()
+        yield chunk
 
 
 def _head(resp, limit: int) -> bytes:

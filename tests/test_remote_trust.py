@@ -1,0 +1,124 @@
+"""What a remote is trusted for (docs/remote-stores.md, issue 46):
+
+- an OCI tag list is bounded in total, not only per page (item 11).
+
+Every test builds its own store, file:// remote or fake registry on 127.0.0.1 under tmp_path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from remote_common import REPO
+from test_remote_hostile import one_line_error
+
+from qbuild.artifacts.remote import open_remote
+from qbuild.artifacts.remote.base import RemoteError
+
+
+# --- 11. an OCI tag list is bounded in total ------------------------------------------------------------------------
+class EndlessTags(http.server.BaseHTTPRequestHandler):
+    """A registry whose every tag page is under the per-page bound and links to the next one, up to `pages`."""
+
+    pages = 200
+    page_bytes = 1 << 20
+    delay = 0.0
+    served = 0
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        if path == "/v2/":
+            return self._send(200, b"{}")
+        if not path.endswith("/tags/list"):
+            return self._send(404, b'{"errors": [{"code": "MANIFEST_UNKNOWN", "message": "unknown"}]}')
+        type(self).served += 1
+        page = type(self).served
+        time.sleep(self.delay)
+        count = max(1, self.page_bytes // 72)
+        tags = [f"_obj-{hashlib.sha256(b'%d-%d' % (page, i)).hexdigest()}" for i in range(count)]
+        headers = {} if page >= self.pages else {"Link": f'<{path}?n=1000&last={tags[-1]}>; rel="next"'}
+        return self._send(200, json.dumps({"name": "endless/repo", "tags": tags}).encode(), headers)
+
+    do_HEAD = do_GET
+
+    def _send(self, code: int, body: bytes, headers: dict | None = None) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def endless_registry():
+    pytest.importorskip("oras", reason="oras is not installed (pip install 'qbuild[oci]')")
+    handler = type("Handler", (EndlessTags,), {"served": 0})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield handler, f"oci://127.0.0.1:{server.server_address[1]}/endless/repo"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _run_measured(args: list[str], env: dict) -> tuple[subprocess.CompletedProcess, float, float]:
+    """(result, seconds, peak RSS in MiB) of `python -m qbuild ARGS`, its resources read with wait4."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "qbuild", *args], env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    out: dict[str, str] = {}
+    readers = [threading.Thread(target=lambda n=n, s=s: out.__setitem__(n, s.read()))
+               for n, s in (("stdout", proc.stdout), ("stderr", proc.stderr))]
+    for r in readers:
+        r.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    for r in readers:
+        r.join()
+    return (subprocess.CompletedProcess(proc.args, proc.returncode, out["stdout"], out["stderr"]),
+            time.monotonic() - t0, usage.ru_maxrss / 1024)
+
+
+def test_an_endless_tag_list_stops_fast_with_bounded_memory(endless_registry, tmp_path):
+    """`ls --remote` and a pull of a name that is not there read a tag list whose 1 MiB pages link on (200 of them
+    here, 200 MiB): both stop at the total bound in one line naming the remote, in seconds and with bounded memory.
+    Before, every page was read and kept (10,000 pages: 1.6 GB in 45 s)."""
+    handler, url = endless_registry
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "DOCKER_CONFIG": str(tmp_path / "no-docker-config")}
+    env.pop("QBUILD_REGISTRY_USERNAME", None)
+    for args in (["ls", "--remote", url], ["pull", "demo/absent", "--from", url, "-o", str(tmp_path / "out")]):
+        handler.served = 0
+        res, seconds, peak_mib = _run_measured(args, env)
+        line = one_line_error(res, url, "tag list")
+        assert "stopped reading" in line
+        assert handler.served < 60 and seconds < 30 and peak_mib < 400, (handler.served, seconds, peak_mib)
+
+
+def test_a_slow_endless_tag_list_stops_at_its_time_bound(endless_registry, monkeypatch):
+    from qbuild.artifacts.remote import oci
+
+    handler, url = endless_registry
+    handler.pages, handler.page_bytes, handler.delay = 10**6, 100, 0.05
+    monkeypatch.setattr(oci, "TAG_LIST_SECONDS", 1.0)
+    monkeypatch.setenv("DOCKER_CONFIG", "/nonexistent")
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match=r"tag list goes on past 1 s") as exc:
+        open_remote(url).list_objects()
+    assert time.monotonic() - t0 < 5 and url in str(exc.value)
