@@ -1,5 +1,6 @@
-"""What a remote is trusted for (docs/remote-stores.md, issue 46):
+"""What a remote is trusted for, under concurrency (docs/remote-stores.md, issue 46):
 
+- two pulls into one --out take turns, and what is placed is hashed from the file (item 5);
 - an OCI tag list is bounded in total, not only per page (item 11).
 
 Every test builds its own store, file:// remote or fake registry on 127.0.0.1 under tmp_path.
@@ -15,13 +16,87 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
-from remote_common import REPO
-from test_remote_hostile import one_line_error
+from remote_common import REPO, make_object
+from test_remote_hostile import one_line_error, put, same_files
 
 from qbuild.artifacts.remote import open_remote
-from qbuild.artifacts.remote.base import RemoteError
+from qbuild.artifacts.remote.base import MANIFEST, RemoteError
+from qbuild.artifacts.store import Store
+
+
+def file_remote(tmp_path: Path) -> str:
+    (tmp_path / "share").mkdir(parents=True, exist_ok=True)
+    return f"file://{tmp_path / 'share' / 'qbuild'}"
+
+
+def weights(size: int, seed: int) -> bytes:
+    block = hashlib.sha256(b"trust-%d" % seed).digest() * 2048
+    return (block * (size // len(block) + 1))[:size]
+
+
+# --- 5. pulls into one --out take turns; what is placed is hashed from disk -----------------------------------------
+SLOW_PULL = """
+import os, sys, time
+import qbuild.cli
+from qbuild.artifacts.remote.fsspec_store import FsspecRemote
+read = FsspecRemote._read_file
+def slow(self, digest, entry, offset):   # a slow link: every pull of the pair is still downloading when the other starts
+    for chunk in read(self, digest, entry, offset):
+        time.sleep(0.05)
+        yield chunk
+FsspecRemote._read_file = slow
+ready, go = sys.argv[1:3]
+open(ready, "w").close()
+while not os.path.exists(go):   # every pull starts at the same instant, once all have imported qbuild
+    time.sleep(0.002)
+sys.argv = ["qbuild", *sys.argv[3:]]
+from qbuild.__main__ import main
+main()
+"""
+
+
+def test_overlapping_pulls_into_one_out_place_only_verified_bytes(tmp_path):
+    """6 pairs of pulls of a 40 MB object, each pair into one --out and started at the same instant: every pull that
+    succeeds leaves exactly the object's bytes; one that does not says so in one line. Before pulls took turns, the
+    second resumed the part the first was still writing and both placed a file longer than the object (exit 0)."""
+    store = Store(tmp_path / "store")
+    files = {"model.safetensors": weights(40 << 20, 1), "config.json": b'{"model_type": "llama"}'}
+    hit = make_object(store, files)
+    url = file_remote(tmp_path)
+    put(open_remote(url), store, hit)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    (tmp_path / "sync").mkdir()
+    go = tmp_path / "sync" / "go"
+    procs = []
+    for pair in range(6):
+        out = tmp_path / f"out{pair}"
+        for n in range(2):
+            ready = tmp_path / "sync" / f"ready-{pair}-{n}"
+            procs.append((out, subprocess.Popen([sys.executable, "-c", SLOW_PULL, str(ready), str(go), "pull",
+                                                 "demo/q4km", "--from", url, "-o", str(out)], env=env, text=True,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)))
+    deadline = time.time() + 60
+    while len(list((tmp_path / "sync").glob("ready-*"))) < len(procs) and time.time() < deadline:
+        time.sleep(0.01)
+    go.touch()
+    results = [(out, p, *p.communicate(timeout=120)) for out, p in procs]
+    placed = 0
+    for out, p, stdout, stderr in results:
+        res = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+        if p.returncode == 0:
+            placed += 1
+            assert hit.digest in stdout
+        else:
+            one_line_error(res, str(out))
+    assert placed >= 6   # at least one of each pair (the other waits for it, or finds --out filled)
+    for pair in range(6):
+        out = tmp_path / f"out{pair}"
+        same_files(hit.path, out)
+        assert json.loads((out / MANIFEST).read_text())["digest"] == hit.digest
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []   # no staging, no lock left
 
 
 # --- 11. an OCI tag list is bounded in total ------------------------------------------------------------------------

@@ -23,6 +23,7 @@ bad record is refused alone, naming it. Every write the fetch makes goes through
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -39,6 +40,7 @@ from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 from qbuild.artifacts.remote.resume import UploadResume
+from qbuild.artifacts.store.export import out_lock
 from qbuild.base.errors import QBuildError, UserError
 from qbuild.base.hashing import copy_hashed, sha256_file, tree_digest
 from qbuild.base.names import check_name as check_ref_name
@@ -414,59 +416,73 @@ class RemoteStore(Plugin, ABC):
 
     def fetch_object(self, digest: str, dest_dir: Path, progress: Progress | None = None, jobs: int | None = None,
                      staging: Path | None = None, root: OwnedRoot | None = None,
-                     prepare: Callable[[Path], None] | None = None) -> dict:
+                     prepare: Callable[[Path], None] | None = None, lock: bool = True,
+                     check_present: Callable[[Path], None] | None = None) -> dict:
         """Download object `digest` into dest_dir (files + manifest.json); returns its manifest.
 
         Every write stays inside `root` (the store; by default dest_dir's folder, output_root) and follows no link.
-        The staging folder holds `parts/`, one file per manifest entry named by the hash of its path (so no name
-        of the object's own can collide with it), each hashed while it is written; an interrupted fetch resumes
-        from them. Only when every part matches its size and sha256 is a fresh `tree/` built from them (nothing
-        else in it), `prepare(tree)` run (a pull adds its sidecars and checks the signature) and the tree renamed
-        to dest_dir: dest_dir appears in one rename, complete.
+        With `lock`, fetches into one dest_dir take turns (out_lock: a lock file beside it; a second one waits,
+        then finds the object placed). The staging folder holds `parts/`, one file per manifest
+        entry named by the hash of its path (so no name of the object's own can collide with it); an interrupted
+        fetch resumes from them. A part is kept only when the file on disk hashes to its size and sha256. Only when
+        every part does is a fresh `tree/` built from them (nothing else in it), `prepare(tree)` run (a pull adds
+        its sidecars and checks the signature) and the tree renamed to dest_dir: dest_dir appears in one rename,
+        complete. Where dest_dir already holds exactly the object, nothing is written and `check_present(dest_dir)`
+        is run (a pull checks the signature there).
         """
         check_digest(digest)
         dest_dir = Path(dest_dir).absolute()
         manifest = self.get_manifest(digest)
         if manifest is None:
             raise self.error(f"no object {digest[:12]} here")
-        files = manifest["files"]
         if dest_dir.is_symlink():
             raise UserError(f"{dest_dir} is a symlink; give the folder itself (a pull never writes through a link)")
-        if _holds_exactly(dest_dir, manifest):
-            return manifest   # fetched before: every file checked again, nothing else there
-        if dest_dir.exists() and (not dest_dir.is_dir() or any(dest_dir.iterdir())):
-            raise UserError(f"{dest_dir} exists and is not empty")
         staging = Path(staging).absolute() if staging else dest_dir.with_name(f".{dest_dir.name}.partial-{digest[:16]}")
         try:
             if root is None:
                 dest_dir.parent.mkdir(parents=True, exist_ok=True)
                 root = output_root(dest_dir.parent)
-            if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
-                raise NotOurs(f"staging folder {staging} is {'a symlink' if staging.is_symlink() else 'not a folder'}"
-                              "; refusing to write through it (remove it and pull again)")
-            self._fetch_parts(digest, files, root, staging, progress, jobs)
-            tree = staging / "tree"
-            root.mkdirs(tree)
-            for f in files:
-                final = tree / f["path"]
-                if final.parent != tree:
-                    root.mkdirs(final.parent, within=tree)
-                root.move(staging / "parts" / part_name(f), final, within=staging)
-            root.write_bytes(tree / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str).encode(),
-                             within=tree)
-            if prepare is not None:
-                prepare(tree)
-            if os.path.realpath(dest_dir.parent) != str(root.real):
-                root.mkdirs(dest_dir.parent)
-            if dest_dir.exists():
-                os.rmdir(root.confine(dest_dir))   # the empty folder checked above (rmdir refuses any other)
-            root.move(tree, dest_dir)
-            root.remove(staging)        # what is left: the empty parts/
+            with out_lock(root, dest_dir) if lock else contextlib.nullcontext():
+                return self._fetch_into(digest, manifest, dest_dir, staging, root, progress, jobs, prepare,
+                                        check_present)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise self.error(f"disk full while pulling {digest[:12]} into {dest_dir.parent}; "
                                  "free space and re-run to resume") from None
             raise self.error(f"pull of {digest[:12]} failed: {exc}") from None
+
+    def _fetch_into(self, digest: str, manifest: dict, dest_dir: Path, staging: Path, root: OwnedRoot,
+                    progress: Progress | None, jobs: int | None, prepare: Callable[[Path], None] | None,
+                    check_present: Callable[[Path], None] | None) -> dict:
+        """fetch_object's work once it holds dest_dir's lock: what it finds there is checked under the lock."""
+        files = manifest["files"]
+        if _holds_exactly(dest_dir, manifest):   # fetched before, or by the pull this one waited for
+            if check_present is not None:
+                check_present(dest_dir)
+            return manifest
+        if dest_dir.exists() and (not dest_dir.is_dir() or any(dest_dir.iterdir())):
+            raise UserError(f"{dest_dir} exists and is not empty")
+        if staging.is_symlink() or (staging.exists() and not staging.is_dir()):
+            raise NotOurs(f"staging folder {staging} is {'a symlink' if staging.is_symlink() else 'not a folder'}"
+                          "; refusing to write through it (remove it and pull again)")
+        self._fetch_parts(digest, files, root, staging, progress, jobs)
+        tree = staging / "tree"
+        root.mkdirs(tree)
+        for f in files:
+            final = tree / f["path"]
+            if final.parent != tree:
+                root.mkdirs(final.parent, within=tree)
+            root.move(staging / "parts" / part_name(f), final, within=staging)
+        root.write_bytes(tree / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True, default=str).encode(),
+                         within=tree)
+        if prepare is not None:
+            prepare(tree)
+        if os.path.realpath(dest_dir.parent) != str(root.real):
+            root.mkdirs(dest_dir.parent)
+        if dest_dir.exists():
+            os.rmdir(root.confine(dest_dir))   # the empty folder checked above (rmdir refuses any other)
+        root.move(tree, dest_dir)
+        root.remove(staging)        # what is left: the empty parts/
         return manifest
 
     def _fetch_parts(self, digest: str, files: list[dict], root: OwnedRoot, staging: Path, progress: Progress | None,
@@ -489,31 +505,27 @@ class RemoteStore(Plugin, ABC):
 
     def _fetch_file(self, digest: str, root: OwnedRoot, staging: Path, entry: dict, counter: _Counter) -> None:
         """Stream one file into parts/<part_name>, resuming a part left by an interrupted fetch; it stays there
-        only when its size and sha256 are the manifest's."""
+        only when the file on disk has the manifest's size and sha256."""
         part = staging / "parts" / part_name(entry)
         resume = _regular_size(part) is not None and _regular_size(part) <= entry["size"]
         if not resume and os.path.lexists(part):
             root.remove(part, within=staging)   # a stale part, or a link planted in its place: never written through
         while True:
-            h = hashlib.sha256()
             start = _regular_size(part) if resume else 0
-            if start:
-                with open(part, "rb") as f:
-                    while chunk := f.read(CHUNK):
-                        h.update(chunk)
-                counter.add(start)
+            counter.add(start)
             got = start
             with root.open_write(part, append=bool(start), within=staging) as out:
                 if start < entry["size"]:
                     for chunk in self._read_file(digest, entry, start):
-                        h.update(chunk)
                         out.write(chunk)
                         got += len(chunk)
                         counter.add(len(chunk))
                         self._count(bytes_down=len(chunk))
                         if got > entry["size"]:
                             break
-            if got == entry["size"] and h.hexdigest() == entry["sha256"]:
+            # hashed from the file, not from the stream: what is placed is the bytes the file holds (two pulls into one
+            # --out once appended to one part, and each passed the hash of what it had streamed)
+            if _file_digest(part) == (entry["size"], entry["sha256"]):
                 self._count(**({"files_down": 1} if got > start or not start else {"files_skipped": 1}))
                 return
             root.remove(part, within=staging)
@@ -570,6 +582,19 @@ def hash_while_uploading(src: Path, out, entry: dict) -> bool:
 def part_name(entry: dict) -> str:
     """The staging name of a manifest entry under parts/: the hash of its path, never one of the object's names."""
     return hashlib.sha256(entry["path"].encode()).hexdigest()[:40] + ".part"
+
+
+def _file_digest(path: Path) -> tuple[int, str] | None:
+    """(size, sha256) of the regular file at `path` as it is on disk (opened without following a link), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        sha = copy_hashed(f, None)
+        return f.tell(), sha
 
 
 def _regular_size(path: Path) -> int | None:

@@ -65,7 +65,7 @@ def materialize(store: Store, remote: RemoteStore, digest: str, key: str | None 
     with store.lock(f"fetch-{digest}"):
         if not (dest / MANIFEST).is_file():
             remote.fetch_object(digest, dest, progress=progress, jobs=jobs,
-                                staging=store.root / "tmp" / f"fetch-{digest[:32]}", root=store.owned)
+                                staging=store.root / "tmp" / f"fetch-{digest[:32]}", root=store.owned, lock=False)
             for f in dest.rglob("*"):
                 if f.is_file() and not f.is_symlink():
                     store.owned.chmod(f, 0o444, within=dest)
@@ -163,19 +163,22 @@ def pull(remote: RemoteStore, name: str, out: Path, progress: Progress | None = 
     out.parent.mkdir(parents=True, exist_ok=True)
     root = output_root(out.parent)
 
-    def prepare(tree: Path) -> None:
-        write_sidecars(remote, digest, tree, sidecars, root)
+    def check_signature(folder: Path) -> None:
         if verify_with is not None:
             from qbuild.artifacts.signing import verify
 
-            try:
-                verify(tree, verify_with, name=requested or name)
-            except Exception:
-                root.remove(tree.parent)   # the staging this pull made: what the key refuses is not kept to resume
-                raise
+            verify(folder, verify_with, name=requested or name)
+
+    def prepare(tree: Path) -> None:
+        write_sidecars(remote, digest, tree, sidecars, root)
+        try:
+            check_signature(tree)
+        except Exception:
+            root.remove(tree.parent)   # the staging this pull made: what the key refuses is not kept to resume
+            raise
 
     return remote.fetch_object(digest, out, progress=progress, jobs=jobs, root=root, prepare=prepare,
-                               staging=out.with_name(f".{out.name}.partial-{digest[:16]}"))
+                               staging=out.with_name(f".{out.name}.partial-{digest[:16]}"), check_present=check_signature)
 
 
 def write_sidecars(remote: RemoteStore, digest: str, out: Path, names: Iterable[str],

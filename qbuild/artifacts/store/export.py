@@ -12,17 +12,22 @@ that would change the store's object. Where the filesystem shares extents (btrfs
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import logging
 import os
 import socket
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 from qbuild.base.errors import QBuildError, UserError
 from qbuild.base.owned import MARKER, ContentMismatch, NotOurs, OwnedRoot, claim_root, output_root, owned_root
 
 COPY_JOBS = max(2, min(8, os.cpu_count() or 2))
+log = logging.getLogger("qbuild")
 
 
 def export_object(store, digest: str, dest: Path, what: str, force: bool = False) -> Path:
@@ -46,17 +51,21 @@ def export_object(store, digest: str, dest: Path, what: str, force: bool = False
         copy_files(src, dest, rels, expected, output_root(dest), what, digest)
         return dest
     root = output_root(dest.parent)
-    remove_stale_staging(root, dest)
-    staging = dest.with_name(f"{staging_prefix(dest)}{HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
-    try:
-        claim_root(staging, STAGING_KIND)   # marked: a later pull may remove it if this process is killed
-        copy_files(src, staging, rels, expected, root, what, digest, within=staging)
-        if dest.exists():
-            os.rmdir(root.confine(dest))   # the empty folder checked above (rmdir refuses any other)
-        root.remove(staging / MARKER, within=staging)
-        root.move(staging, dest)
-    finally:
-        root.remove(staging)   # what a failed pull left: the folder this call made, never DIR
+    with out_lock(root, dest):   # a pull into this --out that began first has placed DIR or left it empty
+        if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
+            raise UserError(f"--out {dest} was filled by another pull while this one waited; give a new or empty "
+                            "folder")
+        remove_stale_staging(root, dest)
+        staging = dest.with_name(f"{staging_prefix(dest)}{HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        try:
+            claim_root(staging, STAGING_KIND)   # marked: a later pull may remove it if this process is killed
+            copy_files(src, staging, rels, expected, root, what, digest, within=staging)
+            if dest.exists():
+                os.rmdir(root.confine(dest))   # the empty folder checked above (rmdir refuses any other)
+            root.remove(staging / MARKER, within=staging)
+            root.move(staging, dest)
+        finally:
+            root.remove(staging)   # what a failed pull left: the folder this call made, never DIR
     return dest
 
 
@@ -85,6 +94,49 @@ def remove_stale_staging(root: OwnedRoot, dest: Path) -> None:
         except NotOurs:
             continue
         root.remove(entry.path)
+
+
+def lock_name(dest: Path) -> str:
+    return f".{dest.name}.pull.lock"
+
+
+@contextmanager
+def out_lock(root: OwnedRoot, dest: Path) -> Iterator[None]:
+    """Pulls into one --out take turns: an exclusive flock on `.<out>.pull.lock` beside it. Two pulls of one object
+    into one --out once shared a staging folder without one: the second resumed the part the first was still writing
+    and both placed a file of the wrong bytes. A second pull waits (saying so once) and then finds DIR placed. The
+    file is removed by its holder before it lets go, and a waiter that finds its file gone or replaced locks the
+    current one, so two holders never overlap; a lock left by a killed pull is free (flock dies with its process)."""
+    path = root.confine(dest.with_name(lock_name(dest)))
+    said = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not said:
+                    log.warning(f"another pull into {dest} is under way; waiting for it")
+                    said = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                now = os.lstat(path)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)   # its holder removed it as it finished: lock the file that is there now
+    try:
+        yield
+    finally:
+        try:
+            root.remove(path)   # before letting go: a waiter on this file sees it gone and takes the next one
+        finally:
+            os.close(fd)
 
 
 def process_alive(pid: int) -> bool:
