@@ -236,6 +236,10 @@ def _print_plan(the_plan, as_json):
     if o and "overlap_pct" in o:
         console.print(f"calibration/evaluation overlap: {o['overlap_pct']:.2f} % of {o['n']}-grams "
                       f"({escape(o['calibration'])} vs {escape(o['evaluation'])}; limit {o['max_pct']:g} %)")
+    if (data.get("protocol") or {}).get("bos_why"):
+        from qbuild.output import bos_line
+
+        console.print(escape(bos_line(data["protocol"])), highlight=False)
     hits = sum(r["status"] == "hit" for r in data["steps"])
     remote = sum(r["status"] == "hit-remote" for r in data["steps"])
     console.print(f"{data['to_build']} step(s) to build, {hits} cached" + (f", {remote} in a remote" if remote else "")
@@ -432,13 +436,15 @@ def show(name, store_path):
 @STORE_OPTION
 @JSON_OPTION
 @click.option("--remote", "remote_url", metavar="URL", help="Check a remote's objects instead of the local store.")
-@click.option("--deep", is_flag=True, help="With --remote: also stream every file and check its sha256.")
+@click.option("--deep", is_flag=True, help="With --remote: stream every file and check its sha256 (the default).")
+@click.option("--quick", is_flag=True, help="With --remote: check manifests and sizes only, without "
+              "downloading the files (a same-size damaged file is not seen).")
 @click.option("--repair", is_flag=True, help="Quarantine every damaged object (moved under quarantine/, kept for "
               "inspection) and drop the action records that name it, so the next run rebuilds it.")
 @click.option("--rebuild", is_flag=True, help="Re-execute the stored steps of a RECIPE (or of the named refs/digests) "
               "in scratch and compare each with the stored object, file by file; the stored objects are never touched. "
               "Records the result beside each object (qbuild show prints it); exit 1 when one is not identical.")
-def verify(names, store_path, as_json, remote_url, deep, repair, rebuild):
+def verify(names, store_path, as_json, remote_url, deep, quick, repair, rebuild):
     """Re-hash stored objects (all, or the named refs/digests) against their manifests.
 
     With --rebuild: `qbuild verify --rebuild recipes/demo.yaml` re-runs every stored step of the recipe and says per
@@ -452,7 +458,7 @@ def verify(names, store_path, as_json, remote_url, deep, repair, rebuild):
         _verify_rebuild(names, store_path, as_json)
         return
     try:
-        rows = api.verify(names, store=store_path, remote=remote_url, deep=deep, repair=repair)
+        rows = api.verify(names, store=store_path, remote=remote_url, deep=deep or not quick, repair=repair)
     except QBuildError as exc:
         _fail(exc)
     bad = [r for r in rows if not r["ok"]]

@@ -1,6 +1,8 @@
-"""What a remote is trusted for, under concurrency (docs/remote-stores.md, issue 46):
+"""What a remote is trusted for, under concurrency and damage (docs/remote-stores.md, issue 46):
 
 - two pulls into one --out take turns, and what is placed is hashed from the file (item 5);
+- a same-size damaged file on a remote is found by its content: verify reports it, push replaces it, a run builds
+  the step here instead of failing (item 6);
 - an OCI tag list is bounded in total, not only per page (item 11).
 
 Every test builds its own store, file:// remote or fake registry on 127.0.0.1 under tmp_path.
@@ -20,16 +22,30 @@ from pathlib import Path
 
 import pytest
 from remote_common import REPO, make_object
-from test_remote_hostile import one_line_error, put, same_files
+from test_remote_hostile import cli, ok, one_line_error, put, same_files
 
 from qbuild.artifacts.remote import open_remote
 from qbuild.artifacts.remote.base import MANIFEST, RemoteError
 from qbuild.artifacts.store import Store
 
+from helpers import fake_recipe, write_recipe
+
 
 def file_remote(tmp_path: Path) -> str:
     (tmp_path / "share").mkdir(parents=True, exist_ok=True)
     return f"file://{tmp_path / 'share' / 'qbuild'}"
+
+
+def remote_file(url: str, digest: str, rel: str) -> Path:
+    return Path(url.removeprefix("file://")) / "objects" / digest[:2] / digest / rel
+
+
+def flip_byte(path: Path, at: int = 1000) -> None:
+    """Damage a file in place, keeping its size (bit rot, a bad disk, a peer's edit)."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
 
 
 def weights(size: int, seed: int) -> bytes:
@@ -97,6 +113,91 @@ def test_overlapping_pulls_into_one_out_place_only_verified_bytes(tmp_path):
         same_files(hit.path, out)
         assert json.loads((out / MANIFEST).read_text())["digest"] == hit.digest
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []   # no staging, no lock left
+
+
+# --- 6. a same-size damaged file on a remote is found by its content ------------------------------------------------
+def test_verify_and_push_find_a_same_size_damaged_remote_file(tmp_path):
+    """One byte flipped in a pushed model.safetensors, size kept: `verify --remote` names it (it hashes the remote's
+    files by default; --quick sees sizes only), and `push` uploads it again instead of saying "already there"."""
+    store = Store(tmp_path / "store")
+    hit = make_object(store, {"model.safetensors": weights(3 << 20, 2), "config.json": b"{}"})
+    url = file_remote(tmp_path)
+    ok(cli("push", hit.digest, "--to", url, "--store", store.root))
+    flip_byte(remote_file(url, hit.digest, "model.safetensors"))
+
+    res = cli("verify", "--remote", url)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"DAMAGED {hit.digest[:12]}" in res.stdout and "content changed: model.safetensors" in res.stdout
+    assert "1 damaged" in res.stdout
+    assert "0 damaged" in ok(cli("verify", "--remote", url, "--quick")).stdout   # sizes only, as documented
+
+    pushed = json.loads(ok(cli("push", hit.digest, "--to", url, "--store", store.root, "--json")).stdout)
+    assert pushed["uploaded"]
+    assert remote_file(url, hit.digest, "model.safetensors").read_bytes() == (hit.path / "model.safetensors").read_bytes()
+    assert "0 damaged" in ok(cli("verify", "--remote", url)).stdout
+    again = json.loads(ok(cli("push", hit.digest, "--to", url, "--store", store.root, "--json")).stdout)
+    assert not again["uploaded"]   # sound now: already there
+
+
+def _fake_recipe(tmp_path: Path, url: str) -> Path:
+    data = fake_recipe(tmp_path, [{"name": "a", "method": "fake"}])
+    data["store"] = {"remotes": [url]}
+    return write_recipe(tmp_path / "r.yaml", data)
+
+
+def _built_and_damaged(tmp_path: Path) -> tuple[Path, str, dict]:
+    """Machine A builds the fake recipe and pushes it (on success) to a file:// remote; then one byte of the
+    remote's copy of quantize[a] is flipped. (recipe, remote URL, A's record of quantize[a])."""
+    url = file_remote(tmp_path)
+    recipe = _fake_recipe(tmp_path, url)
+    first = json.loads(ok(cli("run", recipe, "--store", tmp_path / "a", "--json")).stdout)
+    step = next(s for s in first["steps"] if s["name"] == "quantize[a]")
+    assert step["status"] == "built"
+    record = Store(tmp_path / "a").lookup(step["key"]).record
+    flip_byte(remote_file(url, step["digest"], "weights.bin"))
+    return recipe, url, record
+
+
+def test_a_run_builds_a_step_whose_remote_copy_is_damaged_and_repairs_the_remote(tmp_path):
+    """Machine B (a fresh store) that must fetch quantize[a] finds the remote's copy damaged: one warning, the step is
+    built here, the run exits 0 and its write-through replaces the damaged file, so the next machine hits again."""
+    recipe, url, record = _built_and_damaged(tmp_path)
+    res = cli("run", recipe, "--store", tmp_path / "b", "--materialize", "--json")
+    summary = json.loads(ok(res).stdout)
+    steps = {s["name"]: s for s in summary["steps"]}
+    assert steps["quantize[a]"]["status"] == "built" and summary["counts"]["failed"] == 0
+    warned = [line for line in res.stderr.splitlines() if record["digest"][:12] in line]
+    assert len(warned) == 1 and "weights.bin is corrupt" in warned[0] and "building quantize[a] here" in warned[0]
+    assert "0 damaged" in ok(cli("verify", "--remote", url)).stdout
+    third = json.loads(ok(cli("run", recipe, "--store", tmp_path / "c", "--materialize", "--json")).stdout)
+    assert {s["name"]: s["status"] for s in third["steps"]}["quantize[a]"] == "cached"
+
+
+def test_a_step_that_reads_a_damaged_remote_input_builds_the_input(tmp_path):
+    """The read-through of a step that must run (Executor.fetch_input): the input's remote copy fails verification,
+    so the input is built here with the reading step's claim, and its outcome becomes a local build."""
+    from qbuild import api
+    from qbuild.contract.step import Outcome, PlanStatus
+    from qbuild.pipeline.budget import Claim
+    from qbuild.pipeline.executor import Executor
+
+    recipe, url, record = _built_and_damaged(tmp_path)
+    store_b = Store(tmp_path / "b")
+    plan = api.plan(recipe, store=store_b, estimate=False)
+    quant = next(p for p in plan.steps if p.step.name == "quantize[a]")
+    assert quant.status == PlanStatus.REMOTE_HIT
+    ex = Executor(store_b, "test-run", {}, remotes=plan.remotes)
+    ex.warm_workers = False
+    outcomes: dict = {}
+    for p in plan.steps:   # the model (a source) and quantize[a] (a remote hit, not fetched)
+        outcomes[p.step.key] = ex._resolve_without_building(p, [outcomes[s.key] for s in p.step.prerequisites()])
+    fetched = outcomes[quant.step.key]
+    assert fetched.status == Outcome.CACHED and fetched.path is None
+    ex.fetch_input(fetched, outcomes, None, Claim(cpus=1, memory_mb=0, gpu=None, alone=False))
+    assert fetched.status == Outcome.BUILT and fetched.remote is None
+    assert (fetched.path / "weights.bin").read_bytes() == (Store(tmp_path / "a").object_dir(record["digest"])
+                                                          / "weights.bin").read_bytes()
+    assert plan.remotes[0].damaged == {record["digest"]: {"weights.bin"}}   # the run's push replaces it
 
 
 # --- 11. an OCI tag list is bounded in total ------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qbuild.artifacts.remote.base import RemoteRefused
 from qbuild.artifacts.store import NO_SPACE, Hit, Store, free_bytes, now_iso, store_full
 from qbuild.base.errors import StepFailed, UserError
 from qbuild.base.hardware import gpu_devices
@@ -82,6 +83,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
         self._scratch: dict[str, Path] = {}             # step key → its private build dir
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
+        self._remote_missed: set[str] = set()           # remote hits whose copy failed verification: built here
 
     # --- scheduling ------------------------------------------------------------------------------------
     def run(self, planned: list[PlannedStep]) -> list[StepOutcome]:
@@ -203,11 +205,16 @@ class Executor(StandbyWorkers, WorkerLaunch):
             return StepOutcome(step, Outcome.SKIPPED, error=f"input failed: {', '.join(broken)}")
         if ps.status == PlanStatus.HIT:
             return StepOutcome(step, Outcome.CACHED, ps.hit.path, ps.hit.digest, record=ps.hit.record)
-        if ps.status == PlanStatus.REMOTE_HIT:  # the action record holds the manifest: metrics need no fetch
+        if ps.status == PlanStatus.REMOTE_HIT and step.key not in self._remote_missed:
+            # the action record holds the manifest: metrics need no fetch
             rh = ps.remote_hit
             outcome = StepOutcome(step, Outcome.CACHED, None, rh.digest, record=rh.record, remote=rh)
             if self.materialize_all:
-                self.materialize(outcome)
+                try:
+                    self.materialize(outcome)
+                except RemoteRefused as exc:   # the remote's copy is damaged: a miss, built here like one
+                    self._remote_damaged(outcome, exc)
+                    return None
             return outcome
         if ps.status in UNBUILDABLE:
             return StepOutcome(step, Outcome.SKIPPED, error=ps.reason)
@@ -259,6 +266,32 @@ class Executor(StandbyWorkers, WorkerLaunch):
                                      description=f"{escape(outcome.step.name)}: fetching from {escape(rh.remote.name)}")
         outcome.path = materialize(self.store, rh.remote, rh.digest, rh.key, rh.record, progress=progress)
         return outcome.path
+
+    def fetch_input(self, outcome: StepOutcome, outcomes: dict[str, StepOutcome], task, claim: Claim) -> None:
+        """Bring a remote hit a step reads into the local store; when the remote's copy fails verification (a file's
+        bytes, a forged manifest) the input is built here instead, as a miss, with the reading step's claim. The
+        run's push then replaces the damaged copy (remote.damaged)."""
+        try:
+            self.materialize(outcome, task)
+            return
+        except RemoteRefused as exc:
+            self._remote_damaged(outcome, exc)
+        step, standby = outcome.step, claim.standby
+        claim.standby = None   # the reading step's standby waits for it
+        try:
+            with self.store.lock(step.key):
+                hit = self.store.lookup(step.key, self.verify) or self._run_worker(step, outcomes, task, claim)
+        finally:
+            claim.standby = standby
+        outcome.status, outcome.path, outcome.digest, outcome.record, outcome.remote = (
+            Outcome.BUILT, hit.path, hit.digest, hit.record, None)
+
+    def _remote_damaged(self, outcome: StepOutcome, exc: RemoteRefused) -> None:
+        with self._lock:
+            if outcome.step.key in self._remote_missed:
+                return
+            self._remote_missed.add(outcome.step.key)
+        log.warning(f"remote {outcome.remote.remote.name}: {exc.reason}; building {outcome.step.name} here instead")
 
     def _push_built(self, hit: Hit) -> None:
         """Write-through right after a build, to every remote whose policy is `push: always`."""

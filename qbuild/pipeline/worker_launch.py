@@ -91,7 +91,7 @@ class WorkerLaunch:
         inputs = {role: outcomes[s.key] for role, s in step.inputs.items()}
         for o in inputs.values():
             if o.path is None and o.remote is not None:  # read through: fetch what this step reads, no more
-                self.materialize(o, task)
+                self.fetch_input(o, outcomes, task, claim)
         spec = {
             "name": step.name, "runner": step.runner, "params": step.params, "out": str(out),
             "inputs": {r: str(o.path) for r, o in inputs.items()},

@@ -200,7 +200,9 @@ def push(name: str, to: str, *, store=None, progress=None) -> dict:
     def sidecars(previous=None):
         return build_sidecars(st, digest, names=names, previous=previous)
 
-    uploaded = push_hit(remote, st, manifest["key"], digest, None, sidecars=sidecars, refs=(), progress=progress)
+    # an object already there is hashed on the remote (one download): a same-size damaged copy is uploaded again
+    uploaded = push_hit(remote, st, manifest["key"], digest, None, sidecars=sidecars, refs=(), progress=progress,
+                        check_content=True)
     if not uploaded and signing_key() is not None:   # already there: its signature must name this ref too
         refresh_signature(remote, digest, sidecars, names)
     for recipe, variant, tag in refs:

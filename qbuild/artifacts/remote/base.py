@@ -243,6 +243,12 @@ class RemoteRefused(RemoteError):
     not counted as present (a push uploads the object again), a failed row of verify, a record a listing skips."""
 
 
+class RemoteCorrupt(RemoteRefused):
+    """An object whose bytes on the remote are not its manifest's (a file's sha256 or size, or a manifest.json that
+    is not the one its action record commits to): never placed. For a run it is a miss (the step is built here and
+    the push replaces the remote's copy), for `verify --remote` a damaged row, for `push` a reason to upload again."""
+
+
 class _Counter:
     """Thread-safe byte counter that reports (done, total) to a progress callback."""
 
@@ -287,11 +293,18 @@ class RemoteStore(Plugin, ABC):
         self.stats = {"bytes_up": 0, "bytes_down": 0, "files_up": 0, "files_down": 0, "files_skipped": 0,
                       "bytes_resumed": 0}   # of bytes_up: already on the remote from an interrupted push
         self._stats_lock = threading.Lock()
+        # digest -> paths (manifest.json included) this process found damaged here by their content (a fetch, verify,
+        # a push's check): a push uploads them again although they are present with their size
+        self.damaged: dict[str, set[str]] = {}
 
     def _count(self, **kw: int) -> None:
         with self._stats_lock:
             for k, v in kw.items():
                 self.stats[k] += v
+
+    def _mark_damaged(self, digest: str, path: str) -> None:
+        with self._stats_lock:
+            self.damaged.setdefault(digest, set()).add(path)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.display}>"
@@ -325,7 +338,9 @@ class RemoteStore(Plugin, ABC):
                    sidecars: dict[str, bytes] | None = None, resume: UploadResume | None = None) -> None:
         """Upload files (skipping those already there), sidecars, then the manifest. A re-run skips the files
         already uploaded; with `resume` (the local store's records, qbuild.artifacts.remote.resume) a large
-        file cut off in the middle continues where it stopped, on backends that can (file://, S3, OCI)."""
+        file cut off in the middle continues where it stopped, on backends that can (file://, S3, OCI).
+        A backend may take `replace` (paths, manifest.json included, found damaged by their content: uploaded
+        again although present); push_hit passes it only when there is something to replace."""
 
     @abstractmethod
     def set_ref(self, recipe: str, variant: str, tag: str, digest: str, key: str | None = None,
@@ -400,19 +415,28 @@ class RemoteStore(Plugin, ABC):
             if manifest is None:
                 rows.append({"digest": digest, "ok": False, "problems": ["no manifest"]})
                 continue
-            files = manifest["files"]
             if not self.has_object(digest):
                 problems.append("files missing or truncated")
             elif deep:
-                for f in files:
-                    h, n = hashlib.sha256(), 0
-                    for chunk in self._read_file(digest, f, 0):
-                        h.update(chunk)
-                        n += len(chunk)
-                    if n != f["size"] or h.hexdigest() != f["sha256"]:
-                        problems.append(f"content changed: {f['path']}")
+                problems += self.content_problems(digest, manifest)
             rows.append({"digest": digest, "kind": manifest.get("kind"), "ok": not problems, "problems": problems})
         return rows
+
+    def content_problems(self, digest: str, manifest: dict) -> list[str]:
+        """Stream every file of object `digest` and check its size and sha256 against `manifest` (nothing is
+        written); each file that differs is remembered in `damaged`. Costs one download of the object."""
+        problems = []
+        for f in manifest["files"]:
+            h, n = hashlib.sha256(), 0
+            for chunk in self._read_file(digest, f, 0):
+                h.update(chunk)
+                n += len(chunk)
+                if n > f["size"]:
+                    break
+            if n != f["size"] or h.hexdigest() != f["sha256"]:
+                problems.append(f"content changed: {f['path']}")
+                self._mark_damaged(digest, f["path"])
+        return problems
 
     def fetch_object(self, digest: str, dest_dir: Path, progress: Progress | None = None, jobs: int | None = None,
                      staging: Path | None = None, root: OwnedRoot | None = None,
@@ -531,8 +555,9 @@ class RemoteStore(Plugin, ABC):
             root.remove(part, within=staging)
             counter.add(-got)
             if not start:
-                raise self.error(f"object {digest[:12]}: file {entry['path']} is corrupt on the remote "
-                                 "(size or sha256 does not match the manifest); nothing was placed")
+                self._mark_damaged(digest, entry["path"])
+                raise RemoteCorrupt(self.display, f"object {digest[:12]}: file {entry['path']} is corrupt on the remote "
+                                                  "(size or sha256 does not match the manifest); nothing was placed")
             resume = False  # a stale part: once more from scratch
 
     def _push_files(self, digest: str, manifest: dict) -> list[dict]:

@@ -82,24 +82,53 @@ def adopt_action(store: Store, key: str, record: dict) -> None:
 
 def push_hit(remote: RemoteStore, store: Store, key: str, digest: str, record: dict | None = None,
              sidecars: dict[str, bytes] | Callable[[], dict[str, bytes]] | None = None,
-             refs: Iterable[tuple[str, str, str]] = (), progress: Progress | None = None) -> bool:
+             refs: Iterable[tuple[str, str, str]] = (), progress: Progress | None = None,
+             check_content: bool = False) -> bool:
     """Write-through of one local object: files, sidecars and manifest, then the action record (the commit
     point), then refs. Safe to call for every hit of every run: when the remote already has the action record
     only the refs are set; an interrupted upload is finished (blobs already there are skipped). `sidecars` may
     be a callable (e.g. lambda: build_sidecars(...)) so cards are rendered and artifacts signed only when an
-    upload really happens. Returns True when something was uploaded."""
-    uploaded = _action_or_none(remote, key) is None   # a refused record is replaced by this push
+    upload really happens. Returns True when something was uploaded.
+
+    A file present with its size is trusted as uploaded unless its content was found damaged: by this process
+    (remote.damaged: a fetch or verify that failed on it), or, with `check_content` (`qbuild push`), by streaming
+    the remote's copy of the object the action record names and hashing it (one download of that object; no
+    remote offers a checksum qbuild can trust instead: S3's ETag is the MD5 the upload had, not a hash of what the
+    bucket holds now, and a file:// share has none). A damaged object is uploaded again, the damaged files and
+    manifest replaced, and its action record rewritten."""
+    have = _action_or_none(remote, key)   # a refused record is replaced by this push
+    if check_content and have is not None and not remote.damaged.get(have["digest"]):
+        _check_remote_copy(remote, have)
+    stale = have is not None and bool(remote.damaged.get(have["digest"]))
+    uploaded = have is None or stale or bool(remote.damaged.get(digest))
     if uploaded:
         manifest = json.loads((store.object_dir(digest) / MANIFEST).read_text())
         extra = sidecars() if callable(sidecars) else sidecars
+        replace = sorted(remote.damaged.get(digest, ()))
         # one push of an object at a time from this store: its unfinished-upload records are never shared
         with store.lock(f"push-{digest}"):
             remote.put_object(digest, store.object_dir(digest), manifest, progress=progress, sidecars=extra,
-                              resume=store_resume(store))
+                              resume=store_resume(store), **({"replace": replace} if replace else {}))
+        remote.damaged.pop(digest, None)
         remote.put_action(key, record or {**manifest, "object_manifest_key": manifest.get("key")})
     for recipe, variant, tag in refs:
         remote.set_ref(recipe, variant, tag, digest, key)
     return uploaded
+
+
+def _check_remote_copy(remote: RemoteStore, record: dict) -> None:
+    """Hash the remote's copy of the object `record` names; what is damaged lands in remote.damaged. A copy that is
+    not there at all is left to the push (it uploads what is missing)."""
+    digest = record["digest"]
+    try:
+        manifest = remote.get_manifest(digest)
+    except RemoteRefused:
+        remote._mark_damaged(digest, MANIFEST)
+        return
+    if manifest is None or not remote.has_object(digest):
+        remote._mark_damaged(digest, MANIFEST)   # incomplete: the upload sends what is missing, then the manifest
+        return
+    remote.content_problems(digest, manifest)
 
 
 def build_sidecars(store: Store, digest: str, summary_row: dict | None = None, protocol: dict | None = None,

@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from qbuild.artifacts.remote import remotes
@@ -207,9 +207,11 @@ class FsspecRemote(RemoteStore):
         return all(sizes.get(prefix + f["path"]) == f["size"] for f in manifest["files"])
 
     def put_object(self, digest: str, local_dir: Path, manifest: dict, progress: Progress | None = None,
-                   sidecars: dict[str, bytes] | None = None, resume: UploadResume | None = None) -> None:
+                   sidecars: dict[str, bytes] | None = None, resume: UploadResume | None = None,
+                   replace: Iterable[str] = ()) -> None:
         files = self._push_files(digest, manifest)
-        if self.has_object(digest):
+        replace = set(replace)   # found damaged by their content: uploaded again though present with their size
+        if not replace and self.has_object(digest):
             for name, data in (sidecars or {}).items():
                 self.put_sidecar(digest, name, data)
             return
@@ -230,7 +232,8 @@ class FsspecRemote(RemoteStore):
             else:
                 self._upload_verified(src, dst, f)
 
-        self._upload_files(local_dir, files, lambda f: have.get(prefix + f["path"]) == f["size"], put, progress)
+        self._upload_files(local_dir, files,
+                           lambda f: f["path"] not in replace and have.get(prefix + f["path"]) == f["size"], put, progress)
         for name, data in (sidecars or {}).items():
             self.put_sidecar(digest, name, data)
         self._write_bytes(self._obj(digest, MANIFEST),

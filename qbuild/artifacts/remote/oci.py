@@ -34,7 +34,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlsplit
 
@@ -557,8 +557,20 @@ class OciRemote(RemoteStore):
                 "layers": layers, "annotations": annotations}
 
     def put_object(self, digest: str, local_dir: Path, manifest: dict, progress: Progress | None = None,
-                   sidecars: dict[str, bytes] | None = None, resume: UploadResume | None = None) -> None:
+                   sidecars: dict[str, bytes] | None = None, resume: UploadResume | None = None,
+                   replace: Iterable[str] = ()) -> None:
+        """As RemoteStore.put_object. `replace`: a damaged manifest.json is replaced (the object's OCI manifest is
+        pushed again with ours); a blob damaged in the registry's storage cannot be: a registry keeps the bytes it
+        holds for a digest (an upload of the same digest is taken as already there), so that is one line saying
+        how to remove it."""
         files = self._push_files(digest, manifest)
+        blobs = sorted(set(replace) - {MANIFEST})
+        if blobs:
+            raise self.error(f"object {digest[:12]}: {', '.join(blobs[:3])} is damaged in the registry's storage (its "
+                             "bytes are not its digest's); a registry keeps the blob it holds for a digest, so a push "
+                             "cannot replace it: delete that blob with the registry's own tools (DELETE of "
+                             f"/v2/{self.repository}/blobs/sha256:..., where deletes are enabled, then its garbage "
+                             "collection) and push again")
         existing, _ = self._get_oci_manifest(OBJ_TAG + digest)
         side = {d["annotations"]["org.qbuild.sidecar"]: d for d in (existing or {}).get("layers", [])
                 if (d.get("annotations") or {}).get(ROLE) == "sidecar" and "org.qbuild.sidecar" in d["annotations"]}
@@ -579,7 +591,7 @@ class OciRemote(RemoteStore):
 
             self._upload_files(local_dir, files, lambda f: self._blob_exists("sha256:" + f["sha256"], f["size"]),
                                put, progress)
-        elif not sidecars:
+        elif not sidecars and MANIFEST not in replace:
             return
         for name, data in (sidecars or {}).items():
             check_sidecar(name)
