@@ -437,7 +437,7 @@ def show(name, store_path):
 @JSON_OPTION
 @click.option("--remote", "remote_url", metavar="URL", help="Check a remote's objects instead of the local store.")
 @click.option("--deep", is_flag=True, help="With --remote: stream every file and check its sha256 (the default).")
-@click.option("--quick", is_flag=True, help="With --remote: check manifests and sizes only, without "
+@click.option("--quick", is_flag=True, help="With --remote: check manifests, provenance and sizes only, without "
               "downloading the files (a same-size damaged file is not seen).")
 @click.option("--repair", is_flag=True, help="Quarantine every damaged object (moved under quarantine/, kept for "
               "inspection) and drop the action records that name it, so the next run rebuilds it.")
@@ -468,8 +468,11 @@ def verify(names, store_path, as_json, remote_url, deep, quick, repair, rebuild)
         for r in bad:
             where = f"; quarantined in {r['quarantined']}" if r.get("quarantined") else ""
             click.echo(f"DAMAGED {r['digest'][:12]} ({r.get('kind')}): " + "; ".join(r["problems"]) + where)
+        unbound = sum(r.get("provenance") == "unbound" for r in rows)
         click.echo(f"{len(rows)} object(s) checked, {len(bad)} damaged"
-                   + (" (quarantined; the next run rebuilds them)" if repair and bad else ""))
+                   + (" (quarantined; the next run rebuilds them)" if repair and bad else "")
+                   + (f"; {unbound} with unbound provenance (no action record commits to its manifest.json)"
+                      if unbound else ""))
     if bad and not repair:
         sys.exit(EXIT_STEP_FAILED)
 

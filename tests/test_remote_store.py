@@ -200,7 +200,7 @@ def test_corrupted_remote_blob_is_detected(remote_url, tmp_path, request):
     # `qbuild verify --remote`: the quick check sees sizes only; the deep one hashes every file
     assert remote.verify()[0]["ok"]
     assert remote.verify(deep=True) == [{"digest": hit.digest, "kind": "quantize", "ok": False,
-                                         "problems": ["content changed: model.safetensors"]}]
+                                         "problems": ["content changed: model.safetensors"], "provenance": "unbound"}]
 
 
 def _plant_manifest(remote, remote_url: str, files: list[dict]) -> str:

@@ -1,8 +1,10 @@
-"""What a remote is trusted for, under concurrency and damage (docs/remote-stores.md, issue 46):
+"""What a remote is trusted for, under concurrency and a peer that edits it (docs/remote-stores.md, issue 46):
 
 - two pulls into one --out take turns, and what is placed is hashed from the file (item 5);
 - a same-size damaged file on a remote is found by its content: verify reports it, push replaces it, a run builds
   the step here instead of failing (item 6);
+- a pushed object's manifest.json (its provenance) is bound to the action records that name it: an edit is damage
+  for verify and refused by pull; old records still bind their own manifest, old local stores keep working (item 7);
 - an OCI tag list is bounded in total, not only per page (item 11).
 
 Every test builds its own store, file:// remote or fake registry on 127.0.0.1 under tmp_path.
@@ -198,6 +200,103 @@ def test_a_step_that_reads_a_damaged_remote_input_builds_the_input(tmp_path):
     assert (fetched.path / "weights.bin").read_bytes() == (Store(tmp_path / "a").object_dir(record["digest"])
                                                           / "weights.bin").read_bytes()
     assert plan.remotes[0].damaged == {record["digest"]: {"weights.bin"}}   # the run's push replaces it
+
+
+# --- 7. a pushed object's provenance is bound ---------------------------------------------------------------------
+FORGED = {"metrics": {"ppl": 1.01}, "recipe": {"name": "forged", "sha256": "f" * 64}, "variant": "best",
+          "params": {"method": "gguf", "type": "Q8_0"}}
+
+
+def _forge(url: str, digest: str, **fields) -> dict:
+    path = remote_file(url, digest, MANIFEST)
+    manifest = {**json.loads(path.read_text()), **(fields or FORGED)}
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True))
+    return manifest
+
+
+def test_an_edited_manifest_is_damage_and_is_never_pulled(tmp_path):
+    """A peer edits a pushed object's manifest.json (files untouched, so the digest still holds): verify names the
+    object and the changed fields (even --quick, which downloads nothing), pull refuses it by ref and by digest in
+    one line and places nothing, and push puts the real manifest back."""
+    store = Store(tmp_path / "store")
+    hit = make_object(store, {"model.safetensors": weights(1 << 20, 3), "config.json": b"{}"},
+                      metrics={"ppl": 9.5})
+    url = file_remote(tmp_path)
+    ok(cli("push", hit.digest, "--to", url, "--store", store.root))
+    open_remote(url).set_ref("demo", "q4km", "latest", hit.digest, hit.key)
+    _forge(url, hit.digest)
+
+    for args in ((), ("--quick",)):
+        res = cli("verify", "--remote", url, *args)
+        assert res.returncode == 1, res.stdout + res.stderr
+        line = next(x for x in res.stdout.splitlines() if x.startswith("DAMAGED"))
+        assert hit.digest[:12] in line and "provenance changed" in line
+        assert all(f in line for f in ("metrics", "params", "recipe", "variant"))
+    for name in ("demo/q4km", hit.digest):
+        out = tmp_path / "out"
+        one_line_error(cli("pull", name, "--from", url, "-o", out), hit.digest[:12], "provenance changed")
+        assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+    assert json.loads(ok(cli("push", hit.digest, "--to", url, "--store", store.root, "--json")).stdout)["uploaded"]
+    assert "0 damaged" in ok(cli("verify", "--remote", url)).stdout
+    ok(cli("pull", "demo/q4km", "--from", url, "-o", tmp_path / "out"))
+    assert json.loads((tmp_path / "out" / MANIFEST).read_text()) == store.manifest(hit.digest)
+
+
+def test_old_records_still_bind_their_manifest_and_unbound_objects_are_said_so(tmp_path):
+    """Pushed by a qbuild before manifest_digest: the action record is still the manifest of the step that made the
+    object, so an edit is caught the same way. An object no record names is unbound: verify passes it and says so,
+    pull places it with one warning. An old local store (records without the field) keeps hitting and pushing."""
+    store = Store(tmp_path / "store")
+    old = make_object(store, {"w.bin": weights(1 << 16, 4)})
+    loose = make_object(store, {"w.bin": weights(1 << 16, 5)})
+    for hit in (old, loose):   # an old store: its records have no manifest_digest
+        record = {k: v for k, v in hit.record.items() if k != "manifest_digest"}
+        store.write_json(store._action_file(hit.key), record)
+        assert store.lookup(hit.key).digest == hit.digest
+    url = file_remote(tmp_path)
+    remote = open_remote(url)
+    remote.put_object(old.digest, old.path, store.manifest(old.digest))
+    remote.put_action(old.key, store.lookup(old.key).record)       # as an old qbuild pushed it
+    remote.put_object(loose.digest, loose.path, store.manifest(loose.digest))   # no action record names it
+
+    res = ok(cli("verify", "--remote", url))
+    assert "0 damaged" in res.stdout and "1 with unbound provenance" in res.stdout
+    _forge(url, old.digest, metrics={"ppl": 1.0})
+    res = cli("verify", "--remote", url)
+    assert res.returncode == 1 and f"DAMAGED {old.digest[:12]}" in res.stdout and "(metrics changed)" in res.stdout
+    one_line_error(cli("pull", old.digest, "--from", url, "-o", tmp_path / "o1"), "provenance changed")
+
+    pulled = ok(cli("pull", loose.digest, "--from", url, "-o", tmp_path / "o2"))
+    assert [line for line in pulled.stderr.splitlines() if "no action record here commits" in line]
+    same_files(loose.path, tmp_path / "o2")
+
+    # the old store pushes through the current qbuild: the remote's record now carries the binding
+    other = file_remote(tmp_path / "second")
+    ok(cli("push", loose.digest, "--to", other, "--store", store.root))
+    assert open_remote(other).get_action(loose.key)["manifest_digest"]
+    assert "unbound" not in ok(cli("verify", "--remote", other)).stdout
+
+
+def test_an_edited_manifest_on_a_registry_is_refused(oci_url, tmp_path):
+    """The same on an OCI registry: the peer pushes another manifest.json layer and re-tags the object with it."""
+    from qbuild.artifacts.remote.oci import DOC, OBJ_TAG, ROLE, TITLE
+
+    store = Store(tmp_path / "store")
+    hit = make_object(store, {"model.safetensors": weights(1 << 18, int.from_bytes(os.urandom(4), "little"))})
+    remote = open_remote(oci_url)
+    put(remote, store, hit)
+    oci, _ = remote._get_oci_manifest(OBJ_TAG + hit.digest)
+    forged = {**store.manifest(hit.digest), **FORGED}
+    layer = remote._push_bytes(json.dumps(forged).encode(), DOC, {TITLE: MANIFEST, ROLE: "manifest"})
+    oci["layers"] = [layer if (la.get("annotations") or {}).get(ROLE) == "manifest" else la for la in oci["layers"]]
+    remote._put_oci_manifest(OBJ_TAG + hit.digest, oci)
+
+    rows = open_remote(oci_url).verify()
+    assert not rows[0]["ok"] and "provenance changed" in rows[0]["problems"][0]
+    with pytest.raises(RemoteError, match="provenance changed"):
+        open_remote(oci_url).fetch_object(hit.digest, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 # --- 11. an OCI tag list is bounded in total ------------------------------------------------------------------------

@@ -85,7 +85,9 @@ def _text(value) -> str | None:
 
 def verify(names=(), *, store=None, remote: str | None = None, deep: bool = False, repair: bool = False) -> list[dict]:
     """Re-hash stored objects (all, or the named refs/digests) against their manifests: one row per object, `ok`
-    and its `problems`. `repair` quarantines the damaged ones (local store); `deep` streams a remote's files."""
+    and its `problems`. `repair` quarantines the damaged ones (local store); `deep` streams and hashes a remote's
+    files (`qbuild verify --remote` does unless --quick), and a remote's rows say whether an action record binds the
+    object's manifest (`provenance`)."""
     if remote:
         from qbuild.artifacts.remote.cache import resolve
 

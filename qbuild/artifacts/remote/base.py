@@ -15,10 +15,12 @@ Ordering guarantees every backend keeps:
 
 What a remote is trusted for: nothing it says is used unchecked. An object's manifest is used only after
 get_manifest checked it against the digest it was asked for (check_manifest: its file list hashes to that
-digest, every entry is a regular file with a safe path, size and sha256); every file is then checked against
-that list as it arrives. Every JSON record is read bounded (size first, at most MAX_JSON_BYTES streamed) and a
-bad record is refused alone, naming it. Every write the fetch makes goes through the guarded helper
-(qbuild/base/owned.py): confined to the store or the --out folder, never through a link.
+digest, every entry is a regular file with a safe path, size and sha256), and its other fields (provenance) only
+as the action records naming the object commit to them (check_provenance, store/binding.py); every file is then
+checked against that list, hashed from the file it was written to. Every JSON record is read bounded (size
+first, at most MAX_JSON_BYTES streamed) and a bad record is refused alone, naming it. Every write the fetch makes
+goes through the guarded helper (qbuild/base/owned.py): confined to the store or the --out folder, never through a
+link.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -40,12 +43,15 @@ from typing import ClassVar
 from urllib.parse import urlsplit, urlunsplit
 
 from qbuild.artifacts.remote.resume import UploadResume
+from qbuild.artifacts.store.binding import binding_problem, committed_digest, manifest_digest
 from qbuild.artifacts.store.export import out_lock
 from qbuild.base.errors import QBuildError, UserError
 from qbuild.base.hashing import copy_hashed, sha256_file, tree_digest
 from qbuild.base.names import check_name as check_ref_name
 from qbuild.base.owned import NotOurs, OwnedRoot, output_root
 from qbuild.contract.plugin import Plugin
+
+log = logging.getLogger("qbuild")
 
 MANIFEST = "manifest.json"
 CHUNK = 8 << 20
@@ -402,10 +408,13 @@ class RemoteStore(Plugin, ABC):
 
     def verify(self, digests: Iterable[str] | None = None, deep: bool = False) -> list[dict]:
         """`qbuild verify --remote R`: one row per object, like Store.verify. Every object's manifest must be
-        safe and match its digest and every file must be present with its size; deep=True also streams each
-        file and checks its sha256 (nothing is written to disk)."""
+        safe and match its digest, every file must be present with its size, and its manifest.json must be the one
+        the action records naming it commit to (store/binding.py; `provenance`: "bound", or "unbound" where no
+        record commits to one); deep=True also streams each file and checks its sha256 (nothing is written)."""
+        targets = list(digests) if digests is not None else self.list_objects()
+        records = self._records_naming(set(targets))
         rows = []
-        for digest in list(digests) if digests is not None else self.list_objects():
+        for digest in targets:
             problems: list[str] = []
             try:
                 manifest = self.get_manifest(digest)
@@ -419,7 +428,13 @@ class RemoteStore(Plugin, ABC):
                 problems.append("files missing or truncated")
             elif deep:
                 problems += self.content_problems(digest, manifest)
-            rows.append({"digest": digest, "kind": manifest.get("kind"), "ok": not problems, "problems": problems})
+            found = records.get(digest, [])
+            problems += [p for p in (binding_problem(manifest, r) for r in found) if p][:1]
+            if any(p.startswith("provenance changed") for p in problems):
+                self._mark_damaged(digest, MANIFEST)
+            bound = any(committed_digest(r, manifest) is not None for r in found)
+            rows.append({"digest": digest, "kind": manifest.get("kind"), "ok": not problems, "problems": problems,
+                         "provenance": "bound" if bound else "unbound"})
         return rows
 
     def content_problems(self, digest: str, manifest: dict) -> list[str]:
@@ -438,15 +453,58 @@ class RemoteStore(Plugin, ABC):
                 self._mark_damaged(digest, f["path"])
         return problems
 
+    def _records_naming(self, digests: set[str]) -> dict[str, list[dict]]:
+        """The action records here that name each of `digests` (a bad record is skipped: its own listing warns)."""
+        found: dict[str, list[dict]] = {}
+        for key, digest in list(self.list_actions()):
+            if digest not in digests:
+                continue
+            try:
+                record = self.get_action(key)
+            except RemoteRefused:
+                continue
+            if record is not None and record.get("digest") == digest:
+                found.setdefault(digest, []).append(record)
+        return found
+
+    def check_provenance(self, digest: str, manifest: dict, keys: Iterable[str] = (),
+                         records: Iterable[dict] = ()) -> bool:
+        """Whether an action record binds object `digest`'s manifest (True) or none does (False: unbound, e.g. pushed
+        before the binding); RemoteCorrupt (one line naming the object and what changed) when a record naming the
+        object commits it to another manifest.json. Looks at `records` and the records of `keys` and of the
+        manifest's own key."""
+        seen = [r for r in records if isinstance(r, dict)]
+        for key in dict.fromkeys([*keys, manifest.get("key")]):
+            if isinstance(key, str) and HEX64.match(key) and not any(r.get("key") == key for r in seen):
+                try:
+                    record = self.get_action(key)
+                except RemoteRefused:
+                    record = None
+                if record is not None:
+                    seen.append(record)
+        bound = False
+        for record in seen:
+            if record.get("digest") != digest:
+                continue
+            problem = binding_problem(manifest, record)
+            if problem:
+                self._mark_damaged(digest, MANIFEST)
+                raise RemoteCorrupt(self.display, f"object {digest[:12]} refused: {problem}; nothing was placed")
+            bound = bound or committed_digest(record, manifest) is not None
+        return bound
+
     def fetch_object(self, digest: str, dest_dir: Path, progress: Progress | None = None, jobs: int | None = None,
                      staging: Path | None = None, root: OwnedRoot | None = None,
-                     prepare: Callable[[Path], None] | None = None, lock: bool = True,
+                     prepare: Callable[[Path], None] | None = None, keys: Iterable[str] = (),
+                     records: Iterable[dict] = (), lock: bool = True, warn_unbound: bool = False,
                      check_present: Callable[[Path], None] | None = None) -> dict:
         """Download object `digest` into dest_dir (files + manifest.json); returns its manifest.
 
-        Every write stays inside `root` (the store; by default dest_dir's folder, output_root) and follows no link.
-        With `lock`, fetches into one dest_dir take turns (out_lock: a lock file beside it; a second one waits,
-        then finds the object placed). The staging folder holds `parts/`, one file per manifest
+        The manifest must be `digest`'s (get_manifest) and the one the action records naming the object commit to
+        (check_provenance over `records`, the records of `keys` and of the manifest's key; `warn_unbound`: say so
+        when none does). Every write stays inside `root` (the store; by default dest_dir's folder, output_root) and
+        follows no link. With `lock`, fetches into one dest_dir take turns (out_lock: a lock file beside it; a
+        second one waits, then finds the object placed). The staging folder holds `parts/`, one file per manifest
         entry named by the hash of its path (so no name of the object's own can collide with it); an interrupted
         fetch resumes from them. A part is kept only when the file on disk hashes to its size and sha256. Only when
         every part does is a fresh `tree/` built from them (nothing else in it), `prepare(tree)` run (a pull adds
@@ -459,6 +517,10 @@ class RemoteStore(Plugin, ABC):
         manifest = self.get_manifest(digest)
         if manifest is None:
             raise self.error(f"no object {digest[:12]} here")
+        if not self.check_provenance(digest, manifest, keys, records) and warn_unbound:
+            log.warning(f"object {digest[:12]} on {self.display}: no action record here commits to its manifest.json "
+                        "(pushed by a qbuild before provenance was bound, or its records are gone); its provenance "
+                        "is as the remote has it")
         if dest_dir.is_symlink():
             raise UserError(f"{dest_dir} is a symlink; give the folder itself (a pull never writes through a link)")
         staging = Path(staging).absolute() if staging else dest_dir.with_name(f".{dest_dir.name}.partial-{digest[:16]}")
@@ -635,12 +697,13 @@ def _part_size(parts: Path, f: dict) -> int:
 
 
 def _holds_exactly(folder: Path, manifest: dict) -> bool:
-    """True when `folder` holds object `manifest` and nothing else: its manifest.json names the digest, every file
+    """True when `folder` holds object `manifest` and nothing else: its manifest.json is that manifest, every file
     is a regular file with its size and sha256, and beside them only sidecars (README.md, .qbuild/) and no link."""
     if _regular_size(folder / MANIFEST) is None:
         return False
     try:
-        if json.loads((folder / MANIFEST).read_bytes()[:MAX_JSON_BYTES]).get("digest") != manifest["digest"]:
+        there = json.loads((folder / MANIFEST).read_bytes()[:MAX_JSON_BYTES])
+        if there.get("digest") != manifest["digest"] or manifest_digest(there) != manifest_digest(manifest):
             return False
     except (OSError, ValueError, AttributeError):
         return False

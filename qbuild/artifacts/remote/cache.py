@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteRefused, RemoteStore, remote_record
+from qbuild.artifacts.remote.base import MANIFEST, Progress, RemoteError, RemoteRefused, RemoteStore, remote_record
 from qbuild.artifacts.remote.resume import store_resume
 from qbuild.artifacts.store import REF_RE, Store
+from qbuild.artifacts.store.binding import MANIFEST_DIGEST, manifest_digest
 from qbuild.base.errors import UserError
 from qbuild.base.owned import OwnedRoot, output_root
 
@@ -65,7 +66,8 @@ def materialize(store: Store, remote: RemoteStore, digest: str, key: str | None 
     with store.lock(f"fetch-{digest}"):
         if not (dest / MANIFEST).is_file():
             remote.fetch_object(digest, dest, progress=progress, jobs=jobs,
-                                staging=store.root / "tmp" / f"fetch-{digest[:32]}", root=store.owned, lock=False)
+                                staging=store.root / "tmp" / f"fetch-{digest[:32]}", root=store.owned,
+                                keys=(key,) if key else (), records=(record,) if record else (), lock=False)
             for f in dest.rglob("*"):
                 if f.is_file() and not f.is_symlink():
                     store.owned.chmod(f, 0o444, within=dest)
@@ -110,15 +112,16 @@ def push_hit(remote: RemoteStore, store: Store, key: str, digest: str, record: d
             remote.put_object(digest, store.object_dir(digest), manifest, progress=progress, sidecars=extra,
                               resume=store_resume(store), **({"replace": replace} if replace else {}))
         remote.damaged.pop(digest, None)
-        remote.put_action(key, record or {**manifest, "object_manifest_key": manifest.get("key")})
+        remote.put_action(key, _bound_record(remote, digest, manifest, record))
     for recipe, variant, tag in refs:
         remote.set_ref(recipe, variant, tag, digest, key)
     return uploaded
 
 
 def _check_remote_copy(remote: RemoteStore, record: dict) -> None:
-    """Hash the remote's copy of the object `record` names; what is damaged lands in remote.damaged. A copy that is
-    not there at all is left to the push (it uploads what is missing)."""
+    """Hash the remote's copy of the object `record` names and check its manifest against the record; what is
+    damaged lands in remote.damaged. A copy that is not there at all is left to the push (it uploads what is
+    missing)."""
     digest = record["digest"]
     try:
         manifest = remote.get_manifest(digest)
@@ -129,6 +132,25 @@ def _check_remote_copy(remote: RemoteStore, record: dict) -> None:
         remote._mark_damaged(digest, MANIFEST)   # incomplete: the upload sends what is missing, then the manifest
         return
     remote.content_problems(digest, manifest)
+    try:
+        remote.check_provenance(digest, manifest, records=(record,))
+    except RemoteRefused:
+        pass   # marked damaged: its manifest is replaced
+
+
+def _bound_record(remote: RemoteStore, digest: str, manifest: dict, record: dict | None) -> dict:
+    """The action record to commit: this store's record (or the object's manifest), binding the remote's
+    manifest.json (manifest_digest, store/binding.py) only when it is this store's: an object another machine
+    pushed first keeps that machine's manifest, which this record cannot vouch for."""
+    out = dict(record or {**manifest, "object_manifest_key": manifest.get("key")})
+    out.pop(MANIFEST_DIGEST, None)
+    try:
+        there = remote.get_manifest(digest)
+    except RemoteRefused:
+        there = None
+    if there is not None and manifest_digest(there) == manifest_digest(manifest):
+        out[MANIFEST_DIGEST] = manifest_digest(manifest)
+    return out
 
 
 def build_sidecars(store: Store, digest: str, summary_row: dict | None = None, protocol: dict | None = None,
@@ -159,16 +181,21 @@ def should_push(remote: RemoteStore, when: str) -> bool:
 
 def resolve(remote: RemoteStore, name: str) -> str:
     """REF (recipe/variant[:tag]) or a full digest, on the remote; RemoteError when it has neither."""
+    return resolve_ref(remote, name)[0]
+
+
+def resolve_ref(remote: RemoteStore, name: str) -> tuple[str, str | None]:
+    """(digest, the step key its ref names or None) of REF or a full digest on the remote."""
     m = REF_RE.match(name)
     if m:
         tag = m.group("tag") or "latest"
         ref = remote.get_ref(m.group("recipe"), m.group("variant"), tag)
         if ref is None:
             raise remote.error(f"no ref {m.group('recipe')}/{m.group('variant')}:{tag}")
-        return ref["digest"]
+        return ref["digest"], ref.get("key") if isinstance(ref.get("key"), str) else None
     digest = name.removeprefix("sha256:").lower()
     if len(digest) == 64 and remote.get_manifest(digest) is not None:
-        return digest
+        return digest, None
     raise remote.error(f"no object {name} (give a ref recipe/variant:tag or a full 64-character digest)")
 
 
@@ -188,7 +215,13 @@ def pull(remote: RemoteStore, name: str, out: Path, progress: Progress | None = 
         raise UserError(f"--out {out} is a symlink; give the folder itself (a pull never writes through a link)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} exists and is not empty; give a new or empty folder")
-    digest = resolve(remote, name)
+    digest, ref_key = resolve_ref(remote, name)
+    if ref_key is None and requested and requested != name and REF_RE.match(requested):
+        try:   # qbuild.api resolved the name (or picked a machine-bound build): its ref's record binds it too
+            named, key = resolve_ref(remote, requested)
+            ref_key = key if named == digest else None
+        except RemoteError:
+            pass
     out.parent.mkdir(parents=True, exist_ok=True)
     root = output_root(out.parent)
 
@@ -207,7 +240,8 @@ def pull(remote: RemoteStore, name: str, out: Path, progress: Progress | None = 
             raise
 
     return remote.fetch_object(digest, out, progress=progress, jobs=jobs, root=root, prepare=prepare,
-                               staging=out.with_name(f".{out.name}.partial-{digest[:16]}"), check_present=check_signature)
+                               staging=out.with_name(f".{out.name}.partial-{digest[:16]}"),
+                               keys=(ref_key,) if ref_key else (), warn_unbound=True, check_present=check_signature)
 
 
 def write_sidecars(remote: RemoteStore, digest: str, out: Path, names: Iterable[str],

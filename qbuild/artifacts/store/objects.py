@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from qbuild.artifacts.store.binding import MANIFEST_DIGEST, manifest_digest
 from qbuild.artifacts.store.files import (
     _materialize_links,
     _quiet,
@@ -132,7 +133,9 @@ class ObjectsMixin:
             with _quiet_store():
                 self.write_json(self._stamp_file(digest), stamp)
             object_manifest = read_json(final / MANIFEST) or manifest
-            record = {**manifest, "object_manifest_key": object_manifest.get("key")}
+            # the commit point binds the object's manifest.json (store/binding.py): pull and verify check it
+            record = {**manifest, "object_manifest_key": object_manifest.get("key"),
+                      MANIFEST_DIGEST: manifest_digest(object_manifest)}
             self.write_json(self._action_file(key), record)
         except OSError as exc:
             if exc.errno in NO_SPACE:
