@@ -14,6 +14,7 @@ from qbuild.base.process import EXIT_INTERRUPTED, finish, guard_interrupts, inte
 from qbuild.base.units import human_seconds, human_size
 
 _RENDERERS = {
+    "bos_line": ("qbuild.results.summary", "bos_line"),
     "history_note": ("qbuild.pipeline.estimate", "history_note"),
     "render_gates": ("qbuild.evaluate.gates", "render_gates"),
     "render_diff": ("qbuild.results.diff", "render"),

@@ -268,3 +268,51 @@ def test_an_error_line_quotes_only_the_start_of_a_huge_value(tmp_path):
     recipe["variants"] = [{"name": "x", "method": "gguf", "type": "F16", "k" * 100_000: 1}]
     line = _one_line_refusal(write_recipe(tmp_path / "r.yaml", recipe), "unknown key")
     assert len(line) < 1500, len(line)
+
+
+# --- the import's precision (issue 47) --------------------------------------------------------------------------------
+@pytest.mark.parametrize(("types", "dtype"), [
+    ({}, "float32"),                                            # an F32 file: its exact values
+    ({"token_embd.weight": 1, "blk.0.attn_q.weight": 1, "blk.1.attn_q.weight": 1}, "float16"),   # all F16
+    ({"token_embd.weight": 30, "blk.0.attn_q.weight": 30, "blk.1.attn_q.weight": 30}, "bfloat16"),  # all BF16
+    ({"token_embd.weight": 1, "blk.0.attn_q.weight": 8, "blk.1.attn_q.weight": 8}, "float32"),   # quantized: exact
+])
+def test_the_import_keeps_a_16_bit_gguf_16_bit(tmp_path, types, dtype):
+    """`dtype: auto` (the default): a GGUF whose matrices are all F16 or all BF16 is imported at that precision, so a
+    quantized variant's untouched tensors (embeddings, head) are not widened to float32; a quantized GGUF keeps its
+    exact dequantized values in float32. The recipe's dtype still decides where it is given."""
+    from qbuild import api
+
+    sizes = {1: 2, 30: 2, 8: 34 / 32}   # bytes a value: F16, BF16, Q8_0 (blocks of 32: 34 bytes)
+    gguf = write(tmp_path / "m.gguf", _typed_gguf(types, sizes))
+    recipe = {"name": "t", "model": {"source": "gguf", "path": str(gguf)},
+              "variants": [{"name": "f16", "method": "gguf", "type": "F16"}],
+              "evaluation": {"perplexity": None, "baseline": False}, "store": {"path": str(tmp_path / "store")}}
+    model = next(p.step for p in api.validate(recipe).steps if p.step.kind == "import-gguf")
+    assert model.params["dtype"] == dtype
+    recipe["model"]["dtype"] = "float32"
+    model = next(p.step for p in api.validate(recipe).steps if p.step.kind == "import-gguf")
+    assert model.params["dtype"] == "float32"
+
+
+def _typed_gguf(types: dict[str, int], bytes_per_value: dict[int, float]) -> bytes:
+    """The base file with some tensors stored in other ggml types (data sized for each type)."""
+    import struct
+
+    from hostile_models import _str, base_metadata, base_tensors
+
+    metadata = base_metadata()
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(base_tensors()), len(metadata)) + b"".join(metadata)
+    infos, offset, sizes = b"", 0, []
+    for name, dims in base_tensors():
+        kind = types.get(name, 0)
+        count = 1
+        for d in dims:
+            count *= d
+        nbytes = int(count * bytes_per_value.get(kind, 4))
+        infos += _str(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
+        infos += struct.pack("<IQ", kind, offset)
+        sizes.append(nbytes)
+        offset += -(-nbytes // 32) * 32
+    body = head + infos
+    return body + b"\0" * ((-len(body)) % 32) + b"".join(b"\0" * (-(-n // 32) * 32) for n in sizes)

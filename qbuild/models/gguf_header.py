@@ -46,6 +46,7 @@ class GGUFHeader:
     elements: int           # parameters in the file: the sum of its tensors' elements
     blocks: int             # 1 + the highest `blk.N.` index among its tensors (0: none)
     data_bytes: int         # the tensor data, as the header lays it out
+    matrix_types: frozenset[str] = frozenset()   # the ggml types of its 2-D and larger tensors (F16, Q4_K, ...)
 
 
 def check_gguf(path: Path, time_limit_s: float = TIME_LIMIT_S) -> GGUFHeader:
@@ -163,6 +164,7 @@ class _Walk:
         names: set[bytes] = set()
         entries = []
         elements = blocks = 0
+        matrix_types: set[str] = set()
         for _ in range(n_tensors):
             self.tick()
             raw = self.string("tensor name", MAX_KEY)
@@ -188,6 +190,8 @@ class _Walk:
                 block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
             except (ValueError, KeyError):
                 raise GGUFRefused(f"tensor {name}: unknown ggml type {kind}") from None
+            if n_dims >= 2:
+                matrix_types.add(GGMLQuantizationType(kind).name)
             if dims[0] % block:
                 raise GGUFRefused(f"tensor {name}: a row of {dims[0]} is not a whole number of {block}-element blocks")
             offset = self.scalar("Q", f"tensor {name} offset")
@@ -205,7 +209,7 @@ class _Walk:
                 raise GGUFRefused(f"tensor {name}: its {nbytes:,} bytes end past the end of the file "
                                   f"({start + offset + nbytes:,} > {self.size:,})")
             expected = -(-(offset + nbytes) // alignment) * alignment
-        return GGUFHeader(version, n_tensors, n_kv, elements, blocks, expected)
+        return GGUFHeader(version, n_tensors, n_kv, elements, blocks, expected, frozenset(matrix_types))
 
 
 def _shown(raw: bytes, limit: int = 60) -> str:

@@ -60,6 +60,13 @@ def gemma_attention_scalar(config) -> int | None:
     return text.head_dim
 
 
+def source_dtype(matrix_types: frozenset[str]) -> str:
+    """The import's dtype where the recipe leaves it `auto`: a GGUF whose weight matrices are all F16 or all BF16
+    keeps them 16-bit, so a quantized artifact's untouched tensors (embeddings, head) are not widened; a quantized
+    or float32 GGUF is dequantized to float32, its exact values."""
+    return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(matrix_types, "float32")
+
+
 def gguf_config(path: Path) -> dict:
     """HF-style architecture facts from GGUF metadata (numpy only; the tensors are not read).
 
@@ -94,9 +101,15 @@ def gguf_config(path: Path) -> dict:
         v = value(f"{arch}.{suffix}")
         if v is not None:
             config[hf_name] = v
-    add_bos = value("tokenizer.ggml.add_bos_token")
+    add_bos, vocabulary, pre = (value(f"tokenizer.ggml.{k}") for k in ("add_bos_token", "model", "pre"))
     if add_bos is not None:
         config["add_bos_token"] = bool(add_bos)
+        config["add_bos_from"] = "the GGUF's tokenizer.ggml.add_bos_token"
+    elif isinstance(vocabulary, str):   # as llama.cpp reads the file, and as the import's tokenizer will do
+        from qbuild.models.gguf_tokenizer import llama_cpp_adds_bos
+
+        config["add_bos_token"] = llama_cpp_adds_bos(vocabulary, pre if isinstance(pre, str) else None)
+        config["add_bos_from"] = f"llama.cpp's default for a {vocabulary} vocabulary (the GGUF states no add_bos_token)"
     bos = value("tokenizer.ggml.bos_token_id")   # None: the imported tokenizer has no BOS token (Qwen's GGUFs)
     config["bos_token_id"] = None if not isinstance(bos, int) else int(bos)
     # llama.cpp writes no output.weight for a model whose output matrix is its token embedding
@@ -110,6 +123,7 @@ def gguf_config(path: Path) -> dict:
     if header.blocks and layers != header.blocks:
         raise ConfigRefused(f"{arch}.block_count: {layers} but the file's tensors hold {header.blocks} blocks")
     config["gguf_elements"] = header.elements   # parameters the import dequantizes (its memory estimate)
+    config["source_dtype"] = source_dtype(header.matrix_types)
     return config
 
 

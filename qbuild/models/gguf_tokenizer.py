@@ -42,6 +42,12 @@ BPE_PRE = {
 }
 
 
+def llama_cpp_adds_bos(model: str, pre: str | None) -> bool:
+    """Whether llama.cpp starts a sequence with BOS for a GGUF that does not say (llama-vocab.cpp's default by
+    vocabulary): SentencePiece and Llama-3-style BPE do, other BPE vocabularies do not."""
+    return model == "llama" or (pre in BPE_PRE and BPE_PRE[pre][0] is _LLAMA3_REGEX)
+
+
 @dataclass
 class GGUFVocab:
     """A GGUF's `tokenizer.*` metadata."""
@@ -81,8 +87,7 @@ def read_vocab(path: Path) -> GGUFVocab:
         raise ValueError(f"{path.name} has no tokenizer.ggml.tokens: no vocabulary to import")
     types = value("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     model, pre = value("tokenizer.ggml.model") or "", value("tokenizer.ggml.pre")
-    # where the GGUF does not say, what llama.cpp does (llama-vocab.cpp): SentencePiece and Llama-3 BPE add BOS
-    default_bos = model == "llama" or (pre in BPE_PRE and BPE_PRE[pre][0] is _LLAMA3_REGEX)
+    default_bos = llama_cpp_adds_bos(model, pre)
     add_bos, add_eos = value("tokenizer.ggml.add_bos_token"), value("tokenizer.ggml.add_eos_token")
     return GGUFVocab(model=model, pre=pre, tokens=list(tokens),
                      types=[int(t) for t in types], scores=value("tokenizer.ggml.scores"),

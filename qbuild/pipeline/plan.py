@@ -68,6 +68,7 @@ class Plan:
     estimate: object = None              # qbuild.pipeline.estimate.PlanEstimate: `qbuild plan` adds it (run does not need it)
     overlap: dict | None = None          # calibration vs evaluation text (qbuild.calibration.overlap)
     time_limits: tuple = ()              # TimeLimit: wall-time limits on sets of steps, enforced by the executor too
+    protocol: dict | None = None         # the perplexity protocol as evaluated (BOS as the model has it), with `bos_why`
 
     @property
     def to_build(self) -> int:
@@ -104,7 +105,7 @@ class Plan:
                 for p in self.steps]
         out = {"recipe": self.recipe.name, "steps": rows, "to_build": self.to_build,
                "not_evaluated": [{"artifact": label, "reason": why} for label, why in self.not_evaluated.items()],
-               "warnings": list(self.warnings), "overlap": self.overlap}
+               "warnings": list(self.warnings), "overlap": self.overlap, "protocol": self.protocol}
         if self.estimate is not None:
             out["estimate"] = self.estimate.as_dict()
         return out
@@ -134,6 +135,7 @@ class PlanContext:
     not_evaluated: dict[str, str] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)   # also logged to the "qbuild" logger
     overlap: dict | None = None                         # calibration vs evaluation text, measured before any step
+    bos_decision: dict | None = None                    # {added, why}: BOS on each evaluation window, and why
     _by_key: dict[str, Step] = field(default_factory=dict)
     _model: Step | None = None
     _gates: dict[str, Step] = field(default_factory=dict)   # step key → its check: what reads the step waits for it
@@ -413,7 +415,18 @@ def make_plan(recipe: Recipe, recipe_dir: Path, store: Store, remotes: tuple = (
     except RecipeError as err:
         raise locate(err, recipe) from None
     return Plan(recipe, recipe_dir, steps, tuple(ctx.artifacts), dict(ctx.not_evaluated), tuple(ctx.warnings),
-                tuple(remotes), overlap=ctx.overlap, time_limits=tuple(ctx.time_limits))
+                tuple(remotes), overlap=ctx.overlap, time_limits=tuple(ctx.time_limits), protocol=_protocol(ctx))
+
+
+def _protocol(ctx: PlanContext) -> dict | None:
+    """The perplexity protocol the evaluation runs under (BOS as decided for this model) and why BOS is or is not
+    added: what `qbuild plan`, `run` and their JSON state."""
+    from qbuild.planning.evaluation import effective_evaluation
+
+    perplexity = effective_evaluation(ctx).perplexity
+    if perplexity is None:
+        return None
+    return {**perplexity.canonical(), "bos_why": ctx.bos_decision["why"]}
 
 
 def check_time_limit(limit: TimeLimit, planned: tuple[PlannedStep, ...], store: Store, recipe_name: str) -> None:

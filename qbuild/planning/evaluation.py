@@ -240,23 +240,37 @@ def serving_quality_step(ctx, art, config) -> Step | None:
 
 
 def effective_evaluation(ctx):
-    """The recipe's evaluation with what the model decides where the recipe does not: a model whose tokenizer has no
-    BOS token (Qwen's) is scored without one, and a llama-perplexity base file (kld_base) was scored with the
-    model's own BOS rule, which is followed."""
+    """The recipe's evaluation with the model's own BOS convention where the recipe does not set `add_bos`
+    (bos_decision); ctx.bos_decision keeps what was decided and why, for the plan and the run to state."""
     ev = ctx.recipe.evaluation
-    if ev.perplexity and ev.perplexity.add_bos and not tokenizer_has_bos(ctx.model()):
-        if "add_bos" in ev.perplexity.model_fields_set:
+    if not ev.perplexity:
+        return ev
+    added, why = bos_decision(ctx.model(), ev.perplexity)
+    ctx.bos_decision = {"added": added, "why": why}
+    if added != ev.perplexity.add_bos:
+        ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": added})})
+    return ev
+
+
+def bos_decision(model: Step, perplexity) -> tuple[bool, str]:
+    """(whether each window starts with BOS, why): as the recipe sets `add_bos`, else as the model's own tokenizer
+    does (the same weights from a GGUF or an HF directory give the same answer), else the protocol's default, BOS,
+    where the tokenizer has one. A model without a BOS token never gets one."""
+    from qbuild.planning.models import model_bos
+
+    has_bos = tokenizer_has_bos(model)
+    if "add_bos" in perplexity.model_fields_set:
+        if perplexity.add_bos and not has_bos:
             raise RecipeError("evaluation.perplexity.add_bos", "the model's tokenizer has no BOS token "
                               "(tokenizer_config.json: bos_token null), so no window can start with one: "
                               "set add_bos: false, or leave it out")
-        ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": False})})
-    if ev.kld_base and ev.perplexity and "add_bos" not in ev.perplexity.model_fields_set:
-        from qbuild.planning.models import model_adds_bos
-
-        adds = model_adds_bos(ctx.model())
-        if adds is not None and adds != ev.perplexity.add_bos:
-            ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": adds})})
-    return ev
+        return perplexity.add_bos, "evaluation.perplexity.add_bos in the recipe"
+    if not has_bos:
+        return False, "the model's tokenizer has no BOS token"
+    adds, source = model_bos(model)
+    if adds is None:
+        return True, f"{source}: the protocol's default (add_bos: true)"
+    return adds, f"the model's own convention ({source} is {str(adds).lower()})"
 
 
 def tokenizer_has_bos(model: Step) -> bool:

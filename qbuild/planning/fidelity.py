@@ -12,14 +12,14 @@ TOOLS = ("torch", "transformers", "tokenizers", "gguf", "llama-cpp-python")
 
 
 def _protocol(ctx) -> Perplexity:
-    """The evaluation's perplexity protocol as the evaluation resolves it (no BOS for a tokenizer without one), or
-    its defaults where the recipe measures no perplexity: the check reads the same eval-data step."""
-    from qbuild.planning.evaluation import effective_evaluation, tokenizer_has_bos
+    """The evaluation's perplexity protocol as the evaluation resolves it (BOS as the model's own tokenizer adds it),
+    or its defaults where the recipe measures no perplexity: the check reads the same eval-data step."""
+    from qbuild.planning.evaluation import bos_decision, effective_evaluation
 
     perplexity = effective_evaluation(ctx).perplexity
     if perplexity is not None:
         return perplexity
-    return Perplexity(add_bos=tokenizer_has_bos(ctx.model()))
+    return Perplexity(add_bos=bos_decision(ctx.model(), Perplexity())[0])
 
 
 def _compared_on(ctx) -> tuple[Step, dict]:

@@ -91,7 +91,9 @@ def model_step(spec, recipe_dir: Path) -> Step:
         path = resolve_path(spec.path, recipe_dir, "model.path")
         if not path.is_file():
             raise RecipeError("model.path", f"{path} is not a GGUF file (source: gguf takes one .gguf file)")
-        params = {"source": "gguf", "gguf_sha256": dir_fingerprint(path), "dtype": spec.dtype}
+        digest = dir_fingerprint(path)
+        dtype = gguf_facts(path, digest)["source_dtype"] if spec.dtype == "auto" else spec.dtype
+        params = {"source": "gguf", "gguf_sha256": digest, "dtype": dtype}
         return Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
                     tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format=Format.HF,
                     runtime_args={"gguf_path": str(path)},
@@ -114,14 +116,18 @@ def model_info(step: Step) -> dict:
             return check_sizes(read_json_mapping(config))
         except ConfigRefused as exc:
             raise RecipeError("model.path", f"{config}: {exc}") from None
-    # Parsing a GGUF's metadata (vocab, merges) takes seconds: memoize by the file's content hash (only what passed
-    # the checks is memoized).
-    memo = fingerprint_cache() / "model-info" / f"{step.params['gguf_sha256']}.v5.json"   # v5: checked, gguf_elements
+    return gguf_facts(Path(step.runtime_args["gguf_path"]), step.params["gguf_sha256"])
+
+
+def gguf_facts(path: Path, digest: str) -> dict:
+    """A GGUF's checked architecture facts (qbuild.models.gguf_import.gguf_config). Parsing its metadata (vocab,
+    merges) takes seconds: memoized by the file's content hash, and only what passed the checks is memoized."""
+    memo = fingerprint_cache() / "model-info" / f"{digest}.v7.json"   # v7: checked sizes, add_bos_from, source_dtype
     try:
         return json.loads(memo.read_text())
     except (OSError, ValueError):
         pass
-    info = _read_gguf(Path(step.runtime_args["gguf_path"]))
+    info = _read_gguf(path)
     atomic_write_json(memo, info)
     return info
 
@@ -137,15 +143,64 @@ def _read_gguf(path: Path) -> dict:
         raise RecipeError("model.path", f"{path}: {exc}") from None
 
 
-def model_adds_bos(step: Step) -> bool | None:
-    """Whether the model's tokenizer starts a sequence with BOS (HF tokenizer_config.json `add_bos_token`, GGUF
-    `tokenizer.ggml.add_bos_token`); None when the model does not say."""
+def model_bos(step: Step) -> tuple[bool | None, str]:
+    """(whether the model's own tokenizer starts a sequence with BOS, where that is read from), or (None, why not)
+    where the model does not say. The same weights give the same answer from any source: a GGUF's
+    `tokenizer.ggml.add_bos_token` (llama.cpp's default for its vocabulary where it is absent), an HF checkpoint's
+    `tokenizer_config.json` `add_bos_token`, else what its `tokenizer.json` post-processor adds."""
     from qbuild.models.model_config import ConfigRefused, read_json_mapping
 
-    if step.source_path is not None:
-        try:
-            value = read_json_mapping(step.source_path / "tokenizer_config.json").get("add_bos_token")
-        except ConfigRefused:
-            return None
-        return value if isinstance(value, bool) else None
-    return model_info(step).get("add_bos_token")
+    if step.source_path is None:
+        info = model_info(step)
+        if "add_bos_token" not in info:
+            return None, "the GGUF states no add_bos_token"
+        return info["add_bos_token"], info.get("add_bos_from") or "the GGUF's tokenizer.ggml.add_bos_token"
+    try:
+        value = read_json_mapping(step.source_path / "tokenizer_config.json").get("add_bos_token")
+    except ConfigRefused:
+        value = None
+    if isinstance(value, bool):
+        return value, "tokenizer_config.json's add_bos_token"
+    try:
+        tokenizer = read_json_mapping(step.source_path / "tokenizer.json", limit=TOKENIZER_JSON_LIMIT)
+    except ConfigRefused:
+        return None, "the checkpoint states no add_bos_token"
+    adds = post_processor_adds_bos(tokenizer.get("post_processor"), _bos_content(step.source_path))
+    if adds is None:
+        return None, "the checkpoint states no add_bos_token"
+    return adds, "tokenizer.json's post-processor"
+
+
+TOKENIZER_JSON_LIMIT = 256 << 20   # a 256k-token vocabulary with its merges is ~30 MB
+
+
+def _bos_content(checkpoint: Path) -> str | None:
+    from qbuild.models.model_config import ConfigRefused, read_json_mapping
+
+    try:
+        bos = read_json_mapping(checkpoint / "tokenizer_config.json").get("bos_token")
+    except ConfigRefused:
+        return None
+    return bos.get("content") if isinstance(bos, dict) else bos if isinstance(bos, str) else None
+
+
+def post_processor_adds_bos(processor, bos: str | None) -> bool | None:
+    """Whether a tokenizers post-processor (tokenizer.json) puts the BOS token `bos` first; None where it cannot tell."""
+    if processor is None:
+        return False
+    if not isinstance(processor, dict):
+        return None
+    kind = processor.get("type")
+    if kind == "Sequence":
+        found = [post_processor_adds_bos(p, bos) for p in processor.get("processors") or []]
+        return True if True in found else None if None in found else False
+    if kind == "TemplateProcessing":
+        single = processor.get("single") or []
+        first = single[0] if single and isinstance(single[0], dict) else {}
+        special = first.get("SpecialToken")
+        if special is None:
+            return False
+        return bos is None or special.get("id") == bos
+    if kind in ("ByteLevel",):
+        return False
+    return None   # Bert/Roberta processors add their CLS: not a BOS convention this reads

@@ -46,7 +46,10 @@ class GGUFModel(StrictModel):
 
     source: Literal["gguf"]
     path: str
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="The imported checkpoint's dtype. auto: the GGUF's own where its weight matrices are all "
+        "F16 or all BF16 (so untouched tensors of a quantized variant stay 16-bit), else float32, the exact "
+        "dequantized values. Evaluation runs in float32 either way.")
 
 
 ModelSource = Annotated[Union[LocalModel, HubModel, GGUFModel], Field(discriminator="source")]
@@ -81,8 +84,10 @@ class Perplexity(StrictModel):
     context_length: int = Field(512, ge=8)
     stride: int | None = Field(None, ge=1, description="sliding-window only; default: half the window.")
     max_windows: int | None = Field(16, ge=1, description="Score at most this many windows (None: all).")
-    add_bos: bool = Field(True, description="Start each window with BOS; BOS itself is never scored. With kld_base "
-                          "and not set here: the model's own (its tokenizer's add_bos_token), as llama-perplexity does.")
+    add_bos: bool = Field(True, description="Start each window with BOS (BOS itself is never scored). Not set here: as "
+                          "the model's own tokenizer does (a GGUF's tokenizer.ggml.add_bos_token, else llama.cpp's "
+                          "default; tokenizer_config.json's add_bos_token, else tokenizer.json's post-processor), "
+                          "as llama-perplexity and transformers do; true where the model does not say.")
     flash_attn: bool = Field(False, description="llama.cpp runtime: flash attention on. llama-perplexity's default is on, "
                              "qbuild's off; a kld_base file and qbuild must agree (numbers differ in the 3rd digit).")
     kv_cache_dtype: Literal["f16", "bf16", "q8_0", "q4_0"] | None = Field(

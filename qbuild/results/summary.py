@@ -275,7 +275,7 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
     if recipe.evaluation.serving:
         _add_serving_quality(rows, outcomes, recipe, base["ppl"] if base else None)
     steps, counts = step_rows(plan, outcomes)
-    protocol = recipe.evaluation.perplexity.canonical() if recipe.evaluation.perplexity else None
+    protocol = plan.protocol   # as evaluated: BOS as the model's own tokenizer has it, and why
     out = {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol,
            "warnings": list(plan.warnings), "overlap": plan.overlap}
     # the baseline against llama.cpp on its source file, a conversion against the checkpoint (models.import_check)
@@ -300,6 +300,12 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
 
 def _fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
+
+
+def bos_line(protocol: dict) -> str:
+    """One line: whether each perplexity window starts with BOS, and why."""
+    return (f"perplexity windows {'start with BOS' if protocol['add_bos'] else 'have no BOS'}: "
+            f"{protocol['bos_why']}")
 
 
 def render_table(summary: dict, console) -> None:
@@ -329,6 +335,8 @@ def render_table(summary: dict, console) -> None:
     render_serving(summary, console)
     for check in summary.get("fidelity_checks") or []:
         _render_fidelity_check(check, console)
+    if (summary.get("protocol") or {}).get("bos_why"):
+        console.print(bos_line(summary["protocol"]), highlight=False, soft_wrap=True)
     c = summary["counts"]
     console.print(f"{c['built']} built, {c['cached']} cached, {c['failed']} failed, {c['skipped']} skipped")
     for r in rows:
