@@ -428,12 +428,17 @@ def test_the_run_prints_one_line_per_capacity_search():
             "probes_reused": 3, **found}
     failed = {"config": "kv8", "status": "failed", "error": "llama.cpp server for q8_0 exited", "capacity_rps": None,
               "slo": {"ttft_p99_ms": 500}, "max_error_pct": 1.0, "probes": []}
-    lines = capacity_lines({"variants": [{"variant": "q8_0", "capacity": [done, failed]}]})
+    stopped = {"config": "big", "status": "built", "capacity_rps": None, "stopped_by": "max_minutes",
+               "slo": {"ttft_p99_ms": 500}, "max_error_pct": 1.0, "probes": []}
+    lines = capacity_lines({"variants": [{"variant": "q8_0", "capacity": [done, failed, stopped]}]})
     assert lines == [f"capacity q8_0 @ default (ttft_p99_ms ≤ 500, errors ≤ 1.0 %): {found['capacity_rps']:.4g} "
                      f"requests/s ({found['concurrency']} in flight; {found['next_rps']:.4g}/s missed); "
                      f"{len(found['probes'])} probes, 3 reused",
                      "capacity q8_0 @ kv8 (ttft_p99_ms ≤ 500, errors ≤ 1.0 %): not found (failed: llama.cpp server "
-                     "for q8_0 exited)"]
+                     "for q8_0 exited)",
+                     # a search its time limit cut short says so, not that no rate meets the SLOs
+                     "capacity q8_0 @ big (ttft_p99_ms ≤ 500, errors ≤ 1.0 %): not found: stopped by max_minutes "
+                     "before a rate met the SLOs"]
 
 
 def test_kept_probes_are_written_only_into_a_folder_qbuild_owns(tmp_path, monkeypatch):

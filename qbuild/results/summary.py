@@ -180,7 +180,8 @@ def _capacity(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
         row = {"config": o.step.params["config"]["name"], "status": o.status, "step": o.step.name, "error": o.error}
         row.update({k: m.get(k) for k in ("capacity_rps", "concurrency", "next_rps", "bracketed", "complete", "slo",
                                           "max_error_pct", "seconds", "probes_measured", "probes_reused", "command",
-                                          "start_rps", "one_at_a_time_rps", "one_at_a_time_reused")})
+                                          "start_rps", "one_at_a_time_rps", "one_at_a_time_reused", "stopped_by",
+                                          "stopped_probe")})
         row["probes"] = [{**{k: p.get(k) for k in ("rate_rps", "meets", "misses", "uncertain", "reused",
                                                    "mean_in_flight", "ci", *CAPACITY_PROBE_FIELDS)},
                           "rounds": len(p.get("rounds") or [p])} for p in m.get("probes") or []]
@@ -449,7 +450,9 @@ def capacity_lines(summary: dict) -> list[str]:
             slo = ", ".join(f"{k} ≤ {v:g}" for k, v in (c.get("slo") or {}).items())
             if c.get("capacity_rps") is None:
                 what = (f"not found ({c['status']}{': ' + c['error'] if c.get('error') else ''})"
-                        if c["status"] not in ("built", "cached") else "no rate meets the SLOs")
+                        if c["status"] not in ("built", "cached") else
+                        f"not found: stopped by {c['stopped_by']} before a rate met the SLOs" if c.get("stopped_by")
+                        else "no rate meets the SLOs")
             else:
                 what = (f"{c['capacity_rps']:.4g} requests/s ({c['concurrency']} in flight"
                         + (f"; {c['next_rps']:.4g}/s missed" if c.get("next_rps") else "") + ")"
