@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRACKING_ENV", "MultiRunResult", "RunResult", "backend_envs", "create_environments", "diff", "environments",
-    "find_run", "gc", "history", "keygen", "load", "machine_bound_targets", "open_remotes", "open_store", "plan",
+    "find_run", "gc", "history", "init", "keygen", "load", "machine_bound_targets", "open_remotes", "open_store", "plan",
     "plugins", "pull", "pull_options", "push", "rebuild_check", "recipe_files", "recipe_schema", "refs",
     "register_model", "remove_environments", "report", "run", "run_many", "select", "set_refs", "show", "tag",
     "track", "validate", "verified_as", "verify",
@@ -180,6 +180,17 @@ def show(name: str, *, store=None) -> tuple[str, dict]:
     if problems:
         manifest["damaged"] = problems
     return digest, redact_tree(manifest)
+
+
+def init(model: str, out: str | Path | None = None, *, engine: str | None = None, max_size_mb: float | None = None,
+         force: bool = False):
+    """Write a commented starter recipe for MODEL (an HF checkpoint folder, a .gguf file or pkg://package/file.gguf) to
+    `out` (default ./<model-name>.yaml): the variants its family builds for `engine` on this machine, evaluation,
+    serving, a selection stub and the plan's cold-time estimate; it validates and plans unedited
+    (qbuild/results/init_recipe.py). UserError when the model is refused or `out` exists without `force`."""
+    from qbuild.results.init_recipe import init_recipe
+
+    return init_recipe(model, out, engine=engine, max_size_mb=max_size_mb, force=force)
 
 
 def keygen(path) -> tuple[Path, Path]:

