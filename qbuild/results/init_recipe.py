@@ -131,24 +131,30 @@ def _path_in_recipe(model: str, out_dir: Path) -> str:
     return os.path.relpath(Path(model).absolute(), out_dir.absolute())
 
 
-def _engine(engine: str | None, has_gpu: bool) -> tuple[str, bool, bool]:
-    """(engine label, GGUF variants?, compressed-tensors variants?) for --engine (a server plugin's name) or the
-    machine's default: llama-server on a CPU, both kinds (each served by the first installed server that loads it)
-    where there is a GPU."""
+CT_SCHEMES = {"w4a16": "W4A16 (GPTQ)", "fp8-dynamic": "FP8 (llm-compressor)"}   # scheme → slot role
+
+
+def _engine(engine: str | None, has_gpu: bool) -> tuple[str, bool, tuple[str, ...], list[str]]:
+    """(engine label, GGUF variants?, the compressed-tensors schemes to write, notes) for --engine (a server plugin's
+    name) or the machine's default: llama-server on a CPU, both kinds (each served by the first installed server that
+    loads it) where there is a GPU."""
     from qbuild.contract.formats import Format, loads_in
     from qbuild.contract.plugin import servers
 
     if engine is None:
-        return ("llama-server + vLLM/SGLang" if has_gpu else "llama-server"), True, has_gpu
+        return ("llama-server + vLLM/SGLang", True, tuple(CT_SCHEMES), []) if has_gpu else ("llama-server", True, (), [])
     if engine not in servers:
         raise UserError(f"--engine {engine!r} is not a server; known servers: {', '.join(servers.names())}")
     server = servers.get(engine)
     if server.engine == LLAMA_CPP:
-        return engine, True, False
-    if server.engine in loads_in(Format.COMPRESSED_TENSORS, "w4a16"):
-        return engine, False, True
-    raise UserError(f"--engine {engine}: its engine ({server.engine}) loads neither GGUF files nor compressed-tensors "
-                    "checkpoints, the formats qbuild init writes variants for")
+        return engine, True, (), []
+    schemes = tuple(s for s in CT_SCHEMES if server.engine in loads_in(Format.COMPRESSED_TENSORS, s))
+    if not schemes:
+        raise UserError(f"--engine {engine}: its engine ({server.engine}) loads neither GGUF files nor the "
+                        "compressed-tensors checkpoints qbuild init writes variants for (W4A16, FP8)")
+    notes = [f"{CT_SCHEMES[s]} left out: {engine} ({server.engine}) does not load a compressed-tensors {s} checkpoint"
+             for s in CT_SCHEMES if s not in schemes]
+    return engine, False, schemes, notes
 
 
 def _gguf_slots(max_size_mb: float | None) -> list[Slot]:
@@ -176,7 +182,7 @@ def _gguf_slots(max_size_mb: float | None) -> list[Slot]:
     return slots
 
 
-def _ct_slots(gpu) -> list[Slot]:
+def _ct_slots(gpu, schemes: tuple[str, ...]) -> list[Slot]:
     where = (f"this GPU ({_one_line(gpu.name, 80)}, compute capability {_one_line(gpu.sm, 10)}) "
              + ("runs FP8 natively" if _sm(gpu.sm) >= 8.9 else "has no FP8 units: vLLM runs it weight-only (Marlin)")
              if gpu is not None else "native on Ada/Hopper GPUs (compute capability 8.9+), weight-only on older ones")
@@ -187,10 +193,10 @@ def _ct_slots(gpu) -> list[Slot]:
     options.append(Option({"name": "w4a16", "method": "gptq", "bits": 4, "group_size": 128,
                            "on_indivisible": "ignore"},
                           w4.format(g=128) + " Layers whose input size 128 does not divide stay unquantized."))
-    return [Slot("W4A16 (GPTQ)", options),
-            Slot("FP8 (llm-compressor)", [Option({"name": "fp8", "method": "fp8", "scheme": "dynamic"},
-                                                 "FP8 dynamic: E4M3 weights, per-token activation scales computed at "
-                                                 f"run time, no calibration; {where}.")])]
+    fp8 = Option({"name": "fp8", "method": "fp8", "scheme": "dynamic"},
+                 f"FP8 dynamic: E4M3 weights, per-token activation scales computed at run time, no calibration; {where}.")
+    slots = {"w4a16": Slot(CT_SCHEMES["w4a16"], options), "fp8-dynamic": Slot(CT_SCHEMES["fp8-dynamic"], [fp8])}
+    return [slots[s] for s in schemes]
 
 
 def _sm(sm: str) -> float:
@@ -531,7 +537,7 @@ def init_recipe(model: str, out: str | os.PathLike | None = None, *, engine: str
         raise UserError(f"{target}: the folder {target.parent} does not exist")
     out_path = target.absolute()
     gpu = probe_gpu()
-    label, want_gguf, want_ct = _engine(engine, gpu is not None)
+    label, want_gguf, ct_schemes, notes = _engine(engine, gpu is not None)
     spec_path = _path_in_recipe(model, out_path.parent)
     spec = GGUFModel(source="gguf", path=spec_path) if kind == "gguf" else LocalModel(source="local", path=spec_path)
     try:
@@ -542,8 +548,7 @@ def init_recipe(model: str, out: str | os.PathLike | None = None, *, engine: str
     parameters = (size.file_parameters or size.parameters) if size else int(info.get("gguf_elements") or 0)
     facts = _Facts(model, kind, spec_path, info, parameters, machine_memory(), os.cpu_count() or 1, gpu, label,
                    engine, None if max_size_mb is None else int(max_size_mb * 1e6 / (1 << 20) * 10) / 10)
-    slots = (_gguf_slots(max_size_mb) if want_gguf else []) + (_ct_slots(gpu) if want_ct else [])
-    notes = []
+    slots = (_gguf_slots(max_size_mb) if want_gguf else []) + _ct_slots(gpu, ct_schemes)
     if max_size_mb is not None and not want_gguf:
         notes.append(f"--max-size-mb {max_size_mb:g}: a size-budget search is a gguf variant's; for {label}, an rtn "
                      "variant with search: {max_bits: N} mixes W4A16/W8A16 under an average-bits budget "
