@@ -219,6 +219,15 @@ def test_a_model_qbuild_cannot_read_is_one_line_exit_2(tmp_path):
     assert not list(tmp_path.glob("*.yaml"))
 
 
+def test_a_model_this_machine_cannot_hold_is_one_line_exit_2(tmp_path):
+    """The machine's memory (QBUILD_MEMORY_GB declares a budget) is what the plan's memory check holds steps to."""
+    model = checkpoint(tmp_path, "m")
+    line = one_line_refusal(qbuild("init", str(model), cwd=tmp_path, env=CPU | {"QBUILD_MEMORY_GB": "0.5"}))
+    assert str(model) in line and "of memory" in line and "QBUILD_MEMORY_GB gives 0.5 GB" in line
+    assert not (tmp_path / "m.yaml").exists()
+    assert qbuild("init", str(model), cwd=tmp_path, env=CPU | {"QBUILD_MEMORY_GB": "4"}).returncode == 0
+
+
 def test_an_unknown_engine_is_one_line_exit_2(tmp_path):
     model = checkpoint(tmp_path, "m")
     line = one_line_refusal(qbuild("init", str(model), "--engine", "nope", cwd=tmp_path, env=CPU))
