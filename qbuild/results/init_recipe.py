@@ -455,9 +455,7 @@ def _settle(facts: _Facts, name: str, out: Path, slots: list[Slot], notes: list[
             warning = _one_line(re.sub(r"^variants\[\d+\][\w.\[\]]*:\s*", "", warnings[0]), 600)
             if slot.warned is None:
                 slot.warned, slot.warning = slot.index, warning
-            if not _advance(slot, f"{_option_label(slot.option.variant)}: {warning}"):
-                slot.index, slot.done = slot.warned, True   # nothing plans cleanly: the first that plans at all
-                slot.tried = slot.tried[:slot.index]
+            _advance(slot, f"{_option_label(slot.option.variant)}: {warning}")   # at the end: back to the first that warned
             moved = True
             break
         if not moved:
