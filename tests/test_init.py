@@ -146,6 +146,20 @@ def test_engine_vllm_and_a_group_size_that_does_not_divide(tmp_path):
     validates_and_plans(tmp_path / "v.yaml", tmp_path)
 
 
+def test_when_no_option_plans_cleanly_the_first_is_kept_with_the_plans_note(tmp_path):
+    """Rows of 200 columns fit no quantized block (32, 256): llama.cpp stores them F16. Each slot keeps its first
+    option, and its comment carries the plan's warning instead of hiding it."""
+    model = checkpoint(tmp_path, "w200", hidden_size=200, intermediate_size=400)
+    proc = qbuild("init", str(model), cwd=tmp_path, env=CPU)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "w200.yaml").read_text()
+    assert [v["type"] for v in yaml.safe_load(text)["variants"]] == ["Q8_0", "Q4_K_M"]
+    assert "The plan notes: Q8_0 packs rows in blocks of 32 columns" in flat(text)
+    assert "The plan notes: Q4_K_M packs rows in blocks of 256 columns" in flat(text)
+    assert "Chosen over" not in text
+    validates_and_plans(tmp_path / "w200.yaml", tmp_path)
+
+
 def test_an_engine_gets_only_the_schemes_it_loads(tmp_path):
     """trtllm-serve loads compressed-tensors FP8, not W4A16: the recipe has FP8 alone and says why."""
     model = checkpoint(tmp_path, "m")
