@@ -23,6 +23,10 @@ from qbuild.base.fingerprint import cache_dir, package_version
 from qbuild.base.tool_run import run_tool
 
 MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# llama.cpp's vocabulary test files: models/ggml-vocab-<name>.gguf (vocabulary only, no tensors) with, for most,
+# .gguf.inp (test strings) and .gguf.out (llama.cpp's token ids for each): tests/test_gguf_vocab_vectors.py. Kept in
+# a directory of their own, so a converter cache extracted before they were wanted stays as it is.
+VOCAB_MEMBERS = ("models/ggml-vocab-",)
 SDIST_SHA256 = {  # llama_cpp_python-<version>.tar.gz on PyPI; add a line when scripts/constraints.txt moves
     "0.3.36": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
 }
@@ -56,17 +60,49 @@ def converter_dir(log=print) -> Path:
     if (target / "convert_hf_to_gguf.py").is_file():
         return target
     log(f"extracting llama.cpp's converter from the llama-cpp-python {version} sdist (once)")
-    cache_root().mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:  # same filesystem: the rename is atomic
-        staged = Path(tmp) / "staged"
-        extract_vendored(download_sdist(version, Path(tmp)), staged, MEMBERS)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(staged, target)
-        except OSError:
-            if not (target / "convert_hf_to_gguf.py").is_file():
-                raise
+    # the vocabulary test files from the same download, where they are not there yet
+    _extract(version, {target: MEMBERS, vocab_cache(version): VOCAB_MEMBERS})
+    if not (target / "convert_hf_to_gguf.py").is_file():
+        raise RuntimeError(f"{target} has no convert_hf_to_gguf.py (an incomplete extraction: remove it to extract "
+                           "again)")
     return target
+
+
+def vocab_cache(version: str) -> Path:
+    return cache_root() / "vocab" / version
+
+
+def vocab_test_dir(log=print) -> Path:
+    """Directory holding llama.cpp's vocabulary test files (ggml-vocab-*.gguf, .gguf.inp, .gguf.out) of the installed
+    llama-cpp-python's llama.cpp, extracted from its sdist once (with the converter, or on first use)."""
+    version = package_version("llama-cpp-python")
+    if version == "absent":
+        raise RuntimeError("llama-cpp-python is not installed; run: pip install 'qbuild[gguf]'")
+    target = vocab_cache(version)
+    if not target.is_dir():
+        log(f"extracting llama.cpp's vocabulary test files from the llama-cpp-python {version} sdist (once)")
+        _extract(version, {target: VOCAB_MEMBERS})
+    return target / "models"
+
+
+def _extract(version: str, wanted: dict[Path, tuple[str, ...]]) -> None:
+    """Download the sdist once and extract, for each target directory not there yet, the vendored llama.cpp paths
+    starting with its members; each target appears whole (staged, then renamed: the same filesystem) or not at all."""
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
+        sdist = download_sdist(version, Path(tmp))
+        for i, (target, members) in enumerate(wanted.items()):
+            if target.is_dir() and any(target.iterdir()):
+                continue
+            staged = Path(tmp) / f"staged-{i}"
+            staged.mkdir()
+            extract_vendored(sdist, staged, members)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.rename(staged, target)
+            except OSError:
+                if not target.is_dir():   # not another process's complete copy: a real failure
+                    raise
 
 
 def download_sdist(version: str, dest: Path) -> Path:
