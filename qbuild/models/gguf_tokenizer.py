@@ -287,6 +287,25 @@ def read_metadata(path: Path, wanted=lambda key: True) -> dict:
         return out
 
 
+# the byte-level BPE pre-tokenizers whose written files are what they were before issue 47 (all but dbrx/smaug-bpe,
+# which lost Llama 3's ignore_merges and BOS)
+_UNCHANGED_PRE = frozenset({
+    "gpt-2", "phi-2", "mpt", "olmo", "jais", "roberta-bpe", "exaone4", "trillion", "smollm", "starcoder", "refact",
+    "command-r", "codeshell", "exaone", "minerva-7b", "llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "qwen2",
+    "deepseek-r1-qwen", "stablelm2", "megrez"})
+
+
+def writer_version(model: str, pre: str | None, name: str = "") -> int | None:
+    """The version of what write_tokenizer writes for a GGUF of this tokenizer.ggml.model / .pre / general.name, for
+    the import step's key: None where the files are byte for byte what they were before issue 47 (byte-level BPE
+    with a pre-tokenizer qbuild knew then, SmolLM2's demo GGUF among them), so those keys stay; 2 where they changed
+    (SentencePiece and Gemma 4 vocabularies, the pre-tokenizers added then or corrected, Phi-3-named files)."""
+    lowered = name.lower()
+    if model == "gpt2" and pre in _UNCHANGED_PRE and "phi-3" not in lowered and "phi3" not in lowered:
+        return None
+    return 2
+
+
 def refusal(vocab: GGUFVocab) -> str | None:
     """Why qbuild cannot tokenize this vocabulary as llama.cpp does (one line), or None."""
     if vocab.model == "llama" or vocab.model == "gemma4":
