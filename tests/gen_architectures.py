@@ -163,7 +163,31 @@ def render(results: dict[tuple[str, str], dict]) -> str:
             "transformers (`convert-check[f16]`: the evaluation text tokenized alike, token for token; KLD, top-1 "
             "agreement and perplexity on the first 2 windows), and, for the round trip, the import against its GGUF "
             "(`import-check`). A cell whose check fails is not built: the run stops with one line naming what "
-            "differs.\n\n" + checks_table(results) + TOKENIZER_NOTE)
+            "differs.\n\n" + checks_table(results) + TOKENIZER_NOTE + tokenizer_section())
+
+
+def tokenizer_section() -> str:
+    """The GGUF tokenizer table (tests/test_gguf_vocab_vectors.py holds it to llama.cpp's vectors)."""
+    from test_gguf_vocab_vectors import tokenizer_table
+
+    return "\n" + GGUF_TOKENIZERS_HEAD + tokenizer_table()
+
+
+GGUF_TOKENIZERS_HEAD = (
+    "## GGUF tokenizers: llama.cpp's vocabulary test files\n"
+    '\n'
+    "A GGUF import (`source: gguf`) rebuilds the tokenizer from the file's `tokenizer.ggml.*` metadata\n"
+    '(qbuild/models/gguf_tokenizer.py) as a `tokenizers` pipeline set up to split text as llama.cpp does. llama.cpp ships\n'
+    'a vocabulary test file for each tokenizer family it supports (`models/ggml-vocab-*.gguf`, the vocabulary only), most\n'
+    "with test strings (`.gguf.inp`) and llama.cpp's token ids for each (`.gguf.out`); qbuild extracts them from the\n"
+    "llama-cpp-python sdist it takes the converter from. `tests/test_gguf_vocab_vectors.py` writes each vocabulary's\n"
+    "tokenizer with the import's own writer, loads it with transformers' AutoTokenizer as the evaluation does, and\n"
+    "requires every string's tokens to be the expected ids exactly (a file without vectors: llama.cpp itself, through\n"
+    "llama-cpp-python, on the shared strings), and the same with the vocabulary's special tokens in the text and with\n"
+    'BOS/EOS added. A vocabulary qbuild does not rebuild is refused at plan time in one line naming the metadata key (and\n'
+    'by the import step, `TokenizerRefused: ...`) rather than imported with a tokenizer that splits text otherwise.\n'
+    '\n'
+)
 
 
 def run_matrix(results: Path) -> int:

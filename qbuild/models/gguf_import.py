@@ -41,6 +41,8 @@ def restore_unmapped(config, facts: dict) -> None:
 
 def unimportable(info: dict) -> str | None:
     """Why transformers cannot import this GGUF faithfully (read from its metadata at plan time), or None."""
+    if info.get("tokenizer_refusal"):   # its text would be tokenized otherwise than llama.cpp does
+        return f"its tokenizer: {info['tokenizer_refusal']}"
     if info.get("model_type") == "llama" and (info.get("num_local_experts") or 0) > 1:
         return ("a Mixtral-style GGUF (llama architecture with experts): transformers' GGUF loader builds a dense "
                 "Llama from it and drops the experts (KLD 1.06 against llama.cpp on the matrix's tiny Mixtral); "
@@ -102,13 +104,20 @@ def gguf_config(path: Path) -> dict:
         if v is not None:
             config[hf_name] = v
     add_bos, vocabulary, pre = (value(f"tokenizer.ggml.{k}") for k in ("add_bos_token", "model", "pre"))
+    vocabulary = vocabulary if isinstance(vocabulary, str) else ""
+    pre = pre if isinstance(pre, str) else None
+    name = value("general.name")
+    from qbuild.models.gguf_tokenizer import vocabulary_refusal, writer_version
+
+    config["tokenizer_refusal"] = vocabulary_refusal(vocabulary, pre)   # the plan refuses the import with it
+    config["tokenizer_writer"] = writer_version(vocabulary, pre, name if isinstance(name, str) else "")
     if add_bos is not None:
         config["add_bos_token"] = bool(add_bos)
         config["add_bos_from"] = "the GGUF's tokenizer.ggml.add_bos_token"
-    elif isinstance(vocabulary, str):   # as llama.cpp reads the file, and as the import's tokenizer will do
+    elif vocabulary:   # as llama.cpp reads the file, and as the import's tokenizer will do
         from qbuild.models.gguf_tokenizer import llama_cpp_adds_bos
 
-        config["add_bos_token"] = llama_cpp_adds_bos(vocabulary, pre if isinstance(pre, str) else None)
+        config["add_bos_token"] = llama_cpp_adds_bos(vocabulary, pre)
         config["add_bos_from"] = f"llama.cpp's default for a {vocabulary} vocabulary (the GGUF states no add_bos_token)"
     bos = value("tokenizer.ggml.bos_token_id")   # None: the imported tokenizer has no BOS token (Qwen's GGUFs)
     config["bos_token_id"] = None if not isinstance(bos, int) else int(bos)

@@ -308,15 +308,20 @@ def writer_version(model: str, pre: str | None, name: str = "") -> int | None:
 
 def refusal(vocab: GGUFVocab) -> str | None:
     """Why qbuild cannot tokenize this vocabulary as llama.cpp does (one line), or None."""
-    if vocab.model == "llama" or vocab.model == "gemma4":
+    return vocabulary_refusal(vocab.model, vocab.pre)
+
+
+def vocabulary_refusal(model: str, pre: str | None) -> str | None:
+    """refusal() from the two metadata values it depends on (tokenizer.ggml.model and .pre): the plan's check."""
+    if model == "llama" or model == "gemma4":
         return None
-    if vocab.model == "gpt2":
-        if vocab.pre in BPE_PRE:
+    if model == "gpt2":
+        if pre in BPE_PRE:
             return None
-        return (f"tokenizer.ggml.pre {vocab.pre!r}: llama.cpp splits this byte-level BPE vocabulary's text in a way "
+        return (f"tokenizer.ggml.pre {pre!r}: llama.cpp splits this byte-level BPE vocabulary's text in a way "
                 "qbuild does not rebuild (qbuild.models.gguf_tokenizer.BPE_PRE lists the pre-tokenizers it does)")
-    why = REFUSED_MODELS.get(vocab.model, "a vocabulary type qbuild does not rebuild")
-    return f"tokenizer.ggml.model {vocab.model!r}: {why}"
+    why = REFUSED_MODELS.get(model, "a vocabulary type qbuild does not rebuild")
+    return f"tokenizer.ggml.model {model!r}: {why}"
 
 
 def write_tokenizer(gguf_path: Path, out: Path) -> str:

@@ -92,8 +92,11 @@ def model_step(spec, recipe_dir: Path) -> Step:
         if not path.is_file():
             raise RecipeError("model.path", f"{path} is not a GGUF file (source: gguf takes one .gguf file)")
         digest = dir_fingerprint(path)
-        dtype = gguf_facts(path, digest)["source_dtype"] if spec.dtype == "auto" else spec.dtype
+        facts = gguf_facts(path, digest)
+        dtype = facts["source_dtype"] if spec.dtype == "auto" else spec.dtype
         params = {"source": "gguf", "gguf_sha256": digest, "dtype": dtype}
+        if facts.get("tokenizer_writer") is not None:   # the tokenizer written for it changed (issue 47): the
+            params["tokenizer_writer"] = facts["tokenizer_writer"]   # key follows; SmolLM2's did not, its key stays
         return Step("import-gguf", "model", params, "qbuild.models.gguf_import:run",
                     tools=HF_TOOLS + ("gguf", "accelerate"), variant="base", format=Format.HF,
                     runtime_args={"gguf_path": str(path)},
@@ -122,7 +125,7 @@ def model_info(step: Step) -> dict:
 def gguf_facts(path: Path, digest: str) -> dict:
     """A GGUF's checked architecture facts (qbuild.models.gguf_import.gguf_config). Parsing its metadata (vocab,
     merges) takes seconds: memoized by the file's content hash, and only what passed the checks is memoized."""
-    memo = fingerprint_cache() / "model-info" / f"{digest}.v7.json"   # v7: checked sizes, add_bos_from, source_dtype
+    memo = fingerprint_cache() / "model-info" / f"{digest}.v8.json"   # v8: + tokenizer_writer/_refusal
     try:
         return json.loads(memo.read_text())
     except (OSError, ValueError):
