@@ -245,8 +245,10 @@ def effective_evaluation(ctx):
     ev = ctx.recipe.evaluation
     if not ev.perplexity:
         return ev
-    added, why = bos_decision(ctx.model(), ev.perplexity)
-    ctx.bos_decision = {"added": added, "why": why}
+    if getattr(ctx, "bos_decision", None) is None:   # decided once a plan: it may read the tokenizer's files
+        added, why = bos_decision(ctx.model(), ev.perplexity)
+        ctx.bos_decision = {"added": added, "why": why}
+    added = ctx.bos_decision["added"]
     if added != ev.perplexity.add_bos:
         ev = ev.model_copy(update={"perplexity": ev.perplexity.model_copy(update={"add_bos": added})})
     return ev
