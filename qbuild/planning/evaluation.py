@@ -279,7 +279,7 @@ def tokenizer_has_bos(model: Step) -> bool:
     """False when an HF checkpoint's tokenizer_config.json says its tokenizer has no BOS token (`bos_token: null`,
     as Qwen's do), or when a GGUF source names no BOS token (tokenizer.ggml.bos_token_id: its import's tokenizer
     has none); True otherwise."""
-    import json
+    from qbuild.models.model_config import ConfigRefused, read_json_mapping
 
     if model.source_path is None:
         if model.kind != "import-gguf":
@@ -287,11 +287,11 @@ def tokenizer_has_bos(model: Step) -> bool:
         from qbuild.planning.models import model_info
 
         return "bos_token_id" not in (info := model_info(model)) or info["bos_token_id"] is not None
-    try:
-        config = json.loads((model.source_path / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+    try:   # the model's file is read bounded, as every file of it is at plan time
+        config = read_json_mapping(model.source_path / "tokenizer_config.json")
+    except ConfigRefused:
         return True
-    return not isinstance(config, dict) or "bos_token" not in config or config["bos_token"] is not None
+    return "bos_token" not in config or config["bos_token"] is not None
 
 
 def reference_step(ctx, perplexity, name: str = "reference[baseline]") -> tuple[Step | None, str]:
