@@ -159,32 +159,24 @@ def model_bos(step: Step) -> tuple[bool | None, str]:
             return None, "the GGUF states no add_bos_token"
         return info["add_bos_token"], info.get("add_bos_from") or "the GGUF's tokenizer.ggml.add_bos_token"
     try:
-        value = read_json_mapping(step.source_path / "tokenizer_config.json").get("add_bos_token")
+        config = read_json_mapping(step.source_path / "tokenizer_config.json")
     except ConfigRefused:
-        value = None
-    if isinstance(value, bool):
-        return value, "tokenizer_config.json's add_bos_token"
+        config = {}
+    if isinstance(config.get("add_bos_token"), bool):
+        return config["add_bos_token"], "tokenizer_config.json's add_bos_token"
     try:
         tokenizer = read_json_mapping(step.source_path / "tokenizer.json", limit=TOKENIZER_JSON_LIMIT)
     except ConfigRefused:
         return None, "the checkpoint states no add_bos_token"
-    adds = post_processor_adds_bos(tokenizer.get("post_processor"), _bos_content(step.source_path))
+    bos = config.get("bos_token")
+    bos = bos.get("content") if isinstance(bos, dict) else bos if isinstance(bos, str) else None
+    adds = post_processor_adds_bos(tokenizer.get("post_processor"), bos)
     if adds is None:
         return None, "the checkpoint states no add_bos_token"
     return adds, "tokenizer.json's post-processor"
 
 
 TOKENIZER_JSON_LIMIT = 256 << 20   # a 256k-token vocabulary with its merges is ~30 MB
-
-
-def _bos_content(checkpoint: Path) -> str | None:
-    from qbuild.models.model_config import ConfigRefused, read_json_mapping
-
-    try:
-        bos = read_json_mapping(checkpoint / "tokenizer_config.json").get("bos_token")
-    except ConfigRefused:
-        return None
-    return bos.get("content") if isinstance(bos, dict) else bos if isinstance(bos, str) else None
 
 
 def post_processor_adds_bos(processor, bos: str | None) -> bool | None:
@@ -204,6 +196,6 @@ def post_processor_adds_bos(processor, bos: str | None) -> bool | None:
         if special is None:
             return False
         return bos is None or special.get("id") == bos
-    if kind in ("ByteLevel",):
+    if kind == "ByteLevel":
         return False
     return None   # Bert/Roberta processors add their CLS: not a BOS convention this reads
