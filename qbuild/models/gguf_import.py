@@ -107,7 +107,7 @@ def gguf_config(path: Path) -> dict:
     vocabulary = vocabulary if isinstance(vocabulary, str) else ""
     pre = pre if isinstance(pre, str) else None
     name = value("general.name")
-    from qbuild.models.gguf_tokenizer import vocabulary_refusal, writer_version
+    from qbuild.models.gguf_tokenizer import llama_cpp_adds_bos, vocabulary_refusal, writer_version
 
     config["tokenizer_refusal"] = vocabulary_refusal(vocabulary, pre)   # the plan refuses the import with it
     config["tokenizer_writer"] = writer_version(vocabulary, pre, name if isinstance(name, str) else "")
@@ -115,8 +115,6 @@ def gguf_config(path: Path) -> dict:
         config["add_bos_token"] = bool(add_bos)
         config["add_bos_from"] = "the GGUF's tokenizer.ggml.add_bos_token"
     elif vocabulary:   # as llama.cpp reads the file, and as the import's tokenizer will do
-        from qbuild.models.gguf_tokenizer import llama_cpp_adds_bos
-
         config["add_bos_token"] = llama_cpp_adds_bos(vocabulary, pre)
         config["add_bos_from"] = f"llama.cpp's default for a {vocabulary} vocabulary (the GGUF states no add_bos_token)"
     bos = value("tokenizer.ggml.bos_token_id")   # None: the imported tokenizer has no BOS token (Qwen's GGUFs)
