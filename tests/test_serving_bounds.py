@@ -156,41 +156,36 @@ def test_a_slow_request_within_its_deadline_is_measured():
 
 
 # --- 9. bounded lines and bodies ---------------------------------------------------------------------------------
-def test_one_endless_line_fails_the_request_quickly_and_memory_stays_bounded():
-    """One SSE line without end: the client read it whole (4.1 → 5.0 GB in 10 s). Now the request fails once the line
-    passes MAX_LINE_BYTES, the connection is closed, and the reading process grows by a few MiB, not by the line."""
-    def one_endless_line(h, index):
-        sse_head(h)
-        endless(h, b"data: ")
+def _one_endless_line(h, index):
+    sse_head(h)
+    endless(h, b"data: ")
 
-    with stand_in(one_endless_line) as (server, url), peak_rss_growth() as growth:
+
+def _endless_error(h, index):
+    sse_head(h, status=500, kind="text/plain")
+    endless(h, b"")
+
+
+@pytest.mark.parametrize(("answer", "error"), [
+    # one SSE line without end: the client read it whole (4.1 → 5.0 GB in 10 s)
+    (_one_endless_line, f"ResponseTooLarge: a line of the stream passed {MAX_LINE_BYTES} bytes"),
+    # an error body without end: read only as far as its reason is kept
+    (_endless_error, "HTTP 500: " + "x" * 200),
+], ids=["endless-line", "endless-error-body"])
+def test_an_endless_answer_fails_the_request_quickly_and_memory_stays_bounded(answer, error):
+    """The request fails once the answer passes its bound, the connection is closed, and the reading process grows
+    by a few MiB, not by the 128 MiB the stand-in would send."""
+    with stand_in(answer) as (server, url), peak_rss_growth() as growth:
         started = time.monotonic()
         [p] = sweep(url, one_request(), [1])
         took = time.monotonic() - started
         assert wait_for_cut(server), "the stand-in was never cut off"
         sent = server.sent
     assert (p["completed"], p["errors"]) == (0, 1)
-    assert p["first_error"] == f"ResponseTooLarge: a line of the stream passed {MAX_LINE_BYTES} bytes"
+    assert p["first_error"] == error
     assert took < 3, took
     assert sent < 32 << 20, sent             # cut off long before the stand-in's 128 MiB (socket buffers aside)
     assert growth.bytes < 48 << 20, growth.bytes   # 128 MiB read whole would grow it by more than that
-
-
-def test_an_endless_error_body_is_read_only_as_far_as_its_reason_is_kept():
-    def endless_error(h, index):
-        sse_head(h, status=500, kind="text/plain")
-        endless(h, b"")
-
-    with stand_in(endless_error) as (server, url), peak_rss_growth() as growth:
-        started = time.monotonic()
-        [p] = sweep(url, one_request(), [1])
-        took = time.monotonic() - started
-        assert wait_for_cut(server), "the stand-in was never cut off"
-        sent = server.sent
-    assert (p["completed"], p["errors"]) == (0, 1)
-    assert p["first_error"] == "HTTP 500: " + "x" * 200   # the reason, as long as a reason is kept
-    assert took < 3 and sent < 32 << 20, (took, sent)
-    assert growth.bytes < 48 << 20, growth.bytes
 
 
 def test_a_stream_far_longer_than_the_tokens_asked_for_is_cut():
