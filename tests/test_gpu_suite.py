@@ -102,7 +102,7 @@ def test_report_of_a_run_where_every_gpu_test_skips(tmp_path):
     for section in ("trtllm engines, 2-layer model", "trtllm engine evaluation steps", "trtllm PyTorch backend package",
                     "vllm runtime"):
         assert re.search(rf"\| {re.escape(section)} \| 0 \| \d+ \| .*skipped", report), section
-    assert "SKIPPED (vllm runtime)" in report and "needs GPU" in report
+    assert "SKIPPED (vllm runtime)" in report and "no NVIDIA GPU" in report
 
 
 # --- point 3: the GPU test reads context logits from an engine built to return them -----------------------------

