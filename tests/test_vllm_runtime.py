@@ -233,3 +233,33 @@ def test_perplexity_kld_and_load_check_end_to_end_through_the_shim(tmp_path, tin
     assert len(check["info"]["generated_token_ids"]) == 4
     assert [p.name for p in (store.object_dir(steps["perplexity[fp8-hf]"]["digest"])).parent.iterdir()
             if p.name.startswith("vllm-")] == []   # no work dir left in the store
+
+
+def test_evaluation_runtimes_scores_each_artifact_again_through_vllm(tmp_path, monkeypatch):
+    """evaluation.runtimes: [vllm] adds perplexity[<artifact>@vllm] for what vLLM reads (the baseline here), on the
+    same windows and against the same reference; what it does not read is said, not dropped; a name that is no
+    runtime is refused naming the field."""
+    from test_trtllm_eval import _plan
+
+    from qbuild.errors import RecipeError
+
+    from helpers import fake_model
+
+    monkeypatch.setenv(gpu_env.FAKE_GPU, H100)
+    monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
+    model = fake_model(tmp_path)
+    path = _recipe(tmp_path, model, {**EVAL, "runtimes": ["vllm"]})
+    data = yaml.safe_load(path.read_text())
+    data["variants"] = [{"name": "q8", "method": "gguf", "type": "Q8_0"}]
+    path.write_text(yaml.safe_dump(data))
+    plan = _plan(path)
+    again = plan["perplexity[baseline@vllm]"].step
+    reference = plan["reference[baseline]"].step
+    assert again.params["runtime"] == "vllm" and again.runtime_args["also_runtime"] == "vllm"
+    assert again.inputs["reference"] is reference and again.inputs["data"] is reference.inputs["data"]
+    assert "perplexity[q8@vllm]" not in plan     # a GGUF: the vllm runtime does not score GGUF files
+    assert plan["perplexity[q8]"].step.params["runtime"] == "llama.cpp"
+    data["evaluation"]["runtimes"] = ["vllm", "nope"]
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(RecipeError, match=r"evaluation.runtimes\[1\].*'nope' is not a runtime"):
+        _plan(path)

@@ -124,6 +124,9 @@ LOADS_IN: dict[tuple[str, str], tuple[str, ...]] = {
     (Format.COMPRESSED_TENSORS, "w8a16"): _CT_INT,
     (Format.COMPRESSED_TENSORS, "w3a16"): ("transformers",),   # the serving kernels take 4 and 8 bits only
     (Format.COMPRESSED_TENSORS, "w2a16"): ("transformers",),
+    # W8A8 INT8 (SmoothQuant + RTN/GPTQ): vLLM's int8 scaled-mm kernels (CUDA, and CPUInt8ScaledMMLinearKernel in its
+    # CPU build, served here) and SGLang's CompressedTensorsW8A8Int8
+    (Format.COMPRESSED_TENSORS, "w8a8-int8"): ("vllm", "sglang", "transformers"),
     (Format.COMPRESSED_TENSORS, "fp8-dynamic"): ("vllm", "sglang", "tgi", "transformers", "trtllm-pytorch"),
     (Format.COMPRESSED_TENSORS, "fp8-static"): ("vllm", "sglang", "tgi", "transformers"),  # PyTorch backend: no
     (Format.COMPRESSED_TENSORS, ANY): ("transformers",),         # transformers decompresses any scheme

@@ -277,6 +277,11 @@ class Server(Plugin, ABC):
         """Facts outside qbuild's Python that enter the key (a built binary's id, a GPU's SM)."""
         return {}
 
+    def cannot_serve(self, fmt: str, scheme: str | None) -> str | None:
+        """Why this server, as installed here, cannot serve an artifact its engine loads elsewhere (None: it can):
+        vLLM's CPU build has no FP8 kernels, say."""
+        return None
+
     @abstractmethod
     def refusal(self, config) -> str | None:
         """None if every setting of the serving config maps onto this server's flags, else the one-line reason."""

@@ -119,6 +119,36 @@ def evaluation_steps(ctx) -> None:
             # timings belong to a machine: the hardware is part of the key, so another machine never hits
             runtime_step("throughput", f"throughput[{art.label}]", params, rt, art.label, art.step, {"model": art.step}, (),
                   ctx, per_hardware=True)
+    if ev.runtimes and ev.perplexity:
+        other_runtime_steps(ctx, ev, data or ctx.eval_data(ev.perplexity), reference)
+
+
+def other_runtime_steps(ctx, ev, data: Step, reference: Step | None) -> None:
+    """evaluation.runtimes: each artifact scored again through each named runtime that reads it, on the same windows
+    and against the same reference, as `perplexity[<artifact>@<runtime>]` (runtime_args.also_runtime marks it: the
+    summary shows it beside the artifact's own numbers, never instead of them)."""
+    from qbuild.contract.plugin import runtimes
+
+    for i, name in enumerate(ev.runtimes):
+        if name not in runtimes:
+            raise RecipeError(f"evaluation.runtimes[{i}]", f"{name!r} is not a runtime; known: "
+                              f"{', '.join(runtimes.names())}")
+        rt = runtimes.get(name)
+        for art in ctx.artifacts:
+            if not spec(art.step.format).model:
+                continue
+            own, _ = pick_runtime(art.step.format)
+            if own is rt:
+                continue   # its own numbers are this runtime's already
+            if rt not in runtimes_for(art.step.format):
+                ctx.warn(f"{art.label} not scored through {name}: {name} does not read {art.step.format}")
+                continue
+            skipped = rt.cannot_measure(art.label, art.step, ev)
+            if "perplexity" in skipped:
+                ctx.warn(f"{art.label} not scored through {name}: {skipped['perplexity']}")
+                continue
+            _perplexity_step(ctx, ev, ev.perplexity, art, rt, data, None if "kld" in skipped else reference,
+                             f"perplexity[{art.label}@{name}]", also_runtime=name)
 
 
 def measured_candidates(artifact: Step, params: dict, inputs: dict) -> dict[str, Step]:

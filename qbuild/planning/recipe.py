@@ -352,6 +352,11 @@ class Evaluation(StrictModel):
         None, description="true or {prompt, tokens, runtimes}: load every artifact with each runtime that reads it and "
         "generate `tokens` tokens greedily, compared with the baseline's (the `load` column).",
         json_schema_extra=lambda schema: schema["anyOf"].insert(0, {"type": "boolean"}))   # `true` in editors too
+    runtimes: list[str] | None = Field(
+        None, min_length=1, description="Also score every artifact through these runtimes where they read it (e.g. "
+        "[vllm]: the engine it is served with): PPL, and KLD/top-1 against the same baseline reference, on the same "
+        "windows, beside the artifact's own numbers. The baseline's pass says how far the runtime is from the "
+        "reference one.")
     gates: list[Gate] = Field(default_factory=list)
     tasks: list[TaskEval] = Field(
         default_factory=list, description="Task accuracy through lm-eval: per artifact acc ± stderr, and per variant "
@@ -372,6 +377,8 @@ class Evaluation(StrictModel):
 
     @model_validator(mode="after")
     def _needs(self):
+        if self.runtimes and self.perplexity is None:
+            raise ValueError("runtimes needs evaluation.perplexity (the windows each runtime scores)")
         if self.kld and (self.perplexity is None or not self.baseline):
             raise ValueError("kld needs perplexity (its tokens) and baseline: true")
         if self.kld_base and (not self.kld or self.perplexity is None or self.perplexity.protocol != "llama.cpp"):

@@ -43,6 +43,10 @@ def server_for(fmt: str, scheme: str | None, engine: str | None) -> tuple[Server
             return None, f"{engine} does not load {fmt}{' ' + scheme if scheme else ''}"
     if not known:
         return None, f"no server loads {fmt}{' ' + scheme if scheme else ''}"
+    refused = {s.name: s.cannot_serve(fmt, scheme) for s in known}
+    known = [s for s in known if not refused[s.name]]
+    if not known:
+        return None, "; ".join(why for why in refused.values() if why)
     return next((s for s in known if not s.unavailable()), known[0]), ""
 
 

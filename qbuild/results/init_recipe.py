@@ -148,12 +148,14 @@ def _engine(engine: str | None, has_gpu: bool) -> tuple[str, bool, tuple[str, ..
     server = servers.get(engine)
     if server.engine == LLAMA_CPP:
         return engine, True, (), []
-    schemes = tuple(s for s in CT_SCHEMES if server.engine in loads_in(Format.COMPRESSED_TENSORS, s))
+    why_not = {s: (None if server.engine in loads_in(Format.COMPRESSED_TENSORS, s) else
+                   f"{engine} ({server.engine}) does not load a compressed-tensors {s} checkpoint")
+               or server.cannot_serve(Format.COMPRESSED_TENSORS, s) for s in CT_SCHEMES}   # e.g. vLLM's CPU build: no FP8
+    schemes = tuple(s for s in CT_SCHEMES if not why_not[s])
     if not schemes:
         raise UserError(f"--engine {engine}: its engine ({server.engine}) loads neither GGUF files nor the "
                         "compressed-tensors checkpoints qbuild init writes variants for (W4A16, FP8)")
-    notes = [f"{CT_SCHEMES[s]} left out: {engine} ({server.engine}) does not load a compressed-tensors {s} checkpoint"
-             for s in CT_SCHEMES if s not in schemes]
+    notes = [f"{CT_SCHEMES[s]} left out: {why_not[s]}" for s in CT_SCHEMES if s not in schemes]
     return engine, False, schemes, notes
 
 

@@ -19,7 +19,20 @@ EVAL_KINDS = {"perplexity": "ppl", "reference": "ppl", "throughput": "speed"}
 def _evaluations(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutcome]:
     """(artifact key, evaluation kind) → outcome: an evaluation belongs to the artifact it read."""
     return {(o.step.inputs["model"].key, o.step.kind): o for o in outcomes
-            if o.step.kind in EVAL_KINDS and not o.step.runtime_args.get("serving_kv")}
+            if o.step.kind in EVAL_KINDS and not o.step.runtime_args.get("serving_kv")
+            and not o.step.runtime_args.get("also_runtime")}
+
+
+def _other_runtimes(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
+    """artifact key → its scores through the runtimes evaluation.runtimes names (beside its own numbers)."""
+    found: dict[str, list[dict]] = {}
+    for o in outcomes:
+        name = o.step.runtime_args.get("also_runtime")
+        if o.step.kind == "perplexity" and name:
+            found.setdefault(o.step.inputs["model"].key, []).append(
+                {"runtime": name, "status": o.status, "ppl": o.metrics.get("ppl"), "kld": o.metrics.get("kld"),
+                 "top1": o.metrics.get("top1"), "step": o.step.name})
+    return found
 
 
 def _kv_quality(outcomes: list[StepOutcome]) -> dict[tuple[str, str], StepOutcome]:
@@ -275,6 +288,13 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
                 r["throughput_ratio"] = r["decode_tok_s"] / base["decode_tok_s"]
     if recipe.evaluation.serving:
         _add_serving_quality(rows, outcomes, recipe, base["ppl"] if base else None)
+    if recipe.evaluation.runtimes:
+        others = _other_runtimes(outcomes)
+        for r in rows:
+            r["runtimes"] = others.get(r["key"], [])
+            for o in r["runtimes"]:   # how far this runtime's number is from the artifact's own
+                o["ppl_vs_own_pct"] = (100 * (o["ppl"] - r["ppl"]) / r["ppl"]
+                                       if o["ppl"] is not None and r["ppl"] else None)
     steps, counts = step_rows(plan, outcomes)
     protocol = plan.protocol   # as evaluated: BOS as the model's own tokenizer has it, and why
     out = {"recipe": recipe.name, "variants": rows, "steps": steps, "counts": counts, "protocol": protocol,
@@ -333,6 +353,7 @@ def render_table(summary: dict, console) -> None:
     if any(r.get("decode_tok_s_ci") for r in rows):
         console.print("tok/s: decode, ± half the 95 % interval over the throughput repetitions")
     _render_tasks(rows, console)
+    _render_other_runtimes(rows, console)
     render_serving(summary, console)
     for check in summary.get("fidelity_checks") or []:
         _render_fidelity_check(check, console)
@@ -372,6 +393,24 @@ def _render_fidelity_check(check: dict, console) -> None:
         line += (f", PPL {check['ppl']:.3f} (transformers) vs {check['ppl_source']:.3f} (llama.cpp) "
                  f"({check['ppl_delta_pct']:+.2f} %) on the first windows")
     console.print(line, highlight=False, soft_wrap=True)
+
+
+def _render_other_runtimes(rows: list[dict], console) -> None:
+    """evaluation.runtimes: each artifact's numbers through another runtime, beside its own."""
+    if not any(r.get("runtimes") for r in rows):
+        return
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="through other runtimes (evaluation.runtimes)", title_justify="left")
+    for name in ("variant", "runtime", "status", "PPL", "vs own PPL", "KLD", "top-1"):
+        table.add_column(name, justify="left" if name in ("variant", "runtime", "status") else "right")
+    for r in rows:
+        for o in r.get("runtimes") or []:
+            table.add_row(escape(r["variant"]), escape(o["runtime"]), escape(str(o["status"])), _fmt(o["ppl"], ".3f"),
+                          _fmt(o["ppl_vs_own_pct"], "+.2f") + (" %" if o["ppl_vs_own_pct"] is not None else ""),
+                          _fmt(o["kld"], ".4f"), _fmt(o["top1"], ".1%"))
+    console.print(table)
 
 
 def _render_tasks(rows: list[dict], console) -> None:

@@ -293,7 +293,7 @@ class VllmRuntime(Runtime):
             return dict.fromkeys(("perplexity", "kld", "throughput", "load-check"), why)
         facts, reasons, _ = availability()
         if on_cpu(facts):
-            fmt, scheme = str(artifact.format), str(artifact.scheme or "")
+            fmt, scheme = str(getattr(artifact.format, "value", artifact.format)), str(artifact.scheme or "")
             why = next((CPU_CANNOT_LOAD[k] for k in ("gguf", "fp8") if k in fmt or k in scheme), None)
             if why:
                 return dict.fromkeys(("perplexity", "kld", "throughput", "load-check"), f"{label!r}: {why}")

@@ -46,6 +46,13 @@ class VLLMServer(GPUServer):
             facts = {**facts, "kv_cache_gib": _vllm().cpu_settings(1)["VLLM_CPU_KVCACHE_SPACE"]}
         return facts
 
+    def cannot_serve(self, fmt: str, scheme: str | None) -> str | None:
+        runtime = _vllm()
+        if not runtime.on_cpu(self.environment()):
+            return None
+        kind = str(getattr(fmt, "value", fmt)), str(scheme or "")
+        return next((runtime.CPU_CANNOT_LOAD[k] for k in ("gguf", "fp8") if any(k in part for part in kind)), None)
+
     def refusal(self, config) -> str | None:
         if config.kv_cache_dtype is not None and _vllm().on_cpu(self.environment()):
             return "vLLM's CPU build keeps the KV cache in the model's dtype (its fp8 KV cache needs a GPU)"
