@@ -48,6 +48,7 @@ def test_task_accuracy_and_flips_for_every_variant(demo_runs):
         assert round(40 * (t["acc"] - base["acc"])) == t["flips"]["wrong_to_right"] - t["flips"]["right_to_wrong"]
 
 
+@pytest.mark.slow   # 2.5 min of lm-eval on the full model; tests/test_tasks.py checks the same equality on the tiny one
 def test_baseline_accuracy_equals_lm_eval_run_directly(demo_runs):
     """lm-eval's own `hf` model on the demo's baseline checkpoint, the same task: the same accuracy and stderr."""
     import os

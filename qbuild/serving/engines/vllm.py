@@ -47,11 +47,8 @@ class VLLMServer(GPUServer):
         return facts
 
     def cannot_serve(self, fmt: str, scheme: str | None) -> str | None:
-        runtime = _vllm()
-        if not runtime.on_cpu(self.environment()):
-            return None
-        kind = str(getattr(fmt, "value", fmt)), str(scheme or "")
-        return next((runtime.CPU_CANNOT_LOAD[k] for k in ("gguf", "fp8") if any(k in part for part in kind)), None)
+        facts = self.environment()
+        return _vllm().cpu_cannot_load(fmt, scheme, facts.get("cpu.isa", "")) if _vllm().on_cpu(facts) else None
 
     def refusal(self, config) -> str | None:
         if config.kv_cache_dtype is not None and _vllm().on_cpu(self.environment()):
