@@ -91,8 +91,13 @@ def test_the_header_carries_the_plans_estimate_from_the_recipes_store(tmp_path):
     from qbuild.artifacts.store import MANIFEST
     from qbuild.base.units import human_seconds
 
-    first = api.init(DEMO_MODEL, tmp_path / "a.yaml")
-    assert first.estimate.startswith("no estimate yet")
+    cwd = Path.cwd()
+    os.chdir(tmp_path)   # the recipe's store.path, ./artifacts, is relative to where qbuild runs: an empty one here
+    try:
+        first = api.init(DEMO_MODEL, "a.yaml")
+    finally:
+        os.chdir(cwd)
+    assert first.estimate.startswith("no estimate yet"), first.estimate
     store = tmp_path / "artifacts"
     the_plan = api.plan(tmp_path / "a.yaml", store=store)
     # stand-in history: one stored object per step kind with a recorded build time (what a finished run leaves)
@@ -102,8 +107,7 @@ def test_the_header_carries_the_plans_estimate_from_the_recipes_store(tmp_path):
         (obj / MANIFEST).write_text(json.dumps({"kind": p.step.kind, "name": p.step.name, "runner": p.step.runner,
                                                 "recipe": {"name": the_plan.recipe.name}, "params": dict(p.step.params),
                                                 "timings": {"seconds": 10.0}, "created": "2026-11-29T00:00:00Z"}))
-    cwd = Path.cwd()
-    os.chdir(tmp_path)   # the recipe's store.path, ./artifacts, is relative to where qbuild runs, as for `qbuild plan`
+    os.chdir(tmp_path)   # as for `qbuild plan`
     try:
         again = api.init(DEMO_MODEL, "b.yaml")
     finally:
