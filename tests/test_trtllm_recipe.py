@@ -16,7 +16,8 @@ from helpers import run_api
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tensorrt-llm.yaml"
 # the engine and its evaluation; the HF export's evaluation through vLLM (the runtime that reads it)
-GPU_STEPS = {"engine[fp8.trtllm]", "perplexity[fp8.trtllm]", "perplexity[fp8-hf]"}
+GPU_STEPS = {"engine[fp8.trtllm]", "perplexity[fp8.trtllm]"}
+NO_VLLM_STEPS = {"perplexity[fp8-hf]"}   # ModelOpt's FP8 HF export: only vLLM reads it, and there is none here
 
 
 @pytest.fixture
@@ -45,7 +46,8 @@ def test_shipped_recipe_plans_gpu_steps_as_needs_gpu(no_gpu, tmp_path):
 
     rows = {r["step"]: r for r in api.plan(RECIPE, store=tmp_path / "store").as_dict()["steps"]}
     assert {s for s, r in rows.items() if r["status"] == "needs-gpu"} == GPU_STEPS
-    assert "needs GPU" in rows["engine[fp8.trtllm]"]["reason"]
+    assert {s for s, r in rows.items() if r["status"] == "unavailable"} == NO_VLLM_STEPS
+    assert "needs GPU" in rows["engine[fp8.trtllm]"]["reason"] and "needs vLLM" in rows["perplexity[fp8-hf]"]["reason"]
     assert {"quantize[fp8-hf]", "quantize[fp8]", "package[fp8-hf.trtllm-pytorch]", "reference[baseline]"} <= set(rows)
 
 
@@ -57,10 +59,10 @@ def test_run_without_gpu_builds_everything_else(no_gpu, tmp_path, tiny_model_dir
     rc, summary = run_api(small_copy(tmp_path, tiny_model_dir))
     assert rc == 0, summary["steps"]
     status = {s["name"]: s for s in summary["steps"]}
-    assert {n for n, s in status.items() if s["status"] == "skipped"} == GPU_STEPS
+    assert {n for n, s in status.items() if s["status"] == "skipped"} == GPU_STEPS | NO_VLLM_STEPS
     assert "needs GPU" in status["engine[fp8.trtllm]"]["error"]
     assert status["perplexity[fp8.trtllm]"]["error"] == "input failed: engine[fp8.trtllm]"   # skipped with it
-    assert "needs GPU" in status["perplexity[fp8-hf]"]["error"]
+    assert "needs vLLM" in status["perplexity[fp8-hf]"]["error"]
     built = {n for n, s in status.items() if s["status"] == "built"}
     assert built == {"calibrate", "quantize[fp8-hf]", "quantize[fp8]", "package[fp8-hf.trtllm-pytorch]",
                      "eval-data", "reference[baseline]"}
