@@ -116,16 +116,12 @@ def vllm_python() -> str:
     install.sh dev runs); the test is skipped, saying how to make it, where it was not created."""
     from qbuild.contract import envs
 
-    saved = os.environ.get("QBUILD_ENVS_DIR")
-    os.environ.pop("QBUILD_ENVS_DIR", None)
-    if MACHINE_ENVS_DIR:
-        os.environ["QBUILD_ENVS_DIR"] = MACHINE_ENVS_DIR
-    try:
+    with pytest.MonkeyPatch.context() as mp:   # the machine's folder, whatever a test set since
+        if MACHINE_ENVS_DIR:
+            mp.setenv("QBUILD_ENVS_DIR", MACHINE_ENVS_DIR)
+        else:
+            mp.delenv("QBUILD_ENVS_DIR", raising=False)
         made = envs.created("vllm")
-    finally:
-        os.environ.pop("QBUILD_ENVS_DIR", None)
-        if saved is not None:
-            os.environ["QBUILD_ENVS_DIR"] = saved
     if made is None:
         pytest.skip("no vllm environment on this machine: .venv/bin/qbuild env create vllm (install.sh dev does)")
     return made.python

@@ -201,7 +201,7 @@ def requirements(name: str, packages: tuple[str, ...]) -> tuple[tuple[str, ...],
     own build (applies only if something in the environment needs torch) unless the backend brings its own CUDA
     torch; the overrides leave out what the backend drags in but cannot use (LEFT_OUT)."""
     torch = host_torch()
-    own_torch = name in OWN_TORCH and packages not in LEFT_OUT
+    own_torch = name in OWN_TORCH and packages == BACKENDS[name]   # the CUDA packages; vLLM's CPU build takes qbuild's
     constraints = (f"torch=={torch}",) if torch and not own_torch else ()
     overrides = tuple(f"{dist}; sys_platform == 'never'" for dist in LEFT_OUT.get(packages, ()))
     return tuple(CORE) + tuple(packages), constraints, overrides

@@ -166,10 +166,11 @@ def availability() -> tuple[dict, list[str], str | None]:
         reasons.insert(0, f"needs GPU: no NVIDIA GPU found (nvidia-smi), and {env.python or sys.executable} has "
                           f"vLLM's CUDA build (its CPU build is {CPU_BUILD}: qbuild env create vllm)")
     # logprobs differ across GPU models, CPU vector extensions and vLLM releases (kernels): all enter the keys
-    facts = {"vllm": (env.version if env else None) or NOT_FOUND, "gpu.name": gpu.name if gpu else NOT_FOUND,
-             "gpu.sm": gpu.sm if gpu else NOT_FOUND}
     if env and env.on_cpu:
         facts = {"vllm": env.version or NOT_FOUND, "vllm.build": CPU_BUILD, "cpu.isa": gpu_env.cpu_isa() or NOT_FOUND}
+    else:
+        facts = {"vllm": (env.version if env else None) or NOT_FOUND, "gpu.name": gpu.name if gpu else NOT_FOUND,
+                 "gpu.sm": gpu.sm if gpu else NOT_FOUND}
     return facts, reasons, python
 
 
@@ -187,9 +188,13 @@ def cpu_settings(threads: int) -> dict[str, str]:
     """The CPU build's environment (docs.vllm.ai, CPU installation): its KV cache in GiB (it does not size it from
     gpu_memory_utilization; $VLLM_CPU_KVCACHE_SPACE, else 1), `threads` OpenMP threads not pinned to cores (a
     shared machine), and nothing sent anywhere (usage stats off, the hub offline)."""
-    return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "1",
+    return {"VLLM_CPU_KVCACHE_SPACE": cpu_kv_cache_gib(),
             "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "nobind",
             "OMP_NUM_THREADS": str(max(1, threads)), **OFFLINE}
+
+
+def cpu_kv_cache_gib() -> str:
+    return os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "1"
 
 
 OFFLINE = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}   # vLLM reports usage by default
@@ -297,6 +302,9 @@ class VllmSession(RuntimeSession):
         return self._info
 
 
+MEASURES = ("perplexity", "kld", "throughput", "load-check")   # what cannot_measure can leave out
+
+
 @runtimes.register
 class VllmRuntime(Runtime):
     name = "vllm"
@@ -311,12 +319,12 @@ class VllmRuntime(Runtime):
     def cannot_measure(self, label: str, artifact, evaluation) -> dict[str, str]:
         if "vllm" not in loads_in(artifact.format, artifact.scheme):
             why = f"vLLM does not load {label!r} ({artifact.format}, {artifact.scheme or 'any scheme'})"
-            return dict.fromkeys(("perplexity", "kld", "throughput", "load-check"), why)
+            return dict.fromkeys(MEASURES, why)
         facts, reasons, _ = availability()
         if on_cpu(facts):
             why = cpu_cannot_load(artifact.format, artifact.scheme, facts.get("cpu.isa", ""))
             if why:
-                return dict.fromkeys(("perplexity", "kld", "throughput", "load-check"), f"{label!r}: {why}")
+                return dict.fromkeys(MEASURES, f"{label!r}: {why}")
         skipped = {}
         if evaluation.throughput:
             skipped["throughput"] = (f"the vllm runtime measures quality and the load check; {label!r}'s throughput "

@@ -43,7 +43,7 @@ class VLLMServer(GPUServer):
     def environment(self) -> dict[str, str]:
         facts = _vllm().availability()[0]
         if _vllm().on_cpu(facts):   # the KV cache's size bounds how many requests run at once
-            facts = {**facts, "kv_cache_gib": _vllm().cpu_settings(1)["VLLM_CPU_KVCACHE_SPACE"]}
+            facts = {**facts, "kv_cache_gib": _vllm().cpu_kv_cache_gib()}
         return facts
 
     def cannot_serve(self, fmt: str, scheme: str | None) -> str | None:
