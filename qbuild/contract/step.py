@@ -124,6 +124,17 @@ class Step:
         return self.key[:12]
 
 
+def runner_of(function) -> str:
+    """A step's runner for `function`: "module:function", or "module:Class.method" for a method bound to a plugin
+    (named by the plugin's own class, which the worker instantiates without arguments). Runners are written as
+    string literals or made here, from a function the planner holds: tests/test_architecture.py reads both."""
+    owner = getattr(function, "__self__", None)
+    if owner is not None:
+        cls = type(owner)
+        return f"{cls.__module__}:{cls.__qualname__}.{function.__name__}"
+    return f"{function.__module__}:{function.__qualname__}"
+
+
 @dataclass
 class StepContext:
     """What a runner function gets. It writes its files into `out` and returns its metrics."""

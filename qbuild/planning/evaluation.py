@@ -25,13 +25,6 @@ from qbuild.planning.calibration import TOKENIZE_TOOLS
 
 log = logging.getLogger("qbuild")
 
-RUNNERS = {"perplexity": "qbuild.evaluate.quality:perplexity",
-           "perplexity-reuse": "qbuild.evaluate.quality:perplexity_of_a_measured_file",
-           "reference": "qbuild.evaluate.quality:reference",
-           "throughput": "qbuild.evaluate.throughput:run", "load-check": "qbuild.evaluate.loadcheck:run",
-           "task": "qbuild.evaluate.task_run:run"}
-
-
 def pick_runtime(fmt: str) -> tuple[Runtime | None, str]:
     """(the runtime that evaluates `fmt`, "") or (None, why none can)."""
     found = runtimes_for(fmt)
@@ -65,8 +58,9 @@ IMPL_VERSIONS = {"reference": 3, "perplexity": 2, "load-check": 2}
 
 
 def runtime_step(kind: str, name: str, params: dict, runtime: Runtime, label: str, artifact: Step, inputs: dict,
-                 tools, ctx, **kw) -> Step:
-    """A step that evaluates `artifact` through `runtime`: its plan fields, tools, format and environment."""
+                 tools, ctx, *, runner: str, **kw) -> Step:
+    """A step that evaluates `artifact` through `runtime`: its plan fields, tools, format and environment. `runner`:
+    written whole by the caller ("qbuild.evaluate.quality:perplexity"), where tests/test_architecture.py reads it."""
     fields = runtime.plan_fields(label, artifact, ctx, kind)
     runtime_args = {**fields.runtime_args, **kw.pop("runtime_args", {})}
     extra = {"env_toolchain": fields.env_toolchain, "requires_gpu": fields.requires_gpu,
@@ -80,8 +74,6 @@ def runtime_step(kind: str, name: str, params: dict, runtime: Runtime, label: st
     env = artifact.backend_env or ctx.named_env(fmt.eval_env, f"evaluation (artifact {label})")
     kw.setdefault("impl_version", IMPL_VERSIONS.get(kind, 1))
     elastic = ctx.elastic_threads and kind in ELASTIC_KINDS and runtime.thread_invariant
-    runner = kw.pop("runner", kind)
-    runner = RUNNERS.get(runner, runner)   # a kind's runner, or a runner's own path (a method's probe)
     return ctx.add(Step(kind, name, params, runner, inputs={**inputs, **fields.extra_inputs}, tools=tools,
                         threads=ctx.threads, elastic_threads=elastic,
                         preload=runtime.preload if env is None else (),
@@ -118,7 +110,7 @@ def evaluation_steps(ctx) -> None:
             params = {**ev.throughput.canonical(), "runtime": rt.name, "device": ctx.device}
             # timings belong to a machine: the hardware is part of the key, so another machine never hits
             runtime_step("throughput", f"throughput[{art.label}]", params, rt, art.label, art.step, {"model": art.step}, (),
-                  ctx, per_hardware=True)
+                         ctx, runner="qbuild.evaluate.throughput:run", per_hardware=True)
     if ev.runtimes and ev.perplexity:
         other_runtime_steps(ctx, ev, data or ctx.eval_data(ev.perplexity), reference)
 
@@ -226,9 +218,10 @@ def _perplexity_step(ctx, ev, perplexity, art, rt: Runtime, data: Step, referenc
     if measured:
         # only what it reads (no evaluation text or reference log-probs to fetch on another node)
         return runtime_step("perplexity", name, {**params, "reuses": "candidate measurement"}, rt, art.label, art.step,
-                     {"model": art.step, **measured}, (), ctx, runner="perplexity-reuse")
+                     {"model": art.step, **measured}, (), ctx,
+                     runner="qbuild.evaluate.quality:perplexity_of_a_measured_file")
     return runtime_step("perplexity", name, params, rt, art.label, art.step, inputs, (), ctx,
-                 **({"runtime_args": runtime_args} if runtime_args else {}))
+                 runner="qbuild.evaluate.quality:perplexity", **({"runtime_args": runtime_args} if runtime_args else {}))
 
 
 # KV-cache element types that change what a model computes (f16/bf16 hold the K/V activations as the model does)
@@ -334,7 +327,7 @@ def reference_step(ctx, perplexity, name: str = "reference[baseline]") -> tuple[
     params.pop("kv_cache_dtype", None)   # the reference keeps the full-precision KV cache
     data = ctx.eval_data(perplexity)
     return runtime_step("reference", name, params, baseline_rt, "baseline", ctx.model(), {"model": ctx.model(), "data": data},
-                 (), ctx, format="logprobs"), ""
+                 (), ctx, runner="qbuild.evaluate.quality:reference", format="logprobs"), ""
 
 
 def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
@@ -343,7 +336,7 @@ def kld_step(ctx, label: str, artifact: Step, max_windows: int | None) -> Step:
     `max_windows` windows (None: the recipe's). Shares the recipe's reference where the windows are the same."""
     params, inputs, rt = kld_measurement(ctx, label, artifact.format, max_windows)
     return runtime_step("perplexity", f"perplexity[{label}]", params, rt, label, artifact,
-                        {"model": artifact, **inputs}, (), ctx)
+                        {"model": artifact, **inputs}, (), ctx, runner="qbuild.evaluate.quality:perplexity")
 
 
 def kld_measurement(ctx, label: str, fmt: str, max_windows: int | None) -> tuple[dict, dict[str, Step], Runtime]:
@@ -372,7 +365,7 @@ def kld_measurement(ctx, label: str, fmt: str, max_windows: int | None) -> tuple
 
 
 def probe_step(ctx, kind: str, name: str, label: str, source: Step, build: dict, inputs: dict[str, Step],
-               max_windows: int | None, runner: str, tools: tuple[str, ...], scratch: float = 1.0,
+               max_windows: int | None, tools: tuple[str, ...], *, runner: str, scratch: float = 1.0,
                at_once: tuple[str, int] | None = None) -> Step:
     """A probe: one step that builds a model of `source`'s format from `inputs` under the params `build`, in its own
     scratch (never stored), and measures it as kld_step would measure that model stored (same params, data and
@@ -432,7 +425,7 @@ def load_check_steps(ctx, check) -> None:
             if reference is not None:
                 inputs["reference"] = reference
             step = runtime_step("load-check", name, {"tokens": check.tokens, "runtime": rt.name}, rt, art.label, art.step,
-                         inputs, TOKENIZE_TOOLS, ctx, runtime_args={"label": art.label})
+                         inputs, TOKENIZE_TOOLS, ctx, runner="qbuild.evaluate.loadcheck:run", runtime_args={"label": art.label})
             if art.baseline:
                 baseline_checks.setdefault(rt.name, step)
 

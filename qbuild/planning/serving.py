@@ -20,8 +20,6 @@ from qbuild.contract.step import OnUnavailable, Step
 from qbuild.planning.evaluation import serving_quality_step
 from qbuild.planning.recipe import longest
 
-RUNNER = "qbuild.planning.serving_bench:run"
-CAPACITY_RUNNER = "qbuild.planning.serving_capacity:run"
 CAPACITY_IMPL_VERSION = 4   # 2: probes record the server's throughput while full (a rate above it misses); 3: with
 # its interval, and rounds added while it is within noise of the rate; 4: a request past timeout_s in all (not per
 # read) fails, and a malformed or oversized answer is one failed request (it failed the step)
@@ -102,7 +100,7 @@ def serving_steps(ctx) -> None:
             args = server.args(config, threads=threads, slots=slots, context=context)
             params = {"workload": workload, "config": config.canonical(), "server": server.name,
                       "engine": server.engine, "server_args": args, "context": context, "slots": slots}
-            ctx.add(Step("serving", f"serving[{art.label}@{config.name}]", params, RUNNER,
+            ctx.add(Step("serving", f"serving[{art.label}@{config.name}]", params, "qbuild.planning.serving_bench:run",
                          inputs={"model": art.step, "prompts": data}, tools=tuple(sorted(server.tools)),
                          threads=threads, per_hardware=True, env_toolchain=server.environment(),
                          requires_gpu=server.needs_gpu, unavailable=unavailable, on_unavailable=OnUnavailable.SKIP,
@@ -149,7 +147,7 @@ def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving
     search = {"slo": cap.slo.bounds(), "max_minutes": cap.max_minutes, "max_error_pct": cap.max_error_pct,
               "start_rps": cap.start_rps}
     return ctx.add(Step("capacity", f"capacity[{art.label}@{config.name}]", {**probes, "capacity": search},
-                        CAPACITY_RUNNER, **common, requires_gpu=server.needs_gpu, unavailable=unavailable,
+                        "qbuild.planning.serving_capacity:run", **common, requires_gpu=server.needs_gpu, unavailable=unavailable,
                         on_unavailable=OnUnavailable.SKIP, format="metrics",
                         runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s,
                                       "probe_family": family}))

@@ -39,7 +39,7 @@ def task_steps(ctx) -> None:
             if reference is not None and not art.baseline:
                 inputs["reference"] = reference
             step = runtime_step("task", f"task:{t.task}[{art.label}]", {**params, "runtime": rt.name}, rt, art.label,
-                         art.step, inputs, TOOLS + ("transformers", "tokenizers"), ctx,
+                         art.step, inputs, TOOLS + ("transformers", "tokenizers"), ctx, runner="qbuild.evaluate.task_run:run",
                          runtime_args={**runtime_args, "label": art.label})
             if art.baseline:
                 reference = step

@@ -183,7 +183,7 @@ def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], b
 
     def probe(tag: str, build: dict, extra: dict, windows: int | None) -> Step:
         return probe_step(ctx, "gguf-probe", f"probe[{label}~{tag}]", f"{label}~{tag}", inputs["gguf"], build,
-                          {**inputs, **extra}, windows, "qbuild.quantize.gguf_probe:run_probe", tools,
+                          {**inputs, **extra}, windows, tools, runner="qbuild.quantize.gguf_probe:run_probe",
                           scratch=PROBE_SCRATCH, at_once=at_once)
 
     alloc_inputs = {"base": probe("base", dict(common), {}, search.sensitivity_windows)}

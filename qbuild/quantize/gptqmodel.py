@@ -18,7 +18,7 @@ from pydantic import Field, field_validator
 from qbuild.contract.formats import Format
 from qbuild.contract.plugin import Method, methods
 from qbuild.contract.shapes import check_group_size
-from qbuild.contract.step import Step, StepContext
+from qbuild.contract.step import Step, StepContext, runner_of
 from qbuild.contract.variant import VariantBase, dir_size, group_size_value
 
 # distributions whose versions (in the gptqmodel environment) enter the key
@@ -64,7 +64,7 @@ class GPTQModel(Method):
 
     def plan(self, variant: GPTQModelVariant, ctx) -> Step:
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
-                            f"{__name__}:GPTQModel.run", inputs={"model": ctx.model(), "calibration": ctx.calibration()},
+                            runner_of(self.run), inputs={"model": ctx.model(), "calibration": ctx.calibration()},
                             tools=TOOLS, threads=ctx.threads, variant=variant.name, format=Format.GPTQ,
                             scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self),
                             memory="whole-model", gpu_capable=True))

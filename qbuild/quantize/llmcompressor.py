@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 from qbuild.contract.formats import Format
 from qbuild.contract.plugin import Method
 from qbuild.contract.shapes import check_group_size, check_module_patterns
-from qbuild.contract.step import Step, StepContext
+from qbuild.contract.step import Step, StepContext, runner_of
 from qbuild.contract.variant import VariantBase, dir_size, group_size_value
 
 # distributions whose versions enter the key of a quantize step
@@ -110,11 +110,10 @@ class LLMCompressorMethod(Method):
         inputs = {"model": ctx.model()}
         if variant.needs_calibration():
             inputs["calibration"] = ctx.calibration()
-        runner = f"{type(self).__module__}:{type(self).__name__}.run"
         # shard by shard where the scheme is data-free and the model's files name its modules (impl 2: files laid
         # out as the source's shards); the whole model through oneshot otherwise
         shards = self.model_free_scheme(params) is not None and model_free_fits(ctx.model_info())
-        return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
+        return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner_of(self.run), inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=Format.COMPRESSED_TENSORS,
                             scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self),
                             memory="shard-streamed" if shards else "offloads-to-disk", gpu_capable=True,
