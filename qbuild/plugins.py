@@ -9,6 +9,7 @@ and the context its runner gets, format declarations, the variant options base a
         options = MyVariant           # pydantic model of the recipe entry (method: Literal["my-method"])
         extra = "my-extra"            # pip install 'qbuild[my-extra]' (or your package) provides...
         requires = ("mylib",)         # ...these import names, checked at plan time (never imported then)
+        unsupported_families = ()     # UnsupportedFamily(...): model architectures it cannot build, refused at plan time
         def plan(self, variant, ctx: PlanningContext) -> Step: ...
 
 In-tree plugins are the modules of qbuild.quantize, qbuild.build, qbuild.runtimes and qbuild.serving.engines
@@ -42,14 +43,14 @@ from qbuild.contract.plugin import (
     servers,
     targets,
 )
-from qbuild.contract.shapes import check_group_size, check_module_patterns, check_patterns
+from qbuild.contract.shapes import UnsupportedFamily, check_group_size, check_module_patterns, check_patterns
 from qbuild.contract.step import OnUnavailable, Step, StepContext
 from qbuild.contract.variant import EnvOption, VariantBase
 
 __all__ = [
     "ANY", "PLUGIN_PACKAGES", "EnvOption", "EvalStepFields", "Field", "Format", "FormatSpec", "Method", "MissingBackendError",
     "OnUnavailable", "PlanningContext", "Plugin", "PullOption", "RecipeError", "Registry", "Runtime", "RuntimeSession",
-    "Server", "Step", "StepContext", "StrictModel", "Target", "TargetOptions", "UserError", "VariantBase",
-    "check_group_size", "check_module_patterns", "check_patterns", "load_all",
+    "Server", "Step", "StepContext", "StrictModel", "Target", "TargetOptions", "UnsupportedFamily", "UserError",
+    "VariantBase", "check_group_size", "check_module_patterns", "check_patterns", "load_all",
     "methods", "open_session", "register_format", "runtimes", "runtimes_for", "servers", "targets",
 ]

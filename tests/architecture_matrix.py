@@ -69,9 +69,10 @@ def refusal(family: str, cell: str) -> str | None:
         return unimportable({"model_type": arch, "num_local_experts": cfg.get("num_local_experts")})
     if cell not in VARIANTS:
         return None
+    from qbuild.contract.plugin import methods
     from qbuild.contract.shapes import family_refusal
 
-    return family_refusal(config(family), VARIANTS[cell]["method"], _variant(cell))
+    return family_refusal(config(family), methods.get(VARIANTS[cell]["method"]), _variant(cell))
 
 
 def _variant(cell: str):

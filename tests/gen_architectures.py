@@ -5,7 +5,7 @@
                                                        #   (pytest ... with QBUILD_ARCH_RESULTS=DIR)
 
 The status table is what the matrix code declares (tests/architecture_matrix.py, tests/model_families.py and
-qbuild's own refusals, qbuild.contract.shapes.UNSUPPORTED_FAMILIES); tests/test_architectures.py checks that the
+qbuild's own refusals, each method's `unsupported_families`); tests/test_architectures.py checks that the
 committed page carries it. The measured table holds the figures the passing cells wrote.
 """
 
@@ -79,13 +79,17 @@ def status_table() -> str:
     rule = "|" + "---|" * (3 + len(am.CELLS))
     rows = [f"| {f.title} | `{am.model_type(f.name)}` | {f.tokenizer_kind} | "
             + " | ".join(_cell(f.name, c) for c in am.CELLS) + " |" for f in mf.FAMILIES]
-    from qbuild.contract.shapes import UNSUPPORTED_FAMILIES
+    from qbuild.contract.plugin import methods
 
-    refusals = ["", "Refused at plan time (qbuild.contract.shapes.UNSUPPORTED_FAMILIES, and one GGUF import):", ""]
-    refusals += [f"- `{rule.model_type}` × {', '.join(rule.methods)}"
-                 + (f", when {rule.condition}" if rule.condition else "")
-                 + (f", when {rule.variant_condition}" if rule.variant_condition else "") + f": {rule.reason}"
-                 for rule in UNSUPPORTED_FAMILIES]
+    declared: dict = {}   # each rule once, with the methods that declare it (registry order)
+    for method in methods.all():
+        for family in method.unsupported_families:
+            declared.setdefault(family, []).append(method.name)
+    refusals = ["", "Refused at plan time (each method's `unsupported_families`, and one GGUF import):", ""]
+    refusals += [f"- `{family.model_type}` × {', '.join(names)}"
+                 + (f", when {family.condition}" if family.condition else "")
+                 + (f", when {family.variant_condition}" if family.variant_condition else "") + f": {family.reason}"
+                 for family, names in declared.items()]
     refusals += [f"- {f.title} × GGUF import (qbuild.models.gguf_import.unimportable): {am.refusal(f.name, 'gguf-import')}"
                  for f in mf.FAMILIES if am.refusal(f.name, "gguf-import")]
     return "\n".join([head, rule, *rows, *refusals]) + "\n"

@@ -664,3 +664,31 @@ def test_every_import_of_qbuild_names_a_module_that_exists():
             missing += [f"{path.relative_to(PACKAGE)}:{node.lineno} {n}" for n in names
                         if n.startswith("qbuild.") and n not in modules]
     assert not missing, "\n".join(missing)
+
+
+def test_the_contract_names_no_plugin_format_or_method():
+    """Plugin knowledge lives on the plugins: each declares the formats it writes in its own module (register_format)
+    and a method the model families it cannot build (Method.unsupported_families), so no module of qbuild/contract
+    names a method or a format a plugin declares. Checked on the source: no string literal outside a docstring is
+    such a name (prose that mentions one, a description or a comment, is not a name). Engine names are the contract's
+    own words (`trtllm-pytorch` is an engine and a format), and the built-in backend environments (envs.BACKENDS) are
+    named after the libraries they hold, as some methods are."""
+    from qbuild.contract.formats import ENGINES, FORMATS, Format, declared
+    from qbuild.contract.plugin import methods
+
+    declared()
+    names = (set(methods.names()) | (set(FORMATS) - set(Format))) - set(ENGINES)
+    assert {"gguf", "gptq", "awq", "rtn", "fp8", "smoothquant", "bitsandbytes", "auto-round", "compressed-tensors",
+            "hf-modelopt", "trtllm-engine"} <= names   # what the scan looks for: every in-tree method and format
+    found = []
+    for path in sorted((PACKAGE / "contract").glob("*.py")):
+        tree = _tree(path.read_text())
+        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
+                      if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                      and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        exempt = {id(c) for n in ast.walk(tree) if path.name == "envs.py" and isinstance(n, ast.Assign | ast.AnnAssign)
+                  and any(getattr(t, "id", None) == "BACKENDS" for t in getattr(n, "targets", [getattr(n, "target", None)]))
+                  for c in ast.walk(n)}
+        found += [f"{path.relative_to(PACKAGE.parent)}:{n.lineno}: {n.value!r}" for n in ast.walk(tree)
+                  if isinstance(n, ast.Constant) and n.value in names and id(n) not in docstrings | exempt]
+    assert not found, "\n".join(found)

@@ -8,6 +8,7 @@ def test_a_plugin_format_declares_its_engines_per_scheme(monkeypatch):
     from qbuild.contract import formats
     from qbuild.plugins import FormatSpec, register_format
 
+    formats.declared()   # loaded before the copies: a plugin module loaded during the test would declare into them
     monkeypatch.setattr(formats, "FORMATS", dict(formats.FORMATS))
     monkeypatch.setattr(formats, "LOADS_IN", dict(formats.LOADS_IN))
     register_format(FormatSpec("int4-custom", "a plugin's format", loads_in=("my-engine", "vllm"),

@@ -269,8 +269,9 @@ def test_new_types_and_overrides_quantize_and_record_where_they_load(tiny_model_
 
 # --- loads_in: one table, keyed by format and scheme --------------------------------------------------------------
 def test_loads_in_rows_name_known_engines_and_formats():
-    from qbuild.contract.formats import ANY, ENGINES, FORMATS, LOADS_IN
+    from qbuild.contract.formats import ANY, ENGINES, FORMATS, LOADS_IN, declared
 
+    declared()   # the plugins' declarations (their rows) are in the table once their modules are loaded
     for (fmt, scheme), engines in LOADS_IN.items():
         assert fmt in FORMATS and FORMATS[fmt].model, (fmt, scheme)
         assert set(engines) <= set(ENGINES) or FORMATS[fmt].loads_in, (fmt, scheme)   # plugins name their own
@@ -307,6 +308,7 @@ def test_trtllm_pytorch_column_agrees_with_the_target():
 def test_plugin_format_declares_its_engines(monkeypatch):
     from qbuild.contract import formats
 
+    formats.declared()   # loaded before the copies: a plugin module loaded during the test would declare into them
     monkeypatch.setattr(formats, "FORMATS", dict(formats.FORMATS))
     monkeypatch.setattr(formats, "LOADS_IN", dict(formats.LOADS_IN))
     formats.register_format(formats.FormatSpec("int4-custom", "a plugin's format", loads_in=("my-engine",)))

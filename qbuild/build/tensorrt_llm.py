@@ -34,7 +34,7 @@ from qbuild.base.schema_base import StrictModel
 from qbuild.base.tool_run import run_tool
 from qbuild.build import trtllm_env
 from qbuild.build.trtllm_select import ENGINE_KIND
-from qbuild.contract.formats import Format
+from qbuild.contract.formats import FormatSpec, register_format
 from qbuild.contract.plugin import PullOption, Target, TargetOptions, targets
 from qbuild.contract.step import OnUnavailable, Step, StepContext
 from qbuild.models.checkpoint import QUANT_ALGO
@@ -51,6 +51,11 @@ FP8_CONTEXT_FMHA_ALGOS = ("FP8", "W4A8_AWQ", "NVFP4")   # builder.py applies use
 SM100_REFUSED = {"int8-sq": "SmoothQuant", "int4-awq": "INT4 weight-only (W4A16_AWQ)",
                  "w4a8-awq": "INT4 weight-only (W4A8_AWQ is an INT4 weight-only QuantMode)"}
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]*$"
+# what this target builds: a TensorRT engine dir, which loads on the SM and TensorRT-LLM version it was built for
+ENGINE_FORMAT = register_format(FormatSpec(
+    "trtllm-engine", "TensorRT-LLM engine (TensorRT backend, 1.2.x)", evaluated_by=("tensorrt-llm",),
+    loads_in=("tensorrt-llm",),
+    load_commands=(("tensorrt-llm", "`trtllm-serve {dir} --tokenizer BASE_MODEL`"),))).name
 
 
 class Plugins(StrictModel):
@@ -278,9 +283,9 @@ class TensorRTLLMEngine(Target):
     name = "tensorrt-llm"
     options = EngineTarget
     extra = "tensorrt-llm"               # never required in qbuild's own environment: see `python:`
-    accepts = {Format.TRTLLM_CHECKPOINT: None}
+    accepts = {"trtllm-checkpoint": None}   # the modelopt method's export: trtllm-checkpoint
     purpose = "be built into a TensorRT-LLM engine"
-    hints = {Format.HF_MODELOPT: "trtllm-build needs a TensorRT-LLM checkpoint: set export: trtllm-checkpoint on it"}
+    hints = {"hf-modelopt": "trtllm-build needs a TensorRT-LLM checkpoint: set export: trtllm-checkpoint on it"}
     default_hint = ("trtllm-build needs a TensorRT-LLM checkpoint: quantize it with method: modelopt "
                     "(fp8, int8-sq, int4-awq, w4a8-awq, or scheme: none for FP16/BF16)")
     # an engine loads only on the GPU model, CPU architecture and TensorRT version it was built with
@@ -341,7 +346,7 @@ class TensorRTLLMEngine(Target):
         command = trtllm_build_args(settings, "<checkpoint>", "<engine>")
         return ctx.add(Step(ENGINE_KIND, f"engine[{ref_name}]", settings,
                             "qbuild.build.tensorrt_llm:run_build", inputs={"checkpoint": artifact}, threads=ctx.threads,
-                            variant=ref_name, format=Format.TRTLLM_ENGINE, scheme=artifact.scheme,
+                            variant=ref_name, format=ENGINE_FORMAT, scheme=artifact.scheme,
                             env_toolchain=facts, requires_gpu=True, unavailable="; ".join(reasons),
                             on_unavailable=OnUnavailable(target.on_missing_gpu),
                             runtime_args={"python": env.python if env else python, "expected": facts,
@@ -399,7 +404,7 @@ def run_build(ctx: StepContext) -> dict:
     (ctx.out / BUILD_INFO).write_text(json.dumps(info, indent=2, sort_keys=True))
     ctx.progress(1, 1, "built")
     size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
-    return {"format": Format.TRTLLM_ENGINE, "metrics": {"size_bytes": size, "build_seconds": round(seconds, 2)}, "info": info}
+    return {"format": ENGINE_FORMAT, "metrics": {"size_bytes": size, "build_seconds": round(seconds, 2)}, "info": info}
 
 
 # --- reading engines back ----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import Field
 
 from qbuild.base.schema_base import StrictModel
-from qbuild.contract.formats import Format
+from qbuild.contract.formats import Format, FormatSpec, register_format
 from qbuild.contract.plugin import Target, TargetOptions, targets
 from qbuild.contract.step import Step, StepContext
 
@@ -29,6 +29,11 @@ OPTIONS_FILE = "extra_llm_api_options.yaml"
 INFO_FILE = "qbuild-trtllm.json"
 MODELOPT_OK = ("fp8", "int4-awq", "w4a8-awq", "nvfp4", "w4a8-mxfp4-fp8", "none")   # ModelOpt HF exports it loads
 CT_OK = ("fp8-dynamic", "fp8-block", "nvfp4", "mxfp4")               # compressed-tensors schemes it loads
+# what this target makes: the checkpoint + extra_llm_api_options.yaml, which the PyTorch backend (trtllm-serve) loads
+PACKAGE_FORMAT = register_format(FormatSpec(
+    "trtllm-pytorch", "checkpoint packaged for TensorRT-LLM's PyTorch backend", loads_in=("trtllm-pytorch",),
+    load_commands=(("trtllm-pytorch",
+                    "`trtllm-serve {dir} --extra_llm_api_options {dir}/extra_llm_api_options.yaml`"),))).name
 
 
 class KvCacheConfig(StrictModel):
@@ -84,16 +89,17 @@ class TensorRTLLMPyTorch(Target):
     name = "trtllm-pytorch"
     options = PyTorchBackendTarget
     extra = "tensorrt-llm"
-    accepts = {Format.HF_MODELOPT: MODELOPT_OK, Format.COMPRESSED_TENSORS: CT_OK, Format.HF: None}
+    # by name: formats the modelopt and llm-compressor methods declare
+    accepts = {"hf-modelopt": MODELOPT_OK, "compressed-tensors": CT_OK, Format.HF: None}
     purpose = "be served by TensorRT-LLM's PyTorch backend"
     hints = {
-        Format.TRTLLM_CHECKPOINT: "it is a TensorRT-LLM checkpoint (for trtllm-build); set export: hf on the variant",
-        Format.COMPRESSED_TENSORS: "INT4/INT8 weight-only and static per-tensor FP8 compressed-tensors checkpoints are "
-                                   "not read by the PyTorch backend; use method: fp8 with scheme: dynamic, or method: "
-                                   "modelopt with scheme: int4-awq",
-        Format.HF_MODELOPT: "other ModelOpt schemes have not been checked for the PyTorch backend; use the "
-                            "tensorrt-llm target",
-        Format.GGUF: "GGUF is llama.cpp's format",
+        "trtllm-checkpoint": "it is a TensorRT-LLM checkpoint (for trtllm-build); set export: hf on the variant",
+        "compressed-tensors": "INT4/INT8 weight-only and static per-tensor FP8 compressed-tensors checkpoints are "
+                              "not read by the PyTorch backend; use method: fp8 with scheme: dynamic, or method: "
+                              "modelopt with scheme: int4-awq",
+        "hf-modelopt": "other ModelOpt schemes have not been checked for the PyTorch backend; use the "
+                       "tensorrt-llm target",
+        "gguf": "GGUF is llama.cpp's format",
     }
 
     def plan(self, target: PyTorchBackendTarget, artifact: Step, ctx, field: str) -> Step:
@@ -103,7 +109,7 @@ class TensorRTLLMPyTorch(Target):
         ref_name = f"{artifact.variant}.{target.name}"
         return ctx.add(Step(KIND, f"package[{ref_name}]", params, "qbuild.build.trtllm_pytorch:run_package",
                             inputs={"checkpoint": artifact, "model": ctx.model()}, tools=("pyyaml",), threads=1,
-                            variant=ref_name, format=Format.TRTLLM_PYTORCH, scheme=artifact.scheme))
+                            variant=ref_name, format=PACKAGE_FORMAT, scheme=artifact.scheme))
 
 
 def check_quant_config(ckpt: Path) -> str:
@@ -151,4 +157,4 @@ def run_package(ctx: StepContext) -> dict:
     info = {"quantization": quant, "checkpoint_fixes": fixes, "llm_api_options": opts,
             "serve": f"trtllm-serve <dir> --extra_llm_api_options <dir>/{OPTIONS_FILE}"}
     (ctx.out / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
-    return {"format": Format.TRTLLM_PYTORCH, "info": info}
+    return {"format": PACKAGE_FORMAT, "info": info}

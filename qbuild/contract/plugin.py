@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from qbuild.contract.envs import BackendEnv
     from qbuild.contract.protocol import Window
+    from qbuild.contract.shapes import UnsupportedFamily
     from qbuild.contract.step import OnUnavailable, Step, StepContext
 
 
@@ -64,6 +65,9 @@ class Method(Plugin, ABC):
     # (None: qbuild's own environment). A method that honours it passes ctx.backend_env(variant, self) to its Step.
     runs_in_env: ClassVar[bool] = False
     default_env: ClassVar[str | None] = None
+    # model architectures (and configurations, and variant options) it cannot build, each with why
+    # (qbuild.contract.shapes.UnsupportedFamily): planning refuses them in one line
+    unsupported_families: ClassVar[tuple[UnsupportedFamily, ...]] = ()
 
     def check(self, variant, ctx: PlanningContext, field: str) -> None:
         """Plan-time validation beyond the schema (shapes, unsupported combinations): raise RecipeError."""

@@ -240,10 +240,11 @@ def check_module_patterns(patterns: list[str], model_dir: Path | None, info: dic
 # --- architecture families a method cannot build --------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class UnsupportedFamily:
-    """Models of `model_type` (whose config meets `applies`) that `methods` cannot build, and why."""
+    """Models of `model_type` (whose config meets `applies`) that a method cannot build, and why. A method declares
+    its own (Method.unsupported_families): planning refuses them in one line instead of a step failing, or a wrong
+    artifact being built, later."""
 
     model_type: str
-    methods: tuple[str, ...]
     reason: str
     condition: str = ""                                   # `applies` in words, for the refusal and the docs
     applies: Callable[[dict], bool] = dataclasses.field(default=lambda cfg: True, compare=False)
@@ -253,34 +254,9 @@ class UnsupportedFamily:
         default=lambda option: True, compare=False)
 
 
-# Each was found by the architecture matrix (tests/test_architectures.py, docs/architectures.md): planning refuses
-# it in one line instead of a step failing, or a wrong artifact being built, later.
-UNSUPPORTED_FAMILIES: tuple[UnsupportedFamily, ...] = (
-    UnsupportedFamily(
-        "qwen3_moe", ("gguf",),
-        "llama.cpp's qwen3moe graph always renormalizes the top-k router weights (the converter writes no "
-        "norm_topk_prob), so the GGUF would compute another function than the checkpoint (F16 KLD 0.044 against "
-        "it on the matrix's tiny Qwen3-MoE, 1e-6 with norm_topk_prob: true)",
-        "norm_topk_prob is false", lambda cfg: not cfg.get("norm_topk_prob")),
-    *(UnsupportedFamily(
-        model_type, ("rtn", "gptq", "awq"),
-        "transformers (5.x) cannot load an asymmetric compressed-tensors checkpoint of Qwen3-MoE's fused experts: its "
-        "DecompressExperts step fails on the zero points, so the artifact could not be evaluated; sym: true "
-        "(no zero point) loads",
-        variant_condition="sym is false (AWQ's default)",
-        variant_applies=lambda option: option("sym", True) is False) for model_type in ("qwen3_moe",)),
-    UnsupportedFamily(
-        "mixtral", ("rtn", "gptq", "awq", "fp8", "smoothquant"),
-        "llm-compressor writes Mixtral's experts one module each (block_sparse_moe.experts.N), and transformers 5 "
-        "reads Mixtral's experts fused (mlp.experts.gate_up_proj): it leaves them at random (KLD 1.07-1.10 against "
-        "the baseline for every scheme on the matrix's tiny Mixtral, FP8 included), so qbuild cannot evaluate the "
-        "checkpoint"),
-)
-
-
-def family_refusal(info: dict, method: str, variant=None) -> str | None:
-    """Why `method` (with the options of `variant`, a recipe variant or its dict) cannot build a model of this
-    architecture and configuration (UNSUPPORTED_FAMILIES), or None."""
+def family_refusal(info: dict, method, variant=None) -> str | None:
+    """Why `method` (a Method plugin: its `unsupported_families`), with the options of `variant` (a recipe variant or
+    its dict), cannot build a model of this architecture and configuration, or None."""
     cfg = _text_config(info)
     model_type = cfg.get("model_type") or info.get("model_type")
 
@@ -289,18 +265,17 @@ def family_refusal(info: dict, method: str, variant=None) -> str | None:
             return default
         return variant.get(name, default) if isinstance(variant, dict) else getattr(variant, name, default)
 
-    for rule in UNSUPPORTED_FAMILIES:
-        if rule.model_type == model_type and method in rule.methods and rule.applies(cfg) \
-                and rule.variant_applies(option):
+    for rule in method.unsupported_families:
+        if rule.model_type == model_type and rule.applies(cfg) and rule.variant_applies(option):
             when = [f"its config's {rule.condition}" if rule.condition else "",
                     f"the variant's {rule.variant_condition}" if rule.variant_condition else ""]
             return ", ".join(w for w in when if w) + (": " if any(when) else "") + rule.reason
     return None
 
 
-def check_family(info: dict, method: str, field: str, variant=None) -> None:
-    """RecipeError `<field>.method` when `method` cannot build this model's architecture."""
+def check_family(info: dict, method, field: str, variant=None) -> None:
+    """RecipeError `<field>.method` when `method` (a Method plugin) cannot build this model's architecture."""
     why = family_refusal(info, method, variant)
     if why:
         model_type = _text_config(info).get("model_type") or info.get("model_type")
-        raise RecipeError(f"{field}.method", f"{method} cannot build this {model_type} model: {why}")
+        raise RecipeError(f"{field}.method", f"{method.name} cannot build this {model_type} model: {why}")

@@ -278,7 +278,7 @@ def _build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
             raise RecipeError(f"variants[{i}].env", f"method {v.method!r} runs in qbuild's own environment only")
         if not (env_option or method.default_env):   # in another environment the library need not be importable here
             method.require(f"variants[{i}].method", f"method {v.method!r}")
-        check_family(ctx.model_info(), v.method, f"variants[{i}]", v)   # an architecture the method cannot build
+        check_family(ctx.model_info(), method, f"variants[{i}]", v)   # an architecture the method cannot build
         method.check(v, ctx, field=f"variants[{i}]")
         variant_steps[v.name] = step = method.plan(v, ctx)
         ctx.artifacts.append(Artifact(v.name, step, v.method, v.describe()))

@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.contract.formats import HF_RUNTIMES, Format, FormatSpec, register_format
+from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.contract.plugin import Method, methods
 from qbuild.contract.shapes import is_ignored
 from qbuild.contract.step import Step, StepContext
@@ -35,8 +35,9 @@ TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")
 AUTO_ROUND = register_format(FormatSpec("auto-round", "HF checkpoint in AutoRound's format (quant_method auto-round)",
                                         load_tools=("auto-round",), evaluated_by=HF_RUNTIMES,
                                         loads_in=("transformers", "vllm", "sglang"))).name
-FORMATS = {"auto_round": AUTO_ROUND, "llm_compressor": Format.COMPRESSED_TENSORS,
-           "auto_gptq": Format.GPTQ, "auto_awq": Format.AWQ}
+# its other exports are formats other plugins declare (llm-compressor's, gptqmodel's, awq_gemm's), named here: a
+# method module imported from here would register its method ahead of this one
+FORMATS = {"auto_round": AUTO_ROUND, "llm_compressor": lc.COMPRESSED_TENSORS, "auto_gptq": "gptq", "auto_awq": "awq"}
 
 
 class AutoRoundVariant(lc.IntWeightVariant):

@@ -17,7 +17,6 @@ from typing import Literal
 from pydantic import Field
 
 from qbuild.base.errors import RecipeError
-from qbuild.contract.formats import Format
 from qbuild.contract.plugin import methods
 from qbuild.contract.step import Step
 from qbuild.quantize import awq_gemm
@@ -99,6 +98,7 @@ def check_autoawq(variant: AWQVariant, info: dict, field: str) -> None:
 class AWQ(lc.LLMCompressorMethod):
     name = "awq"
     options = AWQVariant
+    unsupported_families = (lc.ASYMMETRIC_QWEN3_MOE, lc.MIXTRAL_EXPERTS)
 
     def check(self, variant: AWQVariant, ctx, field: str) -> None:
         if variant.checkpoint_format == "autoawq":
@@ -112,7 +112,7 @@ class AWQ(lc.LLMCompressorMethod):
         # a pure function of the quantize step's output: its key is that output's key and the converter's tools
         return ctx.add(Step("convert", f"convert[{variant.name}]", {"to": "autoawq-gemm"},
                             "qbuild.quantize.awq_gemm:run_convert", inputs={"quantized": quantized},
-                            tools=awq_gemm.TOOLS, variant=variant.name, format=Format.AWQ, scheme=quantized.scheme))
+                            tools=awq_gemm.TOOLS, variant=variant.name, format=awq_gemm.AWQ, scheme=quantized.scheme))
 
     def modifiers(self, p: dict) -> list:
         from llmcompressor.modifiers.quantization import QuantizationModifier

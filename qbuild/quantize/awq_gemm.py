@@ -28,12 +28,19 @@ import json
 import shutil
 from pathlib import Path
 
-from qbuild.contract.formats import Format, loads_in
+from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, loads_in, register_format
 from qbuild.contract.step import StepContext
 from qbuild.contract.variant import dir_size
 
 # distributions whose versions enter the key of a convert step
 TOOLS = ("compressed-tensors", "torch", "safetensors", "transformers")
+# the layout this module writes (the awq method's `checkpoint_format: autoawq`, AutoRound's auto_awq export): loaded
+# as it is by these engines, for every scheme; transformers 5 reads AWQ through gptqmodel
+AWQ = register_format(FormatSpec(
+    "awq", "HF checkpoint in AutoAWQ's GEMM layout (4-bit, grouped, zero points; quant_method awq)",
+    load_tools=("gptqmodel",), eval_env="gptqmodel", evaluated_by=HF_RUNTIMES,
+    loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers"),
+    load_commands=(("lmdeploy", "`lmdeploy serve api_server {dir} --model-format awq`"),))).name
 
 BITS = 4                    # the only width AutoAWQ's GEMM layout (and the kernels reading it) holds
 VALUES_PER_WORD = 32 // BITS
@@ -251,6 +258,6 @@ def run_convert(ctx: StepContext) -> dict:
     ctx.progress(0, 1, "converting to AutoAWQ GEMM")
     facts = convert_checkpoint(src, ctx.out, log=ctx.log)
     ctx.progress(1, 1, "converted")
-    return {"format": Format.AWQ, "metrics": {"size_bytes": dir_size(ctx.out)},
+    return {"format": AWQ, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"checkpoint_format": "autoawq-gemm", "converted_from": "compressed-tensors pack-quantized",
-                     "loads_in": list(loads_in(Format.AWQ)), **facts}}
+                     "loads_in": list(loads_in(AWQ)), **facts}}

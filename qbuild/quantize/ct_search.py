@@ -184,12 +184,12 @@ def plan_search(variant, ctx, quantize_step) -> Step:
         q = quantize_step(f"quantize[{label}~cand{i}]", {**common, "candidate": i}, {"allocation": allocation})
         select_inputs[f"q:{i}"] = q
         select_inputs[f"m:{i}"] = kld_step(ctx, f"{label}~cand{i}", q, None)
-    from qbuild.contract.formats import Format
+    from qbuild.quantize.llmcompressor import COMPRESSED_TENSORS
 
     return ctx.add(Step("ct-search-select", f"quantize[{label}]", {"budget": search.budget(),
                                                                    "objective": search.objective},
                         "qbuild.quantize.ct_search:run_select", inputs=select_inputs, threads=1,
-                        variant=label, format=Format.COMPRESSED_TENSORS, scheme=BASE_SCHEME.lower()))
+                        variant=label, format=COMPRESSED_TENSORS, scheme=BASE_SCHEME.lower()))
 
 
 # --- runners -----------------------------------------------------------------------------------------------------
@@ -321,8 +321,8 @@ def candidate_assignment(allocation_dir: Path, index: int) -> list[dict]:
 def run_select(ctx: StepContext) -> dict:
     """The best measured candidate that meets the budget becomes the artifact: its checkpoint's files and
     search.json (the record, travelling with the checkpoint)."""
-    from qbuild.contract.formats import Format
     from qbuild.contract.variant import dir_size
+    from qbuild.quantize.llmcompressor import COMPRESSED_TENSORS
 
     p = ctx.params
     alloc = json.loads((Path(ctx.inputs["allocation"]) / ALLOCATION_FILE).read_text())
@@ -354,7 +354,7 @@ def run_select(ctx: StepContext) -> dict:
     record = {**short, "chosen": best["candidate"], "candidates": rows, "base": alloc["base"],
               "sensitivity": alloc["sensitivity"], "method": alloc["method"]}
     schemes = sorted({a["scheme"].lower() for a in assign})
-    return {"format": Format.COMPRESSED_TENSORS,
+    return {"format": COMPRESSED_TENSORS,
             "metrics": {"size_bytes": dir_size(ctx.out), "weight_bits": round(best["weight_bits"], 4),
                         "search_kld": best["kld"]},
             "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),

@@ -36,6 +36,7 @@ class GPTQVariant(lc.IntWeightVariant):
 class GPTQ(lc.LLMCompressorMethod):
     name = "gptq"
     options = GPTQVariant
+    unsupported_families = (lc.ASYMMETRIC_QWEN3_MOE, lc.MIXTRAL_EXPERTS)
 
     def modifiers(self, p: dict) -> list:
         from llmcompressor.modifiers.gptq import GPTQModifier

@@ -4,7 +4,7 @@ vLLM (gptq_marlin) load — `quantize_config.json` / `quantization_config: {quan
 llm-compressor's GPTQ (gptq.py) writes compressed-tensors, which TGI and LMDeploy do not read. gptqmodel
 cannot share qbuild's environment (7.6.0 pins numpy 2.2.6; 7.7 needs torch ≥ 2.14.1), so this method runs
 in its own backend environment, `gptqmodel` (qbuild/contract/envs.py), created with uv on first use; so does the
-evaluation of its output (Format.GPTQ's eval_env). Calibration is the shared calibration artifact.
+evaluation of its output (the `gptq` format's eval_env). Calibration is the shared calibration artifact.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from qbuild.contract.formats import Format
+from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.contract.plugin import Method, methods
 from qbuild.contract.shapes import check_group_size
 from qbuild.contract.step import Step, StepContext, runner_of
@@ -23,6 +23,14 @@ from qbuild.contract.variant import VariantBase, dir_size, group_size_value
 
 # distributions whose versions (in the gptqmodel environment) enter the key
 TOOLS = ("gptqmodel", "torch", "transformers", "safetensors", "numpy")
+# the GPTQ format this method writes (AutoRound's auto_gptq export too): read back through gptqmodel and optimum, in
+# the gptqmodel environment; every engine below loads it, for every scheme
+GPTQ = register_format(FormatSpec(
+    "gptq", "GPTQ-format HF checkpoint (quantize_config.json, v1 packing; gptqmodel)",
+    load_tools=("gptqmodel", "optimum"), eval_env="gptqmodel", evaluated_by=HF_RUNTIMES,
+    loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers", "exllamav2"),
+    load_commands=(("lmdeploy", "`lmdeploy serve api_server {dir} --model-format gptq`"),
+                   ("exllamav2", "load `{dir}` with ExLlamaV2's model loader (GPTQ format)")))).name
 
 
 class GPTQModelVariant(VariantBase):
@@ -65,7 +73,7 @@ class GPTQModel(Method):
     def plan(self, variant: GPTQModelVariant, ctx) -> Step:
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             runner_of(self.run), inputs={"model": ctx.model(), "calibration": ctx.calibration()},
-                            tools=TOOLS, threads=ctx.threads, variant=variant.name, format=Format.GPTQ,
+                            tools=TOOLS, threads=ctx.threads, variant=variant.name, format=GPTQ,
                             scheme=f"w{variant.bits}a16", backend_env=ctx.backend_env(variant, self),
                             memory="whole-model", gpu_capable=True))
 
@@ -94,7 +102,7 @@ class GPTQModel(Method):
         model.save(str(ctx.out))
         ctx.owned().remove(ctx.out / "quant_log.csv", within=ctx.out)   # per-layer timings: not part of the artifact
         qc = json.loads((ctx.out / "quantize_config.json").read_text())
-        return {"format": Format.GPTQ, "metrics": {"size_bytes": dir_size(ctx.out)},
+        return {"format": GPTQ, "metrics": {"size_bytes": dir_size(ctx.out)},
                 "info": {"checkpoint_format": qc.get("checkpoint_format", qc.get("format")),
                          "quant_method": qc.get("quant_method"), "quantizer": (qc.get("meta") or {}).get("quantizer"),
                          "calibration_samples": len(calibration)}}

@@ -19,9 +19,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from qbuild.contract.formats import Format
+from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.contract.plugin import Method
-from qbuild.contract.shapes import check_group_size, check_module_patterns
+from qbuild.contract.shapes import UnsupportedFamily, check_group_size, check_module_patterns
 from qbuild.contract.step import Step, StepContext, runner_of
 from qbuild.contract.variant import VariantBase, dir_size, group_size_value
 
@@ -29,6 +29,43 @@ from qbuild.contract.variant import VariantBase, dir_size, group_size_value
 TOOLS = ("llmcompressor", "compressed-tensors", "torch", "transformers", "safetensors")
 # variant fields holding compressed-tensors module patterns (exact names or 're:' regexes): each must match a module
 PATTERN_FIELDS = ("ignore", "targets")
+
+# The llm-compressor methods' format (ct_search's mixes and AutoRound's llm_compressor export write it too). Which
+# engines load it depends on the scheme: vLLM and SGLang (CompressedTensorsWNA16) and TGI (WNA16Loader) take 4- and
+# 8-bit integer weights, with or without zero points; LMDeploy's TurboMind reads llm-compressor W4A16 only at group
+# sizes 32 and 128, so it is left out
+_INT_WEIGHTS = ("vllm", "sglang", "tgi", "transformers")
+COMPRESSED_TENSORS = register_format(FormatSpec(
+    "compressed-tensors", "HF checkpoint with compressed-tensors quantization (llm-compressor)",
+    load_tools=("compressed-tensors",), evaluated_by=HF_RUNTIMES,
+    loads_in=("transformers",),                      # transformers decompresses any scheme
+    loads_in_by_scheme=(
+        ("w4a16", _INT_WEIGHTS),
+        ("w8a16", _INT_WEIGHTS),
+        ("w3a16", ("transformers",)),                # the serving kernels take 4 and 8 bits only
+        ("w2a16", ("transformers",)),
+        # W8A8 INT8 (SmoothQuant + RTN/GPTQ): vLLM's int8 scaled-mm kernels (CUDA, and CPUInt8ScaledMMLinearKernel in
+        # its CPU build, served here) and SGLang's CompressedTensorsW8A8Int8
+        ("w8a8-int8", ("vllm", "sglang", "transformers")),
+        ("fp8-dynamic", ("vllm", "sglang", "tgi", "transformers", "trtllm-pytorch")),
+        ("fp8-static", ("vllm", "sglang", "tgi", "transformers")),   # TensorRT-LLM's PyTorch backend: no
+    ))).name
+
+# Architectures whose llm-compressor checkpoints qbuild cannot evaluate, found by the architecture matrix
+# (tests/test_architectures.py, docs/architectures.md): the methods below declare them (Method.unsupported_families)
+ASYMMETRIC_QWEN3_MOE = UnsupportedFamily(
+    "qwen3_moe",
+    "transformers (5.x) cannot load an asymmetric compressed-tensors checkpoint of Qwen3-MoE's fused experts: its "
+    "DecompressExperts step fails on the zero points, so the artifact could not be evaluated; sym: true "
+    "(no zero point) loads",
+    variant_condition="sym is false (AWQ's default)",
+    variant_applies=lambda option: option("sym", True) is False)
+MIXTRAL_EXPERTS = UnsupportedFamily(
+    "mixtral",
+    "llm-compressor writes Mixtral's experts one module each (block_sparse_moe.experts.N), and transformers 5 "
+    "reads Mixtral's experts fused (mlp.experts.gate_up_proj): it leaves them at random (KLD 1.07-1.10 against "
+    "the baseline for every scheme on the matrix's tiny Mixtral, FP8 included), so qbuild cannot evaluate the "
+    "checkpoint")
 
 
 class IntWeightVariant(VariantBase):
@@ -83,6 +120,7 @@ class LLMCompressorMethod(Method):
     extra = "llmcompressor"
     requires = ("llmcompressor", "compressed_tensors")
     runs_in_env = True     # `env: llm-compressor` (or your own) runs oneshot outside qbuild's environment
+    unsupported_families = (MIXTRAL_EXPERTS,)
 
     def check(self, variant, ctx, field: str) -> None:
         # module patterns first: a typo in `ignore` would otherwise surface as a group-size complaint about the
@@ -114,7 +152,7 @@ class LLMCompressorMethod(Method):
         # out as the source's shards); the whole model through oneshot otherwise
         shards = self.model_free_scheme(params) is not None and model_free_fits(ctx.model_info())
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner_of(self.run), inputs=inputs, tools=TOOLS,
-                            threads=ctx.threads, variant=variant.name, format=Format.COMPRESSED_TENSORS,
+                            threads=ctx.threads, variant=variant.name, format=COMPRESSED_TENSORS,
                             scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self),
                             memory="shard-streamed" if shards else "offloads-to-disk", gpu_capable=True,
                             impl_version=2 if shards else 1, runtime_args={"model_free": True} if shards else {}))
@@ -295,7 +333,7 @@ def run_model_free(ctx: StepContext, scheme: dict | str, ignore: list[str]) -> d
 def checkpoint_result(ctx: StepContext, calibration_samples: int, device: str, **info) -> dict:
     """The step's result for the compressed-tensors checkpoint written in ctx.out, read back from its config."""
     qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
-    return {"format": Format.COMPRESSED_TENSORS, "metrics": {"size_bytes": dir_size(ctx.out)},
+    return {"format": COMPRESSED_TENSORS, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
                      "ignore": qc.get("ignore"), "calibration_samples": calibration_samples, "device": device,
                      "threads": ctx.threads, **info}}

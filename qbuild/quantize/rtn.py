@@ -11,7 +11,6 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.contract.formats import Format
 from qbuild.contract.plugin import methods
 from qbuild.contract.step import Step
 from qbuild.quantize import llmcompressor as lc
@@ -43,6 +42,7 @@ class RTNVariant(lc.IntWeightVariant):
 class RTN(lc.LLMCompressorMethod):
     name = "rtn"
     options = RTNVariant
+    unsupported_families = (lc.ASYMMETRIC_QWEN3_MOE, lc.MIXTRAL_EXPERTS)
 
     def modifiers(self, p: dict) -> list:
         from llmcompressor.modifiers.quantization import QuantizationModifier
@@ -72,7 +72,7 @@ class RTN(lc.LLMCompressorMethod):
                 params = {**params, "auto_ignore": list(auto_ignore)}
             return ctx.add(Step("quantize", name, params, "qbuild.quantize.ct_search:run_quantize",
                                 inputs={"model": ctx.model(), **extra}, tools=lc.TOOLS, threads=ctx.threads,
-                                format=Format.COMPRESSED_TENSORS, scheme="w8a16", backend_env=env,
+                                format=lc.COMPRESSED_TENSORS, scheme="w8a16", backend_env=env,
                                 memory="offloads-to-disk"))
 
         return plan_search(variant, ctx, quantize_step)

@@ -138,7 +138,7 @@ def _engine(engine: str | None, has_gpu: bool) -> tuple[str, bool, tuple[str, ..
     """(engine label, GGUF variants?, the compressed-tensors schemes to write, notes) for --engine (a server plugin's
     name) or the machine's default: llama-server on a CPU, both kinds (each served by the first installed server that
     loads it) where there is a GPU."""
-    from qbuild.contract.formats import Format, loads_in
+    from qbuild.contract.formats import loads_in
     from qbuild.contract.plugin import servers
 
     if engine is None:
@@ -148,9 +148,10 @@ def _engine(engine: str | None, has_gpu: bool) -> tuple[str, bool, tuple[str, ..
     server = servers.get(engine)
     if server.engine == LLAMA_CPP:
         return engine, True, (), []
-    why_not = {s: (None if server.engine in loads_in(Format.COMPRESSED_TENSORS, s) else
+    ct = "compressed-tensors"   # the format the W4A16 and FP8 variants it writes are in (declared by their methods)
+    why_not = {s: (None if server.engine in loads_in(ct, s) else
                    f"{engine} ({server.engine}) does not load a compressed-tensors {s} checkpoint")
-               or server.cannot_serve(Format.COMPRESSED_TENSORS, s) for s in CT_SCHEMES}   # e.g. vLLM's CPU build: no FP8
+               or server.cannot_serve(ct, s) for s in CT_SCHEMES}   # e.g. vLLM's CPU build: no FP8
     schemes = tuple(s for s in CT_SCHEMES if not why_not[s])
     if not schemes:
         raise UserError(f"--engine {engine}: its engine ({server.engine}) loads neither GGUF files nor the "

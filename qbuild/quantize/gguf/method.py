@@ -15,13 +15,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from qbuild.base.errors import RecipeError
-from qbuild.contract.formats import Format
 from qbuild.contract.plugin import Method, methods
-from qbuild.contract.shapes import check_patterns, checkpoint_weight_names, config_linear_names
+from qbuild.contract.shapes import UnsupportedFamily, check_patterns, checkpoint_weight_names, config_linear_names
 from qbuild.contract.step import Step
 from qbuild.quantize.gguf.options import (
     CONVERT_TOOLS,
     DEFAULT_TENSOR_TYPE,
+    FORMAT,
+    IMATRIX_FORMAT,
     IMATRIX_IMPL,
     IMATRIX_REF,
     IMATRIX_TOOLS,
@@ -100,6 +101,13 @@ class GGUF(Method):
     options = GGUFVariant
     extra = "gguf"
     requires = ("llama_cpp", "gguf")
+    # found by the architecture matrix (tests/test_architectures.py, docs/architectures.md)
+    unsupported_families = (UnsupportedFamily(
+        "qwen3_moe",
+        "llama.cpp's qwen3moe graph always renormalizes the top-k router weights (the converter writes no "
+        "norm_topk_prob), so the GGUF would compute another function than the checkpoint (F16 KLD 0.044 against "
+        "it on the matrix's tiny Qwen3-MoE, 1e-6 with norm_topk_prob: true)",
+        "norm_topk_prob is false", lambda cfg: not cfg.get("norm_topk_prob")),)
 
     def check(self, variant: GGUFVariant, ctx, field: str) -> None:
         """Plan-time checks against the model's tensors: every tensor_types pattern must name a tensor; explicitly
@@ -166,7 +174,7 @@ class GGUF(Method):
         model = ctx.model()
         convert = ctx.add(Step("gguf-convert", f"gguf-convert[{variant.convert_type}]", {"outtype": variant.convert_type},
                                "qbuild.quantize.gguf.run:run_convert", inputs={"model": model}, tools=CONVERT_TOOLS,
-                               threads=ctx.threads, format=Format.GGUF,
+                               threads=ctx.threads, format=FORMAT,
                                # the model's own code runs in the converter only where the recipe trusts it
                                runtime_args={"trust_remote_code": bool(model.params.get("trust_remote_code"))}))
         ctx.check_conversion(convert)   # held to the checkpoint before any variant is built on it
@@ -177,7 +185,7 @@ class GGUF(Method):
             inputs["imatrix"] = ctx.add(Step("imatrix", f"imatrix[{variant.convert_type}]", {"statistic": "mean-sq-input"},
                                              "qbuild.quantize.gguf.run:run_imatrix",
                                              inputs={"model": model, "calibration": ctx.calibration(), "gguf": convert},
-                                             tools=IMATRIX_TOOLS, threads=ctx.threads, format=Format.IMATRIX,
+                                             tools=IMATRIX_TOOLS, threads=ctx.threads, format=IMATRIX_FORMAT,
                                              variant=imatrix_ref(variant.convert_type), impl_version=IMATRIX_IMPL,
                                              env_toolchain=imatrix_toolchain()))
         if variant.search is not None:
@@ -188,5 +196,5 @@ class GGUF(Method):
             return plan_search(variant, ctx, inputs, TOOLS, block_size, names, gguf_tensor_columns(ctx.model_info()))
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
                             "qbuild.quantize.gguf.run:run_quantize", inputs=inputs, tools=TOOLS,
-                            threads=ctx.threads, variant=variant.name, format=Format.GGUF,
+                            threads=ctx.threads, variant=variant.name, format=FORMAT,
                             scheme=variant.type))

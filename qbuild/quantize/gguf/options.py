@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from qbuild.base.schema_base import StrictModel
+from qbuild.contract.formats import FormatSpec, register_format
 from qbuild.contract.variant import VariantBase
 from qbuild.quantize.gguf_search_options import GGUFSearch
 
@@ -17,6 +18,26 @@ IMATRIX_TOOLS = ("llama-cpp-python", "tokenizers", "transformers", "safetensors"
 IMATRIX_IMPL = 2   # 2: llama-imatrix (1 was torch hooks on the HF model: other numbers, so another key)
 IMATRIX_FILE = "imatrix.safetensors"
 IMATRIX_REF = "imatrix"   # the imatrix's ref: RECIPE/imatrix[-<convert_type>]:TAG (qbuild ls / show / pull)
+
+# The format this method writes: one llama.cpp .gguf file. llama.cpp reads every type it writes; vLLM's and SGLang's
+# GGUF kernels and gguf-py's dequantizers (what transformers loads GGUF through) cover F32/F16/BF16, Q4_0..Q8_0, the
+# K-quants and the I-quants, not the ternary, 1-/2-bit Q1_0/Q2_0 or FP4 types. The rows name both llama-quantize's
+# file types (Q4_K_M) and the tensor types inside a file (Q4_K): a GGUF loads where all of its tensor types load.
+_WIDELY_LOADED = ("llama.cpp", "vllm", "sglang", "transformers")
+_WIDELY_LOADED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                        "Q2_K", "Q2_K_S", "Q3_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K", "Q4_K_S", "Q4_K_M",
+                        "Q5_K", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M",
+                        "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ4_NL", "IQ4_XS")
+FORMAT = register_format(FormatSpec(
+    "gguf", "llama.cpp GGUF file", evaluated_by=("llama.cpp",),
+    loads_in=("llama.cpp",),                       # the other types: TQ1_0/TQ2_0, Q1_0, Q2_0, MXFP4, NVFP4
+    loads_in_by_scheme=tuple((t, _WIDELY_LOADED) for t in _WIDELY_LOADED_TYPES),
+    load_commands=(("llama.cpp", "`llama-server -m {dir}/{file}`"),
+                   ("vllm", "`vllm serve {dir}/{file} --tokenizer BASE_MODEL` (experimental GGUF loader)"),
+                   ("transformers", "`AutoModelForCausalLM.from_pretrained('{dir}', gguf_file='{file}')` "
+                                    "(dequantizes to full precision)")))).name
+# the importance matrix the imatrix step writes: data (shared by a model's GGUF variants), not a model
+IMATRIX_FORMAT = register_format(FormatSpec("imatrix", "llama.cpp importance matrix", model=False)).name
 
 # Every type llama-quantize offers in the pinned llama.cpp (tools/quantize/quantize.cpp QUANT_OPTIONS: the
 # llama_ftype names without LLAMA_FTYPE_MOSTLY_; tests/test_plan_checks.py checks this against the installed

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.contract.formats import Format
+from qbuild.contract.formats import FormatSpec, register_format
 from qbuild.contract.variant import VariantBase
 
 TOOLS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
@@ -34,7 +34,21 @@ DECODER_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen", "qwen3":
 EXPORT_RAISES = {"gemma2": "gemma2", "phi3": "phi3"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
-FORMATS = {"trtllm-checkpoint": Format.TRTLLM_CHECKPOINT, "hf": Format.HF_MODELOPT}
+# ModelOpt's two exports. Its HF export (hf_quant_config.json): TensorRT-LLM's PyTorch backend loads the schemes
+# below, vLLM and SGLang its FP8; no engine is known to read its int8-sq HF export (no row: nothing for any scheme).
+HF_MODELOPT = register_format(FormatSpec(
+    "hf-modelopt", "HF checkpoint exported by NVIDIA ModelOpt (hf_quant_config.json)", evaluated_by=("vllm",),
+    loads_in_by_scheme=(("fp8", ("trtllm-pytorch", "vllm", "sglang")),
+                        ("int4-awq", ("trtllm-pytorch",)),
+                        ("w4a8-awq", ("trtllm-pytorch",)),
+                        ("none", ("trtllm-pytorch",))),
+    load_commands=(("vllm", "`vllm serve {dir} --quantization modelopt`"),
+                   ("sglang", "`python -m sglang.launch_server --model-path {dir} --quantization modelopt`")))).name
+# Its TensorRT-LLM checkpoint (config.json + rank<N>.safetensors): the input of trtllm-build (the tensorrt-llm target)
+TRTLLM_CHECKPOINT = register_format(FormatSpec(
+    "trtllm-checkpoint", "TensorRT-LLM checkpoint (input of trtllm-build)", loads_in=("trtllm-build",),
+    load_commands=(("trtllm-build", "build an engine first: `trtllm-build --checkpoint_dir {dir}`"),))).name
+FORMATS = {"trtllm-checkpoint": TRTLLM_CHECKPOINT, "hf": HF_MODELOPT}
 
 
 class ModelOptVariant(VariantBase):
