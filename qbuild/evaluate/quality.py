@@ -165,6 +165,19 @@ class ReferenceReader:
             stored = np.fromfile(f, dtype=self.dtype, count=n * self.vocab).reshape(n, self.vocab)
         return stored if self.dtype == np.float32 else reference_encoding.decode(stored)
 
+    def row(self, i: int, r: int) -> np.ndarray:
+        """Row r of window i alone (float32 [vocab], renormalized): a probe reads two rows, not the whole window."""
+        start, n = self.info["windows"][i]
+        if not 0 <= r < n:
+            raise IndexError(f"window {i} has {n} rows, not {r + 1}")
+        with open(self.path / LOGPROBS, "rb") as f:
+            f.seek(self.data_offset + (start + r) * self.vocab * self.dtype.itemsize)
+            stored = np.fromfile(f, dtype=self.dtype, count=self.vocab).reshape(1, self.vocab)
+        return (stored if self.dtype == np.float32 else reference_encoding.decode(stored))[0]
+
+    def rows_in(self, i: int) -> int:
+        return self.info["windows"][i][1]
+
     def top1(self, i: int) -> np.ndarray | None:
         """Window i's argmax per row, as the float32 log-probs had it (None: a float32 reference, read it off them)."""
         start, n = self.info["windows"][i]

@@ -96,20 +96,41 @@ def serving_steps(ctx) -> None:
                 data = ctx.add(replace(eval_data_step(SimpleNamespace(
                     dataset=serving.dataset, context_length=longest(serving.input_len), max_windows=None, add_bos=False),
                     ctx.model(), ctx), name="serving-prompts"))
+            # a quantized KV cache's quality cost, beside its serving numbers; the served check expects it
+            under_config = serving_quality_step(ctx, art, config)
+            checked = served_check_inputs(ctx, art.label, under_config)
             threads = ctx.threads
             args = server.args(config, threads=threads, slots=slots, context=context)
             params = {"workload": workload, "config": config.canonical(), "server": server.name,
                       "engine": server.engine, "server_args": args, "context": context, "slots": slots}
             ctx.add(Step("serving", f"serving[{art.label}@{config.name}]", params, "qbuild.planning.serving_bench:run",
-                         inputs={"model": art.step, "prompts": data}, tools=tuple(sorted(server.tools)),
+                         inputs={"model": art.step, "prompts": data, **checked}, tools=tuple(sorted(server.tools)),
                          threads=threads, per_hardware=True, env_toolchain=server.environment(),
                          requires_gpu=server.needs_gpu, unavailable=unavailable, on_unavailable=OnUnavailable.SKIP,
                          format="metrics", impl_version=IMPL_VERSION,
                          runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s,
                                        **({"trace_path": str(trace["path"])} if trace else {})}))
             if serving.capacity is not None:
-                capacity_step(ctx, serving, art, config, server, data, params, unavailable)
-            serving_quality_step(ctx, art, config)   # a quantized KV cache's quality cost, beside its serving numbers
+                capacity_step(ctx, serving, art, config, server, data, params, unavailable, checked)
+
+
+def served_check_inputs(ctx, label: str, under_config: Step | None) -> dict[str, Step]:
+    """What the served check (qbuild.serving.served_check) compares a served artifact with: the baseline's stored
+    log-probs (`reference[baseline]` and its evaluation text) and the artifact's own offline KLD: under the serving
+    config's KV cache where that is measured apart (`under_config`), else `perplexity[<label>]` (the baseline needs
+    none). Empty, with a note, where the recipe measures no KLD: the server is then not checked."""
+    steps = {s.name: s for s in ctx.steps}
+    reference = steps.get("reference[baseline]")
+    measured = under_config if under_config is not None else steps.get(f"perplexity[{label}]")
+    if reference is None or reference.runner != "qbuild.evaluate.quality:reference" or (
+            label != "baseline" and (measured is None or getattr(measured.inputs.get("reference"), "key", None) != reference.key)):
+        ctx.warn(f"{label} is served unchecked: the served check compares the server with the offline KLD "
+                 "(evaluation.kld: true, evaluation.baseline: true)")
+        return {}
+    found = {"reference": reference, "reference_data": reference.inputs["data"]}
+    if label != "baseline" or under_config is not None:
+        found["divergence"] = measured
+    return found
 
 
 def _trace(serving, recipe_dir) -> dict | None:
@@ -128,7 +149,8 @@ def _trace(serving, recipe_dir) -> dict | None:
     return {"path": path, "sha256": trace_digest(path), "requests": requests, "longest": longest_request}
 
 
-def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving_params: dict, unavailable: str) -> Step:
+def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving_params: dict, unavailable: str,
+                  checked: dict[str, Step]) -> Step:
     """`capacity[<artifact>@<config>]`: the capacity search (qbuild.planning.serving_capacity) on the serving step's server,
     flags and prompts. Its probes are identified by everything but the SLOs and the budget (`probe_family`, the key
     a step of those alone would have), so a search under another SLO finds the ones it can reuse."""
@@ -140,7 +162,7 @@ def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving
         workload["conversation"] = serving.conversation.model_dump()
     probes = {k: serving_params[k] for k in ("config", "server", "engine", "server_args", "context", "slots")}
     probes["workload"] = workload
-    common = dict(inputs={"model": art.step, "prompts": data}, tools=tuple(sorted(server.tools)),
+    common = dict(inputs={"model": art.step, "prompts": data, **checked}, tools=tuple(sorted(server.tools)),
                   threads=ctx.threads, per_hardware=True, env_toolchain=server.environment(),
                   impl_version=CAPACITY_IMPL_VERSION)
     family = Step("capacity-probes", "capacity-probes", probes, None, **common).key

@@ -116,6 +116,7 @@ def run(ctx: StepContext) -> dict:
         with running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)) as srv:
             ready_s = time.monotonic() - started
             ctx.log(f"{launch.engine} ready on {srv.url} after {ready_s:.1f} s (pid {srv.pid})")
+            checked = check_served(ctx, srv, server, launch, label, w["timeout_s"])
             server_cpu0, client_cpu0 = _cpu_seconds(srv.pid), time.process_time()
             by_round = []
             for r in range(rounds):   # round-major: each point's rounds are spread over the step's time, not adjacent
@@ -143,9 +144,28 @@ def run(ctx: StepContext) -> dict:
             "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
             "server_args": p["server_args"], "ready_s": round(ready_s, 2), "peak_rss_bytes": peak_rss,
             "kv_bytes_per_token": kv, "server_cpu_s": round(server_cpu, 3), "client_cpu_s": round(client_cpu, 3),
-            "workload": w, "environment": server.environment()}
+            "workload": w, "environment": server.environment(), "served_check": checked}
     (ctx.out / RESULT).write_text(json.dumps({**info, "points": points}, indent=2))
     return {"format": "metrics", "metrics": {**info, "points": points}}
+
+
+def check_served(ctx: StepContext, srv, server, launch, label: str, timeout_s: float) -> dict | None:
+    """The served check (qbuild.serving.served_check) on the running server, before anything is measured: a server that
+    computes something else than the artifact's offline evaluation fails the step in one line."""
+    from qbuild.serving.served_check import expected, probes, run_check
+
+    if "reference" not in ctx.inputs:
+        return None
+    found = probes(Path(ctx.inputs["reference"]), Path(ctx.inputs["reference_data"]))
+    offline = expected(Path(ctx.inputs["divergence"]) / "divergence.json" if "divergence" in ctx.inputs else None)
+    record = run_check(srv.url, server, launch.model_name, found, offline, timeout_s)
+    srv.check_alive()
+    if "refused" in record:
+        raise RuntimeError(f"{launch.engine} serving {label} does not compute what was measured offline: "
+                           f"{record['refused']}")
+    ctx.log(f"served check: {label} on {launch.engine}: KLD >= {record['served_kld_lower_bound']} "
+            f"(bound {record['kld_bound']}), top-1 {record['served_top1']} (bound {record['top1_bound']})")
+    return record
 
 
 def trace_workload(path: Path, tokens: np.ndarray, w: dict, launch):

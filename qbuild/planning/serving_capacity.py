@@ -288,7 +288,7 @@ def run(ctx) -> dict:
 
     from qbuild.evaluate.data import load_tokens
     from qbuild.planning.recipe import ServingConfig
-    from qbuild.planning.serving_bench import _portable, _tail
+    from qbuild.planning.serving_bench import _portable, _tail, check_served
     from qbuild.plugins import servers
     from qbuild.serving.server import running
 
@@ -307,10 +307,13 @@ def run(ctx) -> dict:
     stack = contextlib.ExitStack()
     srv = None
     counts = {"measured": 0, "reused": 0}
+    checks: list[dict | None] = []   # the served check of each server started (none when every probe was reused)
 
     def start_server():
         ctx.log(f"starting {launch.engine} for {label}: {shlex.join(_portable(list(launch.command), ctx.inputs['model']))}")
-        return stack.enter_context(running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)))
+        started_srv = stack.enter_context(running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)))
+        checks.append(check_served(ctx, started_srv, server, launch, label, w["timeout_s"]))
+        return started_srv
 
     def measure(k: int) -> dict:
         nonlocal srv
@@ -374,7 +377,8 @@ def run(ctx) -> dict:
               "engine": launch.engine, "config": p["config"], "workload": w,
               "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
               "seconds": round(time.monotonic() - started, 1), "probes_measured": counts["measured"],
-              "probes_reused": counts["reused"], "peak_rss_bytes": peak_rss}
+              "probes_reused": counts["reused"], "peak_rss_bytes": peak_rss,
+              "served_check": checks[0] if checks else None}
     _write_result(ctx, label, result, counts, cap["max_minutes"])
     return {"format": "metrics", "metrics": result}
 

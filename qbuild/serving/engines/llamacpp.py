@@ -75,6 +75,20 @@ class LlamaServer(Server):
                *self.args(config, threads=threads, slots=slots, context=context))
         return ServerLaunch(cmd, engine=self.engine, model_name=files[0].stem, ready_path="/health", ignore_eos=True)
 
+    def next_token_logprobs(self, url: str, model_name: str, prompt: list[int], k: int, timeout_s: float
+                            ) -> dict[int, float]:
+        """The served check's question (qbuild.serving.served_check): llama-server's own `/completion` gives the top-k
+        as token ids, from the logits before sampling (`post_sampling_probs` off)."""
+        from qbuild.serving.served_check import _post
+
+        answer = _post(f"{url}/completion", {"prompt": prompt, "n_predict": 1, "n_probs": k, "temperature": 0.0,
+                                             "post_sampling_probs": False}, timeout_s)
+        try:
+            top = answer["completion_probabilities"][0]["top_logprobs"]
+            return {int(t["id"]): float(t["logprob"]) for t in top}
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise RuntimeError(f"llama-server's /completion answer has no top log-probs ({exc!r})") from None
+
     def kv_bytes_per_token(self, model: Path, config, log_text: str) -> float | None:
         """K and V of every layer for one token: layers × KV heads × (key + value head size) × the cache type's
         bytes per element (q8_0: 34 bytes per block of 32), from the GGUF's metadata. It is what llama.cpp allocates
