@@ -207,7 +207,7 @@ def main() -> None:
     if not args.guidellm.is_file():
         raise SystemExit(f"{args.guidellm} missing: bash scripts/install.sh dev")
     from qbuild.planning.recipe import ServingConfig
-    from qbuild.serving.engines.llamacpp import LlamaServer
+    from qbuild.servers.llamacpp import LlamaServer
     from qbuild.serving.server import running
 
     gguf, tokenizer = find_artifacts(args.store, args.ref)

@@ -12,7 +12,7 @@ and the context its runner gets, format declarations, the variant options base a
         unsupported_families = ()     # UnsupportedFamily(...): model architectures it cannot build, refused at plan time
         def plan(self, variant, ctx: PlanningContext) -> Step: ...
 
-In-tree plugins are the modules of qbuild.quantize, qbuild.build, qbuild.runtimes and qbuild.serving.engines
+In-tree plugins are the modules of qbuild.quantize, qbuild.targets, qbuild.runtimes and qbuild.servers
 (every module there is imported when a registry is first used: adding one is adding a file). Out-of-tree plugins
 are Python entry points in the groups `qbuild.methods`, `qbuild.targets`, `qbuild.runtimes` and `qbuild.servers`,
 each naming a plugin class (`name = "package.module:Class"`). What lives where: qbuild/contract/ (the contract) and

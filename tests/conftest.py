@@ -114,7 +114,7 @@ def _no_vllm_unless_asked(request, monkeypatch):
 def vllm_python() -> str:
     """The interpreter of this machine's `vllm` environment (vLLM's CPU build here: `qbuild env create vllm`, which
     install.sh dev runs); the test is skipped, saying how to make it, where it was not created."""
-    from qbuild.contract import envs
+    from qbuild import envs
 
     with pytest.MonkeyPatch.context() as mp:   # the machine's folder, whatever a test set since
         if MACHINE_ENVS_DIR:

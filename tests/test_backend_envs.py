@@ -1,4 +1,4 @@
-"""Backend environments (qbuild/contract/envs.py): real uv-created environments, a real gptqmodel GPTQ-format run in its
+"""Backend environments (qbuild/envs/): real uv-created environments, a real gptqmodel GPTQ-format run in its
 own environment, its output read back by transformers (through gptqmodel) in that environment, and the errors.
 
 The environments live in one directory per test session (pytest's cache: reused by later sessions too), so the
@@ -49,8 +49,8 @@ def recipe(tmp_path: Path, model: Path, variants: list[dict], name="envs", perpl
 
 
 def test_gptqmodel_runs_in_its_own_environment_and_transformers_reads_it_back(tmp_path, tiny_model_dir, envs_dir):
+    from qbuild import envs
     from qbuild.artifacts.store import Store
-    from qbuild.contract import envs
 
     env = envs.backend("gptqmodel")
     # an interrupted creation (a directory without the completion marker) is redone, not trusted

@@ -109,14 +109,14 @@ def test_report_of_a_run_where_every_gpu_test_skips(tmp_path):
 def test_gpu_test_engine_settings_give_context_logits(tmp_path, tiny_model_dir, monkeypatch):
     from test_trtllm_eval import FAKE_PYTHON, H100, TRT_121, _recipe, _run, _store_checkpoint, stub_fake_logits
 
-    from qbuild.build import trtllm_env
+    from qbuild.targets import trtllm_env
 
     monkeypatch.delenv(trtllm_env.ENV_PYTHON, raising=False)
     monkeypatch.setenv(trtllm_env.FAKE_GPU, H100)
     monkeypatch.setenv(trtllm_env.FAKE_TRTLLM, TRT_121)
 
     from qbuild.artifacts.store import Store
-    from qbuild.build import tensorrt_llm as trt
+    from qbuild.targets import tensorrt_llm as trt
 
     gpu = gpu_test_module("test_trtllm_gpu")
     assert gpu.ENGINE_TARGET["gather_context_logits"] is True

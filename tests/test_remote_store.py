@@ -339,8 +339,8 @@ def test_resolve_and_pull_by_ref(remote_url, tmp_path):
 
 
 def _engine(store: Store, sm: str, created: str):
-    from qbuild.build import trtllm_env
-    from qbuild.build.tensorrt_llm import ENGINE_KIND
+    from qbuild.targets import trtllm_env
+    from qbuild.targets.tensorrt_llm import ENGINE_KIND
 
     gpu = {"9.0": "NVIDIA H100 80GB HBM3", "8.9": "NVIDIA L4"}[sm]
     return make_object(store, {"rank0.engine": f"engine for sm{sm}".encode(), "config.json": b"{}"},
@@ -352,8 +352,8 @@ def _engine(store: Store, sm: str, created: str):
 
 
 def test_pull_picks_the_engine_for_this_gpu(remote_url, tmp_path, monkeypatch):
-    from qbuild.build import trtllm_env
-    from qbuild.build.trtllm_select import local_needs
+    from qbuild.targets import trtllm_env
+    from qbuild.targets.trtllm_select import local_needs
 
     store = Store(tmp_path / "a")
     h100, l4 = _engine(store, "9.0", "2026-01-01T00:00:00Z"), _engine(store, "8.9", "2026-01-02T00:00:00Z")

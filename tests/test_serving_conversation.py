@@ -111,8 +111,8 @@ def test_a_real_servers_prompt_cache_keeps_later_turns_fast(tmp_path):
 
     from qbuild.planning.recipe import ServingConfig
     from qbuild.planning.serving_bench import prompts_from
+    from qbuild.servers.llamacpp import LlamaServer
     from qbuild.serving.client import Workload, summarize_point, sweep
-    from qbuild.serving.engines.llamacpp import LlamaServer
     from qbuild.serving.server import running
 
     llama_server_bin()

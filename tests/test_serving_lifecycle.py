@@ -38,7 +38,7 @@ def gguf_model():
 
 def launch(model, **config):
     from qbuild.planning.recipe import ServingConfig
-    from qbuild.serving.engines.llamacpp import LlamaServer
+    from qbuild.servers.llamacpp import LlamaServer
 
     return LlamaServer().launch(model, ServingConfig(name="t", **config), threads=1, slots=2, context=256,
                                 workdir=model.parent, log=lambda m: None)
@@ -130,7 +130,7 @@ def test_kv_bytes_per_token_is_what_llama_cpp_allocates(llama_server_bin, gguf_m
     import re
 
     from qbuild.planning.recipe import ServingConfig
-    from qbuild.serving.engines.llamacpp import LlamaServer
+    from qbuild.servers.llamacpp import LlamaServer
     from qbuild.serving.server import running
 
     config = {"kv_cache_dtype": kv} if kv else {}

@@ -53,7 +53,7 @@ def test_one_serving_step_per_artifact_and_config(tmp_path, no_gpu):
 
 
 def test_llama_server_prefix_caching_flags():
-    from qbuild.serving.engines.llamacpp import LlamaServer
+    from qbuild.servers.llamacpp import LlamaServer
 
     def args(**config):
         return LlamaServer().args(ServingConfig(name="c", **config), threads=1, slots=4, context=168)

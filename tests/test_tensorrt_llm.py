@@ -15,13 +15,13 @@ import yaml
 from click.testing import CliRunner
 
 from qbuild.base import hardware
-from qbuild.build import tensorrt_llm as trt
-from qbuild.build import trtllm_env
-from qbuild.build import trtllm_pytorch as trtpt
-from qbuild.build.trtllm_select import engine_manifests, select_engine
 from qbuild.contract.step import Step
 from qbuild.errors import RecipeError, UserError
 from qbuild.models.checkpoint import CheckpointError, validate_hf_export, validate_trtllm_checkpoint
+from qbuild.targets import tensorrt_llm as trt
+from qbuild.targets import trtllm_env
+from qbuild.targets import trtllm_pytorch as trtpt
+from qbuild.targets.trtllm_select import engine_manifests, select_engine
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 L4 = "NVIDIA L4:8.9:550.54.15"

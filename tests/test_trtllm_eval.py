@@ -16,8 +16,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from qbuild.build import trtllm_env
 from qbuild.errors import RecipeError
+from qbuild.targets import trtllm_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 H100_PCIE = "NVIDIA H100 PCIe:9.0:560.35.03"
@@ -359,7 +359,7 @@ def test_parse_bench_report_without_streaming():
 
 
 def test_build_and_bench_args_for_evaluation():
-    from qbuild.build import tensorrt_llm as trt
+    from qbuild.targets import tensorrt_llm as trt
 
     t = trt.EngineTarget(type="tensorrt-llm", gather_context_logits=True)
     args = trt.trtllm_build_args(trt.build_settings(t), "/c", "/e")

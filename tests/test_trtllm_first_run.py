@@ -15,11 +15,11 @@ import yaml
 from click.testing import CliRunner
 from test_trtllm_eval import _plan
 
-from qbuild.build import tensorrt_llm as trt
-from qbuild.build import trtllm_env
 from qbuild.contract.step import Step
 from qbuild.errors import RecipeError, UserError
 from qbuild.models.checkpoint import CheckpointError, validate_trtllm_checkpoint
+from qbuild.targets import tensorrt_llm as trt
+from qbuild.targets import trtllm_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 H200 = "NVIDIA H200:9.0:550.54.15"
@@ -274,7 +274,7 @@ def test_unreadable_versions_make_the_engine_unavailable(monkeypatch):
         assert f"the {what} version of the TensorRT-LLM environment" in step.unavailable, fake
         assert "unknown" not in json.dumps(step.toolchain())
     with pytest.raises(UserError, match="cannot tell which engine fits"):
-        from qbuild.build.trtllm_select import local_needs
+        from qbuild.targets.trtllm_select import local_needs
 
         monkeypatch.setenv(trtllm_env.FAKE_TRTLLM, "1.2.1::13.0")
         local_needs()

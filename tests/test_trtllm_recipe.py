@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qbuild.build import trtllm_env
+from qbuild.targets import trtllm_env
 
 from helpers import run_api
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from qbuild import envs
 from qbuild.base import hardware
-from qbuild.contract import envs
 from qbuild.runtimes import vllm as rt
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
@@ -84,7 +84,7 @@ def served_by_vllm(tmp_path_factory, tiny_model_dir, vllm_python):
         recipe = {"name": "vllm-cpu", "model": {"source": "local", "path": str(tiny_model_dir)},
                   "variants": [{"name": "f16", "method": "gguf", "type": "F16"}],   # a recipe has one; not served here
                   "evaluation": {"baseline": True, "perplexity": {"context_length": 128, "max_windows": 2},
-                                 "serving": {
+                                 "kld": True, "serving": {
                       "engine": "vllm", "variants": ["baseline"], "concurrency": [1, 2], "requests": 4, "warmup": 1,
                       "input_len": 32, "output_len": 8, "ready_timeout_s": 900, "configs": [{"name": "default"}]}},
                   "runtime": {"threads": 2}, "store": {"path": str(root / "store")}}

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import yaml
 
-from qbuild.build import trtllm_env as gpu_env
 from qbuild.runtimes import vllm as rt
+from qbuild.targets import trtllm_env as gpu_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 FAKE_DIR = Path(__file__).parent / "fake_vllm"

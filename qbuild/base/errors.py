@@ -1,4 +1,6 @@
-"""Error types and the exit codes they map to (docs/architecture.md, "Errors")."""
+"""Error types and the exit codes they map to (docs/architecture.md, "Errors"): defined here, the one place, so that
+every layer can raise them. Their public name is qbuild.errors (users, the CLI, the API); plugin authors import the
+ones they raise from qbuild.plugins."""
 
 from __future__ import annotations
 

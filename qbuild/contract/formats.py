@@ -48,7 +48,7 @@ class FormatSpec:
     # where engines differ by scheme: (scheme, engines) rows, each its own LOADS_IN row (loads_in: the other schemes)
     loads_in_by_scheme: tuple[tuple[str, tuple[str, ...]], ...] = ()
     load_tools: tuple[str, ...] = ()   # distributions a runtime needs to read it: they enter evaluation keys
-    eval_env: str | None = None        # backend environment (qbuild.contract.envs) its evaluation runs in; None: qbuild's
+    eval_env: str | None = None        # backend environment (qbuild/envs/) its evaluation runs in; None: qbuild's
     evaluated_by: tuple[str, ...] = ()  # runtimes (qbuild.contract.plugin) that read it, preferred first
     # engine → how to load it, for the model card: `{dir}` the artifact's folder, `{file}` its model file. Engines not
     # named here use HF_LOAD_COMMANDS (a Hugging Face checkpoint folder)

@@ -3,7 +3,7 @@ runtimes, inference servers), what their plan-time code sees (PlanningContext) a
 
 Each is a class that declares everything the pipeline needs, registered by name (plugin authors import these
 names from qbuild.plugins). The registries scan the in-tree plugin packages named here (PLUGIN_PACKAGES, and
-qbuild.serving.engines for servers) and the entry point groups: discovery by name, never an import of this module.
+qbuild.servers for servers) and the entry point groups: discovery by name, never an import of this module.
 Plugin modules must stay light at import: heavy libraries are imported inside the functions their steps run.
 """
 
@@ -61,7 +61,7 @@ class Method(Plugin, ABC):
     """A quantization method: recipe `variants[i].method: NAME`."""
 
     options: ClassVar[type[StrictModel]]   # subclass of qbuild.contract.variant.VariantBase
-    # backend environments (qbuild/contract/envs.py): whether the variant's `env:` is honoured, and the default one
+    # backend environments (qbuild/envs/): whether the variant's `env:` is honoured, and the default one
     # (None: qbuild's own environment). A method that honours it passes ctx.backend_env(variant, self) to its Step.
     runs_in_env: ClassVar[bool] = False
     default_env: ClassVar[str | None] = None
@@ -310,13 +310,13 @@ class Server(Plugin, ABC):
 
 # --- registries ------------------------------------------------------------------------------------------------
 # in-tree plugin packages: every module in them is imported when a registry is first used
-PLUGIN_PACKAGES = ("qbuild.quantize", "qbuild.build", "qbuild.runtimes")
+PLUGIN_PACKAGES = ("qbuild.quantize", "qbuild.targets", "qbuild.runtimes")
 
 
 methods: Registry[Method] = Registry("qbuild.methods", Method, "method", PLUGIN_PACKAGES, discriminator="method")
 targets: Registry[Target] = Registry("qbuild.targets", Target, "target", PLUGIN_PACKAGES, discriminator="type")
 runtimes: Registry[Runtime] = Registry("qbuild.runtimes", Runtime, "runtime", PLUGIN_PACKAGES)
-servers: Registry[Server] = Registry("qbuild.servers", Server, "server", packages=("qbuild.serving.engines",))
+servers: Registry[Server] = Registry("qbuild.servers", Server, "server", packages=("qbuild.servers",))
 
 
 def load_all() -> None:

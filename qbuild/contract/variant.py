@@ -43,13 +43,6 @@ class VariantBase(StrictModel):
         return data
 
 
-def dir_size(path) -> int:
-    """Bytes of every file under a step's output directory (its `size_bytes` metric)."""
-    from pathlib import Path
-
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
-
-
 def group_size_value(v: int | None) -> int | None:
     """A recipe's group_size: a power of two ≥ 8, or null / -1 for one scale per output channel (→ None)."""
     if v is None or v == -1:

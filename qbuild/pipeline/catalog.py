@@ -43,7 +43,7 @@ def recipe_schema() -> dict:
 
 def environments() -> dict:
     """Built-in backends and the environments created on this machine."""
-    from qbuild.contract import envs
+    from qbuild import envs
 
     return {"root": str(envs.envs_root()), "builtin": {k: list(envs.backend_packages(k)) for k in envs.BACKENDS},
             "environments": envs.installed()}
@@ -51,7 +51,7 @@ def environments() -> dict:
 
 def create_environments(names=(), *, recipe=None, log=None) -> list[dict]:
     """Resolve and create the environments NAMES (built-in backends) and those RECIPE's steps run in."""
-    from qbuild.contract import envs
+    from qbuild import envs
     from qbuild.pipeline.run import backend_envs
 
     if not names and not recipe:
@@ -69,6 +69,6 @@ def create_environments(names=(), *, recipe=None, log=None) -> list[dict]:
 
 def remove_environments(name: str | None) -> list:
     """Remove the environment NAME (every version of it), or every environment with None."""
-    from qbuild.contract import envs
+    from qbuild import envs
 
     return envs.remove(name)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qbuild.artifacts.store import MANIFEST, Store, read_json
+from qbuild.base.files import dir_size
 from qbuild.base.units import human_seconds
 
 
@@ -80,7 +81,7 @@ def _object_size(store: Store, digest: str | None, memo: dict) -> int | None:
 
 def _dir_size(path: Path) -> int | None:
     try:
-        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        return dir_size(path)
     except OSError:
         return None
 

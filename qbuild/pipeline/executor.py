@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 from qbuild.artifacts.remote.base import RemoteRefused
 from qbuild.artifacts.store import NO_SPACE, Hit, Store, free_bytes, now_iso, store_full
 from qbuild.base.errors import StepFailed, UserError
+from qbuild.base.files import dir_size
 from qbuild.base.hardware import gpu_devices
 from qbuild.contract.formats import spec as format_spec
 from qbuild.contract.step import OnUnavailable, Outcome, PlanStatus, Step
@@ -235,7 +236,7 @@ class Executor(StandbyWorkers, WorkerLaunch):
             if o.record:
                 sizes.append(o.size)
             elif o.path is not None and o.path.is_dir():  # a source: the local model directory
-                sizes.append(sum(f.stat().st_size for f in o.path.rglob("*") if f.is_file()))
+                sizes.append(dir_size(o.path))
         return sizes
 
     def cancel(self) -> None:

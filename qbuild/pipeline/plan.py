@@ -196,7 +196,7 @@ class PlanContext:
         """A BackendEnv for a built-in name, an EnvOption, or None; errors name `field`."""
         if option is None:
             return None
-        from qbuild.contract import envs
+        from qbuild import envs
 
         cache_key = option if isinstance(option, str) else option.model_dump_json()
         if cache_key not in self._envs:

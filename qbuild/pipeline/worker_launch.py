@@ -143,7 +143,7 @@ class WorkerLaunch:
         """The Python that runs `step`'s worker: qbuild's own, or its backend environment (created on first use)."""
         if step.backend_env is None:
             return sys.executable
-        from qbuild.contract.envs import EnvError, ensure
+        from qbuild.envs import EnvError, ensure
 
         def note(message: str) -> None:
             log.info(message)
@@ -160,7 +160,7 @@ class WorkerLaunch:
 
         env = step_environ(kind, os.environ)   # an allow-list per step kind: no worker gets AWS_*, *_PASSWORD, ...
         if backend_env is not None:
-            from qbuild.contract.envs import worker_environ
+            from qbuild.envs import worker_environ
 
             env = worker_environ(backend_env, env)
         env.update({"QBUILD_PROGRESS_FD": str(progress_fd), "OMP_NUM_THREADS": str(threads),

@@ -23,11 +23,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from qbuild.base.files import dir_size
 from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.contract.plugin import Method, methods
 from qbuild.contract.shapes import is_ignored
 from qbuild.contract.step import Step, StepContext
-from qbuild.contract.variant import dir_size
 from qbuild.quantize import llmcompressor as lc
 
 TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")

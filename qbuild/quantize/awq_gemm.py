@@ -28,9 +28,9 @@ import json
 import shutil
 from pathlib import Path
 
+from qbuild.base.files import dir_size
 from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, loads_in, register_format
 from qbuild.contract.step import StepContext
-from qbuild.contract.variant import dir_size
 
 # distributions whose versions enter the key of a convert step
 TOOLS = ("compressed-tensors", "torch", "safetensors", "transformers")

@@ -18,10 +18,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from qbuild.base.files import dir_size
 from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.contract.plugin import Method, methods
 from qbuild.contract.step import Step, StepContext
-from qbuild.contract.variant import VariantBase, dir_size
+from qbuild.contract.variant import VariantBase
 
 TOOLS = ("bitsandbytes", "torch", "transformers", "accelerate", "safetensors")
 # the method's own format: an HF folder with serialized bitsandbytes weights, which transformers and vLLM load

@@ -321,7 +321,7 @@ def candidate_assignment(allocation_dir: Path, index: int) -> list[dict]:
 def run_select(ctx: StepContext) -> dict:
     """The best measured candidate that meets the budget becomes the artifact: its checkpoint's files and
     search.json (the record, travelling with the checkpoint)."""
-    from qbuild.contract.variant import dir_size
+    from qbuild.base.files import dir_size
     from qbuild.quantize.llmcompressor import COMPRESSED_TENSORS
 
     p = ctx.params

@@ -3,7 +3,7 @@ vLLM (gptq_marlin) load — `quantize_config.json` / `quantization_config: {quan
 
 llm-compressor's GPTQ (gptq.py) writes compressed-tensors, which TGI and LMDeploy do not read. gptqmodel
 cannot share qbuild's environment (7.6.0 pins numpy 2.2.6; 7.7 needs torch ≥ 2.14.1), so this method runs
-in its own backend environment, `gptqmodel` (qbuild/contract/envs.py), created with uv on first use; so does the
+in its own backend environment, `gptqmodel` (qbuild/envs/), created with uv on first use; so does the
 evaluation of its output (the `gptq` format's eval_env). Calibration is the shared calibration artifact.
 """
 
@@ -15,11 +15,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from qbuild.base.files import dir_size
 from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.contract.plugin import Method, methods
 from qbuild.contract.shapes import check_group_size
 from qbuild.contract.step import Step, StepContext, runner_of
-from qbuild.contract.variant import VariantBase, dir_size, group_size_value
+from qbuild.contract.variant import VariantBase, group_size_value
 
 # distributions whose versions (in the gptqmodel environment) enter the key
 TOOLS = ("gptqmodel", "torch", "transformers", "safetensors", "numpy")

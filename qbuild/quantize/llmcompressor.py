@@ -19,11 +19,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from qbuild.base.files import dir_size
 from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.contract.plugin import Method
 from qbuild.contract.shapes import UnsupportedFamily, check_group_size, check_module_patterns
 from qbuild.contract.step import Step, StepContext, runner_of
-from qbuild.contract.variant import VariantBase, dir_size, group_size_value
+from qbuild.contract.variant import VariantBase, group_size_value
 
 # distributions whose versions enter the key of a quantize step
 TOOLS = ("llmcompressor", "compressed-tensors", "torch", "transformers", "safetensors")

@@ -27,9 +27,9 @@ from pathlib import Path
 from qbuild.base.errors import RecipeError
 from qbuild.base.fingerprint import cpu_model
 from qbuild.base.tool_run import run_tool
-from qbuild.build import tensorrt_llm as trt
 from qbuild.contract.plugin import EvalStepFields, Runtime, RuntimeSession, runtimes
 from qbuild.contract.step import StepContext
+from qbuild.targets import tensorrt_llm as trt
 
 SHIM = Path(__file__).with_name("_trtllm_shim.py")
 

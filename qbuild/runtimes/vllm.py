@@ -26,7 +26,7 @@ load check where it can run on a GPU, or where evaluation.load_check.runtimes na
 takes minutes per artifact). The CPU build refuses FP8 and GGUF at plan time (CPU_CANNOT_LOAD). Without vLLM its
 steps plan as unavailable, with the CUDA build and no GPU as needs-gpu, with the reason, and are skipped by `qbuild
 run` (an evaluation that cannot run here does not stop the artifacts from being built). Throughput is not measured
-here: serving benchmarks run against vLLM's server (qbuild/serving/engines/vllm.py).
+here: serving benchmarks run against vLLM's server (qbuild/servers/vllm.py).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def interpreter(python: str | None) -> list[str]:
 def located_python() -> str | None:
     """The interpreter that runs vLLM here: $QBUILD_VLLM_PYTHON, else the `vllm` backend environment where it has
     been created (`qbuild env create vllm`; install.sh dev makes it), else None (qbuild's own, if it has vllm)."""
-    from qbuild.contract import envs
+    from qbuild import envs
 
     configured = configured_python()
     if configured:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qbuild.build import trtllm_env
+from qbuild.targets import trtllm_env
 
 ENGINE_CHECK = Path(__file__).with_name("trtllm_engine_check.py")
 
@@ -102,8 +102,8 @@ def _build(tmp_path: Path, model_dir: Path, name: str, variant: dict) -> tuple[d
 
 @pytest.mark.parametrize("name, variant", SCHEMES, ids=[s[0] for s in SCHEMES])
 def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
-    from qbuild.build import tensorrt_llm as trt
-    from qbuild.build import trtllm_env
+    from qbuild.targets import tensorrt_llm as trt
+    from qbuild.targets import trtllm_env
 
     manifest, engine = _build(tmp_path, model_dir, name, variant)
     gpu = trtllm_env.gpu()

@@ -16,7 +16,7 @@ import sys
 import pytest
 import yaml
 
-from qbuild.build import trtllm_env
+from qbuild.targets import trtllm_env
 
 ENV_PYTHON = "QBUILD_TRTLLM_PYTORCH_PYTHON"
 LOAD_SCRIPT = r"""
@@ -42,7 +42,7 @@ def unavailable() -> str:
 
 
 def trtllm_env_line(version: str | None) -> tuple[int, int]:
-    from qbuild.build.tensorrt_llm import version_line
+    from qbuild.targets.tensorrt_llm import version_line
 
     return version_line(version or "") or (0, 0)
 

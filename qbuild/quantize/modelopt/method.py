@@ -22,7 +22,6 @@ quantize; serving the result needs Blackwell (SM 10.x) kernels.
 from __future__ import annotations
 
 from qbuild.base.errors import RecipeError
-from qbuild.build import trtllm_env
 from qbuild.contract.plugin import Method, methods
 from qbuild.contract.step import OnUnavailable, Step
 from qbuild.models.checkpoint import linear_in_features
@@ -36,6 +35,7 @@ from qbuild.quantize.modelopt.options import (
     TOOLS,
     ModelOptVariant,
 )
+from qbuild.targets import trtllm_env
 
 
 @methods.register

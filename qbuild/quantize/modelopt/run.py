@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+from qbuild.base.files import dir_size
 from qbuild.contract.step import StepContext
 from qbuild.models.checkpoint import QUANT_ALGO
 from qbuild.quantize.modelopt.options import (
@@ -123,7 +124,7 @@ def run(ctx: StepContext) -> dict:
     ctx.progress(3, 3, "done")
     from importlib.metadata import version
 
-    size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
+    size = dir_size(ctx.out)
     algo = FP4_QUANT_ALGO.get(p["scheme"]) or QUANT_ALGO[p["scheme"]]
     return {"format": FORMATS[p["export"]], "metrics": {"size_bytes": size},
             "info": {"quant_algo": algo, "device": device, "checkpoint_fixes": fixes,

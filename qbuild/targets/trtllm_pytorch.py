@@ -107,7 +107,7 @@ class TensorRTLLMPyTorch(Target):
         for k in ("variants", "name"):
             params.pop(k, None)
         ref_name = f"{artifact.variant}.{target.name}"
-        return ctx.add(Step(KIND, f"package[{ref_name}]", params, "qbuild.build.trtllm_pytorch:run_package",
+        return ctx.add(Step(KIND, f"package[{ref_name}]", params, "qbuild.targets.trtllm_pytorch:run_package",
                             inputs={"checkpoint": artifact, "model": ctx.model()}, tools=("pyyaml",), threads=1,
                             variant=ref_name, format=PACKAGE_FORMAT, scheme=artifact.scheme))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from qbuild.contract.plugin import servers
-from qbuild.serving.engines._gpu import SERVED_NAME, GPUServer
+from qbuild.servers._gpu import SERVED_NAME, GPUServer
 
 
 @servers.register

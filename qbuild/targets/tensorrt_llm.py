@@ -30,14 +30,15 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from qbuild.base.errors import RecipeError, UserError
+from qbuild.base.files import dir_size
 from qbuild.base.schema_base import StrictModel
 from qbuild.base.tool_run import run_tool
-from qbuild.build import trtllm_env
-from qbuild.build.trtllm_select import ENGINE_KIND
 from qbuild.contract.formats import FormatSpec, register_format
 from qbuild.contract.plugin import PullOption, Target, TargetOptions, targets
 from qbuild.contract.step import OnUnavailable, Step, StepContext
 from qbuild.models.checkpoint import QUANT_ALGO
+from qbuild.targets import trtllm_env
+from qbuild.targets.trtllm_select import ENGINE_KIND
 
 ENGINE_LINE = (1, 2)                 # the last TensorRT-LLM line with the TensorRT engine builder
 BUILD_INFO = "qbuild-engine.json"
@@ -294,13 +295,13 @@ class TensorRTLLMEngine(Target):
                     PullOption("tensorrt", "tensorrt", "Select engines built with this TensorRT version."))
 
     def machine_needs(self, chosen: dict[str, str | None]) -> dict:
-        from qbuild.build.trtllm_select import local_needs
+        from qbuild.targets.trtllm_select import local_needs
 
         return local_needs(chosen.get("gpu.sm"), chosen.get("tensorrt_llm"), chosen.get("tensorrt"),
                            gpu_name=chosen.get("gpu.name"), arch=chosen.get("host.arch"))
 
     def select_build(self, builds: list[dict], need: dict, ref: str) -> dict:
-        from qbuild.build.trtllm_select import select_engine
+        from qbuild.targets.trtllm_select import select_engine
 
         return select_engine(builds, need, ref)
 
@@ -345,7 +346,7 @@ class TensorRTLLMEngine(Target):
         # the command is a pure function of the hashed settings: shown by `qbuild plan --json`, not hashed again
         command = trtllm_build_args(settings, "<checkpoint>", "<engine>")
         return ctx.add(Step(ENGINE_KIND, f"engine[{ref_name}]", settings,
-                            "qbuild.build.tensorrt_llm:run_build", inputs={"checkpoint": artifact}, threads=ctx.threads,
+                            "qbuild.targets.tensorrt_llm:run_build", inputs={"checkpoint": artifact}, threads=ctx.threads,
                             variant=ref_name, format=ENGINE_FORMAT, scheme=artifact.scheme,
                             env_toolchain=facts, requires_gpu=True, unavailable="; ".join(reasons),
                             on_unavailable=OnUnavailable(target.on_missing_gpu),
@@ -403,7 +404,7 @@ def run_build(ctx: StepContext) -> dict:
             "build_config": build_config(p), "checkpoint_quantization": cfg.get("quantization")}
     (ctx.out / BUILD_INFO).write_text(json.dumps(info, indent=2, sort_keys=True))
     ctx.progress(1, 1, "built")
-    size = sum(f.stat().st_size for f in ctx.out.rglob("*") if f.is_file())
+    size = dir_size(ctx.out)
     return {"format": ENGINE_FORMAT, "metrics": {"size_bytes": size, "build_seconds": round(seconds, 2)}, "info": info}
 
 

@@ -1,1 +1,0 @@
-"""Inference servers, one module per server: each a `qbuild.contract.plugin.Server` registered by name."""
