@@ -60,3 +60,42 @@ def test_the_baseline_is_held_to_itself():
     assert offline == {"kld_p99": 0.0, "top1_agreement": 1.0, "of": "the baseline itself"}
     assert "refused" not in sc.verdict([0.0004] * 16, [True] * 15 + [False], offline)   # one near-tie flipped
     assert "refused" in sc.verdict([0.2] * 16, [True] * 16, offline)
+
+
+def test_probes_fit_the_servers_context(tmp_path):
+    """A server whose context per request is shorter than the evaluation's windows is probed within it: every prompt
+    at most max_prompt tokens, each probe's reference the row that predicts the token after its prompt."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from qbuild.evaluate import reference_encoding
+    from qbuild.evaluate.data import INFO, TOKENS
+    from qbuild.evaluate.quality import LOGPROBS, REFERENCE, TOP1
+
+    vocab, ctx_len = 50, 16
+    ids = np.arange(64, dtype=np.int64) % vocab
+    data = tmp_path / "data"
+    data.mkdir()
+    save_file({"input_ids": ids}, str(data / TOKENS))
+    (data / INFO).write_text(json.dumps({"join": "\n\n", "sources": [], "bos_token_id": None}))
+    rng = np.random.default_rng(0)
+    rows = np.stack([_logprobs(rng, vocab, 2.0) for _ in range(4 * (ctx_len - 1))])
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    with open(ref / LOGPROBS, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": reference_encoding.DTYPE, "fortran_order": False,
+                                                 "shape": rows.shape})
+        reference_encoding.encode(rows).tofile(f)
+    np.save(ref / TOP1, reference_encoding.top1(rows))
+    protocol = {"protocol": "fixed-window", "context_length": ctx_len, "stride": None, "max_windows": 4,
+                "add_bos": False, "bos_token_id": None}
+    (ref / REFERENCE).write_text(json.dumps({"protocol": protocol, "windows": [[i * 15, 15] for i in range(4)]}))
+    whole = sc.probes(ref, data, max_prompt=100)
+    short = sc.probes(ref, data, max_prompt=8)
+    assert [len(p.prompt) for p in whole] == [8, 15] * 4   # the middle and last scored rows of each 16-token window
+    assert [len(p.prompt) for p in short] == [4, 8] * 4
+    for p in short:   # the window's first len(prompt) tokens; the row that predicts the next one
+        start = ids.tolist().index(p.prompt[0])
+        assert p.prompt == ids[start:start + len(p.prompt)].tolist()
+    assert short[1].reference_top1 == int(rows[7].argmax()) and np.allclose(short[1].reference, rows[7], atol=2e-2)

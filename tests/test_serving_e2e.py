@@ -110,7 +110,7 @@ def test_a_server_computing_something_else_is_refused_in_one_line(built, tmp_pat
 
     _halved_output_norm(_object(built, "quantize[q8_0]"), tmp_path / "broken")
     server = servers.get("llama-server")
-    found = probes(_object(built, "reference[baseline]"), _object(built, "eval-data"))
+    found = probes(_object(built, "reference[baseline]"), _object(built, "eval-data"), max_prompt=255)
     offline = expected(_object(built, "perplexity[q8_0]") / "divergence.json")
     launch = server.launch(tmp_path / "broken", ServingConfig(name="default"), threads=1, slots=1, context=256,
                            workdir=tmp_path)

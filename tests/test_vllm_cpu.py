@@ -143,7 +143,7 @@ def test_vllm_serving_a_rescaled_checkpoint_is_refused_by_the_served_check(serve
     tensors["model.norm.weight"] = tensors["model.norm.weight"] * 0.5
     save_file(tensors, str(weights), metadata={"format": "pt"})
     found = probes(store.object_dir(steps["reference[baseline]"]["digest"]),
-                   store.object_dir(steps["eval-data"]["digest"]))
+                   store.object_dir(steps["eval-data"]["digest"]), max_prompt=255)
     server = servers.get("vllm")
     launch = server.launch(broken, ServingConfig(name="default"), threads=2, slots=1, context=256, workdir=tmp_path)
     with running(launch, tmp_path / "server.log", "broken", 900) as srv:

@@ -156,7 +156,9 @@ def check_served(ctx: StepContext, srv, server, launch, label: str, timeout_s: f
 
     if "reference" not in ctx.inputs:
         return None
-    found = probes(Path(ctx.inputs["reference"]), Path(ctx.inputs["reference_data"]))
+    found = probes(Path(ctx.inputs["reference"]), Path(ctx.inputs["reference_data"]), ctx.params["context"] - 1)
+    if not found:
+        raise RuntimeError(f"the served check has no probe within {label}'s context of {ctx.params['context']} tokens")
     offline = expected(Path(ctx.inputs["divergence"]) / "divergence.json" if "divergence" in ctx.inputs else None)
     record = run_check(srv.url, server, launch.model_name, found, offline, timeout_s)
     srv.check_alive()

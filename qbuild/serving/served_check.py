@@ -42,8 +42,10 @@ class Probe:
     reference_top1: int
 
 
-def probes(reference_dir: Path, data_dir: Path, windows: int = PROBE_WINDOWS) -> list[Probe]:
-    """The probes on the evaluation text the reference `reference_dir` stored (its protocol rebuilds its windows)."""
+def probes(reference_dir: Path, data_dir: Path, max_prompt: int, windows: int = PROBE_WINDOWS) -> list[Probe]:
+    """The probes on the evaluation text the reference `reference_dir` stored (its protocol rebuilds its windows),
+    each prompt at most `max_prompt` tokens (the server's context per request, less the one token it generates):
+    a window longer than that is probed at positions within it."""
     from qbuild.contract.protocol import windows as make_windows
     from qbuild.evaluate.data import load_tokens
     from qbuild.evaluate.quality import ReferenceReader
@@ -56,7 +58,10 @@ def probes(reference_dir: Path, data_dir: Path, windows: int = PROBE_WINDOWS) ->
     found = []
     for i, w in enumerate(wins[:min(windows, len(reader))]):
         n, top1 = reader.rows_in(i), reader.top1(i)
-        for r in sorted({(n - 1) // 2, n - 1}):
+        last = min(n - 1, max_prompt - w.first_scored)   # row r's prompt is first_scored + r tokens long
+        if last < 0:
+            continue
+        for r in sorted({last // 2, last}):
             # row r predicts token first_scored + r: the model has seen every token before it
             row = reader.row(i, r)
             found.append(Probe([int(t) for t in w.tokens[: w.first_scored + r]], row,
