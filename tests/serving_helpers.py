@@ -65,7 +65,7 @@ def llama_server_bin():
 
     pytest.importorskip("llama_cpp")
     pytest.importorskip("httpx")
-    from qbuild.serving.llamacpp_build import cached_bin_dir
+    from qbuild.models.llamacpp_toolchain import cached_bin_dir
 
     found = cached_bin_dir()
     if found is None:

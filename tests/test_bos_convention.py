@@ -42,7 +42,7 @@ def _with_bos_convention(src: Path, out: Path, adds: bool) -> Path:
 
 def _convert(model: Path, out: Path) -> Path:
     """llama.cpp's converter (QBUILD_LLAMA_CPP_DIR: the copy that knows the tiny vocabulary), as qbuild runs it."""
-    from qbuild.models.llamacpp_tools import converter_command, converter_env
+    from qbuild.models.llamacpp_toolchain import converter_command, converter_env
 
     subprocess.run(converter_command(model, out, "f32"), check=True, capture_output=True, env=converter_env(),
                    timeout=600)

@@ -41,7 +41,7 @@ runpy.run_path(conv + "/convert_hf_to_gguf.py", run_name="__main__")
 
 
 def _converter() -> Path:
-    from qbuild.models.llamacpp_tools import converter_dir
+    from qbuild.models.llamacpp_toolchain import converter_dir
 
     try:
         return converter_dir(log=lambda *_: None)

@@ -208,8 +208,8 @@ def test_imatrix_is_llama_imatrix_own_output(built, tiny_model_dir, tmp_path):
 
     from qbuild.base.fingerprint import package_version
     from qbuild.calibration.build import load_calibration
+    from qbuild.models.llamacpp_toolchain import build_id, tool
     from qbuild.quantize.gguf.run import llama_imatrix_command, write_calibration_text
-    from qbuild.serving.llamacpp_build import build_id, tool
 
     store = built["store"]
     im = built["steps"]["imatrix[f16]"]

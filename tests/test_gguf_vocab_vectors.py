@@ -4,7 +4,7 @@ llama.cpp ships a vocabulary test file for each tokenizer family it supports (mo
 vocabulary only, no tensors), most with test strings (.gguf.inp: strings separated by a line `__ggml_vocab_test__`)
 and the token ids llama.cpp gives each (.gguf.out: one line a string, ids separated by spaces), read as
 tests/test-tokenizer-0.cpp reads them. They come from the llama-cpp-python sdist qbuild already extracts its converter
-from (qbuild.models.llamacpp_tools.vocab_test_dir). For every vocabulary: the import's tokenizer writer
+from (qbuild.models.llamacpp_toolchain.vocab_test_dir). For every vocabulary: the import's tokenizer writer
 (write_tokenizer) builds the tokenizer into a temporary directory, transformers' AutoTokenizer loads it as the
 evaluation does, and each test string's tokens must be the expected ids exactly (a file with no vectors: llama.cpp
 itself, through llama-cpp-python, on the same strings). A vocabulary qbuild does not rebuild is refused in one line.
@@ -69,7 +69,7 @@ EXTRA = ["1234567 12 123456789 1,000,000", "don't DON'T I'M you'Ll", "ſ'S ﬁne
 
 @pytest.fixture(scope="module")
 def vocab_dir() -> Path:
-    from qbuild.models.llamacpp_tools import vocab_test_dir
+    from qbuild.models.llamacpp_toolchain import vocab_test_dir
 
     path = vocab_test_dir(log=lambda *_: None)   # extracted by install.sh (with the converter) or here, once
     assert sorted(p.name for p in path.glob("ggml-vocab-*.gguf")), f"no ggml-vocab-*.gguf in {path}"

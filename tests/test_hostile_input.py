@@ -280,7 +280,7 @@ def test_unreachable_mlflow_is_bounded_warned_once_and_changes_nothing(tmp_path,
 
 # --- supply chain: the llama.cpp converter comes from a pinned sdist -----------------------------------------------
 def test_llama_cpp_sdist_is_pinned_for_the_constrained_version_and_checked(tmp_path, monkeypatch):
-    from qbuild.models import llamacpp_tools
+    from qbuild.models import llamacpp_toolchain as llamacpp_tools
 
     pinned = next(line.split("==")[1].strip() for line in (REPO / "scripts" / "constraints.txt").read_text().splitlines()
                   if line.startswith("llama-cpp-python=="))

@@ -214,7 +214,7 @@ def test_llama_cpps_converter_runs_no_code_from_the_model_unless_trusted(tmp_pat
     import numpy as np
     from safetensors.numpy import save_file
 
-    from qbuild.models.llamacpp_tools import converter_command, converter_env
+    from qbuild.models.llamacpp_toolchain import converter_command, converter_env
 
     marker = tmp_path / "ran"
     model = _checkpoint_with_code(tmp_path, marker)

@@ -17,7 +17,7 @@ from helpers import run_api, write_recipe
 def test_an_f16_gguf_gives_an_f16_baseline_and_a_w4a16_artifact_without_float32(models_cache, tmp_path, monkeypatch):
     from safetensors import safe_open
 
-    from qbuild.models.llamacpp_tools import converter_command, converter_env
+    from qbuild.models.llamacpp_toolchain import converter_command, converter_env
 
     source = mf.built(mf.BY_NAME["llama3"], models_cache / "families")
     monkeypatch.setenv("QBUILD_LLAMA_CPP_DIR", str(mf.registered_converter({"llama3": source}, tmp_path)))

@@ -58,7 +58,7 @@ def test_serving_config_with_quantized_kv_gets_its_own_kld_and_selection_judges_
     is its own llama.cpp pass under that cache (against the same f16-KV reference), shown on its serving rows, and a
     max_kld between the two rejects exactly kv4, naming it."""
     from qbuild import api
-    from qbuild.serving.llamacpp_build import cached_bin_dir
+    from qbuild.models.llamacpp_toolchain import cached_bin_dir
 
     if cached_bin_dir() is None:
         pytest.skip("llama-server is not built yet (scripts/install.sh builds it)")

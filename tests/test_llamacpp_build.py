@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qbuild.serving import llamacpp_build as lb
+from qbuild.models import llamacpp_toolchain as lb
 
 
 def test_tools_come_from_the_version_and_flags_directory(tmp_path, monkeypatch):
@@ -63,7 +63,7 @@ def test_concurrent_requests_build_once(tmp_path, monkeypatch):
             Path(cmd[cmd.index("-B") + 1], "CMakeCache.txt").parent.mkdir(parents=True, exist_ok=True)
             Path(cmd[cmd.index("-B") + 1], "CMakeCache.txt").write_text("")
 
-    import qbuild.models.llamacpp_tools as tools
+    import qbuild.models.llamacpp_toolchain as tools
 
     monkeypatch.setattr(tools, "download_sdist", fake_sdist)
     monkeypatch.setattr(tools, "extract_vendored", fake_extract)
@@ -111,7 +111,7 @@ def test_libraries_then_tools_compile_once(tmp_path, monkeypatch):
         if not (bin_dir / "libllama.so").exists():
             (bin_dir / "libllama.so").symlink_to("libllama.so.0.5.0")
 
-    import qbuild.models.llamacpp_tools as tools
+    import qbuild.models.llamacpp_toolchain as tools
 
     monkeypatch.setattr(tools, "download_sdist", lambda version, dest: dest / "sdist.tar.gz")
     monkeypatch.setattr(tools, "extract_vendored", lambda sdist, staged, members=None: staged.mkdir(parents=True))

@@ -91,7 +91,7 @@ def test_rebuild_of_a_serving_recipe_leaves_its_timings_out(tmp_path, tiny_model
     """A recipe with evaluation.serving (a real llama-server sweep): `verify --rebuild` re-executes its other steps,
     lists the serving step as not rebuilt (a timing, like throughput) and exits 0 (it re-ran the sweep, whose
     numbers are never the same bytes, and exited 1)."""
-    from qbuild.serving.llamacpp_build import cached_bin_dir
+    from qbuild.models.llamacpp_toolchain import cached_bin_dir
 
     if cached_bin_dir() is None:
         pytest.skip("llama-server is not built yet (scripts/install.sh builds it)")

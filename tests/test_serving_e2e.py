@@ -39,7 +39,7 @@ def recipe_data(model, store, serving=None, selection=None) -> dict:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tiny_model_dir):
-    from qbuild.serving.llamacpp_build import cached_bin_dir
+    from qbuild.models.llamacpp_toolchain import cached_bin_dir
 
     if cached_bin_dir() is None:
         pytest.skip("llama-server is not built yet (scripts/install.sh builds it)")

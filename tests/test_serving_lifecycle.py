@@ -20,11 +20,11 @@ pytest.importorskip("httpx")
 
 @pytest.fixture(scope="session")
 def llama_server_bin():
-    from qbuild.serving.llamacpp_build import cached_bin_dir
+    from qbuild.models.llamacpp_toolchain import cached_bin_dir
 
     found = cached_bin_dir()
     if found is None:
-        pytest.skip("llama-server is not built yet (scripts/install.sh builds it: python -m qbuild.serving.llamacpp_build)")
+        pytest.skip("llama-server is not built yet (scripts/install.sh builds it: python -m qbuild.models.llamacpp_toolchain)")
     return found
 
 

@@ -1,5 +1,5 @@
 """llama.cpp's `llama-server`: continuous batching over `--parallel` slots, built from the vendored llama.cpp source of
-the installed llama-cpp-python (qbuild/serving/llamacpp_build.py), so it is the same llama.cpp qbuild evaluates with."""
+the installed llama-cpp-python (qbuild/models/llamacpp_toolchain.py), so it is the same llama.cpp qbuild evaluates with."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class LlamaServer(Server):
     requires = ("llama_cpp",)
 
     def unavailable(self) -> str:
-        from qbuild.serving.llamacpp_build import cached_bin_dir
+        from qbuild.models.llamacpp_toolchain import cached_bin_dir
 
         why = super().unavailable()
         if why or cached_bin_dir() is not None:
@@ -34,7 +34,7 @@ class LlamaServer(Server):
 
     def environment(self) -> dict[str, str]:
         from qbuild.base.fingerprint import package_version
-        from qbuild.serving.llamacpp_build import build_id
+        from qbuild.models.llamacpp_toolchain import build_id
 
         return {"llama-server": build_id(package_version("llama-cpp-python"))}
 
@@ -64,7 +64,7 @@ class LlamaServer(Server):
         return args
 
     def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
-        from qbuild.serving.llamacpp_build import tool
+        from qbuild.models.llamacpp_toolchain import tool
         from qbuild.serving.server import PORT, ServerLaunch
 
         files = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else [Path(model)]

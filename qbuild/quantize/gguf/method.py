@@ -4,7 +4,7 @@ Steps: `gguf-convert` (shared by every GGUF variant of a model), `imatrix` (impo
 shared calibration set, shared by every GGUF variant that uses one) and `quantize[<variant>]`.
 
 Importance matrix: the `imatrix` step runs llama.cpp's own `llama-imatrix` (built from the vendored source of the
-installed llama-cpp-python, qbuild/serving/llamacpp_build.py) on the converted GGUF over the shared calibration
+installed llama-cpp-python, qbuild/models/llamacpp_toolchain.py) on the converted GGUF over the shared calibration
 tokens, and stores the per-column mean of the squared matmul inputs keyed by GGUF tensor name. It is passed to
 llama_model_quantize through `params.imatrix`, and its provenance is written into the GGUF metadata
 (quantize.imatrix.*) and the manifest.
@@ -88,7 +88,7 @@ def gguf_weight_names(model_dir: Path | None, info: dict) -> list[str] | None:
 def imatrix_toolchain() -> dict[str, str]:
     """The llama.cpp tools build the imatrix step runs (its cmake flags and targets enter the key)."""
     from qbuild.base.fingerprint import package_version
-    from qbuild.serving.llamacpp_build import build_id
+    from qbuild.models.llamacpp_toolchain import build_id
 
     return {"llama.cpp-tools": build_id(package_version("llama-cpp-python"))}
 

@@ -10,7 +10,7 @@ from qbuild.quantize.gguf.options import IMATRIX_FILE, OUTPUT_FILE
 
 
 def run_convert(ctx: StepContext) -> dict:
-    from qbuild.models.llamacpp_tools import run_converter
+    from qbuild.models.llamacpp_toolchain import run_converter
 
     ctx.progress(0, 1, "convert_hf_to_gguf.py")
     out = ctx.out / OUTPUT_FILE
@@ -58,7 +58,7 @@ def run_imatrix(ctx: StepContext) -> dict:
     from safetensors.numpy import save_file
 
     from qbuild.base.tool_run import run_tool
-    from qbuild.serving.llamacpp_build import tool
+    from qbuild.models.llamacpp_toolchain import tool
 
     text_file, out_file = ctx.out / "calibration.txt", ctx.out / "imatrix.gguf"
     seq_len = write_calibration_text(Path(ctx.inputs["model"]), Path(ctx.inputs["calibration"]), text_file)
