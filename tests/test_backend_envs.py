@@ -178,6 +178,8 @@ def test_env_cli_list_create_rm(tmp_path, monkeypatch):
     assert json.loads(qbuild("env", "list", "--json").stdout)["environments"] == []
 
 
+@pytest.mark.slow   # a second real gptqmodel run (~80 s on 2 cores); the environment itself is proven by the test above,
+# the AutoAWQ layout by tests/test_awq_gemm.py (CI's 45 minutes)
 def test_awq_gemm_checkpoint_is_evaluated_by_transformers_through_gptqmodel(tmp_path, tiny_model_dir, envs_dir):
     from qbuild.artifacts.store import Store
 
