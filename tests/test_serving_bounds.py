@@ -332,3 +332,67 @@ def test_a_start_rate_below_the_grid_starts_at_its_lowest_rate(tmp_path, monkeyp
     assert result["start_rps"] == rate_of(LOWEST_K) == 1 / 256
     assert result["stopped_probe"]["k"] == LOWEST_K and result["stopped_by"] == "max_minutes"
     assert took < 6, took
+
+
+# --- the served check's question: one bounded exchange, its answer validated -----------------------------------
+def _served_check_answer(tops):
+    def answer(h, index):
+        data = json.dumps({"choices": [{"logprobs": {"top_logprobs": [tops]}}]}).encode()
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(data)))
+        h.end_headers()
+        h.wfile.write(data)
+    return answer
+
+
+def _ask_and_check(url: str, timeout_s: float = 30.0) -> dict:
+    from qbuild.serving.served_check import checked_logprobs, openai_next_token_logprobs
+
+    return checked_logprobs(openai_next_token_logprobs(url, "m", [1, 2, 3], 20, timeout_s), vocab=100, k=20,
+                            engine="stand-in")
+
+
+@pytest.mark.parametrize(("tops", "says"), [
+    ({"token_id:5": float("nan")}, "log-probability nan"),   # NaN would pass every bound unnoticed
+    ({"token_id:5": 0.5}, "log-probability 0.5"),
+    ({"token_id:100": -0.1}, "token id 100, outside the vocabulary of 100"),
+    ({"token_id:-1": -0.1}, "token id -1"),
+    ({f"token_id:{i}": -5.0 for i in range(21)}, "answered 21 log-probs for a top 20"),
+])
+def test_a_lying_top_k_answer_is_one_line(tops, says):
+    from qbuild.serving.client import MalformedResponse
+
+    with stand_in(_served_check_answer(tops)) as (_, url), pytest.raises(MalformedResponse, match=says) as raised:
+        _ask_and_check(url)
+    assert "\n" not in str(raised.value)
+
+
+def test_the_served_checks_question_is_bounded_in_time_and_size():
+    """An endless answer is cut at the body bound without growing this process by more than a few MB, and a server
+    that keeps a request open is cut at the whole exchange's deadline (not httpx's per-read timeout)."""
+    def flood(h, index):
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.end_headers()
+        endless(h, b'{"choices": "')
+
+    from qbuild.serving.client import MAX_JSON_BODY_BYTES, ResponseTooLarge
+
+    with stand_in(flood) as (server, url), peak_rss_growth() as growth, pytest.raises(ResponseTooLarge):
+        _ask_and_check(url)
+    assert wait_for_cut(server) and growth.bytes < 3 * MAX_JSON_BODY_BYTES
+
+    def trickle(h, index):
+        h.send_response(200)
+        h.send_header("Content-Type", "application/json")
+        h.end_headers()
+        for _ in range(int(STAND_IN_SECONDS / 0.1)):
+            h.wfile.write(b" ")
+            h.wfile.flush()
+            time.sleep(0.1)
+
+    started = time.monotonic()
+    with stand_in(trickle) as (_, url), pytest.raises(RuntimeError, match="did not answer within 1 s"):
+        _ask_and_check(url, timeout_s=1.0)
+    assert time.monotonic() - started < STAND_IN_SECONDS / 2

@@ -79,9 +79,9 @@ class LlamaServer(Server):
                             ) -> dict[int, float]:
         """The served check's question (qbuild.serving.served_check): llama-server's own `/completion` gives the top-k
         as token ids, from the logits before sampling (`post_sampling_probs` off)."""
-        from qbuild.serving.served_check import _post
+        from qbuild.serving.client import post_json
 
-        answer = _post(f"{url}/completion", {"prompt": prompt, "n_predict": 1, "n_probs": k, "temperature": 0.0,
+        answer = post_json(f"{url}/completion", {"prompt": prompt, "n_predict": 1, "n_probs": k, "temperature": 0.0,
                                              "post_sampling_probs": False}, timeout_s)
         try:
             top = answer["completion_probabilities"][0]["top_logprobs"]

@@ -157,6 +157,32 @@ async def _body(resp, limit: int, truncate: bool) -> bytes:
     return bytes(out)
 
 
+def post_json(url: str, body: dict, timeout_s: float, limit: int = MAX_JSON_BODY_BYTES) -> object:
+    """One JSON request and its JSON answer, bounded as every answer here is: the whole exchange within `timeout_s`
+    (not per read), the answer at most `limit` bytes (an error answer's first MAX_ERROR_BODY_BYTES). A refusal, an
+    overrun or an answer that is not JSON raises one line naming the URL."""
+    import httpx
+
+    async def exchange() -> tuple[int, bytes]:
+        async with (asyncio.timeout(timeout_s), httpx.AsyncClient(timeout=timeout_s) as client,
+                    client.stream("POST", url, headers=PLAIN, json=body) as resp):
+            ok = resp.status_code == 200
+            return resp.status_code, await _body(resp, limit if ok else MAX_ERROR_BODY_BYTES, truncate=not ok)
+
+    try:
+        status, data = asyncio.run(exchange())
+    except TimeoutError:
+        raise RuntimeError(f"{url} did not answer within {timeout_s:g} s") from None
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"{url}: {type(exc).__name__}: {exc}") from None
+    if status != 200:
+        raise RuntimeError(f"{url} answered HTTP {status}: {data[:200].decode(errors='replace')}")
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise MalformedResponse(f"{url} answered {len(data)} bytes that are not JSON") from None
+
+
 def _count(value, name: str) -> int | None:
     """A token count from the server: a non-negative integer or absent."""
     if value is None:

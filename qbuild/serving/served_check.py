@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qbuild.serving.client import post_json
+
 TOP_K = 20             # vLLM's default cap on returned log-probs (max_logprobs)
 PROBE_WINDOWS = 8      # windows probed (their middle and last scored rows): 16 requests of one output token
 KLD_SLACK = 0.05       # nats above the offline 99th percentile: a different kernel's rounding stays far below it
@@ -115,12 +117,28 @@ def run_check(url: str, server, model_name: str, found: list[Probe], offline: di
     ask = getattr(server, "next_token_logprobs", None) or openai_next_token_logprobs
     klds, top1 = [], []
     for probe in found:
-        served = ask(url, model_name, probe.prompt, TOP_K, timeout_s)
-        if not served:
-            raise RuntimeError(f"{server.name} returned no log-probs for a probe of {len(probe.prompt)} tokens")
+        served = checked_logprobs(ask(url, model_name, probe.prompt, TOP_K, timeout_s), len(probe.reference), TOP_K,
+                                  server.name)
         klds.append(divergence_lower_bound(probe.reference, served))
         top1.append(max(served, key=served.get) == probe.reference_top1)
     return verdict(klds, top1, offline)
+
+
+def checked_logprobs(served: object, vocab: int, k: int, engine: str) -> dict[int, float]:
+    """A server's top-k answer as the check uses it, or MalformedResponse: at most k entries, each a token id inside
+    the vocabulary and a finite log-probability (not above 0, bar rounding). A NaN would pass every bound unnoticed,
+    an id past the vocabulary would index elsewhere."""
+    from qbuild.serving.client import MalformedResponse
+
+    if not isinstance(served, dict) or not served or len(served) > k:
+        raise MalformedResponse(f"{engine} answered {len(served) if isinstance(served, dict) else served!r:.40} "
+                                f"log-probs for a top {k}")
+    for token, lp in served.items():
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise MalformedResponse(f"{engine} answered token id {token!r:.40}, outside the vocabulary of {vocab}")
+        if isinstance(lp, bool) or not isinstance(lp, float) or not math.isfinite(lp) or lp > 1e-3:
+            raise MalformedResponse(f"{engine} answered log-probability {lp!r:.40} for token {token}")
+    return {token: min(lp, 0.0) for token, lp in served.items()}
 
 
 def openai_next_token_logprobs(url: str, model_name: str, prompt: list[int], k: int, timeout_s: float
@@ -129,7 +147,7 @@ def openai_next_token_logprobs(url: str, model_name: str, prompt: list[int], k: 
     `return_tokens_as_token_ids`: keys "token_id:<id>")."""
     body = {"model": model_name, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "logprobs": k,
             "return_tokens_as_token_ids": True}
-    answer = _post(f"{url}/v1/completions", body, timeout_s)
+    answer = post_json(f"{url}/v1/completions", body, timeout_s)
     try:
         top = answer["choices"][0]["logprobs"]["top_logprobs"][0]
         return {int(str(token).rsplit(":", 1)[1]): float(lp) for token, lp in top.items()}
@@ -137,12 +155,3 @@ def openai_next_token_logprobs(url: str, model_name: str, prompt: list[int], k: 
         raise RuntimeError(f"the server's /v1/completions answer has no token-id log-probs ({exc!r})") from None
 
 
-def _post(url: str, body: dict, timeout_s: float) -> dict:
-    import httpx
-
-    resp = httpx.post(url, json=body, timeout=timeout_s)
-    if resp.status_code != 200:
-        raise RuntimeError(f"{url} answered {resp.status_code}: {resp.text[:200]}")
-    if len(resp.content) > 16 << 20:
-        raise RuntimeError(f"{url} answered {len(resp.content)} bytes for one token's log-probs")
-    return resp.json()
