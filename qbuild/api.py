@@ -23,7 +23,7 @@ from qbuild.artifacts.pull import machine_bound_targets, pull_options, verified_
 from qbuild.base.errors import UserError
 from qbuild.pipeline.catalog import create_environments, environments, plugins, recipe_schema, remove_environments
 from qbuild.pipeline.run import backend_envs, load, recipe_files, validate
-from qbuild.results.conclude import TRACKING_ENV, MultiRunResult, RunResult, select, set_refs, track
+from qbuild.results.conclude import TRACKING_ENV, MultiRunResult, RunResult, deployment, select, set_refs, track
 from qbuild.results.rebuild import rebuild_check
 
 if TYPE_CHECKING:
@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from qbuild.pipeline.plan import Plan
 
 __all__ = [
-    "TRACKING_ENV", "MultiRunResult", "RunResult", "backend_envs", "create_environments", "diff", "environments",
+    "TRACKING_ENV", "MultiRunResult", "RunResult", "backend_envs", "create_environments", "deployment", "diff",
+    "environments",
     "find_run", "gc", "history", "init", "keygen", "load", "machine_bound_targets", "open_remotes", "open_store", "plan",
     "plugins", "pull", "pull_options", "push", "rebuild_check", "recipe_files", "recipe_schema", "refs",
     "register_model", "remove_environments", "report", "run", "run_many", "select", "set_refs", "show", "tag",

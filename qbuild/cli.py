@@ -320,6 +320,42 @@ def select(recipe, store_path, as_json):
 
 
 @cli.command()
+@RECIPE_ARG
+@STORE_OPTION
+@JSON_OPTION
+def deploy(recipe, store_path, as_json):
+    """Print the deployment RECIPE's `deploy:` search chose, from what the store holds: nothing is built.
+
+    \b
+    The chosen (weights, KV cache, slots, threads, batch sizes, draft) with its capacity per replica at the SLOs,
+    its exact server command and the replicas `target_rps` needs; the Pareto front (capacity, peak RSS, KLD); and
+    for every other candidate the bound it missed or why it was not searched. Exits 3 when nothing meets every
+    bound, 1 when the search has not run (run the recipe first).
+      qbuild recipes/deploy.yaml && qbuild deploy recipes/deploy.yaml
+      qbuild deploy recipes/deploy.yaml --json   # {"chosen": {"name", "command", "capacity_rps", ...}, "front": [...]}
+    """
+    from qbuild import api
+
+    try:
+        result = api.deployment(recipe, store=store_path)
+    except QBuildError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=str))
+    elif "chosen" in result:
+        from qbuild.output import deploy_lines
+
+        for line in deploy_lines(result):
+            click.echo(line)
+    if "chosen" not in result:
+        _fail(UserError(f"the deployment search of {recipe} is not stored"
+                        + (f" ({result.get('status')}: {result.get('error')})" if result.get("status") else "")
+                        + f": run `qbuild {recipe}` first"))
+    if result["chosen"] is None:
+        sys.exit(EXIT_GATE_FAILED)
+
+
+@cli.command()
 @click.argument("model")
 @click.option("-o", "--output", "out", type=click.Path(dir_okay=False), help="The recipe file to write "
               "[default: ./<model-name>.yaml].")

@@ -12,8 +12,8 @@ from qbuild.base.names import check_name, redact_tree, redact_url
 from qbuild.base.process import EXIT_INTERRUPTED, finish, guard_interrupts, interrupted
 from qbuild.base.units import human_seconds, human_size
 
-_RENDERERS = ("bos_line", "history_note", "render_gates", "render_diff", "write_junit", "render_html", "render_markdown",
-              "render_selection", "render_table")
+_RENDERERS = ("bos_line", "deploy_lines", "history_note", "render_gates", "render_diff", "write_junit", "render_html",
+              "render_markdown", "render_selection", "render_table")
 
 
 def __getattr__(name: str):
@@ -21,6 +21,8 @@ def __getattr__(name: str):
     # module loaded by a computed name) and sees what this module depends on
     if name in ("bos_line", "render_selection", "render_table"):
         from qbuild.results import summary as module
+    elif name == "deploy_lines":
+        from qbuild.results import deploy_report as module
     elif name == "history_note":
         from qbuild.pipeline import estimate as module
     elif name == "render_gates":

@@ -53,6 +53,6 @@ def test_recipe_plans_to_the_recorded_keys(recipe, tmp_path):
 if __name__ == "__main__":
     import tempfile
 
-    with tempfile.TemporaryDirectory() as d:
-        RECORD.write_text(json.dumps({r.name: planned_keys(r, Path(d) / "store") for r in RECIPES},
+    with tempfile.TemporaryDirectory() as d:   # a store of its own per recipe, as the test plans each
+        RECORD.write_text(json.dumps({r.name: planned_keys(r, Path(d) / r.stem / "store") for r in RECIPES},
                                      indent=1, sort_keys=True) + "\n")

@@ -360,7 +360,11 @@ def test_capacity_search_on_a_real_server_reruns_nothing_and_another_slo_reuses_
         assert p["requests"] == 8 * p["rounds"] and p["ci"]["ttft_ms_p99"][0] <= p["ttft_ms_p99"] <= p["ci"]["ttft_ms_p99"][1]
         assert p["rounds"] == 4 or (p["rounds"] in (2, 3) and FULL_BATCH not in p["uncertain"])
         assert p["arrival_rps"] == pytest.approx(p["rate_rps"], rel=1e-3)
-        kept_up = p["saturated_rps"] is None or p["arrival_rps"] <= p["saturated_rps"]
+        # the server kept up: its full-batch throughput not below the arrivals beyond its noise (within noise the
+        # latencies decide, and the probe says so)
+        kept_up = full_batch_verdict(p) != "missed"
+        assert kept_up == (p["saturated_rps"] is None or p["arrival_rps"] <= p["saturated_rps"]
+                           or FULL_BATCH in p["uncertain"])
         assert p["meets"] == (p["ttft_ms_p99"] <= 150 and p["errors"] == 0 and kept_up)
         assert p["meets"] == (p["rate_rps"] <= cap["capacity_rps"] + 1e-9), cap["probes"]
     best = next(p for p in cap["probes"] if p["rate_rps"] == pytest.approx(cap["capacity_rps"], rel=1e-3))

@@ -296,11 +296,17 @@ class Server(Plugin, ABC):
         `slots` requests decoded at once, `context` tokens per request. They enter the serving step's key."""
 
     @abstractmethod
-    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
+    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print,
+               draft: Path | None = None):
         """A qbuild.serving.server.ServerLaunch for `model` (the artifact's path) under `config`: the full command
         (an argument of its own, `{port}` = qbuild.serving.server.PORT, where the port goes), readiness probe and
-        stop. `workdir`: where it may write files the command reads (they are stored with the results). Runs in the
-        step's worker."""
+        stop. `workdir`: where it may write files the command reads (they are stored with the results). `draft`: the
+        path of config.draft's artifact (a server that maps drafts). Runs in the step's worker."""
+
+    def speculative_stats(self, url: str, timeout_s: float) -> dict | None:
+        """With a draft: what the server counted of it since it started ({draft_tokens, accepted,
+        acceptance_rate}); None where the server does not tell."""
+        return None
 
     def kv_bytes_per_token(self, model: Path, config, log_text: str) -> float | None:
         """KV-cache bytes per token of `model` under `config` (the model's shape × the cache's element size, or what

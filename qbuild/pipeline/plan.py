@@ -16,6 +16,7 @@ from qbuild.contract.shapes import check_family
 from qbuild.contract.step import PlanStatus, Step
 from qbuild.pipeline.memory_fit import check_memory
 from qbuild.planning.calibration import calibration_step, check_overlap, eval_data_step, overlapping_sources
+from qbuild.planning.deploy import deploy_steps
 from qbuild.planning.evaluation import evaluation_steps
 from qbuild.planning.models import model_info, model_step
 from qbuild.planning.recipe import Recipe, locate
@@ -294,6 +295,7 @@ def _build_steps(recipe: Recipe, recipe_dir: Path) -> PlanContext:
     evaluation_steps(ctx)
     task_steps(ctx)
     serving_steps(ctx)
+    deploy_steps(ctx)
     for warning in overlapping_sources(recipe.calibration, recipe.evaluation.perplexity, recipe_dir):
         ctx.warn(warning)
     return ctx

@@ -140,6 +140,37 @@ class ServingConfig(StrictModel):
         None, description="Reuse the KV cache of shared prompt prefixes (llama.cpp --cache-reuse, vLLM "
         "--enable-prefix-caching, SGLang radix cache). None: the engine's default.")
     flash_attn: bool | None = Field(None, description="llama.cpp --flash-attn on/off. None: the engine's default.")
+    threads: int | None = Field(None, ge=1, le=1024, description="CPU threads of the server (llama.cpp --threads and "
+                                "--threads-batch). None: the run's threads.")
+    batch_size: int | None = Field(None, ge=1, le=1_048_576, description="Tokens per logical batch (llama.cpp "
+                                   "--batch-size, vLLM --max-num-batched-tokens). None: the engine's default.")
+    ubatch_size: int | None = Field(None, ge=1, le=1_048_576, description="Tokens per physical batch (llama.cpp "
+                                    "--ubatch-size). None: the engine's default.")
+    draft: str | None = Field(None, pattern=NAME_RE, description="Speculative decoding: another variant of the recipe "
+                              "(a GGUF sharing the tokenizer) drafts tokens the served one verifies (llama.cpp "
+                              "--spec-draft-model); its acceptance rate is measured.")
+    draft_max: int | None = Field(None, ge=1, le=64, description="Tokens drafted per step at most (llama.cpp "
+                                  "--spec-draft-n-max). None: the engine's default (16).")
+    draft_min: int | None = Field(None, ge=0, le=64, description="Tokens drafted per step at least (llama.cpp "
+                                  "--spec-draft-n-min). None: the engine's default.")
+
+    # left out of the key while unset, so that serving steps planned before these levers existed keep their keys
+    _UNSET_LEFT_OUT = ("threads", "batch_size", "ubatch_size", "draft", "draft_max", "draft_min")
+
+    def canonical(self) -> dict:
+        data = super().canonical()
+        for field in self._UNSET_LEFT_OUT:
+            if data.get(field) is None:
+                data.pop(field, None)
+        return data
+
+    @model_validator(mode="after")
+    def _draft_settings_need_a_draft(self):
+        if self.draft is None and (self.draft_max is not None or self.draft_min is not None):
+            raise ValueError("draft_max and draft_min set how a draft model drafts: give draft: <variant> too")
+        if self.draft_max is not None and self.draft_min is not None and self.draft_min > self.draft_max:
+            raise ValueError(f"draft_min ({self.draft_min}) is larger than draft_max ({self.draft_max})")
+        return self
 
 
 class LengthRange(StrictModel):
@@ -504,6 +535,59 @@ def _plugin_union(registry, discriminator: str):
     return Annotated[Union[models], Field(discriminator=discriminator)]  # type: ignore[valid-type]
 
 
+class DeploySpace(StrictModel):
+    """The levers the deployment search combines (every combination is one candidate; docs/serving.md, Deployment
+    search). A list per lever; null in a list is the engine's default."""
+
+    variants: list[str] | Literal["all"] = Field("all", description="The weights: variants of the recipe (the "
+                                                 "baseline too, by name) served by evaluation.serving's engine.")
+    kv_cache_dtype: list[Literal["f16", "bf16", "q8_0", "q4_0", "fp8"] | None] = Field(
+        default_factory=lambda: [None], min_length=1, description="KV-cache types (each quantized one gets its own "
+        "KLD against the baseline, through the perplexity pass under that cache).")
+    parallel: list[int] = Field(default_factory=lambda: [1, 2, 4], min_length=1, description="Requests decoded at "
+                                "once (llama.cpp --parallel, vLLM --max-num-seqs); context per slot follows the "
+                                "workload.")
+    threads: list[int | None] = Field(default_factory=lambda: [None], min_length=1, description="Server CPU threads "
+                                      "(null: the run's threads).")
+    batch_size: list[int | None] = Field(default_factory=lambda: [None], min_length=1)
+    ubatch_size: list[int | None] = Field(default_factory=lambda: [None], min_length=1)
+    prefix_caching: list[bool | None] = Field(default_factory=lambda: [None], min_length=1)
+    draft: list[str | None] = Field(default_factory=lambda: [None], min_length=1, description="Speculative drafts: "
+                                    "variants of the recipe (null: none); a variant is never its own draft.")
+    draft_max: int | None = Field(None, ge=1, le=64, description="Tokens drafted per step at most, with a draft.")
+
+    @field_validator("parallel")
+    @classmethod
+    def _positive(cls, v):
+        if any(n < 1 for n in v):
+            raise ValueError("parallel slots are at least 1")
+        return v
+
+
+class Deploy(StrictModel):
+    """Find the deployment to ship: the candidate (weights × KV cache × server settings × draft) with the most capacity
+    per replica at the SLOs, within a measured memory budget and quality bounds. Every candidate is screened by one
+    short closed-loop point at its full batch (its throughput there bounds its capacity from above); then the
+    capacity search (evaluation.serving.capacity's) runs on candidates in order of that bound, and a candidate whose
+    bound cannot beat a measured one that is no larger and no worse is never searched (docs/serving.md)."""
+
+    slo: CapacitySLO
+    space: DeploySpace = Field(default_factory=DeploySpace)
+    target_rps: float | None = Field(None, gt=0, description="Traffic to serve (requests/s): replicas needed.")
+    max_memory_mb: float | None = Field(None, gt=0, description="Largest server peak RSS per replica (MiB), as "
+                                        "measured while screening.")
+    max_kld: float | None = Field(None, ge=0, description="Largest KLD against the baseline (needs evaluation.kld).")
+    max_delta_ppl_pct: float | None = Field(None, description="Largest PPL increase over the baseline, in %.")
+    screen_requests: int = Field(8, ge=2, le=10_000, description="Requests of a candidate's screening point (after "
+                                 "one warm-up per slot).")
+    max_searched: int = Field(4, ge=1, le=1000, description="Capacity searches at most (the most promising first).")
+    max_minutes: float = Field(30.0, gt=0, le=1440, description="Time budget of the capacity searches together; "
+                               "past it, the candidates not searched are reported as such.")
+    requests: int = Field(24, ge=2, le=100_000, description="Poisson arrivals per round of a capacity probe.")
+    rounds: int = Field(2, ge=1, le=100, description="Rounds per capacity probe.")
+    max_error_pct: float = Field(1.0, ge=0, le=100, description="Largest share of failed requests at a rate, in %.")
+
+
 def _variant_union():
     from qbuild.contract.plugin import methods
 
@@ -533,6 +617,9 @@ class Recipe(StrictModel):
     runtime: Runtime = Field(default_factory=Runtime)
     store: StoreConfig = Field(default_factory=StoreConfig)
     tracking: Tracking = Field(default_factory=Tracking)
+    deploy: Deploy | None = Field(None, description="{slo, space, ...}: search weights × KV cache × server settings "
+                                  "× speculative draft for the deployment with the most capacity at the SLOs within "
+                                  "memory and quality bounds (`qbuild deploy`; docs/serving.md).")
     selection: Selection | None = Field(None, description="SLOs, quality and budget bounds and an objective: which "
                                         "(variant, serving config) to ship (`qbuild select`).")
     model_registry: RegisterSpec | None = Field(
@@ -587,6 +674,30 @@ class Recipe(StrictModel):
             raise ValueError("selection.max_kld and objective min_kld need evaluation.kld: true")
         if sel.max_delta_ppl_pct is not None and (ev.perplexity is None or not ev.baseline):
             raise ValueError("selection.max_delta_ppl_pct needs evaluation.perplexity and baseline: true")
+        return self
+
+    @model_validator(mode="after")
+    def _deploy_names_known_variants(self):
+        known = {v.name for v in self.variants} | {"baseline"}
+        ev = self.evaluation
+        for i, c in enumerate(ev.serving.configs if ev.serving else []):
+            if c.draft is not None and c.draft not in known:
+                raise ValueError(f"evaluation.serving.configs[{i}].draft names unknown variant {c.draft!r}; "
+                                 f"variants are {sorted(known)}")
+        d = self.deploy
+        if d is None:
+            return self
+        if ev.serving is None:
+            raise ValueError("deploy: measures through evaluation.serving's server, prompts and lengths: add "
+                             "evaluation.serving")
+        named = ([] if d.space.variants == "all" else list(d.space.variants)) + [x for x in d.space.draft if x]
+        unknown = sorted({n for n in named if n not in known})
+        if unknown:
+            raise ValueError(f"deploy.space names unknown variant(s) {unknown}; variants are {sorted(known)}")
+        if d.max_kld is not None and not ev.kld:
+            raise ValueError("deploy.max_kld needs evaluation.kld: true")
+        if d.max_delta_ppl_pct is not None and (ev.perplexity is None or not ev.baseline):
+            raise ValueError("deploy.max_delta_ppl_pct needs evaluation.perplexity and baseline: true")
         return self
 
     @model_validator(mode="after")

@@ -57,10 +57,7 @@ def serving_steps(ctx) -> None:
     if serving is None:
         return
     data = None
-    # per request (with conversations: its last turn, every earlier input and output resent); room for BOS/templates
-    # and, per turn, for an output that tokenizes back to a few more tokens than were generated
-    turns = serving.conversation.turns if serving.conversation else 1
-    context = serving.prefix_tokens + turns * (longest(serving.input_len) + longest(serving.output_len) + 8)
+    context = request_context(serving)
     slots = max(serving.concurrency)
     trace = _trace(serving, ctx.recipe_dir)
     if trace is not None:   # room for the trace's longest request too
@@ -90,15 +87,12 @@ def serving_steps(ctx) -> None:
                 raise RecipeError(f"evaluation.serving.configs[{i}]",
                                   f"config {config.name!r} cannot be served by {server.name} (variant {art.label!r}): "
                                   f"{refusal} (evaluation.serving.variants picks what is served)")
-            if data is None:   # the evaluation corpus, tokenized whole: prompts are windows of it
-                from qbuild.planning.calibration import eval_data_step
-
-                data = ctx.add(replace(eval_data_step(SimpleNamespace(
-                    dataset=serving.dataset, context_length=longest(serving.input_len), max_windows=None, add_bos=False),
-                    ctx.model(), ctx), name="serving-prompts"))
+            if data is None:
+                data = prompts_step(ctx, serving)
             # a quantized KV cache's quality cost, beside its serving numbers; the served check expects it
             under_config = serving_quality_step(ctx, art, config)
-            checked = served_check_inputs(ctx, art.label, under_config)
+            checked = {**served_check_inputs(ctx, art.label, under_config),
+                       **draft_input(ctx, server, art, config, f"evaluation.serving.configs[{i}].draft")}
             threads = ctx.threads
             args = server.args(config, threads=threads, slots=slots, context=context)
             params = {"workload": workload, "config": config.canonical(), "server": server.name,
@@ -112,6 +106,38 @@ def serving_steps(ctx) -> None:
                                        **({"trace_path": str(trace["path"])} if trace else {})}))
             if serving.capacity is not None:
                 capacity_step(ctx, serving, art, config, server, data, params, unavailable, checked)
+
+
+def request_context(serving) -> int:
+    """Context tokens per request (with conversations: its last turn, every earlier input and output resent), with
+    room for BOS/templates and, per turn, for an output that tokenizes back to a few more tokens than were generated."""
+    turns = serving.conversation.turns if serving.conversation else 1
+    return serving.prefix_tokens + turns * (longest(serving.input_len) + longest(serving.output_len) + 8)
+
+
+def prompts_step(ctx, serving) -> Step:
+    """The evaluation corpus, tokenized whole: prompts are windows of it."""
+    from qbuild.planning.calibration import eval_data_step
+
+    return ctx.add(replace(eval_data_step(SimpleNamespace(
+        dataset=serving.dataset, context_length=longest(serving.input_len), max_windows=None, add_bos=False),
+        ctx.model(), ctx), name="serving-prompts"))
+
+
+def draft_input(ctx, server: Server, art, config, field: str) -> dict[str, Step]:
+    """{"draft": the artifact config.draft names} for a speculative config ({} without one); refused in one line
+    where it is the served artifact itself or another server would serve it."""
+    if config.draft is None:
+        return {}
+    found = {a.label: a for a in ctx.artifacts}.get(config.draft)
+    if found is None:
+        raise RecipeError(field, f"{config.draft!r} is not an artifact of this recipe")
+    if found.label == art.label:
+        raise RecipeError(field, f"{art.label} cannot be its own draft")
+    draft_server, why = server_for(found.step.format, found.step.scheme or None, server.name)
+    if draft_server is None or draft_server.name != server.name:
+        raise RecipeError(field, f"draft {config.draft!r} cannot be loaded by {server.name}: {why}")
+    return {"draft": found.step}
 
 
 def served_check_inputs(ctx, label: str, under_config: Step | None) -> dict[str, Step]:
@@ -155,17 +181,8 @@ def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving
     flags and prompts. Its probes are identified by everything but the SLOs and the budget (`probe_family`, the key
     a step of those alone would have), so a search under another SLO finds the ones it can reuse."""
     cap = serving.capacity
-    workload = {**serving.model_dump(include={"input_len", "output_len", "seed", "timeout_s", "warmup",
-                                               "prefix_tokens"}),
-                "requests": cap.requests, "rounds": cap.rounds}
-    if serving.conversation is not None:   # left out when off: searches without one keep their keys and probes
-        workload["conversation"] = serving.conversation.model_dump()
-    probes = {k: serving_params[k] for k in ("config", "server", "engine", "server_args", "context", "slots")}
-    probes["workload"] = workload
-    common = dict(inputs={"model": art.step, "prompts": data, **checked}, tools=tuple(sorted(server.tools)),
-                  threads=ctx.threads, per_hardware=True, env_toolchain=server.environment(),
-                  impl_version=CAPACITY_IMPL_VERSION)
-    family = Step("capacity-probes", "capacity-probes", probes, None, **common).key
+    probes, common, family = probe_family(ctx, serving, art, server, data, serving_params, checked, cap.requests,
+                                          cap.rounds)
     search = {"slo": cap.slo.bounds(), "max_minutes": cap.max_minutes, "max_error_pct": cap.max_error_pct,
               "start_rps": cap.start_rps}
     return ctx.add(Step("capacity", f"capacity[{art.label}@{config.name}]", {**probes, "capacity": search},
@@ -173,3 +190,21 @@ def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving
                         on_unavailable=OnUnavailable.SKIP, format="metrics",
                         runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s,
                                       "probe_family": family}))
+
+
+def probe_family(ctx, serving, art, server: Server, data: Step, serving_params: dict, inputs: dict[str, Step],
+                 requests: int, rounds: int) -> tuple[dict, dict, str]:
+    """What a capacity probe of an artifact's server measures (its params), the step fields every search of it
+    shares (`common`), and the probes' family: the key a step of those alone would have (the probe cache's folder;
+    the deployment search shares it with the capacity steps)."""
+    workload = {**serving.model_dump(include={"input_len", "output_len", "seed", "timeout_s", "warmup",
+                                               "prefix_tokens"}),
+                "requests": requests, "rounds": rounds}
+    if serving.conversation is not None:   # left out when off: searches without one keep their keys and probes
+        workload["conversation"] = serving.conversation.model_dump()
+    probes = {k: serving_params[k] for k in ("config", "server", "engine", "server_args", "context", "slots")}
+    probes["workload"] = workload
+    common = dict(inputs={"model": art.step, "prompts": data, **inputs}, tools=tuple(sorted(server.tools)),
+                  threads=ctx.threads, per_hardware=True, env_toolchain=server.environment(),
+                  impl_version=CAPACITY_IMPL_VERSION)
+    return probes, common, Step("capacity-probes", "capacity-probes", probes, None, **common).key

@@ -101,7 +101,7 @@ def run(ctx: StepContext) -> dict:
     rounds, first = w.get("rounds", 1), w.get("first_round", 0)
     count, prompts, output_len = _round_prompts(tokens, w, n_points)
     launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
-                           workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg))
+                           workdir=ctx.out, log=lambda msg: _log_with_progress(ctx, msg), draft=ctx.inputs.get("draft"))
     work = Workload(prompts=prompts[:count], output_len=output_len[:count], requests=w["requests"], warmup=w["warmup"],
                     timeout_s=w["timeout_s"], ignore_eos=launch.ignore_eos, model=launch.model_name,
                     rampup_s=w.get("rampup_s", 0.0), turns=w.get("conversation", {}).get("turns", 1),
@@ -132,6 +132,7 @@ def run(ctx: StepContext) -> dict:
             server_cpu = (_cpu_seconds(srv.pid) or 0) - (server_cpu0 or 0)
             client_cpu = time.process_time() - client_cpu0
             peak_rss = srv.peak_rss_bytes()
+            speculative = server.speculative_stats(srv.url, w["timeout_s"]) if config.draft else None
     except BaseException:
         print(f"--- {SERVER_LOG} (last lines) ---\n" + "\n".join(_tail(log, 20)), flush=True)
         raise
@@ -141,10 +142,11 @@ def run(ctx: StepContext) -> dict:
         raise RuntimeError(f"{launch.engine} server for {label}: every request failed: {failed[0].get('first_error')}")
     kv = server.kv_bytes_per_token(ctx.inputs["model"], config, log.read_text(errors="replace"))
     info = {"server": server.name, "engine": launch.engine, "config": p["config"],
-            "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
+            "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"], ctx.inputs.get("draft"))),
             "server_args": p["server_args"], "ready_s": round(ready_s, 2), "peak_rss_bytes": peak_rss,
             "kv_bytes_per_token": kv, "server_cpu_s": round(server_cpu, 3), "client_cpu_s": round(client_cpu, 3),
-            "workload": w, "environment": server.environment(), "served_check": checked}
+            "workload": w, "environment": server.environment(), "served_check": checked,
+            **({"speculative": speculative} if config.draft else {})}
     (ctx.out / RESULT).write_text(json.dumps({**info, "points": points}, indent=2))
     return {"format": "metrics", "metrics": {**info, "points": points}}
 
@@ -214,11 +216,13 @@ def _log_with_progress(ctx: StepContext, msg: str) -> None:
         ctx.progress(int(m.group(1)), 100, "building llama-server (once)")
 
 
-def _portable(command: list[str], model: Path) -> list[str]:
-    """The server command as a user would type it: the program and the model file by name, port 8080."""
+def _portable(command: list[str], model: Path, *others: Path | None) -> list[str]:
+    """The server command as a user would type it: the program and the model file (and a draft's, `others`) by
+    name, port 8080."""
+    ours = tuple(str(m) for m in (model, *others) if m is not None)
     out = [Path(command[0]).name if "/" in command[0] else command[0]]
     for a in command[1:]:
-        out.append("8080" if a == PORT else Path(a).name if a.startswith(str(model)) else a)
+        out.append("8080" if a == PORT else Path(a).name if a.startswith(ours) else a)
     return out
 
 

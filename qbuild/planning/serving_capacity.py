@@ -284,35 +284,53 @@ def keep_probe(family: str, k: int | str, probe: dict) -> None:
 
 
 def run(ctx) -> dict:
+    from qbuild.planning.recipe import ServingConfig
+
+    p = ctx.params
+    cap = p["capacity"]
+    label = ctx.runtime_args.get("label", ctx.step_name)
+    result = search_server(ctx, label=label, model=ctx.inputs["model"], draft=ctx.inputs.get("draft"),
+                           config=ServingConfig(**p["config"]), server_name=p["server"], slots=p["slots"],
+                           context=p["context"], workload=p["workload"], family=ctx.runtime_args["probe_family"],
+                           search_params=cap, stop_at=time.monotonic() + cap["max_minutes"] * 60, workdir=ctx.out,
+                           budget=f"max_minutes {cap['max_minutes']}", check=True)
+    result["stopped_by"] = None if result["complete"] else "max_minutes"
+    _write_result(ctx, label, result, cap["max_minutes"])
+    return {"format": "metrics", "metrics": result}
+
+
+def search_server(ctx, *, label: str, model: Path, draft: Path | None, config, server_name: str, slots: int,
+                  context: int, workload: dict, family: str, search_params: dict, stop_at: float, workdir: Path,
+                  budget: str, check: bool = False) -> dict:
+    """The capacity search of one server (`config` on `model`), its probes read from and kept in `family`'s cache;
+    the server is started only if a probe must be measured (and then served-checked when `check`), and stopped
+    before this returns. `search_params`: slo, max_error_pct and start_rps (None: from the one-at-a-time rate);
+    `budget`: the limit `stop_at` stands for, as the logs name it."""
     import contextlib
 
     from qbuild.evaluate.data import load_tokens
-    from qbuild.planning.recipe import ServingConfig
     from qbuild.planning.serving_bench import _portable, _tail, check_served
     from qbuild.plugins import servers
     from qbuild.serving.server import running
 
-    p = ctx.params
-    w, cap = p["workload"], p["capacity"]
-    label = ctx.runtime_args.get("label", ctx.step_name)
-    family = ctx.runtime_args["probe_family"]
-    server = servers.get(p["server"])
-    config = ServingConfig(**p["config"])
+    w, cap = workload, search_params
+    server = servers.get(server_name)
     tokens, _ = load_tokens(ctx.inputs["prompts"])
-    launch = server.launch(ctx.inputs["model"], config, threads=ctx.threads, slots=p["slots"], context=p["context"],
-                           workdir=ctx.out, log=ctx.log)
-    log = ctx.out / SERVER_LOG
+    workdir.mkdir(parents=True, exist_ok=True)
+    launch = server.launch(model, config, threads=ctx.threads, slots=slots, context=context, workdir=workdir,
+                           log=ctx.log, draft=draft)
+    log = workdir / SERVER_LOG
     started = time.monotonic()
-    stop_at = started + cap["max_minutes"] * 60   # the budget, inside a probe too
     stack = contextlib.ExitStack()
     srv = None
     counts = {"measured": 0, "reused": 0}
     checks: list[dict | None] = []   # the served check of each server started (none when every probe was reused)
 
     def start_server():
-        ctx.log(f"starting {launch.engine} for {label}: {shlex.join(_portable(list(launch.command), ctx.inputs['model']))}")
+        ctx.log(f"starting {launch.engine} for {label}: {shlex.join(_portable(list(launch.command), model, draft))}")
         started_srv = stack.enter_context(running(launch, log, label, ctx.runtime_args.get("ready_timeout_s", 300.0)))
-        checks.append(check_served(ctx, started_srv, server, launch, label, w["timeout_s"]))
+        if check:
+            checks.append(check_served(ctx, started_srv, server, launch, label, w["timeout_s"]))
         return started_srv
 
     def measure(k: int) -> dict:
@@ -324,11 +342,11 @@ def run(ctx) -> dict:
             return {**hit, "reused": True}
         if srv is None:
             srv = start_server()
-        probe = measure_probe(srv.url, tokens, w, k, launch.model_name, p["slots"], launch.ignore_eos,
+        probe = measure_probe(srv.url, tokens, w, k, launch.model_name, slots, launch.ignore_eos,
                               between=srv.check_alive, stop_at=stop_at)
         counts["measured"] += 1
         if probe.get("stopped_by"):   # cut short: another search must measure it whole
-            ctx.log(f"rate {rate_of(k):.4g}/s: stopped by max_minutes {cap['max_minutes']} after "
+            ctx.log(f"rate {rate_of(k):.4g}/s: stopped by {budget} after "
                     f"{probe['completed']} of {probe['requests']} requests sent completed; not judged, not kept")
             return probe
         ctx.log(f"rate {rate_of(k):.4g}/s: TTFT p99 {probe['ttft_ms_p99']} ms, TPOT p50 {probe['tpot_ms_p50']} ms, "
@@ -354,7 +372,7 @@ def run(ctx) -> dict:
                 srv = start_server()
             rps = one_at_a_time_rps(srv.url, tokens, w, launch.model_name, launch.ignore_eos, stop_at)
             if rps is None:
-                ctx.log(f"stopped by max_minutes {cap['max_minutes']} while sending requests one at a time")
+                ctx.log(f"stopped by {budget} while sending requests one at a time")
                 return None
             lone = {"rps": rps}
             keep_probe(family, ONE_AT_A_TIME, lone)
@@ -371,24 +389,21 @@ def run(ctx) -> dict:
         if log.exists():
             print(f"--- {SERVER_LOG} (last lines) ---\n" + "\n".join(_tail(log, 20)), flush=True)
         raise
-    result = {**found, "start_rps": rate_of(first) if first is not None else None, **start, "slo": cap["slo"],
-              "max_error_pct": cap["max_error_pct"], "stopped_by": None if found["complete"] else "max_minutes",
-              "server": server.name,
-              "engine": launch.engine, "config": p["config"], "workload": w,
-              "command": shlex.join(_portable(list(launch.command), ctx.inputs["model"])),
-              "seconds": round(time.monotonic() - started, 1), "probes_measured": counts["measured"],
-              "probes_reused": counts["reused"], "peak_rss_bytes": peak_rss,
-              "served_check": checks[0] if checks else None}
-    _write_result(ctx, label, result, counts, cap["max_minutes"])
-    return {"format": "metrics", "metrics": result}
+    return {**found, "start_rps": rate_of(first) if first is not None else None, **start, "slo": cap["slo"],
+            "max_error_pct": cap["max_error_pct"], "server": server.name, "engine": launch.engine,
+            "config": config.canonical(), "workload": w,
+            "command": shlex.join(_portable(list(launch.command), model, draft)),
+            "seconds": round(time.monotonic() - started, 1), "probes_measured": counts["measured"],
+            "probes_reused": counts["reused"], "peak_rss_bytes": peak_rss,
+            "served_check": checks[0] if checks else None}
 
 
-def _write_result(ctx, label: str, result: dict, counts: dict, max_minutes) -> None:
+def _write_result(ctx, label: str, result: dict, max_minutes) -> None:
     """The search's result file, and its one-line summary in the step's log."""
     (ctx.out / RESULT).write_text(json.dumps(result, indent=2))
     where = (f"{result['capacity_rps']} requests/s ({result['concurrency']} in flight)" if result["capacity_rps"]
              else "no rate meets the SLOs")
-    ctx.log(f"capacity of {label}: {where}; {counts['measured']} probe(s) measured, {counts['reused']} reused"
+    ctx.log(f"capacity of {label}: {where}; {result['probes_measured']} probe(s) measured, {result['probes_reused']} reused"
             + ("" if result["complete"] else f"; stopped by max_minutes {max_minutes}"))
 
 

@@ -210,6 +210,27 @@ def track(uri: str, experiment: str | None, recipe: Recipe, summary: dict, store
 def select(recipe, *, store=None, threads: int | None = None) -> dict:
     """The `selection:` of RECIPE judged from the store, building nothing: {selected: {variant, config, ...} | None,
     rejected: [{variant, config, why}], passed}. Every step the selection reads must be stored (run RECIPE first)."""
+    summary, missing = _stored_summary(recipe, store, threads, "selection",
+                                       "the recipe has no selection: section (SLOs, bounds and an objective)")
+    result = dict(summary["selection"])
+    if missing:
+        result["not_stored"] = missing
+    return result
+
+
+def deployment(recipe, *, store=None, threads: int | None = None) -> dict:
+    """The `deploy:` search's answer from the store, building nothing: {chosen | None, ties, replicas, front,
+    candidates, ...}, or {status: missing} when the recipe has not been run."""
+    summary, missing = _stored_summary(recipe, store, threads, "deploy",
+                                       "the recipe has no deploy: section (the SLOs and the space to search)")
+    result = dict(summary.get("deploy") or {})
+    if missing:
+        result["not_stored"] = missing
+    return result
+
+
+def _stored_summary(recipe, store, threads, section: str, absent: str) -> tuple[dict, list[str]]:
+    """The summary of RECIPE from what the store holds, and the steps it does not hold."""
     from qbuild.artifacts.access import open_store
     from qbuild.contract.step import Outcome, PlanStatus
     from qbuild.pipeline.outcome import StepOutcome
@@ -218,8 +239,8 @@ def select(recipe, *, store=None, threads: int | None = None) -> dict:
     from qbuild.results.summary import summarize
 
     r, base, _ = load(recipe, threads)
-    if r.selection is None:
-        raise UserError(f"{r.name}: the recipe has no selection: section (SLOs, bounds and an objective)")
+    if getattr(r, section) is None:
+        raise UserError(f"{r.name}: {absent}")
     st = open_store(store, r)
     the_plan = make_plan(r, base, st)
     outcomes, missing = [], []
@@ -232,12 +253,8 @@ def select(recipe, *, store=None, threads: int | None = None) -> dict:
             outcomes.append(StepOutcome(ps.step, Outcome.SKIPPED, error=f"not stored ({ps.status})"))
             if ps.status == PlanStatus.MISS:
                 missing.append(ps.step.name)
-    if r.selection.on_uncertain == "measure_more" and not missing:   # the passes the run made, from the store
-        from qbuild.results.measure_more import from_store
+    if r.selection is not None and r.selection.on_uncertain == "measure_more" and not missing:
+        from qbuild.results.measure_more import from_store  # the passes the run made, from the store
 
         the_plan, outcomes = from_store(st, the_plan, outcomes)
-    summary = summarize(the_plan, outcomes)
-    result = dict(summary["selection"])
-    if missing:
-        result["not_stored"] = missing
-    return result
+    return summarize(the_plan, outcomes), missing

@@ -306,6 +306,10 @@ def summarize(plan: Plan, outcomes: list[StepOutcome]) -> dict:
                                   for o in checks]
     if recipe.evaluation.serving:
         out["goodput_slo"] = goodput_slo(recipe)
+    if recipe.deploy is not None:
+        from qbuild.results.deploy_report import from_outcomes
+
+        out["deploy"] = from_outcomes(outcomes)
     if recipe.selection is not None:
         from qbuild.results.selection import select
 
@@ -355,6 +359,11 @@ def render_table(summary: dict, console) -> None:
     _render_tasks(rows, console)
     _render_other_runtimes(rows, console)
     render_serving(summary, console)
+    if summary.get("deploy"):
+        from qbuild.results.deploy_report import deploy_lines
+
+        for line in deploy_lines(summary["deploy"]):
+            console.print(escape(line), highlight=False, soft_wrap=True)
     for check in summary.get("fidelity_checks") or []:
         _render_fidelity_check(check, console)
     if (summary.get("protocol") or {}).get("bos_why"):

@@ -14,6 +14,7 @@ class GPUServer(Server):
     needs_gpu = True
     program: tuple[str, ...] = ()     # how the server is started, before the model ({python}: this interpreter)
     model_flag: str | None = None     # None: the model path is positional
+    batch_flag: str | None = None     # the flag a serving config's batch_size maps onto (None: refused)
 
     def unavailable(self) -> str:
         from qbuild.base.hardware import gpu
@@ -28,9 +29,18 @@ class GPUServer(Server):
                     f"{', '.join(kv_types)})")
         if config.flash_attn is not None:
             return f"flash_attn is a llama.cpp setting; {self.engine} picks its attention backend itself"
+        llama_only = [f for f in ("threads", "ubatch_size") if getattr(config, f) is not None]
+        if llama_only:
+            return f"{', '.join(llama_only)} map onto llama-server's flags only; {self.engine} sizes these itself"
+        if config.draft is not None:
+            return (f"speculative drafts are served through llama-server only so far ({self.engine}'s own speculative "
+                    "config is not mapped)")
+        if config.batch_size is not None and not self.batch_flag:
+            return f"batch_size has no {self.engine} flag qbuild maps"
         return None
 
-    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
+    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print,
+               draft: Path | None = None):
         from qbuild.serving.server import PORT, ServerLaunch
 
         written = self.write_files(config, workdir, slots=slots, context=context)

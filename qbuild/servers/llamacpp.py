@@ -11,6 +11,9 @@ from qbuild.contract.plugin import Server, servers
 # llama.cpp KV-cache element types (--cache-type-k/-v) for the recipe's kv_cache_dtype
 KV_TYPES = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}
 QUANTIZED_KV = ("q8_0", "q4_0")
+DRAFT = "{draft}"   # in a config's flags (its key), where launch puts the draft artifact's file
+SPEC_COUNTERS = {"llamacpp:spec_decode_num_draft_tokens_total": "draft_tokens",
+                 "llamacpp:spec_decode_num_accepted_tokens_total": "accepted"}
 BYTES_PER_ELEMENT = {"f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}   # ggml block size / elements
 
 
@@ -48,6 +51,7 @@ class LlamaServer(Server):
 
     def args(self, config, *, threads: int, slots: int, context: int) -> list[str]:
         """The flags (everything but the binary, model and port): these enter the step's key."""
+        threads = config.threads or threads
         args = ["--host", "127.0.0.1", "--threads", str(threads), "--threads-batch", str(threads),
                 "--parallel", str(config.parallel or slots), "--ctx-size", str((config.parallel or slots) * context),
                 "--cont-batching", "--no-webui"]
@@ -61,19 +65,52 @@ class LlamaServer(Server):
             args += ["--cache-reuse", "256"]
         elif config.prefix_caching is False:   # neither a slot's nor the host-RAM prompt cache
             args += ["--no-cache-prompt", "--cache-ram", "0"]
+        if config.batch_size is not None:
+            args += ["--batch-size", str(config.batch_size)]
+        if config.ubatch_size is not None:
+            args += ["--ubatch-size", str(config.ubatch_size)]
+        if config.draft is not None:   # the draft's file is put in at launch; /metrics counts what it drafted
+            # a plain draft model must be named as such: llama.cpp infers only MTP/DFlash drafts from the file
+            args += ["--spec-type", "draft-simple", "--spec-draft-model", DRAFT, "--metrics"]
+            if config.draft_max is not None:
+                args += ["--spec-draft-n-max", str(config.draft_max)]
+            if config.draft_min is not None:
+                args += ["--spec-draft-n-min", str(config.draft_min)]
         return args
 
-    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
+    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print,
+               draft: Path | None = None):
         from qbuild.models.llamacpp_toolchain import tool
         from qbuild.serving.server import PORT, ServerLaunch
 
-        files = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else [Path(model)]
-        if len(files) != 1:
-            raise ValueError(f"expected one .gguf file in {model}, found {len(files)}")
+        model_file = _one_gguf(model)
+        args = self.args(config, threads=threads, slots=slots, context=context)
+        if DRAFT in args:
+            if draft is None:
+                raise ValueError(f"serving config {config.name!r} drafts with {config.draft!r}, whose artifact was not "
+                                 "given to the server")
+            args[args.index(DRAFT)] = str(_one_gguf(draft))
         binary = tool("llama-server", log=log)
-        cmd = (str(binary), "--model", str(files[0]), "--port", PORT,
-               *self.args(config, threads=threads, slots=slots, context=context))
-        return ServerLaunch(cmd, engine=self.engine, model_name=files[0].stem, ready_path="/health", ignore_eos=True)
+        cmd = (str(binary), "--model", str(model_file), "--port", PORT, *args)
+        return ServerLaunch(cmd, engine=self.engine, model_name=model_file.stem, ready_path="/health", ignore_eos=True)
+
+    def speculative_stats(self, url: str, timeout_s: float) -> dict | None:
+        """llama-server's Prometheus counters (`--metrics`) of drafted and accepted tokens since it started."""
+        from qbuild.serving.client import get_text
+
+        counters = {}
+        for line in get_text(f"{url}/metrics", timeout_s).splitlines():
+            name, _, value = line.partition(" ")
+            if name in SPEC_COUNTERS:
+                try:
+                    counters[SPEC_COUNTERS[name]] = float(value)
+                except ValueError:
+                    return None
+        if "draft_tokens" not in counters or "accepted" not in counters:
+            return None
+        drafted, accepted = counters["draft_tokens"], counters["accepted"]
+        return {"draft_tokens": int(drafted), "accepted": int(accepted),
+                "acceptance_rate": round(accepted / drafted, 4) if drafted > 0 else None}
 
     def next_token_logprobs(self, url: str, model_name: str, prompt: list[int], k: int, timeout_s: float
                             ) -> dict[int, float]:
@@ -113,3 +150,10 @@ class LlamaServer(Server):
         v_len = field(f"{arch}.attention.value_length") or embd // heads
         size = BYTES_PER_ELEMENT[config.kv_cache_dtype or "f16"]
         return float(layers * kv_heads * (k_len + v_len) * size)
+
+
+def _one_gguf(path: Path) -> Path:
+    files = sorted(Path(path).glob("*.gguf")) if Path(path).is_dir() else [Path(path)]
+    if len(files) != 1:
+        raise ValueError(f"expected one .gguf file in {path}, found {len(files)}")
+    return files[0]

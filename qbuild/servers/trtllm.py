@@ -22,6 +22,8 @@ class TrtllmServer(GPUServer):
     requires = ("tensorrt_llm",)
     program = ("trtllm-serve",)
 
+    batch_flag = "--max_num_tokens"
+
     def refusal(self, config) -> str | None:
         return self.common_refusal(config, {"fp8": "fp8"})
 
@@ -36,6 +38,8 @@ class TrtllmServer(GPUServer):
     def args(self, config, *, threads: int, slots: int, context: int) -> list[str]:
         args = ["--host", "127.0.0.1", "--backend", "pytorch", "--served_model_name", SERVED_NAME,
                 "--max_batch_size", str(config.parallel or slots), "--max_seq_len", str(context)]
+        if config.batch_size is not None:
+            args += [self.batch_flag, str(config.batch_size)]
         if self.options(config):
             args += ["--extra_llm_api_options", OPTIONS]
         return args

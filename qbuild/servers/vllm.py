@@ -50,6 +50,8 @@ class VLLMServer(GPUServer):
         facts = self.environment()
         return _vllm().cpu_cannot_load(fmt, scheme, facts.get("cpu.isa", "")) if _vllm().on_cpu(facts) else None
 
+    batch_flag = "--max-num-batched-tokens"
+
     def refusal(self, config) -> str | None:
         if config.kv_cache_dtype is not None and _vllm().on_cpu(self.environment()):
             return "vLLM's CPU build keeps the KV cache in the model's dtype (its fp8 KV cache needs a GPU)"
@@ -62,9 +64,12 @@ class VLLMServer(GPUServer):
             args += ["--kv-cache-dtype", "fp8"]
         if config.prefix_caching is not None:
             args.append("--enable-prefix-caching" if config.prefix_caching else "--no-enable-prefix-caching")
+        if config.batch_size is not None:
+            args += [self.batch_flag, str(config.batch_size)]
         return args
 
-    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print):
+    def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print,
+               draft: Path | None = None):
         from dataclasses import replace
 
         runtime = _vllm()

@@ -161,11 +161,25 @@ def post_json(url: str, body: dict, timeout_s: float, limit: int = MAX_JSON_BODY
     """One JSON request and its JSON answer, bounded as every answer here is: the whole exchange within `timeout_s`
     (not per read), the answer at most `limit` bytes (an error answer's first MAX_ERROR_BODY_BYTES). A refusal, an
     overrun or an answer that is not JSON raises one line naming the URL."""
+    data = _bounded_exchange("POST", url, body, timeout_s, limit)
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise MalformedResponse(f"{url} answered {len(data)} bytes that are not JSON") from None
+
+
+def get_text(url: str, timeout_s: float, limit: int = MAX_JSON_BODY_BYTES) -> str:
+    """A GET's answer as text (a server's /metrics), bounded as post_json's."""
+    return _bounded_exchange("GET", url, None, timeout_s, limit).decode(errors="replace")
+
+
+def _bounded_exchange(method: str, url: str, body: dict | None, timeout_s: float, limit: int) -> bytes:
     import httpx
 
     async def exchange() -> tuple[int, bytes]:
-        async with (asyncio.timeout(timeout_s), httpx.AsyncClient(timeout=timeout_s) as client,
-                    client.stream("POST", url, headers=PLAIN, json=body) as resp):
+        # trust_env off: no proxy between us and the server we started
+        async with (asyncio.timeout(timeout_s), httpx.AsyncClient(timeout=timeout_s, trust_env=False) as client,
+                    client.stream(method, url, headers=PLAIN, json=body) as resp):
             ok = resp.status_code == 200
             return resp.status_code, await _body(resp, limit if ok else MAX_ERROR_BODY_BYTES, truncate=not ok)
 
@@ -177,10 +191,7 @@ def post_json(url: str, body: dict, timeout_s: float, limit: int = MAX_JSON_BODY
         raise RuntimeError(f"{url}: {type(exc).__name__}: {exc}") from None
     if status != 200:
         raise RuntimeError(f"{url} answered HTTP {status}: {data[:200].decode(errors='replace')}")
-    try:
-        return json.loads(data)
-    except ValueError:
-        raise MalformedResponse(f"{url} answered {len(data)} bytes that are not JSON") from None
+    return data
 
 
 def _count(value, name: str) -> int | None:

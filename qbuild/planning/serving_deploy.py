@@ -1,0 +1,85 @@
+"""The `deploy` step's runner: the deployment search (qbuild.serving.deploy_search holds its rules and says why they
+are sound). Reads the screens and quality passes the plan made (qbuild.planning.deploy), then runs the capacity
+search (qbuild.planning.serving_capacity.search_server) on the candidates that can still win, most promising first,
+within `max_searched` searches and `max_minutes`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+
+def run(ctx) -> dict:
+    from qbuild.planning.recipe import ServingConfig
+    from qbuild.planning.serving_capacity import search_server
+    from qbuild.serving.deploy_search import (
+        BYTES_PER_MB,
+        RESULT,
+        choose,
+        compare_drafts,
+        dominated_by,
+        missed_bounds,
+        pareto_front,
+        replicas,
+        rows_from_screens,
+    )
+
+    p = ctx.params
+    screens = {c["screen"]: json.loads((Path(ctx.inputs[c["screen"]]) / "serving.json").read_text())
+               for c in p["candidates"]}
+    quality = {c["quality"]: ctx.input_manifests[c["quality"]].get("metrics", {})
+               for c in p["candidates"] if c["quality"]}
+    baseline_ppl = ctx.input_manifests.get("quality-baseline", {}).get("metrics", {}).get("ppl")
+    rows = rows_from_screens(p["candidates"], screens, quality, baseline_ppl, p["bounds"])
+    by_name = {r["name"]: (r, c) for r, c in zip(rows, p["candidates"], strict=True)}
+    started = time.monotonic()
+    stop_at = started + p["max_minutes"] * 60
+    order = sorted((r for r in rows if not r["rejected"] and r["capacity_bound_rps"]),
+                   key=lambda r: (-r["capacity_bound_rps"], r["name"]))
+    searched: list[dict] = []
+    for row in order:
+        better = dominated_by(row, searched)
+        if better is not None:
+            row["not_searched"] = (f"its screened full-batch throughput bounds its capacity at "
+                                   f"{row['capacity_bound_rps']:.4g} requests/s, which {better['name']} already "
+                                   f"sustains ({better['capacity_rps']:.4g}/s) with no more memory and no higher KLD")
+            continue
+        if len(searched) >= p["max_searched"]:
+            row["not_searched"] = f"max_searched {p['max_searched']} reached"
+            continue
+        if time.monotonic() >= stop_at:
+            row["not_searched"] = f"max_minutes {p['max_minutes']:g} reached"
+            continue
+        _, c = by_name[row["name"]]
+        ctx.log(f"capacity search {len(searched) + 1}: {row['name']} (screened bound {row['capacity_bound_rps']:g} "
+                "requests/s)")
+        found = search_server(
+            ctx, label=row["name"], model=Path(ctx.inputs[f"model-{c['label']}"]),
+            draft=Path(ctx.inputs[f"model-{c['draft']}"]) if c.get("draft") else None,
+            config=ServingConfig(**c["config"]), server_name=c["server"], slots=c["slots"], context=c["context"],
+            workload=p["workload"], family=c["family"],
+            search_params={"slo": p["slo"], "max_error_pct": p["max_error_pct"],
+                           "start_rps": row["screen"]["requests_s"] * 0.75},
+            stop_at=stop_at, workdir=ctx.out / "searches" / row["name"], budget=f"deploy.max_minutes {p['max_minutes']:g}")
+        row.update({"capacity_rps": found["capacity_rps"], "k": found["k"], "next_rps": found["next_rps"],
+                    "search_complete": found["complete"], "probes_measured": found["probes_measured"],
+                    "probes_reused": found["probes_reused"]})
+        if found.get("peak_rss_bytes"):   # the search's own peak counts against the budget too
+            row["peak_rss_mb"] = max(row["peak_rss_mb"] or 0, round(found["peak_rss_bytes"] / BYTES_PER_MB, 1))
+            row["rejected"] = missed_bounds(row, p["bounds"])
+        if found["capacity_rps"] is None:
+            row["rejected"].append("no rate meets the SLOs" + ("" if found["complete"] else " (search cut short)"))
+        searched.append(row)
+    compare_drafts(rows)
+    best, ties = choose(rows)
+    result = {"chosen": best and {k: best[k] for k in ("name", "variant", "config", "command", "capacity_rps",
+                                                         "next_rps", "peak_rss_mb", "kld", "delta_ppl_pct")},
+              "ties": ties, "replicas": replicas(p["target_rps"], best), "front": pareto_front(rows),
+              "slo": p["slo"], "bounds": p["bounds"], "searched": len(searched), "screened": len(rows),
+              "seconds": round(time.monotonic() - started, 1), "candidates": rows}
+    (ctx.out / RESULT).write_text(json.dumps(result, indent=2))
+    ctx.log(f"deploy: {best['name'] if best else 'nothing meets every bound'}"
+            + (f" at {best['capacity_rps']:g} requests/s per replica" if best else "")
+            + f"; {len(rows)} screened, {len(searched)} searched")
+    return {"format": "metrics", "metrics": result}

@@ -1,0 +1,212 @@
+"""The deployment search (recipe `deploy:`): the candidates a space expands to, the pruning and choice rules on
+crafted rows, the plan (a screen per candidate, reused when the space widens), and end to end with a real
+llama-server on the 2-layer SmolLM2: screened, searched, chosen, speculative drafts measured, a rerun measures
+nothing, and `qbuild deploy` prints the answer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import qbuild, run_api, write_recipe
+
+
+def deploy_recipe(model, store, **deploy) -> dict:
+    space = deploy.pop("space", {"variants": ["q8_0", "q4_0"], "parallel": [1, 2], "draft": [None, "q4_0"]})
+    return {"name": "dep", "model": {"source": "local", "path": str(model)},
+            "variants": [{"name": "q8_0", "method": "gguf", "type": "Q8_0"},
+                         {"name": "q4_0", "method": "gguf", "type": "Q4_0"}],
+            "evaluation": {"perplexity": {"context_length": 128, "max_windows": 2}, "kld": True,
+                           "serving": {"concurrency": [1], "input_len": 32, "output_len": 8, "variants": []}},
+            "deploy": {"slo": {"ttft_p99_ms": 150}, "space": space, "screen_requests": 6, "requests": 8,
+                       "rounds": 1, "max_searched": 2, "max_minutes": 4, "target_rps": 100, **deploy},
+            "runtime": {"threads": 1}, "store": {"path": str(store)}}
+
+
+# --- the space and the rules, on crafted rows ---------------------------------------------------------------------
+def test_the_space_expands_to_every_combination_and_no_variant_drafts_for_itself():
+    from qbuild.planning.deploy import candidates
+    from qbuild.planning.recipe import DeploySpace
+
+    space = DeploySpace(kv_cache_dtype=[None, "q8_0"], parallel=[1, 4], draft=[None, "q4_0"], draft_max=4)
+    found = candidates(space, ["q8_0", "q4_0"])
+    names = [f"{label}@{c.name}" for label, c in found]
+    # q8_0: 2 KV × 2 slots × 2 drafts; q4_0: 2 × 2 × 1 (never its own draft)
+    assert len(names) == 12 == len(set(names))
+    assert "q8_0@kv-q8_0.p4.d-q4_0" in names and "q4_0@p1" in names and not any("q4_0@" in n and "d-q4_0" in n
+                                                                                   for n in names)
+    drafted = dict(found)
+    config = next(c for label, c in found if c.name == "kv-q8_0.p4.d-q4_0")
+    assert config.draft == "q4_0" and config.draft_max == 4 and config.kv_cache_dtype == "q8_0" and drafted
+    assert next(c for label, c in found if c.name == "p1").draft_max is None
+
+
+def row(name, bound, rss, kld=0.01, capacity=None, k=None, rejected=()):
+    return {"name": name, "capacity_bound_rps": bound, "peak_rss_mb": rss, "kld": kld, "capacity_rps": capacity,
+            "k": k, "next_rps": None if capacity is None else capacity * 2 ** (1 / 16), "rejected": list(rejected)}
+
+
+def test_a_candidate_is_pruned_only_by_a_measured_one_no_larger_and_no_worse():
+    from qbuild.serving.deploy_search import dominated_by
+
+    measured = row("a", 10, rss=300, kld=0.02, capacity=6.0, k=40)
+    assert dominated_by(row("b", 5.9, rss=300, kld=0.02), [measured]) is measured    # cannot beat it anywhere
+    assert dominated_by(row("c", 6.5, rss=300, kld=0.02), [measured]) is None        # might have more capacity
+    assert dominated_by(row("d", 2.0, rss=200, kld=0.02), [measured]) is None        # smaller: may be on the front
+    assert dominated_by(row("e", 2.0, rss=300, kld=0.001), [measured]) is None       # better quality: same
+
+
+def test_the_choice_the_ties_the_front_and_the_replicas():
+    from qbuild.serving.deploy_search import choose, pareto_front, replicas
+
+    rows = [row("fast-big", 9, rss=900, capacity=8.0, k=48), row("fast-small", 9, rss=400, capacity=7.7, k=47),
+            row("slow-small", 4, rss=300, capacity=3.0, k=25), row("slow-big", 4, rss=950, capacity=3.0, k=25),
+            row("too-big", 20, rss=5000, capacity=16.0, k=64, rejected=["max_memory_mb 1024: 5000 MiB peak RSS"])]
+    best, ties = choose(rows)
+    # 8.0 and 7.7 requests/s are one grid step apart (within the search's resolution): a tie, broken by memory
+    assert best["name"] == "fast-small" and ties == ["fast-big"]
+    front = pareto_front(rows)
+    assert set(front) == {"fast-big", "fast-small", "slow-small", "too-big"}   # slow-big is beaten on every axis
+    assert replicas(20, best) == {"target_rps": 20, "replicas": 3, "range": [3, 3]}
+    assert choose([r for r in rows if r["rejected"]])[0] is None
+
+
+# --- the recipe and the plan --------------------------------------------------------------------------------------
+def test_recipe_errors_name_the_field():
+    from qbuild.base.errors import RecipeError
+    from qbuild.planning.recipe import parse_recipe
+
+    data = deploy_recipe("/nonexistent", "/tmp/x")
+    data["deploy"]["space"]["draft"] = [None, "q2"]
+    with pytest.raises(RecipeError, match=r"deploy.space names unknown variant\(s\) \['q2'\]"):
+        parse_recipe(data)
+    data = deploy_recipe("/nonexistent", "/tmp/x")
+    del data["evaluation"]["serving"]
+    with pytest.raises(RecipeError, match="add evaluation.serving"):
+        parse_recipe(data)
+    data = deploy_recipe("/nonexistent", "/tmp/x")
+    data["evaluation"]["serving"]["configs"] = [{"name": "spec", "draft_max": 4}]
+    with pytest.raises(RecipeError, match="give draft"):
+        parse_recipe(data)
+
+
+def test_the_plan_screens_each_candidate_once_and_a_wider_space_screens_only_the_new_ones(tmp_path, tiny_model_dir):
+    from qbuild.api import plan
+
+    narrow = write_recipe(tmp_path / "a.yaml", deploy_recipe(tiny_model_dir, tmp_path / "store",
+                                                             space={"variants": ["q8_0"], "parallel": [1, 2]}))
+    wide = write_recipe(tmp_path / "b.yaml", deploy_recipe(tiny_model_dir, tmp_path / "store",
+                                                           space={"variants": ["q8_0"], "parallel": [1, 2, 4],
+                                                                  "kv_cache_dtype": [None, "q8_0"]}))
+    a = {s.step.name: s.step for s in plan(narrow).steps}
+    b = {s.step.name: s.step for s in plan(wide).steps}
+    screens_a = {n: s.key for n, s in a.items() if n.startswith("deploy-screen[")}
+    screens_b = {n: s.key for n, s in b.items() if n.startswith("deploy-screen[")}
+    assert sorted(screens_a) == ["deploy-screen[q8_0@p1]", "deploy-screen[q8_0@p2]"]
+    assert len(screens_b) == 6 and all(screens_b[n] == k for n, k in screens_a.items())
+    screen = a["deploy-screen[q8_0@p2]"]
+    assert screen.params["workload"]["concurrency"] == [2] and "--parallel" in screen.params["server_args"]
+    assert screen.params["server_args"][screen.params["server_args"].index("--parallel") + 1] == "2"
+    # the quantized KV cache gets its own quality pass, which the deploy step reads
+    assert any(n.startswith("perplexity[q8_0@kv-q8_0") for n in b)
+    assert {i for i in b["deploy"].inputs if i.startswith("screen-")} == {f"screen-{i}" for i in range(6)}
+
+
+def test_serving_keys_without_the_new_levers_are_unchanged():
+    """threads, batch sizes and drafts are left out of a serving config's key while unset."""
+    from qbuild.planning.recipe import ServingConfig
+
+    assert ServingConfig(name="default").canonical() == {"name": "default", "kv_cache_dtype": None, "parallel": None,
+                                                         "prefix_caching": None, "flash_attn": None}
+
+
+def test_llama_server_flags_for_each_lever():
+    from qbuild.planning.recipe import ServingConfig
+    from qbuild.servers.llamacpp import DRAFT, LlamaServer
+
+    args = LlamaServer().args(ServingConfig(name="x", threads=2, batch_size=256, ubatch_size=64, draft="q4_0",
+                                            draft_max=6, draft_min=1, parallel=3), threads=1, slots=1, context=100)
+    joined = " ".join(args)
+    assert "--threads 2 --threads-batch 2" in joined and "--parallel 3" in joined and "--ctx-size 300" in joined
+    assert "--batch-size 256" in joined and "--ubatch-size 64" in joined
+    assert f"--spec-type draft-simple --spec-draft-model {DRAFT} --metrics" in joined
+    assert "--spec-draft-n-max 6 --spec-draft-n-min 1" in joined
+
+
+def test_gpu_servers_refuse_llama_only_levers_in_one_line():
+    from qbuild.planning.recipe import ServingConfig
+    from qbuild.servers.sglang import SGLangServer
+    from qbuild.servers.vllm import VLLMServer
+
+    assert "llama-server" in VLLMServer().common_refusal(ServingConfig(name="x", threads=2), {"fp8": "fp8"})
+    assert "speculative" in VLLMServer().common_refusal(ServingConfig(name="x", draft="q"), {"fp8": "fp8"})
+    assert VLLMServer().common_refusal(ServingConfig(name="x", batch_size=512), {"fp8": "fp8"}) is None
+    assert "batch_size" in SGLangServer().common_refusal(ServingConfig(name="x", batch_size=512), {"fp8": "fp8"})
+
+
+# --- end to end with a real llama-server ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def searched(tmp_path_factory, tiny_model_dir):
+    from serving_helpers import llama_server_bin
+
+    root = tmp_path_factory.mktemp("deploy")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("QBUILD_LLAMA_CPP_BIN", str(llama_server_bin()))
+    mp.setenv("QBUILD_CACHE", str(root / "cache"))
+    recipe = write_recipe(root / "deploy.yaml", deploy_recipe(tiny_model_dir, root / "store"))
+    rc, summary = run_api(recipe)
+    yield {"rc": rc, "summary": summary, "recipe": recipe, "root": root}
+    mp.undo()
+
+
+@pytest.mark.slow
+def test_the_search_screens_every_candidate_searches_the_promising_and_chooses(searched):
+    assert searched["rc"] == 0, [s.get("error") for s in searched["summary"]["steps"] if s.get("error")]
+    d = searched["summary"]["deploy"]
+    names = sorted(r["name"] for r in d["candidates"])
+    assert names == sorted(["q8_0@p1", "q8_0@p2", "q8_0@p1.d-q4_0", "q8_0@p2.d-q4_0", "q4_0@p1", "q4_0@p2"])
+    assert d["screened"] == 6 and 1 <= d["searched"] <= 2
+    chosen = d["chosen"]
+    assert chosen is not None and chosen["capacity_rps"] > 0 and chosen["name"] in d["front"]
+    assert chosen["command"].startswith("llama-server --model model.gguf --port 8080")
+    assert d["replicas"]["replicas"] == -(-100 // chosen["capacity_rps"])
+    for r in d["candidates"]:
+        assert r["peak_rss_mb"] > 10 and r["screen"]["requests_s"] > 0 and r["screen"]["errors"] == 0
+        assert r.get("capacity_rps") is not None or r.get("not_searched") or r["rejected"], r
+        if r["draft"]:   # the draft's own counters: tokens drafted and accepted, beside the same server without it
+            assert r["speculative"]["draft_tokens"] > 0 and 0 <= r["speculative"]["acceptance_rate"] <= 1
+            assert r["without_draft"]["name"] == r["name"].replace(".d-q4_0", "")
+            assert "--spec-type draft-simple --spec-draft-model model.gguf" in r["command"]
+    # what was searched first had the highest screened bound
+    searched_rows = [r for r in d["candidates"] if r.get("capacity_rps") is not None]
+    assert max(r["capacity_bound_rps"] for r in d["candidates"]) in {r["capacity_bound_rps"] for r in searched_rows}
+
+
+@pytest.mark.slow
+def test_a_rerun_measures_nothing_and_qbuild_deploy_prints_the_answer(searched):
+    rc, again = run_api(searched["recipe"])
+    assert rc == 0 and all(s["status"] in ("cached", "source") for s in again["steps"]), \
+        [(s["name"], s["status"]) for s in again["steps"] if s["status"] not in ("cached", "source")]
+    assert again["deploy"]["chosen"] == searched["summary"]["deploy"]["chosen"]
+    out = qbuild("deploy", str(searched["recipe"]), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["chosen"]["name"] == searched["summary"]["deploy"]["chosen"]["name"]
+    text = qbuild("deploy", str(searched["recipe"]))
+    assert text.returncode == 0 and "command: llama-server" in text.stdout and "Pareto front" in text.stdout
+
+
+@pytest.mark.slow
+def test_a_memory_budget_below_every_server_rejects_all_with_the_figure_and_screens_are_reused(
+        searched, tmp_path, tiny_model_dir):
+    data = deploy_recipe(tiny_model_dir, searched["root"] / "store", max_memory_mb=1)
+    recipe = write_recipe(tmp_path / "tight.yaml", data)
+    rc, summary = run_api(recipe)
+    built = [s["name"] for s in summary["steps"] if s["status"] == "built"]
+    assert built == ["deploy"]   # every screen is reused: the bound is not part of what a screen measures
+    d = summary["deploy"]
+    assert d["chosen"] is None and d["searched"] == 0
+    assert all(any("max_memory_mb 1:" in why and "MiB peak RSS" in why for why in r["rejected"])
+               for r in d["candidates"])
+    out = qbuild("deploy", str(recipe))
+    assert out.returncode == 3 and "no candidate meets every bound" in out.stdout
