@@ -32,11 +32,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "TRACKING_ENV", "MultiRunResult", "RunResult", "backend_envs", "create_environments", "deployment", "diff",
-    "environments",
-    "find_run", "gc", "history", "init", "keygen", "load", "machine_bound_targets", "open_remotes", "open_store", "plan",
-    "plugins", "pull", "pull_options", "push", "rebuild_check", "recipe_files", "recipe_schema", "refs",
-    "register_model", "remove_environments", "report", "run", "run_many", "select", "set_refs", "show", "tag",
-    "track", "validate", "verified_as", "verify",
+    "environments", "find_run", "gc", "history", "init", "keygen", "load", "machine_bound_targets", "open_remotes",
+    "open_store", "plan", "plugins", "pull", "pull_options", "push", "rebuild_check", "recipe_files",
+    "recipe_schema", "refs", "register_model", "remove_environments", "report", "run", "run_many", "run_store",
+    "select", "set_refs", "show", "tag", "track", "validate", "verified_as", "verify",
 ]
 
 
@@ -153,9 +152,20 @@ def diff(run_a: str | None = None, run_b: str | None = None, *, last: str | None
 
 
 def find_run(name: str | None = None, *, store=None) -> dict[str, Any]:
+    """A run record: NAME a run id, a recipe name or file (its latest run), or None (the store's latest). Without
+    `store`, a recipe file's runs are looked up in its own store.path."""
     from qbuild.results.report import find_run as _find
 
-    return _find(open_store(store), name)
+    return _find(run_store(name, store), name)
+
+
+def run_store(name: str | None, store=None):
+    """The store a run is looked up in: `store`, else a recipe file's store.path, else the default."""
+    if store is None and name and Path(name).suffix in (".yaml", ".yml") and Path(name).is_file():
+        from qbuild.planning.recipe import load_recipe
+
+        return open_store(None, load_recipe(name))
+    return open_store(store)
 
 
 def show(name: str, *, store=None) -> tuple[str, dict]:

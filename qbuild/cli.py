@@ -603,7 +603,7 @@ def report(name, store_path, out_path, markdown):
         _fail(exc)
     try:
         text = (render_markdown(record) if markdown
-                else render_html(record, history=api.history(api.open_store(store_path), record)))
+                else render_html(record, history=api.history(api.run_store(name, store_path), record)))
     except (KeyError, TypeError, AttributeError, ValueError) as exc:   # a record from another version, edited
         _fail(UserError(f"run record {record.get('run_id', '?')} cannot be rendered ({type(exc).__name__}: {exc}); "
                         "it is damaged or from another qbuild version"))

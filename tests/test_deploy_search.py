@@ -194,6 +194,12 @@ def test_a_rerun_measures_nothing_and_qbuild_deploy_prints_the_answer(searched):
     assert json.loads(out.stdout)["chosen"]["name"] == searched["summary"]["deploy"]["chosen"]["name"]
     text = qbuild("deploy", str(searched["recipe"]))
     assert text.returncode == 0 and "command: llama-server" in text.stdout and "Pareto front" in text.stdout
+    report = searched["root"] / "report.html"
+    out = qbuild("report", str(searched["recipe"]), "--out", str(report))
+    assert out.returncode == 0, out.stderr
+    page = report.read_text()
+    chosen = again["deploy"]["chosen"]["name"]
+    assert "Deployment search" in page and f"<title>{chosen}</title>" in page and "capacity (requests/s)" in page
 
 
 @pytest.mark.slow

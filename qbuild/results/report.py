@@ -487,6 +487,22 @@ def hardware_text(hw) -> str:
     return " · ".join(parts)
 
 
+def _deploy_html(deploy: dict | None) -> str:
+    """The deployment search (recipe deploy:): capacity per replica vs peak RSS of the searched candidates, Pareto
+    front marked, the chosen deployment's command, and every candidate's line."""
+    if not deploy or "chosen" not in deploy:
+        return ""
+    from qbuild.results.deploy_report import deploy_lines
+
+    points = [(r["peak_rss_mb"], r["capacity_rps"], r["name"]) for r in deploy["candidates"]
+              if r.get("capacity_rps") is not None and r.get("peak_rss_mb")]
+    lines = "\n".join(deploy_lines(deploy))
+    return (f"<h2>Deployment search</h2><figure><figcaption>Capacity per replica at the SLOs vs server peak RSS, "
+            f"searched candidates (upper-left is better; red: Pareto front)</figcaption>"
+            f"{svg_scatter(points, 'peak RSS (MiB)', 'capacity (requests/s)', False)}</figure>"
+            f"<pre>{html.escape(lines)}</pre>")
+
+
 def render_html(run: dict, history: list[dict] | None = None) -> str:
     """history: the recipe's run records up to this one, oldest first (`qbuild report` passes the store's)."""
     rows = run["variants"]
@@ -517,6 +533,7 @@ front)</figcaption>
 {svg_scatter(_points(rows, 'decode_tok_s'), 'size (MiB)', 'decode tokens/s', False)}</figure>
 </div>
 {_serving_html(run)}
+{_deploy_html(run.get("deploy"))}
 {_history_html(history)}
 <h2>Perplexity protocol</h2><p>Numbers are comparable only under this protocol.</p><pre>{html.escape(protocol)}</pre>
 </body></html>
