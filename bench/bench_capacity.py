@@ -8,7 +8,7 @@ One llama-server (qbuild's build and lifecycle: 127.0.0.1, a free port, --parall
 rates hold the capacity: docs/serving.md, runs 8-11), its prompt cache off so no request profits from another's)
 serves the demo's q8_0. On it, in turn:
 
-* qbuild's capacity search (qbuild.planning.serving_capacity.search with the probes the `capacity[...]` step measures:
+* qbuild's capacity search (qbuild.serving.capacity_step.search with the probes the `capacity[...]` step measures:
   Poisson arrivals, `--rounds` rounds of `--requests` requests per rate, each after one warm-up request; from the
   one-at-a-time rate unless `--start-rps`): the highest grid rate whose TTFT p99 meets the SLO with at most 1 %
   errors;
@@ -44,7 +44,7 @@ MAX_ERROR_PCT = 1.0
 
 
 def run_qbuild(url: str, model: str, args) -> dict:
-    from qbuild.planning.serving_capacity import (
+    from qbuild.serving.capacity_step import (
         full_batch_verdict,
         grid_index,
         measure_probe,

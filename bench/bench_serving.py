@@ -70,7 +70,7 @@ def server_prompt_eval_ms(log: Path, offset: int) -> tuple[list[float], int]:
 
 def run_qbuild(url: str, model: str, c: int, n: int, input_len: int, output_len: int | dict, seed: int,
                rampup: float, prefix_tokens: int = 0) -> dict:
-    from qbuild.planning.serving_bench import drawn_lengths
+    from qbuild.serving.bench_step import drawn_lengths
     from qbuild.serving.client import Workload, sweep
 
     rng = np.random.default_rng(seed)

@@ -15,7 +15,7 @@ def serving_step(label: str, config: str, rounds: int, first_round: int | None =
     if first_round is not None:
         workload["first_round"] = first_round
     name = f"serving[{label}@{config}]" + (f"+{first_round}" if first_round else "")
-    return Step("serving", name, {"workload": workload, "config": {"name": config}}, "qbuild.planning.serving_bench:run",
+    return Step("serving", name, {"workload": workload, "config": {"name": config}}, "qbuild.serving.bench_step:run",
                 runtime_args={"label": label})
 
 

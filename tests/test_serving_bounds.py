@@ -266,8 +266,8 @@ def capacity_step(tmp_path, monkeypatch, url: str, start_rps: float, max_minutes
     corpus replaced by stand-ins; everything else as a run does it): its result and its log."""
     import qbuild.evaluate.data
     import qbuild.serving.server
-    from qbuild.planning import serving_capacity
     from qbuild.plugins import servers
+    from qbuild.serving import capacity_step as runner
 
     @contextlib.contextmanager
     def running(launch, log, label, ready_timeout_s):
@@ -290,14 +290,14 @@ def capacity_step(tmp_path, monkeypatch, url: str, start_rps: float, max_minutes
         runtime_args={"label": "q8_0", "probe_family": FAMILY}, step_name="capacity[q8_0@default]",
         inputs={"model": tmp_path / "model.gguf", "prompts": tmp_path / "prompts"}, threads=1, out=tmp_path / "out",
         log=log.append, progress=lambda *a: None)
-    return serving_capacity.run(ctx)["metrics"], log
+    return runner.run(ctx)["metrics"], log
 
 
 def test_a_probe_stops_at_max_minutes_and_is_neither_judged_nor_kept(tmp_path, monkeypatch):
     """The budget was checked only between probes: a probe of slow requests ran to its end however long that took.
     Now no request is sent past max_minutes (2.4 s here), those in flight end there, and the probe, cut short, is not
     judged and not kept for other searches; the search says it was stopped by its time limit."""
-    from qbuild.planning.serving_capacity import cached_probe, grid_index, rate_of
+    from qbuild.serving.capacity_step import cached_probe, grid_index, rate_of
 
     def answer(h, index):   # the warm-up request answers at once, every later one streams for 10 s
         well_formed(h, tokens=4, gap_s=0.0 if index == 0 else 2.5)
@@ -323,7 +323,7 @@ def test_a_start_rate_below_the_grid_starts_at_its_lowest_rate(tmp_path, monkeyp
     """start_rps: 0.001 (the schema takes any positive rate) failed the step with "ValueError: expected non-negative
     integer": the start is clamped to the grid's lowest rate, 1/256 requests/s, where the first arrival is due
     minutes later, past max_minutes (3 s here), so the step ends at its budget."""
-    from qbuild.planning.serving_capacity import LOWEST_K, rate_of
+    from qbuild.serving.capacity_step import LOWEST_K, rate_of
 
     with stand_in(lambda h, index: well_formed(h)) as (_, url):
         started = time.monotonic()

@@ -1,4 +1,4 @@
-"""Capacity search (qbuild/planning/serving_capacity.py): bracket then bisect on a grid of rates, on constructed measurements
+"""Capacity search (qbuild/serving/capacity_step.py): bracket then bisect on a grid of rates, on constructed measurements
 (a server whose latency grows with the rate like a queue's); `objective: max_capacity` and `target_rps` in
 selection; and end to end on a real llama-server (tests marked slow: a search measures several rates)."""
 
@@ -13,7 +13,9 @@ from rich.console import Console
 
 from qbuild.errors import RecipeError
 from qbuild.planning.recipe import Selection, Serving, parse_recipe
-from qbuild.planning.serving_capacity import (
+from qbuild.results.selection import select
+from qbuild.results.summary import render_selection
+from qbuild.serving.capacity_step import (
     FULL_BATCH,
     MORE_ROUNDS_FACTOR,
     STEPS_PER_DOUBLING,
@@ -27,8 +29,6 @@ from qbuild.planning.serving_capacity import (
     search,
     settled,
 )
-from qbuild.results.selection import select
-from qbuild.results.summary import render_selection
 from qbuild.serving.client import RequestResult
 
 
@@ -309,7 +309,7 @@ def capacity_recipe(model, store, ttft_p99_ms: float, **selection) -> dict:
 def test_without_a_start_rate_the_search_starts_at_the_one_at_a_time_rate(tmp_path, tiny_model_dir, monkeypatch):
     from serving_helpers import llama_server_bin
 
-    from qbuild.planning.serving_capacity import grid_index, rate_of
+    from qbuild.serving.capacity_step import grid_index, rate_of
 
     from helpers import run_api, write_recipe
 
@@ -448,7 +448,7 @@ def test_the_run_prints_one_line_per_capacity_search():
 def test_kept_probes_are_written_only_into_a_folder_qbuild_owns(tmp_path, monkeypatch):
     """The per-user probe cache goes through the guarded helper: a round trip works, a family folder that is a link
     to elsewhere is never written through, and a folder of someone else's files is not adopted."""
-    from qbuild.planning.serving_capacity import cached_probe, keep_probe
+    from qbuild.serving.capacity_step import cached_probe, keep_probe
 
     monkeypatch.setenv("QBUILD_CACHE", str(tmp_path / "cache"))
     family, other = "a" * 64, "b" * 64
@@ -471,15 +471,15 @@ def test_kept_probes_are_written_only_into_a_folder_qbuild_owns(tmp_path, monkey
 def test_a_conversation_makes_each_probe_arrival_a_conversation(monkeypatch):
     """With `conversation`, a probe's open-loop arrivals start conversations: the workload it sends carries the turns
     and think time, `turns` prompts per conversation (the shared prefix on each first turn only)."""
-    from qbuild.planning import serving_capacity
+    from qbuild.serving import capacity_step
 
     sent = []
-    monkeypatch.setattr(serving_capacity, "probe_round", lambda url, work, rate, seed, slots: sent.append(work) or {
+    monkeypatch.setattr(capacity_step, "probe_round", lambda url, work, rate, seed, slots: sent.append(work) or {
         "requests": 1, "completed": 1, "errors": 0, "ttft_ms_p99": 1.0, "mean_in_flight": 1.0})
     tokens = np.arange(5000)   # the prefix (the last 8 tokens) appears in no window
     w = {"requests": 4, "warmup": 1, "rounds": 1, "seed": 0, "input_len": 16, "output_len": 4, "timeout_s": 5,
          "prefix_tokens": 8, "conversation": {"turns": 3, "think_s": 0.5}}
-    probe = serving_capacity.measure_probe("http://127.0.0.1:1", tokens, w, 0, "m", slots=4)
+    probe = capacity_step.measure_probe("http://127.0.0.1:1", tokens, w, 0, "m", slots=4)
     [work] = sent
     assert probe["arrival_rps"] == 3.0   # 1 conversation/s of 3 turns: what the full server must complete
     assert (work.turns, work.think_s, work.requests, work.warmup) == (3, 0.5, 4, 1)

@@ -110,8 +110,8 @@ def test_a_real_servers_prompt_cache_keeps_later_turns_fast(tmp_path):
     from serving_helpers import llama_server_bin
 
     from qbuild.planning.recipe import ServingConfig
-    from qbuild.planning.serving_bench import prompts_from
     from qbuild.servers.llamacpp import LlamaServer
+    from qbuild.serving.bench_step import prompts_from
     from qbuild.serving.client import Workload, summarize_point, sweep
     from qbuild.serving.server import running
 

@@ -203,7 +203,7 @@ def test_a_shared_prefix_is_prefilled_once(llama_server_bin, gguf_model, tmp_pat
     prefix of the slot's last prompt and prefills only the rest (the real SmolLM2-135M, 1 thread)."""
     import numpy as np
 
-    from qbuild.planning.serving_bench import prompts_from
+    from qbuild.serving.bench_step import prompts_from
     from qbuild.serving.client import Workload, sweep
     from qbuild.serving.server import running
 

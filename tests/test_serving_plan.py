@@ -98,7 +98,7 @@ def test_key_follows_workload_config_and_server_flags_never_selection(tmp_path, 
 
 
 def test_a_shared_prefix_is_part_of_the_workload_and_the_context(tmp_path, no_gpu):
-    from qbuild.planning.serving_bench import prompts_from
+    from qbuild.serving.bench_step import prompts_from
 
     def plan(**extra):
         return steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"], **extra}),
@@ -136,7 +136,7 @@ def test_rounds_are_part_of_the_serving_key_and_nothing_else_moves(tmp_path, no_
 
 
 def test_a_conversation_is_part_of_the_workload_and_its_context_holds_every_turn(tmp_path, no_gpu):
-    from qbuild.planning.serving_bench import _round_prompts
+    from qbuild.serving.bench_step import _round_prompts
 
     def plan(**extra):
         return steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"],
@@ -266,8 +266,29 @@ def test_gpu_servers_refuse_llamacpp_settings(server):
     assert s.refusal(ServingConfig(name="c", kv_cache_dtype="fp8")) is None
 
 
+@pytest.mark.parametrize("config", [{}, {"kv_cache_dtype": "fp8", "prefix_caching": True, "parallel": 4},
+                                    {"kv_cache_dtype": "q8_0", "flash_attn": True, "threads": 2, "batch_size": 256,
+                                     "ubatch_size": 64, "draft": "q4", "draft_max": 6, "draft_min": 1}])
+def test_the_workers_view_of_a_serving_config_reads_as_the_plans(config):
+    """The runners (qbuild/serving/*_step.py) start servers from the step's params["config"], the plan's
+    ServingConfig.canonical(), through qbuild.serving.config.ServedConfig, without the recipe's model: the same fields
+    in the same order, the same canonical form back, and the same flags from every server."""
+    from qbuild.plugins import servers
+    from qbuild.serving.config import ServedConfig
+
+    planned = ServingConfig(name="c", **config)
+    view = ServedConfig(**planned.canonical())
+    assert list(ServedConfig.__dataclass_fields__) == list(ServingConfig.model_fields)
+    assert view.canonical() == planned.canonical() and list(view.canonical()) == list(planned.canonical())
+    for name in servers.names():
+        server = servers.get(name)
+        if server.refusal(planned) is None:
+            assert server.args(view, threads=1, slots=2, context=64) == \
+                server.args(planned, threads=1, slots=2, context=64), name
+
+
 def test_lengths_drawn_from_a_range(tmp_path, no_gpu):
-    from qbuild.planning.serving_bench import drawn_lengths, prompts_from
+    from qbuild.serving.bench_step import drawn_lengths, prompts_from
 
     fixed = steps(recipe(tmp_path, serving={"configs": [{"name": "default"}], "variants": ["q8_0"]}), tmp_path)
     work = fixed["serving[q8_0@default]"].params["workload"]

@@ -292,7 +292,8 @@ class Server(Plugin, ABC):
 
     @abstractmethod
     def args(self, config, *, threads: int, slots: int, context: int) -> list[str]:
-        """The server's flags for a serving config (a qbuild.planning.recipe.ServingConfig), without program, model and port:
+        """The server's flags for a serving config (a qbuild.planning.recipe.ServingConfig at plan time; in a step's
+        worker its view qbuild.serving.config.ServedConfig, read by attribute alike), without program, model and port:
         `slots` requests decoded at once, `context` tokens per request. They enter the serving step's key."""
 
     @abstractmethod

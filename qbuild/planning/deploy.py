@@ -2,7 +2,7 @@
 levers (weights × KV cache × slots × threads × batch sizes × prefix cache × speculative draft), each screened by a
 `deploy-screen[<artifact>@<candidate>]` step (the serving step's runner, one short closed-loop point at the
 candidate's full batch: its throughput there, its latencies and its server's peak RSS), then one `deploy` step
-(qbuild.planning.serving_deploy; its rules in qbuild.serving.deploy_search) that reads every screen and the quality
+(qbuild.serving.deploy_step; its rules in qbuild.serving.deploy_search) that reads every screen and the quality
 of every (weights, KV cache), and runs the capacity search on the candidates that can still win.
 
 Every screen is a stored step keyed by the server's flags, the workload and the hardware, so a rerun measures
@@ -112,7 +112,7 @@ def deploy_steps(ctx) -> Step | None:
         unavailable_any = unavailable_any or unavailable
         screen = ctx.add(Step(
             "serving", f"deploy-screen[{label}@{config.name}]", {"workload": workload, **serving_params},
-            "qbuild.planning.serving_bench:run", inputs={"model": art.step, "prompts": data, **checked},
+            "qbuild.serving.bench_step:run", inputs={"model": art.step, "prompts": data, **checked},
             tools=tuple(sorted(server.tools)), threads=ctx.threads, per_hardware=True,
             env_toolchain=server.environment(), requires_gpu=server.needs_gpu, unavailable=unavailable,
             on_unavailable=OnUnavailable.SKIP, format="metrics", impl_version=IMPL_VERSION,
@@ -136,7 +136,7 @@ def deploy_steps(ctx) -> Step | None:
                                                         "prefix_tokens"}), "requests": d.requests, "rounds": d.rounds,
                            **({"conversation": serving.conversation.model_dump()} if serving.conversation else {})}}
     any_server = server_for(by_label[listed[0]["label"]].step.format, None, serving.engine)[0]
-    return ctx.add(Step("deploy", "deploy", params, "qbuild.planning.serving_deploy:run", inputs=inputs,
+    return ctx.add(Step("deploy", "deploy", params, "qbuild.serving.deploy_step:run", inputs=inputs,
                         tools=tuple(sorted(any_server.tools)), threads=ctx.threads, per_hardware=True,
                         env_toolchain=any_server.environment(), requires_gpu=any_server.needs_gpu,
                         unavailable=unavailable_any, on_unavailable=OnUnavailable.SKIP, format="metrics",

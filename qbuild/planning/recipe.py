@@ -14,6 +14,7 @@ from qbuild.base.names import NAME_PATTERN
 from qbuild.base.schema_base import StrictModel
 from qbuild.base.yamlio import Loc, line_for, load_yaml_file
 from qbuild.contract.data_sources import DataSource
+from qbuild.serving.config import UNSET_LEFT_OUT
 
 NAME_RE = NAME_PATTERN   # the one name grammar (qbuild/base/names.py)
 
@@ -154,12 +155,9 @@ class ServingConfig(StrictModel):
     draft_min: int | None = Field(None, ge=0, le=64, description="Tokens drafted per step at least (llama.cpp "
                                   "--spec-draft-n-min). None: the engine's default.")
 
-    # left out of the key while unset, so that serving steps planned before these levers existed keep their keys
-    _UNSET_LEFT_OUT = ("threads", "batch_size", "ubatch_size", "draft", "draft_max", "draft_min")
-
     def canonical(self) -> dict:
         data = super().canonical()
-        for field in self._UNSET_LEFT_OUT:
+        for field in UNSET_LEFT_OUT:   # left out of the key while unset (qbuild.serving.config)
             if data.get(field) is None:
                 data.pop(field, None)
         return data

@@ -97,7 +97,7 @@ def serving_steps(ctx) -> None:
             args = server.args(config, threads=threads, slots=slots, context=context)
             params = {"workload": workload, "config": config.canonical(), "server": server.name,
                       "engine": server.engine, "server_args": args, "context": context, "slots": slots}
-            ctx.add(Step("serving", f"serving[{art.label}@{config.name}]", params, "qbuild.planning.serving_bench:run",
+            ctx.add(Step("serving", f"serving[{art.label}@{config.name}]", params, "qbuild.serving.bench_step:run",
                          inputs={"model": art.step, "prompts": data, **checked}, tools=tuple(sorted(server.tools)),
                          threads=threads, per_hardware=True, env_toolchain=server.environment(),
                          requires_gpu=server.needs_gpu, unavailable=unavailable, on_unavailable=OnUnavailable.SKIP,
@@ -177,7 +177,7 @@ def _trace(serving, recipe_dir) -> dict | None:
 
 def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving_params: dict, unavailable: str,
                   checked: dict[str, Step]) -> Step:
-    """`capacity[<artifact>@<config>]`: the capacity search (qbuild.planning.serving_capacity) on the serving step's server,
+    """`capacity[<artifact>@<config>]`: the capacity search (qbuild.serving.capacity_step) on the serving step's server,
     flags and prompts. Its probes are identified by everything but the SLOs and the budget (`probe_family`, the key
     a step of those alone would have), so a search under another SLO finds the ones it can reuse."""
     cap = serving.capacity
@@ -186,7 +186,7 @@ def capacity_step(ctx, serving, art, config, server: Server, data: Step, serving
     search = {"slo": cap.slo.bounds(), "max_minutes": cap.max_minutes, "max_error_pct": cap.max_error_pct,
               "start_rps": cap.start_rps}
     return ctx.add(Step("capacity", f"capacity[{art.label}@{config.name}]", {**probes, "capacity": search},
-                        "qbuild.planning.serving_capacity:run", **common, requires_gpu=server.needs_gpu, unavailable=unavailable,
+                        "qbuild.serving.capacity_step:run", **common, requires_gpu=server.needs_gpu, unavailable=unavailable,
                         on_unavailable=OnUnavailable.SKIP, format="metrics",
                         runtime_args={"label": art.label, "ready_timeout_s": serving.ready_timeout_s,
                                       "probe_family": family}))

@@ -183,7 +183,7 @@ def _serving(outcomes: list[StepOutcome], slo: dict) -> dict[str, list[dict]]:
 
 
 def _capacity(outcomes: list[StepOutcome]) -> dict[str, list[dict]]:
-    """artifact key → its capacity per serving config (qbuild.planning.serving_capacity): the rate, the concurrency it settled
+    """artifact key → its capacity per serving config (qbuild.serving.capacity_step): the rate, the concurrency it settled
     at, and every probe (rate, figures, interval, verdict), or the step's status when it did not run."""
     by_artifact: dict[str, list[dict]] = {}
     for o in outcomes:

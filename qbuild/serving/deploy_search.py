@@ -1,7 +1,7 @@
-"""The rules of the `deploy` step (its runner: qbuild.planning.serving_deploy): which deployment to ship. It reads every
+"""The rules of the `deploy` step (its runner: qbuild.serving.deploy_step): which deployment to ship. It reads every
 candidate's screen (one closed-loop point at its full batch: throughput, latencies, the server's peak RSS, a draft's
 acceptance rate) and the quality of its weights under its KV cache, rejects what breaks the memory or quality bounds,
-then runs the capacity search (qbuild.planning.serving_capacity's probes, grid and judgement) on the rest in order of
+then runs the capacity search (qbuild.serving.capacity_step's probes, grid and judgement) on the rest in order of
 their screened throughput.
 
 Why the order prunes soundly: a server cannot sustain arrivals faster than it completes requests with every slot busy,

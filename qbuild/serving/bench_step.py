@@ -22,7 +22,7 @@ import numpy as np
 
 from qbuild.contract.plugin import servers
 from qbuild.contract.step import StepContext
-from qbuild.planning.recipe import ServingConfig
+from qbuild.serving.config import ServedConfig
 from qbuild.serving.server import PORT
 
 RESULT = "serving.json"
@@ -95,7 +95,7 @@ def run(ctx: StepContext) -> dict:
     w = p["workload"]
     label = ctx.runtime_args.get("label", ctx.step_name)
     server = servers.get(p["server"])
-    config = ServingConfig(**p["config"])
+    config = ServedConfig(**p["config"])
     tokens, _ = load_tokens(ctx.inputs["prompts"])
     n_points = len(w["concurrency"]) + len(w["request_rates"] or [])
     rounds, first = w.get("rounds", 1), w.get("first_round", 0)

@@ -1,6 +1,6 @@
 """The `deploy` step's runner: the deployment search (qbuild.serving.deploy_search holds its rules and says why they
 are sound). Reads the screens and quality passes the plan made (qbuild.planning.deploy), then runs the capacity
-search (qbuild.planning.serving_capacity.search_server) on the candidates that can still win, most promising first,
+search (qbuild.serving.capacity_step.search_server) on the candidates that can still win, most promising first,
 within `max_searched` searches and `max_minutes`."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 
 def run(ctx) -> dict:
-    from qbuild.planning.recipe import ServingConfig
-    from qbuild.planning.serving_capacity import search_server
+    from qbuild.serving.capacity_step import search_server
+    from qbuild.serving.config import ServedConfig
     from qbuild.serving.deploy_search import (
         BYTES_PER_MB,
         RESULT,
@@ -57,7 +57,7 @@ def run(ctx) -> dict:
         found = search_server(
             ctx, label=row["name"], model=Path(ctx.inputs[f"model-{c['label']}"]),
             draft=Path(ctx.inputs[f"model-{c['draft']}"]) if c.get("draft") else None,
-            config=ServingConfig(**c["config"]), server_name=c["server"], slots=c["slots"], context=c["context"],
+            config=ServedConfig(**c["config"]), server_name=c["server"], slots=c["slots"], context=c["context"],
             workload=p["workload"], family=c["family"],
             search_params={"slo": p["slo"], "max_error_pct": p["max_error_pct"],
                            "start_rps": row["screen"]["requests_s"] * 0.75},

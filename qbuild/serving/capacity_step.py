@@ -284,13 +284,13 @@ def keep_probe(family: str, k: int | str, probe: dict) -> None:
 
 
 def run(ctx) -> dict:
-    from qbuild.planning.recipe import ServingConfig
+    from qbuild.serving.config import ServedConfig
 
     p = ctx.params
     cap = p["capacity"]
     label = ctx.runtime_args.get("label", ctx.step_name)
     result = search_server(ctx, label=label, model=ctx.inputs["model"], draft=ctx.inputs.get("draft"),
-                           config=ServingConfig(**p["config"]), server_name=p["server"], slots=p["slots"],
+                           config=ServedConfig(**p["config"]), server_name=p["server"], slots=p["slots"],
                            context=p["context"], workload=p["workload"], family=ctx.runtime_args["probe_family"],
                            search_params=cap, stop_at=time.monotonic() + cap["max_minutes"] * 60, workdir=ctx.out,
                            budget=f"max_minutes {cap['max_minutes']}", check=True)
@@ -309,8 +309,8 @@ def search_server(ctx, *, label: str, model: Path, draft: Path | None, config, s
     import contextlib
 
     from qbuild.evaluate.data import load_tokens
-    from qbuild.planning.serving_bench import _portable, _tail, check_served
     from qbuild.plugins import servers
+    from qbuild.serving.bench_step import _portable, _tail, check_served
     from qbuild.serving.server import running
 
     w, cap = workload, search_params
@@ -501,7 +501,7 @@ def workload(tokens: np.ndarray, w: dict, requests: int, seed: int, model: str, 
     """`requests` conversations (one request each without turns) after `w["warmup"]`, of workload `w` as the step's
     params hold it: prompts (windows of `tokens`, after the shared prefix) and output lengths drawn from `seed`; nothing
     is sent past `stop_at`."""
-    from qbuild.planning.serving_bench import conversation_prompts, drawn_lengths, prompts_from
+    from qbuild.serving.bench_step import conversation_prompts, drawn_lengths, prompts_from
     from qbuild.serving.client import Workload
 
     conversation = w.get("conversation", {})
