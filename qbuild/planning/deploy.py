@@ -130,7 +130,8 @@ def deploy_steps(ctx) -> Step | None:
         raise RecipeError("deploy.space.variants", "no artifact to deploy: the space names none that is served")
     params = {"candidates": listed, "slo": d.slo.bounds(),
               "bounds": {k: getattr(d, k) for k in ("max_memory_mb", "max_kld", "max_delta_ppl_pct")},
-              "target_rps": d.target_rps, "max_searched": d.max_searched, "max_minutes": d.max_minutes,
+              "target_rps": d.target_rps, "max_searched": d.max_searched,
+              **({"strategy": d.strategy} if d.strategy != "prune" else {}), "max_minutes": d.max_minutes,
               "max_error_pct": d.max_error_pct,
               "workload": {**serving.model_dump(include={"input_len", "output_len", "seed", "timeout_s", "warmup",
                                                         "prefix_tokens"}), "requests": d.requests, "rounds": d.rounds,

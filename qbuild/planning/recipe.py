@@ -578,6 +578,10 @@ class Deploy(StrictModel):
     max_delta_ppl_pct: float | None = Field(None, description="Largest PPL increase over the baseline, in %.")
     screen_requests: int = Field(8, ge=2, le=10_000, description="Requests of a candidate's screening point (after "
                                  "one warm-up per slot).")
+    strategy: Literal["prune", "grid"] = Field("prune", description="prune: search capacity in order of the screened "
+                                              "bound and skip candidates one already searched beats; grid: search "
+                                              "every candidate that meets the bounds (what the search is compared "
+                                              "with: bench/bench_deploy.py), max_searched ignored.")
     max_searched: int = Field(4, ge=1, le=1000, description="Capacity searches at most (the most promising first).")
     max_minutes: float = Field(30.0, gt=0, le=1440, description="Time budget of the capacity searches together; "
                                "past it, the candidates not searched are reported as such.")
