@@ -22,6 +22,7 @@ def recipe(model, store, **perplexity) -> dict:
             "runtime": {"threads": 1}, "store": {"path": str(store)}}
 
 
+@pytest.mark.slow   # three runs (~50 s); CI keeps the serving config's quantized KV below, which goes the same way
 def test_kv_cache_dtype_costs_show_in_kld_and_keys(tiny_model_dir, tmp_path):
     store = tmp_path / "store"
     runs = {}
