@@ -216,3 +216,71 @@ def test_a_memory_budget_below_every_server_rejects_all_with_the_figure_and_scre
                for r in d["candidates"])
     out = qbuild("deploy", str(recipe))
     assert out.returncode == 3 and "no candidate meets every bound" in out.stdout
+
+
+# --- the runner's loop, with the capacity search stood in -----------------------------------------------------------
+def fake_step(tmp_path, screens: dict[str, tuple[float, float]], strategy=None, max_searched=10, **bounds):
+    """A deploy step's context over crafted screens: name → (screened requests/s, peak RSS MiB)."""
+    from types import SimpleNamespace
+
+    candidates, inputs = [], {}
+    for i, (name, (rps, rss)) in enumerate(screens.items()):
+        label, config = name.split("@")
+        d = tmp_path / f"screen-{i}"
+        d.mkdir()
+        (d / "serving.json").write_text(json.dumps({
+            "command": f"llama-server {name}", "peak_rss_bytes": rss * 1024 * 1024,
+            "points": [{"concurrency": 2, "requests_s": rps, "output_tok_s": rps * 8, "ttft_ms_p99": 10,
+                        "tpot_ms_p50": 2, "errors": 0}]}))
+        inputs[f"screen-{i}"] = d
+        inputs[f"model-{label}"] = tmp_path
+        candidates.append({"label": label, "config": {"name": config}, "server": "llama-server", "slots": 2,
+                           "context": 64, "draft": None, "family": "0" * 64, "screen": f"screen-{i}",
+                           "quality": None})
+    params = {"candidates": candidates, "slo": {"ttft_p99_ms": 100}, "target_rps": None,
+              "bounds": {"max_memory_mb": None, "max_kld": None, "max_delta_ppl_pct": None, **bounds},
+              "max_searched": max_searched, "max_minutes": 5, "max_error_pct": 1.0, "workload": {},
+              **({"strategy": strategy} if strategy else {})}
+    out = tmp_path / "out"
+    out.mkdir()
+    return SimpleNamespace(params=params, inputs=inputs, input_manifests={}, out=out, log=lambda *a: None,
+                           runtime_args={}, threads=1)
+
+
+@pytest.mark.parametrize("strategy", [None, "grid"])
+def test_the_runner_searches_in_order_of_promise_and_skips_what_cannot_win(tmp_path, monkeypatch, strategy):
+    import qbuild.serving.capacity_step as capacity_step
+    from qbuild.serving.capacity_step import grid_index, rate_of
+    from qbuild.serving.deploy_step import run
+
+    asked = []
+
+    def search_server(ctx, *, label, **kw):   # a server sustains 90 % of its screened throughput
+        asked.append(label)
+        rps = {"a@p4": 10.0, "b@p4": 6.0, "a@p1": 3.0, "b@p1": 2.0}[label] * 0.9
+        k = grid_index(rps)
+        return {"capacity_rps": rate_of(k), "k": k, "next_rps": rate_of(k + 1), "complete": True,
+                "probes_measured": 3, "probes_reused": 0, "peak_rss_bytes": None}
+
+    monkeypatch.setattr(capacity_step, "search_server", search_server)
+    # a@p4 fastest but biggest; b@p1 smallest; a@p1 is beaten by a@p4 only on capacity, b@p4 by nothing smaller
+    ctx = fake_step(tmp_path, {"a@p4": (10.0, 400), "b@p4": (6.0, 300), "a@p1": (3.0, 400), "b@p1": (2.0, 250)},
+                    strategy=strategy)
+    result = run(ctx)["metrics"]
+    rows = {r["name"]: r for r in result["candidates"]}
+    if strategy == "grid":
+        assert asked == ["a@p4", "b@p4", "a@p1", "b@p1"] and result["searched"] == 4
+    else:
+        # a@p1's bound (3 × 1.25 = 3.75/s) is below a@p4's measured capacity with the same memory: never searched
+        assert asked == ["a@p4", "b@p4", "b@p1"]
+        assert "a@p4 already sustains" in rows["a@p1"]["not_searched"]
+    assert result["chosen"]["name"] == "a@p4" and set(result["front"]) == {"a@p4", "b@p4", "b@p1"}
+
+
+def test_the_runner_rejects_a_server_over_the_memory_budget_before_searching_it(tmp_path, monkeypatch):
+    import qbuild.serving.capacity_step as capacity_step
+    from qbuild.serving.deploy_step import run
+
+    monkeypatch.setattr(capacity_step, "search_server", lambda ctx, **kw: pytest.fail("nothing should be searched"))
+    result = run(fake_step(tmp_path, {"a@p4": (10.0, 400)}, max_memory_mb=300))["metrics"]
+    assert result["chosen"] is None and result["candidates"][0]["rejected"] == ["max_memory_mb 300: 400 MiB peak RSS"]
