@@ -1,6 +1,6 @@
 """Mixed precision for compressed-tensors (`search:` on an `rtn` variant): per-layer W4A16 / W8A16 for vLLM.
 
-The same search as the GGUF one (qbuild/quantize/gguf_search.py, docs/mixed-precision.md), every part an ordinary
+The same search as the GGUF one (qbuild/quantize/gguf/search.py, docs/mixed-precision.md), every part an ordinary
 keyed step:
 
 1. `quantize[V~base]`: every targeted Linear at the base scheme (W8A16), and its KLD against the baseline's stored
@@ -293,10 +293,10 @@ def run_allocate(ctx: StepContext) -> dict:
 
 def distinct_choices(pairs: list[list[tuple[int, float]]], n: int, max_cost: int | None, max_value: float | None,
                      cost_step: float = 0.01, value_step: float = 0.1) -> list[list[int]]:
-    """Up to `n` distinct knapsack optima (gguf_search's exact DP): under the budget, then under budgets `cost_step`
-    (`value_step` for a KLD budget) tighter each time, because real sizes and KLDs are not exactly additive. The
+    """Up to `n` distinct knapsack optima (the GGUF search's exact DP, gguf/search.py): under the budget, then under budgets
+    `cost_step` (`value_step` for a KLD budget) tighter each time, because real sizes and KLDs are not exactly additive. The
     GGUF search's run_allocate does the same inline (0.4 % steps); this is the generic form."""
-    from qbuild.quantize.gguf_search import allocate, smallest_within
+    from qbuild.quantize.gguf.search import allocate, smallest_within
 
     span = sum(max(c for c, _ in o) - min(c for c, _ in o) for o in pairs)
     unit = max(1, span // 4000)   # a few thousand columns: exact to well under 0.1 % of the range
