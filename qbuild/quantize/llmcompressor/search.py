@@ -177,18 +177,18 @@ def plan_search(variant, ctx, quantize_step) -> Step:
     allocation = ctx.add(Step("ct-search-allocate", f"ct-search-allocate[{label}]",
                               {"budget": search.budget(), "objective": search.objective, "groups": table,
                                "base_scheme": BASE_SCHEME, "candidates": search.max_candidates},
-                              "qbuild.quantize.ct_search:run_allocate", inputs=alloc_inputs, tools=("numpy",),
+                              "qbuild.quantize.llmcompressor.search:run_allocate", inputs=alloc_inputs, tools=("numpy",),
                               threads=1, format="metrics"))
     select_inputs = {"allocation": allocation}
     for i in range(search.max_candidates):
         q = quantize_step(f"quantize[{label}~cand{i}]", {**common, "candidate": i}, {"allocation": allocation})
         select_inputs[f"q:{i}"] = q
         select_inputs[f"m:{i}"] = kld_step(ctx, f"{label}~cand{i}", q, None)
-    from qbuild.quantize.llmcompressor import COMPRESSED_TENSORS
+    from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS
 
     return ctx.add(Step("ct-search-select", f"quantize[{label}]", {"budget": search.budget(),
                                                                    "objective": search.objective},
-                        "qbuild.quantize.ct_search:run_select", inputs=select_inputs, threads=1,
+                        "qbuild.quantize.llmcompressor.search:run_select", inputs=select_inputs, threads=1,
                         variant=label, format=COMPRESSED_TENSORS, scheme=BASE_SCHEME.lower()))
 
 
@@ -198,14 +198,15 @@ def run_quantize(ctx: StepContext) -> dict:
     its targets `re:` regexes of module names; adds the quantized weights' bytes and bits to the metrics."""
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    from qbuild.quantize import llmcompressor as lc
+    from qbuild.quantize.llmcompressor.options import resolved_ignore, weight_args
+    from qbuild.quantize.llmcompressor.run import run_oneshot
 
     p = ctx.params
     assign = p.get("assign") or candidate_assignment(Path(ctx.inputs["allocation"]), p["candidate"])
     config_groups = {a["scheme"]: {"targets": a["targets"],
-                                   "weights": lc.weight_args({**p, "bits": SCHEME_BITS[a["scheme"]]})}
+                                   "weights": weight_args({**p, "bits": SCHEME_BITS[a["scheme"]]})}
                      for a in assign}
-    result = lc.run_oneshot(ctx, [QuantizationModifier(config_groups=config_groups, ignore=lc.resolved_ignore(p))])
+    result = run_oneshot(ctx, [QuantizationModifier(config_groups=config_groups, ignore=resolved_ignore(p))])
     stats = quantized_weight_stats(ctx.out)
     result["metrics"].update(stats)
     result["info"]["assign"] = assign
@@ -322,7 +323,7 @@ def run_select(ctx: StepContext) -> dict:
     """The best measured candidate that meets the budget becomes the artifact: its checkpoint's files and
     search.json (the record, travelling with the checkpoint)."""
     from qbuild.base.files import dir_size
-    from qbuild.quantize.llmcompressor import COMPRESSED_TENSORS
+    from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS
 
     p = ctx.params
     alloc = json.loads((Path(ctx.inputs["allocation"]) / ALLOCATION_FILE).read_text())
