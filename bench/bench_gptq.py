@@ -79,8 +79,8 @@ def main() -> None:
         from llmcompressor import oneshot
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from qbuild.quantize import llmcompressor as lc
         from qbuild.quantize.gptq import GPTQ
+        from qbuild.quantize.llmcompressor import run as lc
 
         torch.set_num_threads(args.threads)
         t0 = time.perf_counter()

@@ -45,7 +45,7 @@ import torch
 from llmcompressor import oneshot
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from qbuild.plugins import methods
-from qbuild.quantize import llmcompressor as lc
+from qbuild.quantize.llmcompressor import run as lc
 imports = time.perf_counter() - t0
 model, calib, out, method, params = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], json.loads(sys.argv[5])
 torch.set_num_threads(1)

@@ -1,5 +1,6 @@
-"""`search:` on an rtn variant (qbuild/quantize/ct_search.py): per-layer W4A16 / W8A16 mixes for compressed-tensors,
-the schema, the plan's steps and keys, and a real search on the 2-layer SmolLM2 through llm-compressor."""
+"""`search:` on an rtn variant (qbuild/quantize/llmcompressor/search.py): per-layer W4A16 / W8A16 mixes for
+compressed-tensors, the schema, the plan's steps and keys, and a real search on the 2-layer SmolLM2 through
+llm-compressor."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from qbuild.artifacts.store import Store
 from qbuild.errors import RecipeError
 from qbuild.pipeline.plan import build_steps
 from qbuild.planning.recipe import parse_recipe
-from qbuild.quantize.ct_search import assignment, module_groups
+from qbuild.quantize.llmcompressor.search import assignment, module_groups
 from qbuild.quantize.rtn import RTNVariant
 
 from helpers import rerun_then_another_budget, run_api, write_recipe
@@ -78,7 +79,7 @@ def w4(candidate) -> set:
 
 
 def test_allocation_meets_the_budget(tmp_path):
-    from qbuild.quantize.ct_search import ALLOCATION_FILE, run_allocate
+    from qbuild.quantize.llmcompressor.search import ALLOCATION_FILE, run_allocate
 
     run_allocate(allocate_ctx(tmp_path, {"max_bits": 6.0}))   # 1500 bytes of 2000: save ≥ 500
     record = json.loads((tmp_path / ALLOCATION_FILE).read_text())

@@ -1,4 +1,4 @@
-"""`search:` on a gguf variant (qbuild/quantize/gguf_search.py): the allocation against brute force, the schema, the
+"""`search:` on a gguf variant (qbuild/quantize/gguf/search.py): the allocation against brute force, the schema, the
 plan's steps and keys, and a real search on the 2-layer SmolLM2 through llama.cpp."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from qbuild.artifacts.store import Store
 from qbuild.pipeline.plan import build_steps
 from qbuild.planning.recipe import parse_recipe
 from qbuild.quantize.gguf import GGUFVariant
-from qbuild.quantize.gguf_search import allocate, probes_at_once, smallest_within, tensor_groups
-from qbuild.quantize.gguf_search_options import GGUFSearch
+from qbuild.quantize.gguf.search import allocate, probes_at_once, smallest_within, tensor_groups
+from qbuild.quantize.gguf.search_options import GGUFSearch
 
 from helpers import rerun_then_another_budget, run_api, write_recipe
 
@@ -349,7 +349,7 @@ def test_a_probe_that_fails_leaves_no_file(searched, tiny_model_dir, monkeypatch
     succeeds leaves none either and stores its measurement only."""
     from qbuild.contract.step import StepContext
     from qbuild.evaluate import quality
-    from qbuild.quantize import gguf_probe
+    from qbuild.quantize.gguf import probe as gguf_probe
 
     store, steps = searched["store"], searched["steps"]
     st = Store(store)
@@ -392,7 +392,7 @@ def test_the_selection_refuses_a_file_its_probe_did_not_measure(searched, tiny_m
     (llama.cpp is deterministic, so it does; the run's artifact is rebuilt bit for bit here): given a record whose
     sha256 is not the file's, it fails in one line (a failed step's folder is never published)."""
     from qbuild.contract.step import StepContext
-    from qbuild.quantize.gguf_search import run_select
+    from qbuild.quantize.gguf.search import run_select
 
     store = searched["store"]
     st = Store(store)

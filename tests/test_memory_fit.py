@@ -197,7 +197,7 @@ def test_llm_compressor_steps_use_the_gpu_the_plan_gives_them(tmp_path, monkeypa
     from llmcompressor.pipelines.sequential import pipeline as sequential
 
     from qbuild.contract.step import StepContext
-    from qbuild.quantize.llmcompressor import onload_to_cpu
+    from qbuild.quantize.llmcompressor.run import onload_to_cpu
 
     gpu = _plan_rows(tmp_path, "methods.yaml", "NVIDIA H100 80GB HBM3:9.0:550.54.15")
     assert gpu["quantize[gptq-w4g64]"] == gpu["quantize[rtn-w4g64]"] == gpu["quantize[fp8-static]"] == "cuda", gpu

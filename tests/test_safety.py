@@ -217,7 +217,7 @@ def test_json_from_a_remote_is_bounded(tmp_path):
 # --- 4. auto-round's export folder ------------------------------------------------------------------------------------
 def test_lift_export_refuses_a_symlinked_export_folder(tmp_path):
     from qbuild.base.owned import claim_root
-    from qbuild.quantize.autoround import lift_export
+    from qbuild.quantize.autoround.run import lift_export
 
     home, precious = fake_home(tmp_path)
     (home / "Documents" / "config.json").write_bytes(b"{}")

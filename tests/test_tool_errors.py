@@ -51,7 +51,7 @@ def test_llama_model_quantize_says_why_it_failed(tmp_path):
     """In-process llama.cpp (llama_model_quantize): its own error, from its log, in the error."""
     import llama_cpp
 
-    from qbuild.quantize.llamacpp_log import llama_log_tail
+    from qbuild.quantize.gguf.llamacpp_log import llama_log_tail
 
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"not a gguf file at all")

@@ -191,7 +191,7 @@ def perplexity(ctx: StepContext) -> dict:
 
 def measure(ctx: StepContext, model: Path) -> dict:
     """The `perplexity` step's pass over the model at `model` (the step's input, or a file a search's probe made in its
-    scratch: qbuild.quantize.gguf_probe): writes perplexity.json (and divergence.json) into ctx.out, returns the
+    scratch: qbuild.quantize.gguf.probe): writes perplexity.json (and divergence.json) into ctx.out, returns the
     step result."""
     p = ctx.params
     wins, info = _windows(ctx)

@@ -370,7 +370,7 @@ def probe_step(ctx, kind: str, name: str, label: str, source: Step, build: dict,
     """A probe: one step that builds a model of `source`'s format from `inputs` under the params `build`, in its own
     scratch (never stored), and measures it as kld_step would measure that model stored (same params, data and
     reference; `params.measure`); it stores the measurement only. A search's sensitivity points and candidates are
-    probes (qbuild.quantize.gguf_probe), so their files never reach the store. `scratch`: the probe file's size as
+    probes (qbuild.quantize.gguf.probe), so their files never reach the store. `scratch`: the probe file's size as
     a share of `source`'s (at most; the executor holds that much disk for it while it runs); `at_once`: (group, n),
     at most n probes of the group at once."""
     measure, measured_inputs, rt = kld_measurement(ctx, label, source.format, max_windows)

@@ -2,7 +2,7 @@
 
 It shows what calibration buys: compare a GPTQ or AWQ variant with an RTN variant of equal bits,
 group size and symmetry. Runs llm-compressor's QuantizationModifier (data-free, seconds).
-With `search:` it mixes W4A16 and W8A16 per layer under a bits or KLD budget (qbuild/quantize/ct_search.py).
+With `search:` it mixes W4A16 and W8A16 per layer under a bits or KLD budget (qbuild/quantize/llmcompressor/search.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import Field
 from qbuild.contract.plugin import methods
 from qbuild.contract.step import Step
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.ct_search import CTSearch, check_search, plan_search
+from qbuild.quantize.llmcompressor.search import CTSearch, check_search, plan_search
 
 
 class RTNVariant(lc.IntWeightVariant):
@@ -70,7 +70,7 @@ class RTN(lc.LLMCompressorMethod):
         def quantize_step(name: str, params: dict, extra: dict) -> Step:
             if auto_ignore:
                 params = {**params, "auto_ignore": list(auto_ignore)}
-            return ctx.add(Step("quantize", name, params, "qbuild.quantize.ct_search:run_quantize",
+            return ctx.add(Step("quantize", name, params, "qbuild.quantize.llmcompressor.search:run_quantize",
                                 inputs={"model": ctx.model(), **extra}, tools=lc.TOOLS, threads=ctx.threads,
                                 format=lc.COMPRESSED_TENSORS, scheme="w8a16", backend_env=env,
                                 memory="offloads-to-disk"))

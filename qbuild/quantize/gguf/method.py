@@ -33,7 +33,7 @@ from qbuild.quantize.gguf.options import (
     block_size,
     fallback_type,
 )
-from qbuild.quantize.gguf_search import check_search, plan_search
+from qbuild.quantize.gguf.search import check_search, plan_search
 
 
 def gguf_tensor_columns(info: dict) -> dict[str, int]:

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from qbuild.base.schema_base import StrictModel
 from qbuild.contract.formats import FormatSpec, register_format
 from qbuild.contract.variant import VariantBase
-from qbuild.quantize.gguf_search_options import GGUFSearch
+from qbuild.quantize.gguf.search_options import GGUFSearch
 
 TOOLS = ("llama-cpp-python",)
 CONVERT_TOOLS = ("llama-cpp-python", "torch", "transformers", "safetensors")
@@ -60,7 +60,7 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q
                 "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4")
 TENSOR_NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S")
 # The fields of the pinned llama.cpp's llama_model_quantize_params: none targets a file size or bits per weight
-# (dry_run only reports the size a type would give), so a size target is qbuild's own search (gguf_search.py).
+# (dry_run only reports the size a type would give), so a size target is qbuild's own search (gguf/search.py).
 QUANTIZE_PARAMS = ("nthread", "ftype", "output_tensor_type", "token_embedding_type", "allow_requantize",
                    "quantize_output_tensor", "only_copy", "pure", "keep_split", "dry_run", "imatrix", "kv_overrides",
                    "tt_overrides", "prune_layers", "max_buf_size")

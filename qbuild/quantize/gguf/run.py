@@ -113,7 +113,7 @@ def _tensor_overrides(llama_cpp, ctx: StepContext, p: dict, params, keep: list) 
 
     overrides = p.get("tensor_types") or []
     if "allocation" in ctx.inputs:   # a search's candidate: its types come from the allocation step's output
-        from qbuild.quantize.gguf_search_options import candidate_overrides
+        from qbuild.quantize.gguf.search_options import candidate_overrides
 
         overrides = candidate_overrides(Path(ctx.inputs["allocation"]), p["candidate"])
     if overrides:
@@ -176,11 +176,11 @@ def run_quantize(ctx: StepContext) -> dict:
 def quantize_into(ctx: StepContext, p: dict, out: Path) -> dict:
     """llama_model_quantize of the step's converted GGUF (with its importance matrix, if an input) to `out` under the
     quantize params `p` (type, output/embedding types, tensor_types or a search candidate); returns the manifest's
-    info. A search's probes and selection call it with their own `out` (qbuild.quantize.gguf_probe)."""
+    info. A search's probes and selection call it with their own `out` (qbuild.quantize.gguf.probe)."""
     import llama_cpp
 
     from qbuild.base.tool_run import ToolFailed
-    from qbuild.quantize.llamacpp_log import llama_log_tail
+    from qbuild.quantize.gguf.llamacpp_log import llama_log_tail
 
     src = Path(ctx.inputs["gguf"]) / OUTPUT_FILE
     name = p["type"]

@@ -2,7 +2,7 @@
 
 A `gguf` variant with `search: {max_size_mb | max_bpw | max_kld, ...}` and no `type` is planned as ordinary steps, all
 keyed, cached and spread by the executor like any other (docs/mixed-precision.md). Every file the search measures is
-a probe (qbuild.quantize.gguf_probe, step kind gguf-probe): quantized in its step's scratch, measured there against
+a probe (qbuild.quantize.gguf.probe, step kind gguf-probe): quantized in its step's scratch, measured there against
 the baseline's stored log-probs, removed; only its measurement (KLD, PPL, size, bpw, sha256) is stored.
 
 1. `probe[V~base]`: the whole model at `base_type` (Q8_0), its size and KLD.
@@ -32,8 +32,8 @@ from pathlib import Path
 
 from qbuild.base.errors import RecipeError
 from qbuild.contract.step import Step, StepContext
-from qbuild.quantize.gguf_probe import gguf_weights
-from qbuild.quantize.gguf_search_options import ALLOCATION_FILE, BPW, DEFAULT_TYPES, NEEDS_IMATRIX, GGUFSearch
+from qbuild.quantize.gguf.probe import gguf_weights
+from qbuild.quantize.gguf.search_options import ALLOCATION_FILE, BPW, DEFAULT_TYPES, NEEDS_IMATRIX, GGUFSearch
 
 OUTPUT_FILE = "model.gguf"   # qbuild.quantize.gguf.options' file name (a quantize step's one file)
 SEARCH_FILE = "search.json"   # the artifact's own short record (budget, chosen types, command) beside the .gguf
@@ -183,7 +183,7 @@ def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], b
 
     def probe(tag: str, build: dict, extra: dict, windows: int | None) -> Step:
         return probe_step(ctx, "gguf-probe", f"probe[{label}~{tag}]", f"{label}~{tag}", inputs["gguf"], build,
-                          {**inputs, **extra}, windows, tools, runner="qbuild.quantize.gguf_probe:run_probe",
+                          {**inputs, **extra}, windows, tools, runner="qbuild.quantize.gguf.probe:run_probe",
                           scratch=PROBE_SCRATCH, at_once=at_once)
 
     alloc_inputs = {"base": probe("base", dict(common), {}, search.sensitivity_windows)}
@@ -202,7 +202,7 @@ def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], b
     allocation = ctx.add(Step("gguf-search-allocate", f"gguf-search-allocate[{label}]",
                               {"budget": search.budget(), "objective": search.objective, "groups": table,
                                "base_type": search.base_type, "candidates": search.max_candidates},
-                              "qbuild.quantize.gguf_search:run_allocate", inputs={**alloc_inputs, "gguf": inputs["gguf"]},
+                              "qbuild.quantize.gguf.search:run_allocate", inputs={**alloc_inputs, "gguf": inputs["gguf"]},
                               tools=("gguf", "numpy"), threads=1, format="metrics",
                               runtime_args={"variant": label}))   # for its messages; not hashed
     select_inputs = {"allocation": allocation, **inputs}
@@ -211,7 +211,7 @@ def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], b
     select = ctx.add(Step("gguf-search-select", f"quantize[{label}]", {"budget": search.budget(), "imatrix": imatrix,
                                                                         "objective": search.objective,
                                                                         "quantize": common},
-                          "qbuild.quantize.gguf_search:run_select", inputs=select_inputs, tools=tools,
+                          "qbuild.quantize.gguf.search:run_select", inputs=select_inputs, tools=tools,
                           threads=ctx.threads, runtime_args={"variant": label}, impl_version=3,
                           # 2: search.json beside the .gguf; 3: the chosen probe's file built again here
                           variant=label, format="gguf", scheme=search.base_type))

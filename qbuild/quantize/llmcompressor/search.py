@@ -1,6 +1,6 @@
 """Mixed precision for compressed-tensors (`search:` on an `rtn` variant): per-layer W4A16 / W8A16 for vLLM.
 
-The same search as the GGUF one (qbuild/quantize/gguf_search.py, docs/mixed-precision.md), every part an ordinary
+The same search as the GGUF one (qbuild/quantize/gguf/search.py, docs/mixed-precision.md), every part an ordinary
 keyed step:
 
 1. `quantize[V~base]`: every targeted Linear at the base scheme (W8A16), and its KLD against the baseline's stored
@@ -177,18 +177,18 @@ def plan_search(variant, ctx, quantize_step) -> Step:
     allocation = ctx.add(Step("ct-search-allocate", f"ct-search-allocate[{label}]",
                               {"budget": search.budget(), "objective": search.objective, "groups": table,
                                "base_scheme": BASE_SCHEME, "candidates": search.max_candidates},
-                              "qbuild.quantize.ct_search:run_allocate", inputs=alloc_inputs, tools=("numpy",),
+                              "qbuild.quantize.llmcompressor.search:run_allocate", inputs=alloc_inputs, tools=("numpy",),
                               threads=1, format="metrics"))
     select_inputs = {"allocation": allocation}
     for i in range(search.max_candidates):
         q = quantize_step(f"quantize[{label}~cand{i}]", {**common, "candidate": i}, {"allocation": allocation})
         select_inputs[f"q:{i}"] = q
         select_inputs[f"m:{i}"] = kld_step(ctx, f"{label}~cand{i}", q, None)
-    from qbuild.quantize.llmcompressor import COMPRESSED_TENSORS
+    from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS
 
     return ctx.add(Step("ct-search-select", f"quantize[{label}]", {"budget": search.budget(),
                                                                    "objective": search.objective},
-                        "qbuild.quantize.ct_search:run_select", inputs=select_inputs, threads=1,
+                        "qbuild.quantize.llmcompressor.search:run_select", inputs=select_inputs, threads=1,
                         variant=label, format=COMPRESSED_TENSORS, scheme=BASE_SCHEME.lower()))
 
 
@@ -198,14 +198,15 @@ def run_quantize(ctx: StepContext) -> dict:
     its targets `re:` regexes of module names; adds the quantized weights' bytes and bits to the metrics."""
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
-    from qbuild.quantize import llmcompressor as lc
+    from qbuild.quantize.llmcompressor.options import resolved_ignore, weight_args
+    from qbuild.quantize.llmcompressor.run import run_oneshot
 
     p = ctx.params
     assign = p.get("assign") or candidate_assignment(Path(ctx.inputs["allocation"]), p["candidate"])
     config_groups = {a["scheme"]: {"targets": a["targets"],
-                                   "weights": lc.weight_args({**p, "bits": SCHEME_BITS[a["scheme"]]})}
+                                   "weights": weight_args({**p, "bits": SCHEME_BITS[a["scheme"]]})}
                      for a in assign}
-    result = lc.run_oneshot(ctx, [QuantizationModifier(config_groups=config_groups, ignore=lc.resolved_ignore(p))])
+    result = run_oneshot(ctx, [QuantizationModifier(config_groups=config_groups, ignore=resolved_ignore(p))])
     stats = quantized_weight_stats(ctx.out)
     result["metrics"].update(stats)
     result["info"]["assign"] = assign
@@ -293,10 +294,10 @@ def run_allocate(ctx: StepContext) -> dict:
 
 def distinct_choices(pairs: list[list[tuple[int, float]]], n: int, max_cost: int | None, max_value: float | None,
                      cost_step: float = 0.01, value_step: float = 0.1) -> list[list[int]]:
-    """Up to `n` distinct knapsack optima (gguf_search's exact DP): under the budget, then under budgets `cost_step`
-    (`value_step` for a KLD budget) tighter each time, because real sizes and KLDs are not exactly additive. The
+    """Up to `n` distinct knapsack optima (the GGUF search's exact DP, gguf/search.py): under the budget, then under budgets
+    `cost_step` (`value_step` for a KLD budget) tighter each time, because real sizes and KLDs are not exactly additive. The
     GGUF search's run_allocate does the same inline (0.4 % steps); this is the generic form."""
-    from qbuild.quantize.gguf_search import allocate, smallest_within
+    from qbuild.quantize.gguf.search import allocate, smallest_within
 
     span = sum(max(c for c, _ in o) - min(c for c, _ in o) for o in pairs)
     unit = max(1, span // 4000)   # a few thousand columns: exact to well under 0.1 % of the range
@@ -322,7 +323,7 @@ def run_select(ctx: StepContext) -> dict:
     """The best measured candidate that meets the budget becomes the artifact: its checkpoint's files and
     search.json (the record, travelling with the checkpoint)."""
     from qbuild.base.files import dir_size
-    from qbuild.quantize.llmcompressor import COMPRESSED_TENSORS
+    from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS
 
     p = ctx.params
     alloc = json.loads((Path(ctx.inputs["allocation"]) / ALLOCATION_FILE).read_text())

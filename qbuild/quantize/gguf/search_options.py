@@ -1,6 +1,6 @@
 """The schema of a `gguf` variant's `search:` (GGUFSearch), the type tables it is checked and planned with, and the
 allocation record's candidates as the quantization reads them (candidate_overrides). Apart
-from the search's steps (qbuild/quantize/gguf_search.py), so the variant's options (qbuild/quantize/gguf/options.py)
+from the search's steps (qbuild/quantize/gguf/search.py), so the variant's options (qbuild/quantize/gguf/options.py)
 import it without importing the steps, whose runners import the gguf method's worker side."""
 
 from __future__ import annotations

@@ -1,0 +1,22 @@
+"""llm-compressor, shared by the methods that run it (gptq, awq, fp8, rtn, smoothquant: a module each, beside this
+package), as a small package: options.py (the shared fields, the compressed-tensors format, the families they cannot
+build), method.py (the plan side: LLMCompressorMethod and its checks), run.py (the worker's side: oneshot,
+model_free_ptq; imported only in a step's worker) and search.py (`search:` on an rtn variant, mixed precision for
+compressed-tensors). Importing the package gives the plan side's names (`from qbuild.quantize import llmcompressor
+as lc`); it registers no method itself."""
+
+from qbuild.quantize.llmcompressor.method import (  # noqa: F401
+    LLMCompressorMethod,
+    check_int_weights,
+    model_free_fits,
+)
+from qbuild.quantize.llmcompressor.options import (  # noqa: F401
+    ASYMMETRIC_QWEN3_MOE,
+    COMPRESSED_TENSORS,
+    MIXTRAL_EXPERTS,
+    PATTERN_FIELDS,
+    TOOLS,
+    IntWeightVariant,
+    resolved_ignore,
+    weight_args,
+)
