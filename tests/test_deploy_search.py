@@ -284,3 +284,27 @@ def test_the_runner_rejects_a_server_over_the_memory_budget_before_searching_it(
     monkeypatch.setattr(capacity_step, "search_server", lambda ctx, **kw: pytest.fail("nothing should be searched"))
     result = run(fake_step(tmp_path, {"a@p4": (10.0, 400)}, max_memory_mb=300))["metrics"]
     assert result["chosen"] is None and result["candidates"][0]["rejected"] == ["max_memory_mb 300: 400 MiB peak RSS"]
+
+
+def test_the_choice_is_searched_first_and_the_front_with_what_budget_is_left(tmp_path, monkeypatch):
+    """max_searched 2: the best candidate first; a bound that cannot beat it waits for the front's pass, where the
+    smaller server comes before the one the best already beats."""
+    import qbuild.serving.capacity_step as capacity_step
+    from qbuild.serving.capacity_step import grid_index, rate_of
+    from qbuild.serving.deploy_step import run
+
+    asked = []
+
+    def search_server(ctx, *, label, **kw):
+        asked.append(label)
+        k = grid_index({"a@p4": 9.0, "b@p4": 5.4, "a@p1": 2.7, "b@p1": 1.8}[label])
+        return {"capacity_rps": rate_of(k), "k": k, "next_rps": rate_of(k + 1), "complete": True,
+                "probes_measured": 3, "probes_reused": 0, "peak_rss_bytes": None}
+
+    monkeypatch.setattr(capacity_step, "search_server", search_server)
+    ctx = fake_step(tmp_path, {"a@p4": (10.0, 400), "b@p4": (6.0, 300), "a@p1": (3.0, 400), "b@p1": (2.0, 250)},
+                    max_searched=2)
+    rows = {r["name"]: r for r in run(ctx)["metrics"]["candidates"]}
+    assert asked == ["a@p4", "b@p4"]
+    assert "already sustains" in rows["a@p1"]["not_searched"] and rows["b@p1"]["not_searched"] == \
+        "max_searched 2 reached"

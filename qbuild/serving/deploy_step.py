@@ -38,20 +38,8 @@ def run(ctx) -> dict:
     order = sorted((r for r in rows if not r["rejected"] and r["capacity_bound_rps"]),
                    key=lambda r: (-r["capacity_bound_rps"], r["name"]))
     searched: list[dict] = []
-    grid = p.get("strategy") == "grid"   # every candidate searched: what the pruning is measured against
-    for row in order:
-        better = None if grid else dominated_by(row, searched)
-        if better is not None:
-            row["not_searched"] = (f"its screened full-batch throughput bounds its capacity at "
-                                   f"{row['capacity_bound_rps']:.4g} requests/s, which {better['name']} already "
-                                   f"sustains ({better['capacity_rps']:.4g}/s) with no more memory and no higher KLD")
-            continue
-        if not grid and len(searched) >= p["max_searched"]:
-            row["not_searched"] = f"max_searched {p['max_searched']} reached"
-            continue
-        if time.monotonic() >= stop_at:
-            row["not_searched"] = f"max_minutes {p['max_minutes']:g} reached"
-            continue
+
+    def search_row(row) -> None:
         _, c = by_name[row["name"]]
         ctx.log(f"capacity search {len(searched) + 1}: {row['name']} (screened bound {row['capacity_bound_rps']:g} "
                 "requests/s)")
@@ -62,7 +50,8 @@ def run(ctx) -> dict:
             workload=p["workload"], family=c["family"],
             search_params={"slo": p["slo"], "max_error_pct": p["max_error_pct"],
                            "start_rps": row["screen"]["requests_s"] * 0.75},
-            stop_at=stop_at, workdir=ctx.out / "searches" / row["name"], budget=f"deploy.max_minutes {p['max_minutes']:g}")
+            stop_at=stop_at, workdir=ctx.out / "searches" / row["name"],
+            budget=f"deploy.max_minutes {p['max_minutes']:g}")
         row.update({"capacity_rps": found["capacity_rps"], "k": found["k"], "next_rps": found["next_rps"],
                     "search_complete": found["complete"], "probes_measured": found["probes_measured"],
                     "probes_reused": found["probes_reused"]})
@@ -72,6 +61,34 @@ def run(ctx) -> dict:
         if found["capacity_rps"] is None:
             row["rejected"].append("no rate meets the SLOs" + ("" if found["complete"] else " (search cut short)"))
         searched.append(row)
+
+    grid = p.get("strategy") == "grid"   # every candidate searched: what the pruning is measured against
+
+    def out_of_budget(row) -> bool:
+        if not grid and len(searched) >= p["max_searched"]:
+            row["not_searched"] = f"max_searched {p['max_searched']} reached"
+        elif time.monotonic() >= stop_at:
+            row["not_searched"] = f"max_minutes {p['max_minutes']:g} reached"
+        return "not_searched" in row
+
+    def best_capacity() -> float:
+        return max((m["capacity_rps"] for m in searched if m.get("capacity_rps") and not m["rejected"]), default=0.0)
+
+    # first the choice: in order of the bound, while a bound can still beat the best capacity measured within the
+    # bounds; then the front: what is left, unless a searched candidate beats it on capacity, memory and KLD at once
+    for row in order:
+        if (grid or row["capacity_bound_rps"] > best_capacity()) and not out_of_budget(row):
+            search_row(row)
+    for row in order:
+        if "capacity_rps" in row or "not_searched" in row:
+            continue
+        better = dominated_by(row, searched)
+        if better is not None:
+            row["not_searched"] = (f"its screened full-batch throughput bounds its capacity at "
+                                   f"{row['capacity_bound_rps']:.4g} requests/s, which {better['name']} already "
+                                   f"sustains ({better['capacity_rps']:.4g}/s) with no more memory and no higher KLD")
+        elif not out_of_budget(row):
+            search_row(row)
     compare_drafts(rows)
     best, ties = choose(rows)
     result = {"chosen": best and {k: best[k] for k in ("name", "variant", "config", "command", "capacity_rps",
