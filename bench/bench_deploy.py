@@ -4,8 +4,9 @@ recipes/serving.yaml lists by hand, on the demo model behind llama-server (issue
     flock /tmp/qbuild-heavy.lock .venv/bin/python bench/bench_deploy.py [--with-draft] [--runs 2]
 
 Per run, on a fresh store and a fresh probe cache (nothing shared but llama-server's binary and the model file):
-1. recipes/deploy.yaml as shipped (`strategy: prune`), without the draft lever unless --with-draft (the grid would
-   search every drafted candidate too): its wall time, and the time of its screens and its `deploy` step;
+1. recipes/deploy.yaml (`strategy: prune`), without the draft lever unless --with-draft (the grid would search
+   every drafted candidate too), its capacity probes of `--requests` × `--rounds` and with no max_searched, within
+   `--max-minutes`: its wall time, and the time of its screens and its `deploy` step;
 2. the same recipe with `strategy: grid` on the same store (the screens are the same steps and are reused) and a
    fresh probe cache: every candidate that meets the bounds gets its capacity search.
 The grid's wall time is the screens' time plus its `deploy` step; the search's, the screens' plus its own. The
@@ -58,6 +59,9 @@ def one_run(args, root: Path) -> dict:
     data = yaml.safe_load((REPO / "recipes" / "deploy.yaml").read_text())
     if not args.with_draft:
         data["deploy"]["space"]["draft"] = [None]
+    # cheaper capacity probes for both (the comparison is of search against grid under the same probes)
+    data["deploy"].update({"requests": args.requests, "rounds": args.rounds, "max_minutes": args.max_minutes,
+                           "max_searched": 1000})
     prune, grid = root / "prune.yaml", root / "grid.yaml"
     prune.write_text(yaml.safe_dump(data))
     data["deploy"]["strategy"] = "grid"
@@ -93,6 +97,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--with-draft", action="store_true", help="keep recipes/deploy.yaml's draft lever")
     parser.add_argument("--runs", type=int, default=1, help="cold runs (two: do they choose the same?)")
+    parser.add_argument("--requests", type=int, default=24, help="Poisson arrivals per round of a capacity probe")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per capacity probe")
+    parser.add_argument("--max-minutes", type=float, default=120, help="the pruned search's budget (the grid: 240)")
     args = parser.parse_args()
     results = []
     for i in range(args.runs):
