@@ -308,3 +308,19 @@ def test_the_choice_is_searched_first_and_the_front_with_what_budget_is_left(tmp
     assert asked == ["a@p4", "b@p4"]
     assert "already sustains" in rows["a@p1"]["not_searched"] and rows["b@p1"]["not_searched"] == \
         "max_searched 2 reached"
+
+
+@pytest.mark.parametrize("metrics, want", [
+    ("llamacpp:spec_decode_num_draft_tokens_total 40\nllamacpp:spec_decode_num_accepted_tokens_total 30\n",
+     {"draft_tokens": 40, "accepted": 30, "acceptance_rate": 0.75}),
+    ("llamacpp:spec_decode_num_draft_tokens_total nan\nllamacpp:spec_decode_num_accepted_tokens_total 3\n", None),
+    ("llamacpp:spec_decode_num_draft_tokens_total 4\nllamacpp:spec_decode_num_accepted_tokens_total 9\n", None),
+    ("llamacpp:spec_decode_num_draft_tokens_total x\n", None),
+    ("# nothing about drafts\n", None),
+])
+def test_a_servers_draft_counters_are_read_only_when_they_can_be_counters(monkeypatch, metrics, want):
+    import qbuild.serving.client as client
+    from qbuild.servers.llamacpp import LlamaServer
+
+    monkeypatch.setattr(client, "get_text", lambda url, timeout_s: metrics)
+    assert LlamaServer().speculative_stats("http://127.0.0.1:1", 5) == want

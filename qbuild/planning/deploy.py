@@ -83,7 +83,7 @@ def deploy_steps(ctx) -> Step | None:
     baseline_quality = steps.get("perplexity[baseline]")
     if baseline_quality is not None:
         inputs["quality-baseline"] = baseline_quality
-    listed, unavailable_any = [], ""
+    listed, unavailable_any, first_server, probes = [], "", None, {}
     for i, (label, config) in enumerate(candidates(d.space, labels)):
         art = by_label[label]
         server, why = server_for(art.step.format, art.step.scheme or None, serving.engine)
@@ -117,7 +117,9 @@ def deploy_steps(ctx) -> Step | None:
             env_toolchain=server.environment(), requires_gpu=server.needs_gpu, unavailable=unavailable,
             on_unavailable=OnUnavailable.SKIP, format="metrics", impl_version=IMPL_VERSION,
             runtime_args={"label": f"{label}@{config.name}", "ready_timeout_s": serving.ready_timeout_s}))
-        _, _, family = probe_family(ctx, serving, art, server, data, serving_params, checked, d.requests, d.rounds)
+        probes, _, family = probe_family(ctx, serving, art, server, data, serving_params, checked, d.requests,
+                                         d.rounds)
+        first_server = first_server or server
         inputs[f"screen-{i}"] = screen
         inputs[f"model-{label}"] = art.step
         if "draft" in checked:
@@ -132,14 +134,10 @@ def deploy_steps(ctx) -> Step | None:
               "bounds": {k: getattr(d, k) for k in ("max_memory_mb", "max_kld", "max_delta_ppl_pct")},
               "target_rps": d.target_rps, "max_searched": d.max_searched,
               **({"strategy": d.strategy} if d.strategy != "prune" else {}), "max_minutes": d.max_minutes,
-              "max_error_pct": d.max_error_pct,
-              "workload": {**serving.model_dump(include={"input_len", "output_len", "seed", "timeout_s", "warmup",
-                                                        "prefix_tokens"}), "requests": d.requests, "rounds": d.rounds,
-                           **({"conversation": serving.conversation.model_dump()} if serving.conversation else {})}}
-    any_server = server_for(by_label[listed[0]["label"]].step.format, None, serving.engine)[0]
+              "max_error_pct": d.max_error_pct, "workload": probes["workload"]}   # every capacity probe's
     return ctx.add(Step("deploy", "deploy", params, "qbuild.serving.deploy_step:run", inputs=inputs,
-                        tools=tuple(sorted(any_server.tools)), threads=ctx.threads, per_hardware=True,
-                        env_toolchain=any_server.environment(), requires_gpu=any_server.needs_gpu,
+                        tools=tuple(sorted(first_server.tools)), threads=ctx.threads, per_hardware=True,
+                        env_toolchain=first_server.environment(), requires_gpu=first_server.needs_gpu,
                         unavailable=unavailable_any, on_unavailable=OnUnavailable.SKIP, format="metrics",
                         impl_version=DEPLOY_IMPL_VERSION,
                         runtime_args={"ready_timeout_s": serving.ready_timeout_s}))

@@ -3,6 +3,7 @@ the installed llama-cpp-python (qbuild/models/llamacpp_toolchain.py), so it is t
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -109,6 +110,8 @@ class LlamaServer(Server):
         if "draft_tokens" not in counters or "accepted" not in counters:
             return None
         drafted, accepted = counters["draft_tokens"], counters["accepted"]
+        if not (math.isfinite(drafted) and 0 <= accepted <= drafted):   # a reply no server's counters give
+            return None
         return {"draft_tokens": int(drafted), "accepted": int(accepted),
                 "acceptance_rate": round(accepted / drafted, 4) if drafted > 0 else None}
 

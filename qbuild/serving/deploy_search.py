@@ -120,17 +120,13 @@ def replicas(target_rps: float | None, row: dict | None) -> dict | None:
 
 def compare_drafts(rows: list[dict]) -> None:
     """Each speculative row beside the same weights and settings without a draft: its TPOT and capacity change."""
-    plain = {(r["variant"], json.dumps({k: v for k, v in r["config"].items() if k not in ("name", "draft",
-                                                                                           "draft_max", "draft_min")},
-                                       sort_keys=True)): r for r in rows if not r.get("draft")}
-    for r in rows:
-        if not r.get("draft"):
-            continue
-        key = (r["variant"], json.dumps({k: v for k, v in r["config"].items()
-                                         if k not in ("name", "draft", "draft_max", "draft_min")}, sort_keys=True))
-        other = plain.get(key)
-        if other is None:
-            continue
-        r["without_draft"] = {"name": other["name"], "tpot_ms_p50": other["screen"]["tpot_ms_p50"],
-                              "capacity_rps": other.get("capacity_rps")}
+    def levers(r: dict) -> tuple[str, str]:   # the row's weights and settings, its draft left out
+        return r["variant"], json.dumps({k: v for k, v in r["config"].items()
+                                         if k not in ("name", "draft", "draft_max", "draft_min")}, sort_keys=True)
 
+    plain = {levers(r): r for r in rows if not r.get("draft")}
+    for r in rows:
+        other = plain.get(levers(r)) if r.get("draft") else None
+        if other is not None:
+            r["without_draft"] = {"name": other["name"], "tpot_ms_p50": other["screen"]["tpot_ms_p50"],
+                                  "capacity_rps": other.get("capacity_rps")}
