@@ -47,6 +47,9 @@ class PlanningContext(Protocol):
 
     def model_info(self) -> dict: ...                  # its config: shapes, architecture, tensor names
 
+    def untouched_dtype(self) -> str | None: ...       # where an artifact's unquantized matrices go narrower than
+                                                       # the model step's (qbuild.quantize.untouched)
+
     def calibration(self) -> Step: ...                 # the shared tokenized calibration set
 
     def backend_env(self, variant, method: Method) -> BackendEnv | None: ...   # where a variant's step runs

@@ -69,6 +69,16 @@ def source_dtype(matrix_types: frozenset[str]) -> str:
     return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(matrix_types, "float32")
 
 
+def untouched_dtype(matrix_types: frozenset[str]) -> str | None:
+    """The dtype a quantized artifact built on the float32 import of a quantized GGUF writes the matrices its scheme
+    leaves untouched in (qbuild.quantize.untouched); None where the import keeps 16-bit matrices already or the file
+    itself stores float32 ones. A block-quantized matrix's scales are fp16, so float16 holds its values closest; a
+    file with BF16 matrices keeps bfloat16."""
+    if not matrix_types or "F32" in matrix_types or source_dtype(matrix_types) != "float32":
+        return None
+    return "bfloat16" if "BF16" in matrix_types else "float16"
+
+
 def gguf_config(path: Path) -> dict:
     """HF-style architecture facts from GGUF metadata (numpy only; the tensors are not read).
 
@@ -131,6 +141,7 @@ def gguf_config(path: Path) -> dict:
         raise ConfigRefused(f"{arch}.block_count: {layers} but the file's tensors hold {header.blocks} blocks")
     config["gguf_elements"] = header.elements   # parameters the import dequantizes (its memory estimate)
     config["source_dtype"] = source_dtype(header.matrix_types)
+    config["untouched_dtype"] = untouched_dtype(header.matrix_types)
     return config
 
 

@@ -125,7 +125,7 @@ def model_info(step: Step) -> dict:
 def gguf_facts(path: Path, digest: str) -> dict:
     """A GGUF's checked architecture facts (qbuild.models.gguf_import.gguf_config). Parsing its metadata (vocab,
     merges) takes seconds: memoized by the file's content hash, and only what passed the checks is memoized."""
-    memo = fingerprint_cache() / "model-info" / f"{digest}.v8.json"   # v8: + tokenizer_writer/_refusal
+    memo = fingerprint_cache() / "model-info" / f"{digest}.v9.json"   # v9: + untouched_dtype; v8: + tokenizer_writer/_refusal
     try:
         return json.loads(memo.read_text())
     except (OSError, ValueError):

@@ -49,8 +49,9 @@ class GGUFModel(StrictModel):
     path: str
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="The imported checkpoint's dtype. auto: the GGUF's own where its weight matrices are all "
-        "F16 or all BF16 (so untouched tensors of a quantized variant stay 16-bit), else float32, the exact "
-        "dequantized values. Evaluation runs in float32 either way.")
+        "F16 or all BF16, else float32, the exact dequantized values; a quantized variant built on a float32 import "
+        "of a quantized GGUF writes the matrices it leaves untouched in float16 (auto only). Evaluation runs in "
+        "float32 either way.")
 
 
 ModelSource = Annotated[Union[LocalModel, HubModel, GGUFModel], Field(discriminator="source")]

@@ -15,6 +15,7 @@ from qbuild.contract.plugin import methods
 from qbuild.contract.step import Step
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.llmcompressor.search import CTSearch, check_search, plan_search
+from qbuild.quantize.untouched import with_untouched_dtype
 
 
 class RTNVariant(lc.IntWeightVariant):
@@ -70,6 +71,7 @@ class RTN(lc.LLMCompressorMethod):
         def quantize_step(name: str, params: dict, extra: dict) -> Step:
             if auto_ignore:
                 params = {**params, "auto_ignore": list(auto_ignore)}
+            params = with_untouched_dtype(params, ctx)
             return ctx.add(Step("quantize", name, params, "qbuild.quantize.llmcompressor.search:run_quantize",
                                 inputs={"model": ctx.model(), **extra}, tools=lc.TOOLS, threads=ctx.threads,
                                 format=lc.COMPRESSED_TENSORS, scheme="w8a16", backend_env=env,

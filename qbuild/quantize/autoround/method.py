@@ -23,6 +23,7 @@ from qbuild.contract.plugin import Method, methods
 from qbuild.contract.step import Step
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.autoround.options import FORMATS, TOOLS, AutoRoundVariant
+from qbuild.quantize.untouched import with_untouched_dtype
 
 
 @methods.register
@@ -39,7 +40,7 @@ class AutoRound(Method):
             ctx.warn(note)
 
     def plan(self, variant: AutoRoundVariant, ctx) -> Step:
-        params = variant.quant_params()
+        params = with_untouched_dtype(variant.quant_params(), ctx)
         auto_ignore, _ = lc.check_int_weights(variant, ctx, "variants")   # check() has reported it
         if auto_ignore:
             params["auto_ignore"] = list(auto_ignore)

@@ -10,6 +10,7 @@ from qbuild.contract.shapes import is_ignored
 from qbuild.contract.step import StepContext
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.autoround.options import FORMATS
+from qbuild.quantize.untouched import narrow_untouched
 
 
 def lift_export(export: Path, out: Path, root) -> None:
@@ -81,6 +82,7 @@ def run(ctx: StepContext) -> dict:
     tuner.quantize_and_save(str(export), format=p["format"])
     ctx.progress(2, 3, f"exported {p['format']}")
     lift_export(export, ctx.out, ctx.owned())
+    narrowed = narrow_untouched(ctx)
     import json
     from importlib.metadata import version
 
@@ -91,4 +93,4 @@ def run(ctx: StepContext) -> dict:
                      "packing_format": qc.get("packing_format") or qc.get("format"),
                      "unquantized": sorted(layer_config), "calibration_samples": len(samples), "seq_len": seqlen,
                      "device": device, "auto-round": version("auto-round"),
-                     "threads": ctx.threads}}
+                     "threads": ctx.threads, **narrowed}}

@@ -16,6 +16,7 @@ from __future__ import annotations
 from qbuild.contract.plugin import Method, methods
 from qbuild.contract.step import Step
 from qbuild.quantize.bitsandbytes.options import FORMAT, TOOLS, BitsAndBytesVariant
+from qbuild.quantize.untouched import with_untouched_dtype
 
 
 @methods.register
@@ -26,7 +27,9 @@ class BitsAndBytes(Method):
     requires = ("bitsandbytes", "torch", "transformers", "accelerate")
 
     def plan(self, variant: BitsAndBytesVariant, ctx) -> Step:
-        return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
+        params = variant.quant_params()   # its own dtype, where the recipe sets one, decides the untouched tensors'
+        params = with_untouched_dtype(params, ctx) if params.get("dtype") == "auto" else params
+        return ctx.add(Step("quantize", f"quantize[{variant.name}]", params,
                             "qbuild.quantize.bitsandbytes.run:run", inputs={"model": ctx.model()}, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=FORMAT,
                             scheme=variant.scheme, memory="whole-model", gpu_capable=True))

@@ -9,6 +9,7 @@ from pathlib import Path
 from qbuild.base.files import dir_size
 from qbuild.contract.step import StepContext
 from qbuild.quantize.bitsandbytes.options import FORMAT
+from qbuild.quantize.untouched import narrow_untouched
 
 
 def bnb_config(p: dict):
@@ -44,9 +45,10 @@ def run(ctx: StepContext) -> dict:
     if qc.get("quant_method") != "bitsandbytes":
         raise RuntimeError(f"save_pretrained wrote no bitsandbytes quantization_config ({qc})")
     quantized = sum(1 for m in model.modules() if type(m).__module__.startswith("bitsandbytes"))
+    narrowed = narrow_untouched(ctx)
     ctx.progress(2, 2, "done")
     from importlib.metadata import version
 
     return {"format": FORMAT, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"quantized_linear_layers": quantized, "device": device, "bitsandbytes": version("bitsandbytes"),
-                     "threads": ctx.threads}}
+                     "threads": ctx.threads, **narrowed}}

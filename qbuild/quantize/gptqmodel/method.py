@@ -14,6 +14,7 @@ from qbuild.contract.plugin import Method, methods
 from qbuild.contract.shapes import check_group_size
 from qbuild.contract.step import Step
 from qbuild.quantize.gptqmodel.options import GPTQ, TOOLS, GPTQModelVariant
+from qbuild.quantize.untouched import with_untouched_dtype
 
 
 @methods.register
@@ -30,7 +31,7 @@ class GPTQModel(Method):
         check_group_size(variant.group_size, ctx.model_info(), ["lm_head"], field, method="gptqmodel", escapes=())
 
     def plan(self, variant: GPTQModelVariant, ctx) -> Step:
-        return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
+        return ctx.add(Step("quantize", f"quantize[{variant.name}]", with_untouched_dtype(variant.quant_params(), ctx),
                             "qbuild.quantize.gptqmodel.run:run",
                             inputs={"model": ctx.model(), "calibration": ctx.calibration()},
                             tools=TOOLS, threads=ctx.threads, variant=variant.name, format=GPTQ,

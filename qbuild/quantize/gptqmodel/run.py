@@ -9,6 +9,7 @@ import os
 from qbuild.base.files import dir_size
 from qbuild.contract.step import StepContext
 from qbuild.quantize.gptqmodel.options import GPTQ
+from qbuild.quantize.untouched import narrow_untouched
 
 
 def run(ctx: StepContext) -> dict:
@@ -35,8 +36,9 @@ def run(ctx: StepContext) -> dict:
     ctx.progress(2, 3, "saving GPTQ format")
     model.save(str(ctx.out))
     ctx.owned().remove(ctx.out / "quant_log.csv", within=ctx.out)   # per-layer timings: not part of the artifact
+    narrowed = narrow_untouched(ctx)
     qc = json.loads((ctx.out / "quantize_config.json").read_text())
     return {"format": GPTQ, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"checkpoint_format": qc.get("checkpoint_format", qc.get("format")),
                      "quant_method": qc.get("quant_method"), "quantizer": (qc.get("meta") or {}).get("quantizer"),
-                     "calibration_samples": len(calibration)}}
+                     "calibration_samples": len(calibration), **narrowed}}

@@ -26,6 +26,7 @@ from qbuild.quantize.llmcompressor.options import (
     IntWeightVariant,
     resolved_ignore,
 )
+from qbuild.quantize.untouched import with_untouched_dtype
 
 
 def check_int_weights(variant: IntWeightVariant, ctx, field: str) -> tuple[list[str], str]:
@@ -61,7 +62,7 @@ class LLMCompressorMethod(Method):
         return f"w{variant.bits}a16"
 
     def plan(self, variant: VariantBase, ctx) -> Step:
-        params = variant.quant_params()
+        params = with_untouched_dtype(variant.quant_params(), ctx)
         if isinstance(variant, IntWeightVariant):
             auto_ignore, _ = check_int_weights(variant, ctx, "variants")   # check() has reported it
             if auto_ignore:

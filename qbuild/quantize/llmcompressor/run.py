@@ -11,6 +11,7 @@ from pathlib import Path
 from qbuild.base.files import dir_size
 from qbuild.contract.step import StepContext
 from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS
+from qbuild.quantize.untouched import narrow_untouched
 
 
 def calibration_dataset(path: Path):
@@ -158,7 +159,9 @@ def run_model_free(ctx: StepContext, scheme: dict | str, ignore: list[str]) -> d
 
 
 def checkpoint_result(ctx: StepContext, calibration_samples: int, device: str, **info) -> dict:
-    """The step's result for the compressed-tensors checkpoint written in ctx.out, read back from its config."""
+    """The step's result for the compressed-tensors checkpoint written in ctx.out, read back from its config (the
+    untouched matrices narrowed first, where the plan asks)."""
+    info = {**info, **narrow_untouched(ctx)}
     qc = json.loads((ctx.out / "config.json").read_text()).get("quantization_config", {})
     return {"format": COMPRESSED_TENSORS, "metrics": {"size_bytes": dir_size(ctx.out)},
             "info": {"checkpoint_format": "compressed-tensors", "quant_format": qc.get("format"),
