@@ -57,6 +57,20 @@ def test_a_candidate_is_pruned_only_by_a_measured_one_no_larger_and_no_worse():
     assert dominated_by(row("e", 2.0, rss=300, kld=0.001), [measured]) is None       # better quality: same
 
 
+def test_a_few_mib_or_a_slightly_lower_kld_is_no_reason_to_search_for_the_front():
+    """Within noise (16 MiB or 5 % of memory, 10 % or 0.001 of KLD) a candidate cannot be meaningfully on the front."""
+    from qbuild.serving.deploy_search import dominated_by
+
+    measured = row("a", 10, rss=400, kld=0.020, capacity=6.0, k=40)
+    assert dominated_by(row("b", 2.0, rss=390, kld=0.020), [measured]) is measured    # 10 MiB less: noise
+    assert dominated_by(row("c", 2.0, rss=400, kld=0.019), [measured]) is measured    # 5 % lower KLD: noise
+    assert dominated_by(row("d", 2.0, rss=370, kld=0.020), [measured]) is None        # 30 MiB (7.5 %) less
+    assert dominated_by(row("e", 2.0, rss=400, kld=0.015), [measured]) is None        # 25 % lower KLD
+    big = row("f", 10, rss=2000, kld=0.020, capacity=6.0, k=40)
+    assert dominated_by(row("g", 2.0, rss=1920, kld=0.020), [big]) is big              # 4 % of 2 GB: noise
+    assert dominated_by(row("h", 2.0, rss=1880, kld=0.020), [big]) is None            # 6 %: searched
+
+
 def test_the_choice_the_ties_the_front_and_the_replicas():
     from qbuild.serving.deploy_search import choose, pareto_front, replicas
 

@@ -30,7 +30,7 @@ from qbuild.planning.serving import (
     wanted,
 )
 
-DEPLOY_IMPL_VERSION = 1
+DEPLOY_IMPL_VERSION = 2   # 2: the front pass prunes within memory/KLD noise (deploy_search.FRONT_*)
 # a candidate's name: the levers it sets, in this order, with these prefixes (kv-q8_0.p4.t2.b256.ub64.pc.d-q4km)
 LEVER_NAMES = (("kv_cache_dtype", "kv-"), ("parallel", "p"), ("threads", "t"), ("batch_size", "b"),
                ("ubatch_size", "ub"), ("prefix_caching", "pc"), ("draft", "d-"))

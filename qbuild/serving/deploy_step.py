@@ -86,7 +86,9 @@ def run(ctx) -> dict:
         if better is not None:
             row["not_searched"] = (f"its screened full-batch throughput bounds its capacity at "
                                    f"{row['capacity_bound_rps']:.4g} requests/s, which {better['name']} already "
-                                   f"sustains ({better['capacity_rps']:.4g}/s) with no more memory and no higher KLD")
+                                   f"sustains ({better['capacity_rps']:.4g}/s) with no more memory and no higher KLD, "
+                                   f"within noise ({better['peak_rss_mb']} against {row['peak_rss_mb']} MiB, KLD "
+                                   f"{better['kld']} against {row['kld']})")
         elif not out_of_budget(row):
             search_row(row)
     compare_drafts(rows)
