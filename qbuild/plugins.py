@@ -22,9 +22,10 @@ qbuild/base/ (the registry mechanism, errors); see docs/plugins.md for a worked 
 from pydantic import Field
 
 from qbuild.base.errors import MissingBackendError, RecipeError, UserError
+from qbuild.base.files import dir_size
 from qbuild.base.registry import Plugin, Registry
 from qbuild.base.schema_base import StrictModel
-from qbuild.contract.formats import ANY, Format, FormatSpec, register_format, runtimes_for
+from qbuild.contract.formats import ANY, HF_RUNTIMES, Format, FormatSpec, loads_in, register_format, runtimes_for
 from qbuild.contract.plugin import (
     PLUGIN_PACKAGES,
     EvalStepFields,
@@ -48,9 +49,10 @@ from qbuild.contract.step import OnUnavailable, Step, StepContext
 from qbuild.contract.variant import EnvOption, VariantBase
 
 __all__ = [
-    "ANY", "PLUGIN_PACKAGES", "EnvOption", "EvalStepFields", "Field", "Format", "FormatSpec", "Method", "MissingBackendError",
-    "OnUnavailable", "PlanningContext", "Plugin", "PullOption", "RecipeError", "Registry", "Runtime", "RuntimeSession",
-    "Server", "Step", "StepContext", "StrictModel", "Target", "TargetOptions", "UnsupportedFamily", "UserError",
-    "VariantBase", "check_group_size", "check_module_patterns", "check_patterns", "load_all",
-    "methods", "open_session", "register_format", "runtimes", "runtimes_for", "servers", "targets",
+    "ANY", "HF_RUNTIMES", "PLUGIN_PACKAGES", "EnvOption", "EvalStepFields", "Field", "Format", "FormatSpec",
+    "Method", "MissingBackendError", "OnUnavailable", "PlanningContext", "Plugin", "PullOption", "RecipeError",
+    "Registry", "Runtime", "RuntimeSession", "Server", "Step", "StepContext", "StrictModel", "Target",
+    "TargetOptions", "UnsupportedFamily", "UserError", "VariantBase", "check_group_size", "check_module_patterns",
+    "check_patterns", "dir_size", "load_all", "loads_in", "methods", "open_session", "register_format", "runtimes",
+    "runtimes_for", "servers", "targets",
 ]

@@ -631,16 +631,16 @@ def test_the_package_api_is_not_shadowed_by_module_names():
     assert callable(qbuild.plan) and callable(qbuild.select) and callable(qbuild.report)
 
 
-def test_the_runner_helper_names_a_plugins_own_class():
-    """runner_of(self.run) in a base class's plan names the subclass, as the worker must instantiate it."""
-    from qbuild.contract.plugin import methods
-    from qbuild.contract.step import runner_of
+def test_the_llm_compressor_methods_run_their_own_run_module():
+    """Each llm-compressor method plans its quantize step with its own package's runner (a function of its run.py,
+    which hands its modifiers to llmcompressor/run.py), and the worker resolves it to that function."""
     from qbuild.pipeline.worker import resolve_runner
 
-    gptq = methods.get("gptq")
-    assert runner_of(gptq.run) == "qbuild.quantize.gptq:GPTQ.run"
-    assert runner_of(resolve_runner) == "qbuild.pipeline.worker:resolve_runner"
-    assert resolve_runner(runner_of(gptq.run)).__self__.__class__ is type(gptq)
+    for method in ("gptq", "awq", "fp8", "rtn", "smoothquant"):
+        runner = f"qbuild.quantize.{method}.run:run"
+        function = resolve_runner(runner)
+        assert callable(function) and function.__module__ == f"qbuild.quantize.{method}.run", runner
+        assert f'"{runner}"' in (PACKAGE / "quantize" / method / "method.py").read_text(), method
 
 
 def test_the_architecture_page_states_these_layers():

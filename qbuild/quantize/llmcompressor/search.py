@@ -193,28 +193,6 @@ def plan_search(variant, ctx, quantize_step) -> Step:
 
 
 # --- runners -----------------------------------------------------------------------------------------------------
-def run_quantize(ctx: StepContext) -> dict:
-    """One llm-compressor run (QuantizationModifier, data-free round-to-nearest) with one config group per scheme,
-    its targets `re:` regexes of module names; adds the quantized weights' bytes and bits to the metrics."""
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-
-    from qbuild.quantize.llmcompressor.options import resolved_ignore, weight_args
-    from qbuild.quantize.llmcompressor.run import run_oneshot
-
-    p = ctx.params
-    assign = p.get("assign") or candidate_assignment(Path(ctx.inputs["allocation"]), p["candidate"])
-    config_groups = {a["scheme"]: {"targets": a["targets"],
-                                   "weights": weight_args({**p, "bits": SCHEME_BITS[a["scheme"]]})}
-                     for a in assign}
-    result = run_oneshot(ctx, [QuantizationModifier(config_groups=config_groups, ignore=resolved_ignore(p))])
-    stats = quantized_weight_stats(ctx.out)
-    result["metrics"].update(stats)
-    result["info"]["assign"] = assign
-    result["info"]["part_types"] = sorted(a["scheme"].lower() for a in assign)   # loads_in: where every part loads
-    ctx.log(f"quantized weights: {stats['quantized_weights']}, {stats['weight_bits']:.4f} bits each")
-    return result
-
-
 def quantized_weight_stats(directory: Path) -> dict:
     """Bytes and weight count of the quantized Linear layers of a compressed-tensors checkpoint (those with a
     `weight_scale`): every tensor `<module>.weight` / `<module>.weight_*` counts; weights from `weight_shape`."""
