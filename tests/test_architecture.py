@@ -13,7 +13,8 @@ annotation may name a type from above).
 What a reader could not follow is refused, so the graph cannot be fooled: a module loaded by a name given at run
 time (importlib.import_module, __import__, an alias of either, runpy, a loader's exec_module) anywhere but the
 calls pinned in DYNAMIC_LOADS_ALLOWED; a qbuild module looked up in sys.modules; a step's runner that is not written
-whole (a string literal, or qbuild.contract.step.runner_of(<function>)). The checks are functions of a package
+whole (a string literal) or that names anything but a module-level function ("qbuild.module:function", the one form a
+runner takes: no "module:Class.method"). The checks are functions of a package
 root: the tests run them on the tree, and on scratch copies of it with each known way around them added."""
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("cli.py", "__main__.py")),
 ]
 CLI_MAY_IMPORT = ("qbuild", "qbuild.api", "qbuild.errors", "qbuild.output")
-RUNNER = re.compile(r"^(qbuild(?:\.\w+)+):\w[\w.]*$")   # Step(..., runner="qbuild.evaluate.quality:perplexity")
-RUNNER_HELPER = "runner_of"   # qbuild.contract.step.runner_of(function): a runner made from a function object
+RUNNER = re.compile(r"^(qbuild(?:\.\w+)+):(\w[\w.]*)$")   # Step(..., runner="qbuild.evaluate.quality:perplexity")
 
 # What loads a module by a name (or path) given at run time. The first four are refused wherever they are named
 # (`x.import_module`, `spec.loader.exec_module`); the others as attributes of a loader module or imported by name.
@@ -307,23 +307,20 @@ class _Reader(ast.NodeVisitor):
         self.generic_visit(node)
 
     def check_runner(self, runner: ast.expr) -> None:
-        """A runner is written whole where it is given (a literal naming a module of the tree, or runner_of(function));
-        it travels on only as a keyword-only parameter `runner` that the function does not change."""
+        """A runner is written whole where it is given (a string literal naming a module of the tree and a function of
+        it: "qbuild.module:function", never "module:Class.method"); it travels on only as a keyword-only parameter
+        `runner` that the function does not change."""
         if isinstance(runner, ast.Constant):
             if runner.value is None:
                 return
             found = RUNNER.match(runner.value) if isinstance(runner.value, str) else None
             if found and found.group(1) in self.modules:
+                if "." in found.group(2):
+                    self.facts.problems.append(f"{self.where(runner)}: a runner naming a class's method, not a module-level "
+                                               f"function ('qbuild.module:function'): {runner.value!r}")
                 return
             self.facts.problems.append(f"{self.where(runner)}: a runner that names no module of qbuild: {runner.value!r}")
             return
-        if isinstance(runner, ast.Call) and len(runner.args) == 1 and not runner.keywords:
-            f, arg = runner.func, runner.args[0]
-            helper = (f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "") == RUNNER_HELPER
-            of_a_function = isinstance(arg, ast.Name) or (isinstance(arg, ast.Attribute) and
-                                                          isinstance(arg.value, ast.Name) and arg.value.id == "self")
-            if helper and of_a_function:
-                return
         if isinstance(runner, ast.Name) and runner.id == "runner":
             function = next((s for s in reversed(self.scope) if not isinstance(s, ast.ClassDef)), None)
             forwarded = function is not None and any(a.arg == "runner" for a in function.args.kwonlyargs)
@@ -331,8 +328,8 @@ class _Reader(ast.NodeVisitor):
                                                    not isinstance(n.ctx, ast.Load) for n in ast.walk(function))
             if forwarded and not rebound:
                 return
-        self.facts.problems.append(f"{self.where(runner)}: a runner not written whole (a string literal or "
-                                   f"{RUNNER_HELPER}(function)): {ast.unparse(runner)}")
+        self.facts.problems.append(f"{self.where(runner)}: a runner not written whole (a string literal "
+                                   f"'qbuild.module:function'): {ast.unparse(runner)}")
 
 
 @functools.cache
@@ -565,6 +562,13 @@ WAYS_AROUND = {
                          '    extra = {"runner": f"qbuild.results.{part}:render_html"}\n'
                          '    return evaluation.probe_step(ctx, "k", "k", "", None, {}, {}, None, (), **extra)\n',
         "by **kwargs"),
+    "a runner naming a class's method": (
+        "base/units.py", 'def _plan(ctx, contract):\n    return contract.Step("k", "k", {}, "qbuild.results.report:Report.render")\n',
+        "a runner naming a class's method"),
+    "a runner made from a bound method": (
+        "base/units.py", 'def _plan(ctx, contract, plugin):\n'
+                         '    return contract.Step("k", "k", {}, contract.runner_of(plugin.run))\n',
+        "a runner not written whole"),
     "a runner that names no module": (
         "base/units.py", 'def _plan(ctx, contract):\n    return contract.Step("k", "k", {}, "qbuild.results.gone:run")\n',
         "names no module"),
@@ -641,6 +645,8 @@ def test_the_llm_compressor_methods_run_their_own_run_module():
         function = resolve_runner(runner)
         assert callable(function) and function.__module__ == f"qbuild.quantize.{method}.run", runner
         assert f'"{runner}"' in (PACKAGE / "quantize" / method / "method.py").read_text(), method
+    with pytest.raises(ValueError, match="module-level function"):   # the one form: no 'module:Class.method'
+        resolve_runner("qbuild.quantize.gptq.method:GPTQ.plan")
 
 
 def test_the_architecture_page_states_these_layers():
