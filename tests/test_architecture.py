@@ -1,7 +1,8 @@
 """The code's shape (docs/architecture.md), checked from its source: no import cycles, no module importing from a
 layer above its own, every folder in a layer, no module outside the plugin packages naming a plugin module (plugins
-are reached through the registries; the packages are read from the registries themselves), and a CLI over the API
-alone.
+are reached through the registries; the packages are read from the registries themselves), every plugin module
+importing qbuild only through the plugin surface (qbuild.plugins, qbuild.plugin_services), its own plugin package and
+another's public modules, and a CLI over the API alone.
 
 The import graph is drawn as a reader follows the code: `import` statements anywhere (in functions too), a step's
 runner ("qbuild.module:function": the worker imports it for the module that planned the step, so it counts as that
@@ -37,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("base/",)),
     ("contract", ("contract/", "plugins.py")),   # qbuild.plugins: the contract, as plugin authors import it
     ("services", ("artifacts/", "calibration/", "envs/", "evaluate/", "models/", "serving/")),
-    ("planning", ("planning/",)),
+    ("planning", ("planning/", "plugin_services.py")),   # qbuild.plugin_services: the services, as plugins import them
     ("plugins", ("quantize/", "targets/", "runtimes/", "servers/")),
     ("pipeline", ("pipeline/",)),
     ("results", ("results/",)),
@@ -74,6 +75,12 @@ DYNAMIC_LOADS_ALLOWED: dict[tuple[str, str], set[str]] = {
 # The registry imports them with the rest when it scans its package; the rest of qbuild imports them by name.
 PLUGIN_PACKAGE_SHARED = ("qbuild.artifacts.remote.base", "qbuild.artifacts.remote.cache",
                          "qbuild.artifacts.remote.config", "qbuild.artifacts.remote.gc")
+# The plugin surface (docs/plugins.md): an in-tree plugin module imports from qbuild only these modules, its own plugin
+# package (the kind's child it lives in: qbuild.quantize.gptq.*, or a flat module such as qbuild.targets.trtllm_env)
+# and another plugin package's public modules: the package itself (the names its __init__ exports, or the flat module)
+# and its run module (its worker side, for another run side: llmcompressor/run.py for gptq/run.py).
+PLUGIN_SURFACE = ("qbuild.plugins", "qbuild.plugin_services")
+PLUGIN_KINDS = ("qbuild.quantize", "qbuild.targets", "qbuild.runtimes", "qbuild.servers")
 SYS_MODULES_NAMES_ONLY = ("set", "frozenset", "list", "sorted", "tuple", "len")   # list(sys.modules): names only
 
 
@@ -421,9 +428,34 @@ def plugin_module_imports(root: Path, packages: tuple[str, ...]) -> list[str]:
                   if not is_plugin(m) and not m.startswith(packages) for n in deps if is_plugin(n))
 
 
+def plugin_package_of(module: str) -> str | None:
+    """The plugin package a module of a plugin kind belongs to: the kind's child it lives in (qbuild.quantize.gptq for
+    qbuild.quantize.gptq.run; qbuild.targets.trtllm_env for itself); the kind for its own __init__; None elsewhere."""
+    for kind in PLUGIN_KINDS:
+        if module == kind:
+            return kind
+        if module.startswith(kind + "."):
+            return f"{kind}.{module[len(kind) + 1:].split('.')[0]}"
+    return None
+
+
+def plugin_surface_problems(root: Path) -> list[str]:
+    """Imports of a plugin module (annotations and modules run by `-m` included) that are neither the surface, nor its
+    own plugin package, nor another plugin package's public modules (the package, its run module)."""
+    def allowed(module: str, name: str) -> bool:
+        own, other = plugin_package_of(module), plugin_package_of(name)
+        return name in PLUGIN_SURFACE or name == own or name.startswith(own + ".") or \
+            (other is not None and other not in PLUGIN_KINDS and name in (other, other + ".run"))
+
+    return sorted(f"{m} imports {n}: a plugin module imports qbuild only through {' and '.join(PLUGIN_SURFACE)}, its own "
+                  f"package ({plugin_package_of(m)}) and another plugin package's public modules (the package, its run)"
+                  for m, deps in import_graph(root, annotations=True, programs=True).items()
+                  if plugin_package_of(m) is not None for n in deps if not allowed(m, n))
+
+
 def architecture_problems(root: Path, packages: tuple[str, ...]) -> list[str]:
     return (places_in_no_layer(root) or upward_imports(root)) + import_cycles(root) + dynamic_load_problems(root) \
-        + plugin_module_imports(root, packages)
+        + plugin_module_imports(root, packages) + plugin_surface_problems(root)
 
 
 @functools.cache
@@ -482,6 +514,30 @@ def test_the_plugin_packages_are_every_registrys():
 def test_no_module_outside_the_plugin_packages_imports_a_plugin_module():
     bad = plugin_module_imports(PACKAGE, plugin_packages())
     assert not bad, "\n".join(bad)
+
+
+def test_plugin_modules_import_qbuild_only_through_the_surface():
+    assert set(PLUGIN_KINDS) <= set(plugin_packages())
+    bad = plugin_surface_problems(PACKAGE)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_plugin_surface_stays_light():
+    """qbuild.plugins is imported at plan time by every plugin: no torch, no numpy; qbuild.plugin_services loads a
+    service only when a name of it is asked for."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, qbuild.plugins, qbuild.plugin_services; "
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'qbuild.planning.evaluation', "
+            "'qbuild.calibration.build') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    import qbuild.plugin_services as services
+
+    assert all(getattr(services, name) is not None for name in services.__all__)
 
 
 def test_cli_imports_only_the_api_and_output_helpers():
@@ -609,6 +665,42 @@ def test_each_way_around_the_checks_fails_them(tmp_path, way):
     module = module_name(target, copy)
     problems = architecture_problems(copy, plugin_packages())
     assert any(p.startswith(f"{module}:") and refusal in p for p in problems), problems
+
+
+# Plugin modules reaching past the surface, planted in a scratch copy of the tree: (file, line, the module refused).
+PAST_THE_SURFACE = {
+    "the pipeline's planner": ("quantize/gptq/method.py", "from qbuild.pipeline.plan import make_plan  # noqa: F401\n",
+                               "qbuild.pipeline.plan"),
+    "a service by its own module": ("servers/sglang.py", "from qbuild.serving.server import PORT  # noqa: F401\n",
+                                    "qbuild.serving.server"),
+    "the contract by its own module": ("targets/trtllm_pytorch.py", "from qbuild.contract.step import Step  # noqa: F401\n",
+                                       "qbuild.contract.step"),
+    "another plugin package's inside": ("quantize/rtn/method.py",
+                                        "from qbuild.quantize.llmcompressor.search import CTSearch  # noqa: F401\n",
+                                        "qbuild.quantize.llmcompressor.search"),
+    "a runner of another package's inside": ("quantize/fp8/method.py",
+                                             'RUNNER = "qbuild.quantize.gguf.probe:run_probe"\n', "qbuild.quantize.gguf.probe"),
+}
+
+
+@pytest.mark.parametrize("way", PAST_THE_SURFACE)
+def test_a_plugin_module_past_the_surface_fails_the_checks(tmp_path, way):
+    rel, line, refused = PAST_THE_SURFACE[way]
+    copy = _scratch_copy(tmp_path)
+    target = copy / rel
+    target.write_text(target.read_text() + "\n" + line)
+    module = module_name(target, copy)
+    problems = architecture_problems(copy, plugin_packages())
+    assert any(p.startswith(f"{module} imports {refused}: a plugin module imports qbuild only through") for p in problems), \
+        problems
+
+
+def test_another_plugin_packages_public_modules_pass_the_checks(tmp_path):
+    copy = _scratch_copy(tmp_path)
+    target = copy / "quantize" / "gptq" / "run.py"
+    target.write_text(target.read_text() + "\nfrom qbuild.quantize import gguf  # noqa: F401,E402\n"
+                      "from qbuild.quantize.gguf.run import run_quantize as _gguf_run  # noqa: F401,E402\n")
+    assert plugin_surface_problems(copy) == []
 
 
 @pytest.mark.parametrize("cycle_graph, expected", [({"a": {"b"}, "b": {"a"}}, True), ({"a": {"b"}, "b": set()}, False)])

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
+from qbuild.plugins import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.quantize import llmcompressor as lc
 
 TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")

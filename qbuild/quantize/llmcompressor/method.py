@@ -13,10 +13,7 @@ quantizes on a 24 GB machine), with the same quantized tensors. Nothing here imp
 
 from __future__ import annotations
 
-from qbuild.contract.plugin import Method
-from qbuild.contract.shapes import check_group_size, check_module_patterns
-from qbuild.contract.step import Step
-from qbuild.contract.variant import VariantBase
+from qbuild.plugins import Method, Step, VariantBase, check_group_size, check_module_patterns
 from qbuild.quantize.llmcompressor.options import (
     COMPRESSED_TENSORS,
     MIXTRAL_EXPERTS,

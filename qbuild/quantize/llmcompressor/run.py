@@ -10,8 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from qbuild.base.files import dir_size
-from qbuild.contract.step import StepContext
+from qbuild.plugins import StepContext, dir_size
 from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS, resolved_ignore
 from qbuild.quantize.untouched import narrow_untouched
 
@@ -20,7 +19,7 @@ def calibration_dataset(path: Path):
     """The shared calibration artifact as a datasets.Dataset of input_ids/attention_mask."""
     from datasets import Dataset
 
-    from qbuild.calibration.build import load_calibration
+    from qbuild.plugin_services import load_calibration
 
     ids, mask = load_calibration(path)
     return Dataset.from_dict({"input_ids": ids.astype("int64").tolist(),
@@ -82,7 +81,7 @@ def load_offloadable(src: Path, offload_dir: Path):
     kwargs = {"dtype": "auto", "device_map": "auto_offload", "offload_folder": str(offload_dir)}
     budget = os.environ.get("QBUILD_MEMORY_GB")
     if budget:
-        from qbuild.models.size import GB, QUANTIZER_OVERHEAD
+        from qbuild.plugin_services import GB, QUANTIZER_OVERHEAD
 
         kwargs["max_memory"] = {"cpu": max(1, int(float(budget) * GB - QUANTIZER_OVERHEAD))}
     with load_offloaded_model():
