@@ -1,7 +1,8 @@
 """The code's shape (docs/architecture.md), checked from its source: no import cycles, no module importing from a
 layer above its own, every folder in a layer, no module outside the plugin packages naming a plugin module (plugins
-are reached through the registries; the packages are read from the registries themselves), and a CLI over the API
-alone.
+are reached through the registries; the packages are read from the registries themselves), every plugin module
+importing qbuild only through the plugin surface (qbuild.plugins, qbuild.plugin_services), its own plugin package and
+another's public modules, and a CLI over the API alone.
 
 The import graph is drawn as a reader follows the code: `import` statements anywhere (in functions too), a step's
 runner ("qbuild.module:function": the worker imports it for the module that planned the step, so it counts as that
@@ -13,7 +14,8 @@ annotation may name a type from above).
 What a reader could not follow is refused, so the graph cannot be fooled: a module loaded by a name given at run
 time (importlib.import_module, __import__, an alias of either, runpy, a loader's exec_module) anywhere but the
 calls pinned in DYNAMIC_LOADS_ALLOWED; a qbuild module looked up in sys.modules; a step's runner that is not written
-whole (a string literal, or qbuild.contract.step.runner_of(<function>)). The checks are functions of a package
+whole (a string literal) or that names anything but a module-level function ("qbuild.module:function", the one form a
+runner takes: no "module:Class.method"). The checks are functions of a package
 root: the tests run them on the tree, and on scratch copies of it with each known way around them added."""
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("base/",)),
     ("contract", ("contract/", "plugins.py")),   # qbuild.plugins: the contract, as plugin authors import it
     ("services", ("artifacts/", "calibration/", "envs/", "evaluate/", "models/", "serving/")),
-    ("planning", ("planning/",)),
+    ("planning", ("planning/", "plugin_services.py")),   # qbuild.plugin_services: the services, as plugins import them
     ("plugins", ("quantize/", "targets/", "runtimes/", "servers/")),
     ("pipeline", ("pipeline/",)),
     ("results", ("results/",)),
@@ -44,8 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("cli", ("cli.py", "__main__.py")),
 ]
 CLI_MAY_IMPORT = ("qbuild", "qbuild.api", "qbuild.errors", "qbuild.output")
-RUNNER = re.compile(r"^(qbuild(?:\.\w+)+):\w[\w.]*$")   # Step(..., runner="qbuild.evaluate.quality:perplexity")
-RUNNER_HELPER = "runner_of"   # qbuild.contract.step.runner_of(function): a runner made from a function object
+RUNNER = re.compile(r"^(qbuild(?:\.\w+)+):(\w[\w.]*)$")   # Step(..., runner="qbuild.evaluate.quality:perplexity")
 
 # What loads a module by a name (or path) given at run time. The first four are refused wherever they are named
 # (`x.import_module`, `spec.loader.exec_module`); the others as attributes of a loader module or imported by name.
@@ -74,6 +75,12 @@ DYNAMIC_LOADS_ALLOWED: dict[tuple[str, str], set[str]] = {
 # The registry imports them with the rest when it scans its package; the rest of qbuild imports them by name.
 PLUGIN_PACKAGE_SHARED = ("qbuild.artifacts.remote.base", "qbuild.artifacts.remote.cache",
                          "qbuild.artifacts.remote.config", "qbuild.artifacts.remote.gc")
+# The plugin surface (docs/plugins.md): an in-tree plugin module imports from qbuild only these modules, its own plugin
+# package (the kind's child it lives in: qbuild.quantize.gptq.*, or a flat module such as qbuild.targets.trtllm_env)
+# and another plugin package's public modules: the package itself (the names its __init__ exports, or the flat module)
+# and its run module (its worker side, for another run side: llmcompressor/run.py for gptq/run.py).
+PLUGIN_SURFACE = ("qbuild.plugins", "qbuild.plugin_services")
+PLUGIN_KINDS = ("qbuild.quantize", "qbuild.targets", "qbuild.runtimes", "qbuild.servers")
 SYS_MODULES_NAMES_ONLY = ("set", "frozenset", "list", "sorted", "tuple", "len")   # list(sys.modules): names only
 
 
@@ -307,23 +314,20 @@ class _Reader(ast.NodeVisitor):
         self.generic_visit(node)
 
     def check_runner(self, runner: ast.expr) -> None:
-        """A runner is written whole where it is given (a literal naming a module of the tree, or runner_of(function));
-        it travels on only as a keyword-only parameter `runner` that the function does not change."""
+        """A runner is written whole where it is given (a string literal naming a module of the tree and a function of
+        it: "qbuild.module:function", never "module:Class.method"); it travels on only as a keyword-only parameter
+        `runner` that the function does not change."""
         if isinstance(runner, ast.Constant):
             if runner.value is None:
                 return
             found = RUNNER.match(runner.value) if isinstance(runner.value, str) else None
             if found and found.group(1) in self.modules:
+                if "." in found.group(2):
+                    self.facts.problems.append(f"{self.where(runner)}: a runner naming a class's method, not a module-level "
+                                               f"function ('qbuild.module:function'): {runner.value!r}")
                 return
             self.facts.problems.append(f"{self.where(runner)}: a runner that names no module of qbuild: {runner.value!r}")
             return
-        if isinstance(runner, ast.Call) and len(runner.args) == 1 and not runner.keywords:
-            f, arg = runner.func, runner.args[0]
-            helper = (f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "") == RUNNER_HELPER
-            of_a_function = isinstance(arg, ast.Name) or (isinstance(arg, ast.Attribute) and
-                                                          isinstance(arg.value, ast.Name) and arg.value.id == "self")
-            if helper and of_a_function:
-                return
         if isinstance(runner, ast.Name) and runner.id == "runner":
             function = next((s for s in reversed(self.scope) if not isinstance(s, ast.ClassDef)), None)
             forwarded = function is not None and any(a.arg == "runner" for a in function.args.kwonlyargs)
@@ -331,8 +335,8 @@ class _Reader(ast.NodeVisitor):
                                                    not isinstance(n.ctx, ast.Load) for n in ast.walk(function))
             if forwarded and not rebound:
                 return
-        self.facts.problems.append(f"{self.where(runner)}: a runner not written whole (a string literal or "
-                                   f"{RUNNER_HELPER}(function)): {ast.unparse(runner)}")
+        self.facts.problems.append(f"{self.where(runner)}: a runner not written whole (a string literal "
+                                   f"'qbuild.module:function'): {ast.unparse(runner)}")
 
 
 @functools.cache
@@ -424,9 +428,34 @@ def plugin_module_imports(root: Path, packages: tuple[str, ...]) -> list[str]:
                   if not is_plugin(m) and not m.startswith(packages) for n in deps if is_plugin(n))
 
 
+def plugin_package_of(module: str) -> str | None:
+    """The plugin package a module of a plugin kind belongs to: the kind's child it lives in (qbuild.quantize.gptq for
+    qbuild.quantize.gptq.run; qbuild.targets.trtllm_env for itself); the kind for its own __init__; None elsewhere."""
+    for kind in PLUGIN_KINDS:
+        if module == kind:
+            return kind
+        if module.startswith(kind + "."):
+            return f"{kind}.{module[len(kind) + 1:].split('.')[0]}"
+    return None
+
+
+def plugin_surface_problems(root: Path) -> list[str]:
+    """Imports of a plugin module (annotations and modules run by `-m` included) that are neither the surface, nor its
+    own plugin package, nor another plugin package's public modules (the package, its run module)."""
+    def allowed(module: str, name: str) -> bool:
+        own, other = plugin_package_of(module), plugin_package_of(name)
+        return name in PLUGIN_SURFACE or name == own or name.startswith(own + ".") or \
+            (other is not None and other not in PLUGIN_KINDS and name in (other, other + ".run"))
+
+    return sorted(f"{m} imports {n}: a plugin module imports qbuild only through {' and '.join(PLUGIN_SURFACE)}, its own "
+                  f"package ({plugin_package_of(m)}) and another plugin package's public modules (the package, its run)"
+                  for m, deps in import_graph(root, annotations=True, programs=True).items()
+                  if plugin_package_of(m) is not None for n in deps if not allowed(m, n))
+
+
 def architecture_problems(root: Path, packages: tuple[str, ...]) -> list[str]:
     return (places_in_no_layer(root) or upward_imports(root)) + import_cycles(root) + dynamic_load_problems(root) \
-        + plugin_module_imports(root, packages)
+        + plugin_module_imports(root, packages) + plugin_surface_problems(root)
 
 
 @functools.cache
@@ -485,6 +514,30 @@ def test_the_plugin_packages_are_every_registrys():
 def test_no_module_outside_the_plugin_packages_imports_a_plugin_module():
     bad = plugin_module_imports(PACKAGE, plugin_packages())
     assert not bad, "\n".join(bad)
+
+
+def test_plugin_modules_import_qbuild_only_through_the_surface():
+    assert set(PLUGIN_KINDS) <= set(plugin_packages())
+    bad = plugin_surface_problems(PACKAGE)
+    assert not bad, "\n".join(bad)
+
+
+def test_the_plugin_surface_stays_light():
+    """qbuild.plugins is imported at plan time by every plugin: no torch, no numpy; qbuild.plugin_services loads a
+    service only when a name of it is asked for."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, qbuild.plugins, qbuild.plugin_services; "
+            "print(sorted(m for m in ('torch', 'numpy', 'transformers', 'qbuild.planning.evaluation', "
+            "'qbuild.calibration.build') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(PACKAGE.parent)})
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    import qbuild.plugin_services as services
+
+    assert all(getattr(services, name) is not None for name in services.__all__)
 
 
 def test_cli_imports_only_the_api_and_output_helpers():
@@ -565,6 +618,13 @@ WAYS_AROUND = {
                          '    extra = {"runner": f"qbuild.results.{part}:render_html"}\n'
                          '    return evaluation.probe_step(ctx, "k", "k", "", None, {}, {}, None, (), **extra)\n',
         "by **kwargs"),
+    "a runner naming a class's method": (
+        "base/units.py", 'def _plan(ctx, contract):\n    return contract.Step("k", "k", {}, "qbuild.results.report:Report.render")\n',
+        "a runner naming a class's method"),
+    "a runner made from a bound method": (
+        "base/units.py", 'def _plan(ctx, contract, plugin):\n'
+                         '    return contract.Step("k", "k", {}, contract.runner_of(plugin.run))\n',
+        "a runner not written whole"),
     "a runner that names no module": (
         "base/units.py", 'def _plan(ctx, contract):\n    return contract.Step("k", "k", {}, "qbuild.results.gone:run")\n',
         "names no module"),
@@ -607,6 +667,42 @@ def test_each_way_around_the_checks_fails_them(tmp_path, way):
     assert any(p.startswith(f"{module}:") and refusal in p for p in problems), problems
 
 
+# Plugin modules reaching past the surface, planted in a scratch copy of the tree: (file, line, the module refused).
+PAST_THE_SURFACE = {
+    "the pipeline's planner": ("quantize/gptq/method.py", "from qbuild.pipeline.plan import make_plan  # noqa: F401\n",
+                               "qbuild.pipeline.plan"),
+    "a service by its own module": ("servers/sglang.py", "from qbuild.serving.server import PORT  # noqa: F401\n",
+                                    "qbuild.serving.server"),
+    "the contract by its own module": ("targets/trtllm_pytorch.py", "from qbuild.contract.step import Step  # noqa: F401\n",
+                                       "qbuild.contract.step"),
+    "another plugin package's inside": ("quantize/rtn/method.py",
+                                        "from qbuild.quantize.llmcompressor.search import CTSearch  # noqa: F401\n",
+                                        "qbuild.quantize.llmcompressor.search"),
+    "a runner of another package's inside": ("quantize/fp8/method.py",
+                                             'RUNNER = "qbuild.quantize.gguf.probe:run_probe"\n', "qbuild.quantize.gguf.probe"),
+}
+
+
+@pytest.mark.parametrize("way", PAST_THE_SURFACE)
+def test_a_plugin_module_past_the_surface_fails_the_checks(tmp_path, way):
+    rel, line, refused = PAST_THE_SURFACE[way]
+    copy = _scratch_copy(tmp_path)
+    target = copy / rel
+    target.write_text(target.read_text() + "\n" + line)
+    module = module_name(target, copy)
+    problems = architecture_problems(copy, plugin_packages())
+    assert any(p.startswith(f"{module} imports {refused}: a plugin module imports qbuild only through") for p in problems), \
+        problems
+
+
+def test_another_plugin_packages_public_modules_pass_the_checks(tmp_path):
+    copy = _scratch_copy(tmp_path)
+    target = copy / "quantize" / "gptq" / "run.py"
+    target.write_text(target.read_text() + "\nfrom qbuild.quantize import gguf  # noqa: F401,E402\n"
+                      "from qbuild.quantize.gguf.run import run_quantize as _gguf_run  # noqa: F401,E402\n")
+    assert plugin_surface_problems(copy) == []
+
+
 @pytest.mark.parametrize("cycle_graph, expected", [({"a": {"b"}, "b": {"a"}}, True), ({"a": {"b"}, "b": set()}, False)])
 def test_the_cycle_finder_finds_cycles(cycle_graph, expected):
     assert (find_cycle(cycle_graph) is not None) == expected
@@ -631,16 +727,18 @@ def test_the_package_api_is_not_shadowed_by_module_names():
     assert callable(qbuild.plan) and callable(qbuild.select) and callable(qbuild.report)
 
 
-def test_the_runner_helper_names_a_plugins_own_class():
-    """runner_of(self.run) in a base class's plan names the subclass, as the worker must instantiate it."""
-    from qbuild.contract.plugin import methods
-    from qbuild.contract.step import runner_of
+def test_the_llm_compressor_methods_run_their_own_run_module():
+    """Each llm-compressor method plans its quantize step with its own package's runner (a function of its run.py,
+    which hands its modifiers to llmcompressor/run.py), and the worker resolves it to that function."""
     from qbuild.pipeline.worker import resolve_runner
 
-    gptq = methods.get("gptq")
-    assert runner_of(gptq.run) == "qbuild.quantize.gptq:GPTQ.run"
-    assert runner_of(resolve_runner) == "qbuild.pipeline.worker:resolve_runner"
-    assert resolve_runner(runner_of(gptq.run)).__self__.__class__ is type(gptq)
+    for method in ("gptq", "awq", "fp8", "rtn", "smoothquant"):
+        runner = f"qbuild.quantize.{method}.run:run"
+        function = resolve_runner(runner)
+        assert callable(function) and function.__module__ == f"qbuild.quantize.{method}.run", runner
+        assert f'"{runner}"' in (PACKAGE / "quantize" / method / "method.py").read_text(), method
+    with pytest.raises(ValueError, match="module-level function"):   # the one form: no 'module:Class.method'
+        resolve_runner("qbuild.quantize.gptq.method:GPTQ.plan")
 
 
 def test_the_architecture_page_states_these_layers():

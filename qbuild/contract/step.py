@@ -58,7 +58,7 @@ class Step:
     kind: str                                 # e.g. calibrate, quantize, perplexity
     name: str                                 # display name, unique in a plan: quantize[q4km]
     params: Mapping                           # canonical params (resolved recipe section)
-    runner: str | None                        # "module:function" or "module:Class.method"; None for sources
+    runner: str | None                        # "package.module:function" (a module-level function); None for sources
     inputs: Mapping[str, Step] = field(default_factory=dict)
     tools: tuple[str, ...] = ()               # distributions whose versions enter the key
     threads: int = 1
@@ -122,17 +122,6 @@ class Step:
     @property
     def short(self) -> str:
         return self.key[:12]
-
-
-def runner_of(function) -> str:
-    """A step's runner for `function`: "module:function", or "module:Class.method" for a method bound to a plugin
-    (named by the plugin's own class, which the worker instantiates without arguments). Runners are written as
-    string literals or made here, from a function the planner holds: tests/test_architecture.py reads both."""
-    owner = getattr(function, "__self__", None)
-    if owner is not None:
-        cls = type(owner)
-        return f"{cls.__module__}:{cls.__qualname__}.{function.__name__}"
-    return f"{function.__module__}:{function.__qualname__}"
 
 
 @dataclass

@@ -1,11 +1,14 @@
-"""Quantization methods: one module per method, each a `qbuild.plugins.Method` registered by name; a method with
-both a plan side and a worker side of any size is a small package instead: options.py (its schema and tables),
-method.py (the registered Method: plan-time only) and run.py (what its steps run, imported only in a worker).
+"""Quantization methods: one package per method, each registering a `qbuild.plugins.Method` by name: options.py (its
+schema and tables), method.py (the registered Method: plan-time only, importable without torch or the method's
+library) and run.py (the functions its steps run, named 'qbuild.quantize.<method>.run:<function>', imported only in a
+step's worker).
 
-gguf/ (llama.cpp, with its per-tensor search), gptq.py / awq.py / fp8.py / rtn.py / smoothquant.py (llm-compressor,
-sharing llmcompressor/, which holds the compressed-tensors search too), gptqmodel/ (GPTQ format, in its own backend
+gguf/ (llama.cpp, with its per-tensor search), gptq/ / awq/ / fp8/ / rtn/ / smoothquant/ (llm-compressor, sharing
+llmcompressor/, whose run.py each of their run.py hands its modifiers to, and which holds the compressed-tensors
+search too; awq/ also converts to AutoAWQ's GEMM layout), gptqmodel/ (GPTQ format, in its own backend
 environment), bitsandbytes/ (bitsandbytes through transformers), autoround/ (auto-round), modelopt/ (NVIDIA ModelOpt,
 for TensorRT-LLM).
-Adding a method is adding a module here (see docs/plugins.md); heavy libraries are imported only
+untouched.py is not a method: the helper the methods share for the precision of the tensors they leave untouched.
+Adding a method is adding a package (or a module) here (see docs/plugins.md); heavy libraries are imported only
 inside the functions its steps run, or at the top of a run.py.
 """

@@ -7,8 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from qbuild.contract.plugin import Runtime, RuntimeSession, runtimes
-from qbuild.contract.step import StepContext
+from qbuild.plugins import Runtime, RuntimeSession, StepContext, runtimes
 
 
 class LlamaCppSession(RuntimeSession):
@@ -120,9 +119,9 @@ def gpu_layers(gguf: Path, free: int | None = None) -> int:
     """n_gpu_layers for `gguf`: -1 (all) when the file fits the GPU's free memory with GPU_RESERVE to spare, else the
     number of repeating layers that fit (the output and embeddings count as one more); -1 when the free memory
     cannot be read (llama.cpp's own default on a GPU build)."""
-    from qbuild.base.hardware import gpu_free_bytes
+    from qbuild.plugins import hardware
 
-    free = gpu_free_bytes() if free is None else free
+    free = hardware.gpu_free_bytes() if free is None else free
     size = gguf.stat().st_size
     if free is None or size + GPU_RESERVE <= free:
         return -1

@@ -24,11 +24,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from qbuild.base.errors import RecipeError
-from qbuild.base.fingerprint import cpu_model
-from qbuild.base.tool_run import run_tool
-from qbuild.contract.plugin import EvalStepFields, Runtime, RuntimeSession, runtimes
-from qbuild.contract.step import StepContext
+from qbuild.plugins import EvalStepFields, RecipeError, Runtime, RuntimeSession, StepContext, cpu_model, run_tool, runtimes
 from qbuild.targets import tensorrt_llm as trt
 
 SHIM = Path(__file__).with_name("_trtllm_shim.py")
@@ -38,7 +34,7 @@ def source_vocab(model_dir: Path) -> int:
     """The source model's vocabulary: engine logits are sliced to it. The engine's own vocab_size can be larger
     (ModelOpt pads AWQ checkpoints to a multiple of 64, TensorRT-LLM pads the lm_head to a multiple of tp_size),
     and the padded columns are zero-weight rows whose logit 0 would take probability mass."""
-    from qbuild.models.checkpoint import source_facts
+    from qbuild.plugin_services import source_facts
 
     return source_facts(json.loads((Path(model_dir) / "config.json").read_text()))["vocab_size"]
 
@@ -66,7 +62,7 @@ class EngineSession(RuntimeSession):
         """Run the shim over every window in the TensorRT-LLM interpreter, then hand out each window's logits."""
         import numpy as np
 
-        from qbuild.contract import protocol
+        from qbuild.plugin_services import protocol
 
         ctx = self.ctx
         with _workdir(ctx) as work:

@@ -7,8 +7,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from qbuild.contract.plugin import Runtime, RuntimeSession, runtimes
-from qbuild.contract.step import HF_PRELOAD, StepContext
+from qbuild.plugins import HF_PRELOAD, Runtime, RuntimeSession, StepContext, runtimes
 
 
 class CheckpointNotLoaded(RuntimeError):

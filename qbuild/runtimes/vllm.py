@@ -44,10 +44,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from qbuild.base.tool_run import run_tool
-from qbuild.contract.formats import loads_in
-from qbuild.contract.plugin import EvalStepFields, Runtime, RuntimeSession, runtimes
-from qbuild.contract.step import OnUnavailable, StepContext
+from qbuild.plugins import EvalStepFields, OnUnavailable, Runtime, RuntimeSession, StepContext, loads_in, run_tool, runtimes
 
 ENV_PYTHON = "QBUILD_VLLM_PYTHON"
 SHIM = Path(__file__).with_name("_vllm_shim.py")
@@ -120,14 +117,14 @@ def interpreter(python: str | None) -> list[str]:
 def located_python() -> str | None:
     """The interpreter that runs vLLM here: $QBUILD_VLLM_PYTHON, else the `vllm` backend environment where it has
     been created (`qbuild env create vllm`; install.sh dev makes it), else None (qbuild's own, if it has vllm)."""
-    from qbuild import envs
+    from qbuild.plugin_services import EnvError, created_env
 
     configured = configured_python()
     if configured:
         return None if configured == NO_VLLM else configured
     try:
-        made = envs.created("vllm")
-    except (OSError, envs.EnvError):
+        made = created_env("vllm")
+    except (OSError, EnvError):
         made = None
     return made.python if made else None
 
@@ -151,7 +148,7 @@ def probe(python: str | None) -> VllmEnv | None:
 def availability() -> tuple[dict, list[str], str | None]:
     """(facts for the key, reasons it cannot run here, the interpreter). The facts name the build (CUDA or CPU)
     and what its kernels depend on (GPU model, or the CPU's vector extensions), so CPU and GPU numbers never mix."""
-    from qbuild.base import hardware as gpu_env  # the nvidia-smi probe (and its test hook)
+    from qbuild.plugins import hardware as gpu_env  # the nvidia-smi probe (and its test hook)
 
     python = located_python()
     env, gpu = (None if configured_python() == NO_VLLM else probe(python)), gpu_env.gpu()
@@ -220,13 +217,13 @@ def generate_sampling(n: int) -> dict:
 
 
 def vocab_size(model: Path) -> int:
-    from qbuild.models.checkpoint import source_facts
+    from qbuild.plugin_services import source_facts
 
     return source_facts(json.loads((Path(model) / "config.json").read_text()))["vocab_size"]
 
 
 def quantized(model: Path) -> bool:
-    from qbuild.models.model_config import read_json_mapping
+    from qbuild.plugin_services import read_json_mapping
 
     return "quantization_config" in read_json_mapping(Path(model) / "config.json")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from qbuild.contract.plugin import Server
+from qbuild.plugins import Server
 
 SERVED_NAME = "model"   # every GPU server is told to answer to this name (--served-model-name)
 
@@ -17,9 +17,9 @@ class GPUServer(Server):
     batch_flag: str | None = None     # the flag a serving config's batch_size maps onto (None: refused)
 
     def unavailable(self) -> str:
-        from qbuild.base.hardware import gpu
+        from qbuild.plugins import hardware
 
-        if gpu() is None:
+        if hardware.gpu() is None:
             return f"{self.name} needs an NVIDIA GPU"
         return super().unavailable()
 
@@ -41,7 +41,7 @@ class GPUServer(Server):
 
     def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print,
                draft: Path | None = None):
-        from qbuild.serving.server import PORT, ServerLaunch
+        from qbuild.plugin_services import PORT, ServerLaunch
 
         written = self.write_files(config, workdir, slots=slots, context=context)
         where = (self.model_flag, str(model)) if self.model_flag else (str(model),)

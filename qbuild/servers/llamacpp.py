@@ -7,7 +7,7 @@ import math
 import shutil
 from pathlib import Path
 
-from qbuild.contract.plugin import Server, servers
+from qbuild.plugins import Server, servers
 
 # llama.cpp KV-cache element types (--cache-type-k/-v) for the recipe's kv_cache_dtype
 KV_TYPES = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0"}
@@ -27,7 +27,7 @@ class LlamaServer(Server):
     requires = ("llama_cpp",)
 
     def unavailable(self) -> str:
-        from qbuild.models.llamacpp_toolchain import cached_bin_dir
+        from qbuild.plugin_services import cached_bin_dir
 
         why = super().unavailable()
         if why or cached_bin_dir() is not None:
@@ -37,8 +37,8 @@ class LlamaServer(Server):
         return ""
 
     def environment(self) -> dict[str, str]:
-        from qbuild.base.fingerprint import package_version
-        from qbuild.models.llamacpp_toolchain import build_id
+        from qbuild.plugin_services import build_id
+        from qbuild.plugins import package_version
 
         return {"llama-server": build_id(package_version("llama-cpp-python"))}
 
@@ -81,8 +81,7 @@ class LlamaServer(Server):
 
     def launch(self, model: Path, config, *, threads: int, slots: int, context: int, workdir: Path, log=print,
                draft: Path | None = None):
-        from qbuild.models.llamacpp_toolchain import tool
-        from qbuild.serving.server import PORT, ServerLaunch
+        from qbuild.plugin_services import PORT, ServerLaunch, tool
 
         model_file = _one_gguf(model)
         args = self.args(config, threads=threads, slots=slots, context=context)
@@ -97,7 +96,7 @@ class LlamaServer(Server):
 
     def speculative_stats(self, url: str, timeout_s: float) -> dict | None:
         """llama-server's Prometheus counters (`--metrics`) of drafted and accepted tokens since it started."""
-        from qbuild.serving.client import get_text
+        from qbuild.plugin_services import get_text
 
         counters = {}
         for line in get_text(f"{url}/metrics", timeout_s).splitlines():
@@ -119,7 +118,7 @@ class LlamaServer(Server):
                             ) -> dict[int, float]:
         """The served check's question (qbuild.serving.served_check): llama-server's own `/completion` gives the top-k
         as token ids, from the logits before sampling (`post_sampling_probs` off)."""
-        from qbuild.serving.client import post_json
+        from qbuild.plugin_services import post_json
 
         answer = post_json(f"{url}/completion", {"prompt": prompt, "n_predict": 1, "n_probs": k, "temperature": 0.0,
                                              "post_sampling_probs": False}, timeout_s)

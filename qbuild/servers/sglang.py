@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from qbuild.contract.plugin import servers
+from qbuild.plugins import servers
 from qbuild.servers._gpu import SERVED_NAME, GPUServer
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.contract.plugin import servers
+from qbuild.plugins import servers
 from qbuild.servers._gpu import SERVED_NAME, GPUServer
 
 OPTIONS = "extra_llm_api_options.yaml"

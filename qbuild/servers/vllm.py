@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.contract.plugin import servers
+from qbuild.plugins import servers
 from qbuild.servers._gpu import SERVED_NAME, GPUServer
 
 API_SERVER = ("-m", "vllm.entrypoints.openai.api_server")

@@ -29,14 +29,23 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.base.errors import RecipeError, UserError
-from qbuild.base.files import dir_size
-from qbuild.base.schema_base import StrictModel
-from qbuild.base.tool_run import run_tool
-from qbuild.contract.formats import FormatSpec, register_format
-from qbuild.contract.plugin import PullOption, Target, TargetOptions, targets
-from qbuild.contract.step import OnUnavailable, Step, StepContext
-from qbuild.models.checkpoint import QUANT_ALGO
+from qbuild.plugin_services import QUANT_ALGO
+from qbuild.plugins import (
+    FormatSpec,
+    OnUnavailable,
+    PullOption,
+    RecipeError,
+    Step,
+    StepContext,
+    StrictModel,
+    Target,
+    TargetOptions,
+    UserError,
+    dir_size,
+    register_format,
+    run_tool,
+    targets,
+)
 from qbuild.targets import trtllm_env
 from qbuild.targets.trtllm_select import ENGINE_KIND
 

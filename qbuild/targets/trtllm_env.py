@@ -24,10 +24,12 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from qbuild.base import hardware
+from qbuild.plugins import hardware
 
-# the machine facts an engine is keyed on come from the core's probe (one nvidia-smi call per process)
-from qbuild.base.hardware import FAKE_ARCH, FAKE_GPU, GPU, gpu, host_arch, sm_tag  # noqa: F401
+# the machine facts an engine is keyed on come from the core's probe (one nvidia-smi call per process), under the
+# names the TensorRT-LLM modules (and their tests) use
+FAKE_ARCH, FAKE_GPU, GPU = hardware.FAKE_ARCH, hardware.FAKE_GPU, hardware.GPU
+gpu, host_arch, sm_tag = hardware.gpu, hardware.host_arch, hardware.sm_tag
 
 ENV_PYTHON = "QBUILD_TRTLLM_PYTHON"
 FAKE_TRTLLM = "QBUILD_FAKE_TRTLLM"

@@ -19,10 +19,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from qbuild.base.schema_base import StrictModel
-from qbuild.contract.formats import Format, FormatSpec, register_format
-from qbuild.contract.plugin import Target, TargetOptions, targets
-from qbuild.contract.step import Step, StepContext
+from qbuild.plugins import Format, FormatSpec, Step, StepContext, StrictModel, Target, TargetOptions, register_format, targets
 
 KIND = "trtllm-pytorch-package"
 OPTIONS_FILE = "extra_llm_api_options.yaml"
@@ -141,7 +138,7 @@ def check_quant_config(ckpt: Path) -> str:
 def run_package(ctx: StepContext) -> dict:
     import yaml
 
-    from qbuild.models.checkpoint import validate_hf_export
+    from qbuild.plugin_services import validate_hf_export
 
     src = Path(ctx.inputs["checkpoint"])
     for f in sorted(src.rglob("*")):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from qbuild.base.errors import UserError
+from qbuild.plugins import UserError
 
 ENGINE_KIND = "trtllm-engine"   # the step kind (and manifest `kind`) of an engine build
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
+from qbuild.plugins import HF_RUNTIMES, FormatSpec, register_format
 from qbuild.quantize import llmcompressor as lc
 
 TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")
@@ -15,7 +15,7 @@ TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")
 AUTO_ROUND = register_format(FormatSpec("auto-round", "HF checkpoint in AutoRound's format (quant_method auto-round)",
                                         load_tools=("auto-round",), evaluated_by=HF_RUNTIMES,
                                         loads_in=("transformers", "vllm", "sglang"))).name
-# its other exports are formats other plugins declare (llm-compressor's, gptqmodel's, awq_gemm's), named here: a
+# its other exports are formats other plugins declare (llm-compressor's, gptqmodel's, awq's), named here: a
 # method module imported from here would register its method ahead of this one
 FORMATS = {"auto_round": AUTO_ROUND, "llm_compressor": lc.COMPRESSED_TENSORS, "auto_gptq": "gptq", "auto_awq": "awq"}
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.base.files import dir_size
-from qbuild.contract.shapes import is_ignored
-from qbuild.contract.step import StepContext
+from qbuild.plugins import StepContext, dir_size, is_ignored
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.autoround.options import FORMATS
 from qbuild.quantize.untouched import narrow_untouched
@@ -42,7 +40,7 @@ def calibration_samples(path: Path) -> tuple[list[dict], int]:
     target and no later token attends to it, so masking it changes nothing else."""
     import torch
 
-    from qbuild.calibration.build import load_calibration
+    from qbuild.plugin_services import load_calibration
 
     ids, mask = load_calibration(path)
     samples = []

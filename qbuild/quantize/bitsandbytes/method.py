@@ -13,8 +13,7 @@ dequantize). LLM.int8 casts activations to fp16 for its int8 matmul, on CPU too.
 
 from __future__ import annotations
 
-from qbuild.contract.plugin import Method, methods
-from qbuild.contract.step import Step
+from qbuild.plugins import Method, Step, methods
 from qbuild.quantize.bitsandbytes.options import FORMAT, TOOLS, BitsAndBytesVariant
 from qbuild.quantize.untouched import with_untouched_dtype
 

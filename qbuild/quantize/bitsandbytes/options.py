@@ -7,8 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
-from qbuild.contract.variant import VariantBase
+from qbuild.plugins import HF_RUNTIMES, FormatSpec, VariantBase, register_format
 
 TOOLS = ("bitsandbytes", "torch", "transformers", "accelerate", "safetensors")
 # the method's own format: an HF folder with serialized bitsandbytes weights, which transformers and vLLM load

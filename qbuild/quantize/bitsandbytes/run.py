@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qbuild.base.files import dir_size
-from qbuild.contract.step import StepContext
+from qbuild.plugins import StepContext, dir_size
 from qbuild.quantize.bitsandbytes.options import FORMAT
 from qbuild.quantize.untouched import narrow_untouched
 

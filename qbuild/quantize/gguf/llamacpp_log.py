@@ -8,7 +8,7 @@ import ctypes
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from qbuild.base.tool_run import OutputTail
+from qbuild.plugins import OutputTail
 
 
 @contextmanager

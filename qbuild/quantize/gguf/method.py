@@ -14,10 +14,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.base.errors import RecipeError
-from qbuild.contract.plugin import Method, methods
-from qbuild.contract.shapes import UnsupportedFamily, check_patterns, checkpoint_weight_names, config_linear_names
-from qbuild.contract.step import Step
+from qbuild.plugins import (
+    Method,
+    RecipeError,
+    Step,
+    UnsupportedFamily,
+    check_patterns,
+    checkpoint_weight_names,
+    config_linear_names,
+    methods,
+)
 from qbuild.quantize.gguf.options import (
     CONVERT_TOOLS,
     DEFAULT_TENSOR_TYPE,
@@ -87,8 +93,8 @@ def gguf_weight_names(model_dir: Path | None, info: dict) -> list[str] | None:
 
 def imatrix_toolchain() -> dict[str, str]:
     """The llama.cpp tools build the imatrix step runs (its cmake flags and targets enter the key)."""
-    from qbuild.base.fingerprint import package_version
-    from qbuild.models.llamacpp_toolchain import build_id
+    from qbuild.plugin_services import build_id
+    from qbuild.plugins import package_version
 
     return {"llama.cpp-tools": build_id(package_version("llama-cpp-python"))}
 

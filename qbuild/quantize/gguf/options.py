@@ -7,9 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qbuild.base.schema_base import StrictModel
-from qbuild.contract.formats import FormatSpec, register_format
-from qbuild.contract.variant import VariantBase
+from qbuild.plugins import FormatSpec, StrictModel, VariantBase, register_format
 from qbuild.quantize.gguf.search_options import GGUFSearch
 
 TOOLS = ("llama-cpp-python",)

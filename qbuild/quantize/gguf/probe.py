@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from qbuild.contract.step import StepContext
+from qbuild.plugins import StepContext
 
 SCRATCH = "probe"            # the probe's folder in its step's build folder (ctx.out's parent), not in out/
 PROBED_FILE = "model.gguf"
@@ -27,8 +27,8 @@ def scratch_dir(ctx: StepContext) -> Path:
 
 def run_probe(ctx: StepContext) -> dict:
     """Quantize under `params.build` into the scratch, measure under `params.measure`, remove the file."""
-    from qbuild.base.hashing import sha256_file
-    from qbuild.evaluate.quality import measure
+    from qbuild.plugin_services import measure
+    from qbuild.plugins import sha256_file
     from qbuild.quantize.gguf.options import OUTPUT_FILE  # here: the gguf package imports the search, which imports this
     from qbuild.quantize.gguf.run import quantize_into
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qbuild.contract.step import StepContext
+from qbuild.plugins import StepContext
 from qbuild.quantize.gguf.options import IMATRIX_FILE, OUTPUT_FILE
 
 
 def run_convert(ctx: StepContext) -> dict:
-    from qbuild.models.llamacpp_toolchain import run_converter
+    from qbuild.plugin_services import run_converter
 
     ctx.progress(0, 1, "convert_hf_to_gguf.py")
     out = ctx.out / OUTPUT_FILE
@@ -24,7 +24,7 @@ def write_calibration_text(model_dir: Path, calibration_dir: Path, path: Path) -
     """The calibration rows as text for llama-imatrix (it reads text and tokenizes it itself): each row's unpadded
     tokens decoded with special tokens kept (parsed back as such with --parse-special), so it sees the same tokens,
     cut into chunks of seq_len. Returns seq_len."""
-    from qbuild.calibration.build import load_calibration
+    from qbuild.plugin_services import load_calibration
 
     ids, mask = load_calibration(calibration_dir)
     if (model_dir / "tokenizer.json").is_file():   # the tokenizers library alone: importing transformers costs ~3 s
@@ -57,8 +57,8 @@ def run_imatrix(ctx: StepContext) -> dict:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from qbuild.base.tool_run import run_tool
-    from qbuild.models.llamacpp_toolchain import tool
+    from qbuild.plugin_services import tool
+    from qbuild.plugins import run_tool
 
     text_file, out_file = ctx.out / "calibration.txt", ctx.out / "imatrix.gguf"
     seq_len = write_calibration_text(Path(ctx.inputs["model"]), Path(ctx.inputs["calibration"]), text_file)
@@ -179,7 +179,7 @@ def quantize_into(ctx: StepContext, p: dict, out: Path) -> dict:
     info. A search's probes and selection call it with their own `out` (qbuild.quantize.gguf.probe)."""
     import llama_cpp
 
-    from qbuild.base.tool_run import ToolFailed
+    from qbuild.plugins import ToolFailed
     from qbuild.quantize.gguf.llamacpp_log import llama_log_tail
 
     src = Path(ctx.inputs["gguf"]) / OUTPUT_FILE

@@ -30,8 +30,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from qbuild.base.errors import RecipeError
-from qbuild.contract.step import Step, StepContext
+from qbuild.plugins import RecipeError, Step, StepContext
 from qbuild.quantize.gguf.probe import gguf_weights
 from qbuild.quantize.gguf.search_options import ALLOCATION_FILE, BPW, DEFAULT_TYPES, NEEDS_IMATRIX, GGUFSearch
 
@@ -167,7 +166,7 @@ def check_search(variant, ctx, field: str) -> None:
 def plan_search(variant, ctx, inputs: dict[str, Step], tools: tuple[str, ...], block_size, names, cols) -> Step:
     """The search's steps (module docstring); returns the step whose output is the variant's artifact. `inputs`: the
     variant's quantize inputs (the converted GGUF, the importance matrix), `tools` its quantize steps' tools."""
-    from qbuild.planning.evaluation import probe_step
+    from qbuild.plugin_services import probe_step
 
     search = variant.search
     imatrix = "imatrix" in inputs
@@ -393,7 +392,7 @@ def run_select(ctx: StepContext) -> dict:
 def rebuild_probed(ctx: StepContext, build: dict, role: str, out: Path) -> None:
     """The file probe `role` measured, quantized again to `out` under its build params `build` (the step has the
     probe's inputs); RuntimeError (one line) when its sha256 is not the one the probe recorded."""
-    from qbuild.base.hashing import sha256_file
+    from qbuild.plugins import sha256_file
     from qbuild.quantize.gguf.run import quantize_into
 
     quantize_into(ctx, build, out)

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qbuild.base.schema_base import StrictModel
+from qbuild.plugins import StrictModel
 
 ALLOCATION_FILE = "allocation.json"   # the allocation step's output: candidates[i].tensor_types, read by their quantization
 

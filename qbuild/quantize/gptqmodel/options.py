@@ -7,8 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
-from qbuild.contract.variant import VariantBase, group_size_value
+from qbuild.plugins import HF_RUNTIMES, FormatSpec, VariantBase, group_size_value, register_format
 
 # distributions whose versions (in the gptqmodel environment) enter the key
 TOOLS = ("gptqmodel", "torch", "transformers", "safetensors", "numpy")

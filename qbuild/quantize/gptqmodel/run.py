@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 
-from qbuild.base.files import dir_size
-from qbuild.contract.step import StepContext
+from qbuild.plugins import StepContext, dir_size
 from qbuild.quantize.gptqmodel.options import GPTQ
 from qbuild.quantize.untouched import narrow_untouched
 
 
 def run(ctx: StepContext) -> dict:
-    from qbuild.calibration.build import load_calibration
+    from qbuild.plugin_services import load_calibration
 
     # gptqmodel sizes its CPU worker pool from the machine, not from the step's budget; its model loader takes
     # 2 workers from that pool, so 2 is the least it accepts (torch's own threads follow OMP_NUM_THREADS)

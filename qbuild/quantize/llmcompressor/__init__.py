@@ -1,9 +1,10 @@
-"""llm-compressor, shared by the methods that run it (gptq, awq, fp8, rtn, smoothquant: a module each, beside this
-package), as a small package: options.py (the shared fields, the compressed-tensors format, the families they cannot
+"""llm-compressor, shared by the methods that run it (gptq, awq, fp8, rtn, smoothquant: a package each, beside this
+one), as a small package: options.py (the shared fields, the compressed-tensors format, the families they cannot
 build), method.py (the plan side: LLMCompressorMethod and its checks), run.py (the worker's side: oneshot,
-model_free_ptq; imported only in a step's worker) and search.py (`search:` on an rtn variant, mixed precision for
-compressed-tensors). Importing the package gives the plan side's names (`from qbuild.quantize import llmcompressor
-as lc`); it registers no method itself."""
+model_free_ptq, `run_quantize` that each method's run.py hands its modifiers to; imported only in a step's worker)
+and search.py (`search:` on an rtn variant, mixed precision for compressed-tensors). Importing the package gives the
+plan side's names (`from qbuild.quantize import llmcompressor as lc`): the public names other plugin packages use
+(with run.py from their own run side, docs/plugins.md); it registers no method itself."""
 
 from qbuild.quantize.llmcompressor.method import (  # noqa: F401
     LLMCompressorMethod,
@@ -20,3 +21,4 @@ from qbuild.quantize.llmcompressor.options import (  # noqa: F401
     resolved_ignore,
     weight_args,
 )
+from qbuild.quantize.llmcompressor.search import CTSearch, check_search, plan_search  # noqa: F401

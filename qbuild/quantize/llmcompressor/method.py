@@ -1,30 +1,25 @@
 """What the llm-compressor methods (gptq, awq, fp8, rtn, smoothquant) share on the plan side: the plan-time checks
 and the plan step (LLMCompressorMethod).
 
-Each method is its own module (gptq.py, awq.py, fp8.py, rtn.py, smoothquant.py) with a `LLMCompressorMethod`
-subclass that declares its options and turns its params into llm-compressor modifiers; its step's runner is the
-subclass's `run`, which hands over to run.py: `oneshot` on the shared calibration set, saving a compressed-tensors HF
-directory (vLLM, SGLang and transformers load it). A data-free scheme (RTN, FP8 dynamic) runs llm-compressor's
+Each method is its own package (gptq/, awq/, fp8/, rtn/, smoothquant/, each options.py, method.py, run.py) with a
+`LLMCompressorMethod` subclass in its method.py that declares its options and plans its quantize step through
+`quantize_step(variant, ctx, runner="qbuild.quantize.<method>.run:run")`; that runner, a function of the method's
+run.py, turns the params into llm-compressor modifiers and hands them to this package's run.py (`run_quantize`):
+`oneshot` on the shared calibration set, saving a compressed-tensors HF directory (vLLM, SGLang and transformers load
+it). A data-free scheme (RTN, FP8 dynamic) runs llm-compressor's
 `model_free_ptq` instead, one safetensors shard at a time, so its memory is a shard's, not the model's (an 8B or 70B
 quantizes on a 24 GB machine), with the same quantized tensors. Nothing here imports torch or llm-compressor.
 """
 
 from __future__ import annotations
 
-import contextlib
-from abc import abstractmethod
-
-from qbuild.contract.plugin import Method
-from qbuild.contract.shapes import check_group_size, check_module_patterns
-from qbuild.contract.step import Step, StepContext, runner_of
-from qbuild.contract.variant import VariantBase
+from qbuild.plugins import Method, Step, VariantBase, check_group_size, check_module_patterns
 from qbuild.quantize.llmcompressor.options import (
     COMPRESSED_TENSORS,
     MIXTRAL_EXPERTS,
     PATTERN_FIELDS,
     TOOLS,
     IntWeightVariant,
-    resolved_ignore,
 )
 from qbuild.quantize.untouched import with_untouched_dtype
 
@@ -37,7 +32,8 @@ def check_int_weights(variant: IntWeightVariant, ctx, field: str) -> tuple[list[
 
 
 class LLMCompressorMethod(Method):
-    """A method run by llm-compressor's `oneshot`: subclasses give the options and the modifiers."""
+    """A method run by llm-compressor's `oneshot`: subclasses give the options, and their `plan` names their run.py's
+    runner (which builds the modifiers) to `quantize_step`."""
 
     extra = "llmcompressor"
     requires = ("llmcompressor", "compressed_tensors")
@@ -61,7 +57,8 @@ class LLMCompressorMethod(Method):
         """The quantization scheme targets select on (integer weight-only: w<bits>a16)."""
         return f"w{variant.bits}a16"
 
-    def plan(self, variant: VariantBase, ctx) -> Step:
+    def quantize_step(self, variant: VariantBase, ctx, *, runner: str) -> Step:
+        """The variant's quantize step, run by `runner` (its method's "qbuild.quantize.<method>.run:run")."""
         params = with_untouched_dtype(variant.quant_params(), ctx)
         if isinstance(variant, IntWeightVariant):
             auto_ignore, _ = check_int_weights(variant, ctx, "variants")   # check() has reported it
@@ -73,34 +70,17 @@ class LLMCompressorMethod(Method):
         # shard by shard where the scheme is data-free and the model's files name its modules (impl 2: files laid
         # out as the source's shards); the whole model through oneshot otherwise
         shards = self.model_free_scheme(params) is not None and model_free_fits(ctx.model_info())
-        return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner_of(self.run), inputs=inputs, tools=TOOLS,
+        return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, runner, inputs=inputs, tools=TOOLS,
                             threads=ctx.threads, variant=variant.name, format=COMPRESSED_TENSORS,
                             scheme=self.scheme(variant), backend_env=ctx.backend_env(variant, self),
                             memory="shard-streamed" if shards else "offloads-to-disk", gpu_capable=True,
                             impl_version=2 if shards else 1, runtime_args={"model_free": True} if shards else {}))
 
-    @abstractmethod
-    def modifiers(self, params: dict) -> list:
-        """The llm-compressor recipe (a list of modifiers) for these params."""
-
     def model_free_scheme(self, params: dict) -> dict | str | None:
         """The compressed-tensors scheme (QuantizationScheme fields, or a preset's name) when these params need no
-        calibration data, so `model_free_ptq` can quantize the checkpoint shard by shard; None: run oneshot."""
+        calibration data, so `model_free_ptq` can quantize the checkpoint shard by shard; None: run oneshot. Asked at
+        plan time (may the step go shard by shard) and by the method's runner (the same function of the params)."""
         return None
-
-    def workarounds(self) -> contextlib.AbstractContextManager | None:
-        return None
-
-    def run(self, ctx: StepContext) -> dict:
-        """The step's runner (runner_of(self.run): the subclass's own class), in the worker: run.py does the work."""
-        from qbuild.quantize.llmcompressor.run import run_model_free, run_oneshot
-
-        scheme = self.model_free_scheme(ctx.params)
-        if scheme is not None and ctx.runtime_args.get("model_free"):
-            done = run_model_free(ctx, scheme, resolved_ignore(ctx.params))
-            if done is not None:
-                return done
-        return run_oneshot(ctx, self.modifiers(ctx.params), self.workarounds())
 
 
 def model_free_fits(info: dict) -> bool:

@@ -8,9 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, register_format
-from qbuild.contract.shapes import UnsupportedFamily
-from qbuild.contract.variant import VariantBase, group_size_value
+from qbuild.plugins import HF_RUNTIMES, FormatSpec, UnsupportedFamily, VariantBase, group_size_value, register_format
 
 # distributions whose versions enter the key of a quantize step
 TOOLS = ("llmcompressor", "compressed-tensors", "torch", "transformers", "safetensors")

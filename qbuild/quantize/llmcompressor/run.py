@@ -1,5 +1,7 @@
 """The llm-compressor methods' worker side (imported only in a step's worker): `oneshot` on the shared calibration
-set, or `model_free_ptq` shard by shard for a data-free scheme, and the compressed-tensors checkpoint's result."""
+set, or `model_free_ptq` shard by shard for a data-free scheme, and the compressed-tensors checkpoint's result.
+`run_quantize` is what each method's own runner (qbuild/quantize/<method>/run.py) hands its modifiers to;
+`run_search_quantize` runs a quantize step of an rtn variant's `search:` (search.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +10,8 @@ import json
 import os
 from pathlib import Path
 
-from qbuild.base.files import dir_size
-from qbuild.contract.step import StepContext
-from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS
+from qbuild.plugins import StepContext, dir_size
+from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS, resolved_ignore
 from qbuild.quantize.untouched import narrow_untouched
 
 
@@ -18,7 +19,7 @@ def calibration_dataset(path: Path):
     """The shared calibration artifact as a datasets.Dataset of input_ids/attention_mask."""
     from datasets import Dataset
 
-    from qbuild.calibration.build import load_calibration
+    from qbuild.plugin_services import load_calibration
 
     ids, mask = load_calibration(path)
     return Dataset.from_dict({"input_ids": ids.astype("int64").tolist(),
@@ -80,7 +81,7 @@ def load_offloadable(src: Path, offload_dir: Path):
     kwargs = {"dtype": "auto", "device_map": "auto_offload", "offload_folder": str(offload_dir)}
     budget = os.environ.get("QBUILD_MEMORY_GB")
     if budget:
-        from qbuild.models.size import GB, QUANTIZER_OVERHEAD
+        from qbuild.plugin_services import GB, QUANTIZER_OVERHEAD
 
         kwargs["max_memory"] = {"cpu": max(1, int(float(budget) * GB - QUANTIZER_OVERHEAD))}
     with load_offloaded_model():
@@ -207,3 +208,38 @@ def run_oneshot(ctx: StepContext, recipe: list, workarounds: contextlib.Abstract
     tokenizer.save_pretrained(str(ctx.out))
     return checkpoint_result(ctx, kwargs.get("num_calibration_samples", 0), device, **gpu,
                              **({"offloaded_to_disk": True} if offloaded else {}))
+
+
+def run_quantize(ctx: StepContext, modifiers, model_free_scheme: dict | str | None = None,
+                 workarounds: contextlib.AbstractContextManager | None = None) -> dict:
+    """A llm-compressor method's quantize step: shard by shard through `model_free_ptq` where the plan chose it
+    (`model_free_scheme`: the method's model_free_scheme of these params), else `oneshot` with the recipe
+    `modifiers(params)` builds (llm-compressor's modifier objects, made only when oneshot runs)."""
+    if model_free_scheme is not None and ctx.runtime_args.get("model_free"):
+        done = run_model_free(ctx, model_free_scheme, resolved_ignore(ctx.params))
+        if done is not None:
+            return done
+    return run_oneshot(ctx, modifiers(ctx.params), workarounds)
+
+
+def run_search_quantize(ctx: StepContext) -> dict:
+    """A quantize step of `search:` on an rtn variant (search.py): one llm-compressor run (QuantizationModifier,
+    data-free round-to-nearest) with one config group per scheme, its targets `re:` regexes of module names; adds the
+    quantized weights' bytes and bits to the metrics."""
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    from qbuild.quantize.llmcompressor.options import weight_args
+    from qbuild.quantize.llmcompressor.search import SCHEME_BITS, candidate_assignment, quantized_weight_stats
+
+    p = ctx.params
+    assign = p.get("assign") or candidate_assignment(Path(ctx.inputs["allocation"]), p["candidate"])
+    config_groups = {a["scheme"]: {"targets": a["targets"],
+                                   "weights": weight_args({**p, "bits": SCHEME_BITS[a["scheme"]]})}
+                     for a in assign}
+    result = run_oneshot(ctx, [QuantizationModifier(config_groups=config_groups, ignore=resolved_ignore(p))])
+    stats = quantized_weight_stats(ctx.out)
+    result["metrics"].update(stats)
+    result["info"]["assign"] = assign
+    result["info"]["part_types"] = sorted(a["scheme"].lower() for a in assign)   # loads_in: where every part loads
+    ctx.log(f"quantized weights: {stats['quantized_weights']}, {stats['weight_bits']:.4f} bits each")
+    return result

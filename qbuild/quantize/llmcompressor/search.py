@@ -33,9 +33,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from qbuild.base.errors import RecipeError
-from qbuild.base.schema_base import StrictModel
-from qbuild.contract.step import Step, StepContext
+from qbuild.plugins import RecipeError, Step, StepContext, StrictModel
 
 SCHEME_BITS = {"W4A16": 4, "W8A16": 8}   # integer weight-only schemes vLLM's kernels serve (4 and 8 bits)
 BASE_SCHEME = "W8A16"
@@ -136,7 +134,7 @@ def check_search(variant, ctx, field: str) -> None:
         raise RecipeError(f"{field}.bits", "search chooses each layer's bits: remove bits (or give search.schemes)")
     if not variant.sym:
         raise RecipeError(f"{field}.sym", "a search mixes W8A16, which vLLM serves symmetric only: set sym: true")
-    from qbuild.contract.shapes import config_linear_names
+    from qbuild.plugins import config_linear_names
 
     names = set(config_linear_names(ctx.model_info()) or ())
     layers = _layers(ctx)
@@ -156,7 +154,7 @@ def _layers(ctx) -> int:
 def plan_search(variant, ctx, quantize_step) -> Step:
     """The search's steps (module docstring); returns the step whose output is the variant's artifact.
     `quantize_step(name, params, extra_inputs)` makes an llm-compressor quantize step of this variant."""
-    from qbuild.planning.evaluation import kld_step
+    from qbuild.plugin_services import kld_step
 
     search, label = variant.search, variant.name
     groups = module_groups(_layers(ctx), search.layer_bands)
@@ -193,28 +191,6 @@ def plan_search(variant, ctx, quantize_step) -> Step:
 
 
 # --- runners -----------------------------------------------------------------------------------------------------
-def run_quantize(ctx: StepContext) -> dict:
-    """One llm-compressor run (QuantizationModifier, data-free round-to-nearest) with one config group per scheme,
-    its targets `re:` regexes of module names; adds the quantized weights' bytes and bits to the metrics."""
-    from llmcompressor.modifiers.quantization import QuantizationModifier
-
-    from qbuild.quantize.llmcompressor.options import resolved_ignore, weight_args
-    from qbuild.quantize.llmcompressor.run import run_oneshot
-
-    p = ctx.params
-    assign = p.get("assign") or candidate_assignment(Path(ctx.inputs["allocation"]), p["candidate"])
-    config_groups = {a["scheme"]: {"targets": a["targets"],
-                                   "weights": weight_args({**p, "bits": SCHEME_BITS[a["scheme"]]})}
-                     for a in assign}
-    result = run_oneshot(ctx, [QuantizationModifier(config_groups=config_groups, ignore=resolved_ignore(p))])
-    stats = quantized_weight_stats(ctx.out)
-    result["metrics"].update(stats)
-    result["info"]["assign"] = assign
-    result["info"]["part_types"] = sorted(a["scheme"].lower() for a in assign)   # loads_in: where every part loads
-    ctx.log(f"quantized weights: {stats['quantized_weights']}, {stats['weight_bits']:.4f} bits each")
-    return result
-
-
 def quantized_weight_stats(directory: Path) -> dict:
     """Bytes and weight count of the quantized Linear layers of a compressed-tensors checkpoint (those with a
     `weight_scale`): every tensor `<module>.weight` / `<module>.weight_*` counts; weights from `weight_shape`."""
@@ -297,7 +273,7 @@ def distinct_choices(pairs: list[list[tuple[int, float]]], n: int, max_cost: int
     """Up to `n` distinct knapsack optima (the GGUF search's exact DP, gguf/search.py): under the budget, then under budgets
     `cost_step` (`value_step` for a KLD budget) tighter each time, because real sizes and KLDs are not exactly additive. The
     GGUF search's run_allocate does the same inline (0.4 % steps); this is the generic form."""
-    from qbuild.quantize.gguf.search import allocate, smallest_within
+    from qbuild.quantize.gguf import allocate, smallest_within  # the GGUF search's public names
 
     span = sum(max(c for c, _ in o) - min(c for c, _ in o) for o in pairs)
     unit = max(1, span // 4000)   # a few thousand columns: exact to well under 0.1 % of the range
@@ -322,7 +298,7 @@ def candidate_assignment(allocation_dir: Path, index: int) -> list[dict]:
 def run_select(ctx: StepContext) -> dict:
     """The best measured candidate that meets the budget becomes the artifact: its checkpoint's files and
     search.json (the record, travelling with the checkpoint)."""
-    from qbuild.base.files import dir_size
+    from qbuild.plugins import dir_size
     from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS
 
     p = ctx.params

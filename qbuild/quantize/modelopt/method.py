@@ -21,10 +21,8 @@ quantize; serving the result needs Blackwell (SM 10.x) kernels.
 
 from __future__ import annotations
 
-from qbuild.base.errors import RecipeError
-from qbuild.contract.plugin import Method, methods
-from qbuild.contract.step import OnUnavailable, Step
-from qbuild.models.checkpoint import linear_in_features
+from qbuild.plugin_services import linear_in_features
+from qbuild.plugins import Method, OnUnavailable, RecipeError, Step, methods
 from qbuild.quantize.modelopt.options import (
     AWQ_BLOCK_SIZES,
     DECODER_TYPES,
@@ -99,7 +97,7 @@ def memory_kind(variant: ModelOptVariant) -> str:
 
 
 def _modelopt_version() -> str:
-    from qbuild.base.fingerprint import package_version
+    from qbuild.plugins import package_version
 
     return package_version("nvidia-modelopt")
 

@@ -6,8 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.contract.formats import FormatSpec, register_format
-from qbuild.contract.variant import VariantBase
+from qbuild.plugins import FormatSpec, VariantBase, register_format
 
 TOOLS = ("nvidia-modelopt", "torch", "transformers", "safetensors")
 

@@ -7,9 +7,8 @@ import json
 import shutil
 from pathlib import Path
 
-from qbuild.base.files import dir_size
-from qbuild.contract.step import StepContext
-from qbuild.models.checkpoint import QUANT_ALGO
+from qbuild.plugin_services import QUANT_ALGO
+from qbuild.plugins import StepContext, dir_size
 from qbuild.quantize.modelopt.options import (
     DECODER_TYPES,
     FORMATS,
@@ -46,7 +45,7 @@ def _calibrated(model, ctx: StepContext, device: str):
     import modelopt.torch.quantization as mtq
     import torch
 
-    from qbuild.calibration.build import load_calibration
+    from qbuild.plugin_services import load_calibration
 
     p = ctx.params
     ids, mask = load_calibration(Path(ctx.inputs["calibration"]))
@@ -66,7 +65,7 @@ def run(ctx: StepContext) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qbuild.models.checkpoint import validate_hf_export, validate_trtllm_checkpoint
+    from qbuild.plugin_services import validate_hf_export, validate_trtllm_checkpoint
 
     p = ctx.params
     src = Path(ctx.inputs["model"])
@@ -138,7 +137,7 @@ def disk_offload_budget(src: Path, src_cfg: dict) -> int | None:
     is then loaded whole, as before). At least the weights outside the layers and two layers stay in memory:
     ModelOpt's export runs a forward on the device of the model's first weights, which must not be on disk, and
     accelerate keeps room for one offloaded layer."""
-    from qbuild.models.size import QUANTIZER_OVERHEAD, machine_memory, model_size
+    from qbuild.plugin_services import QUANTIZER_OVERHEAD, machine_memory, model_size
 
     size = model_size(src_cfg, src)
     if size is None:

@@ -19,7 +19,9 @@ numbers (the awq method quantizes with `scale_dtype: float16` for this); any sca
 error, never a silent rounding. Everything else (embeddings, norms, unquantized Linears, tokenizer
 files) is copied unchanged.
 
-Heavy libraries are imported inside the functions: planning imports this module without torch.
+The awq method's converter (its `convert` step, run from run.py: imported only in a step's worker); heavy libraries
+are imported inside the functions. The layout's constants and its format declaration are the plan side's
+(options.py).
 """
 
 from __future__ import annotations
@@ -28,22 +30,8 @@ import json
 import shutil
 from pathlib import Path
 
-from qbuild.base.files import dir_size
-from qbuild.contract.formats import HF_RUNTIMES, FormatSpec, loads_in, register_format
-from qbuild.contract.step import StepContext
+from qbuild.quantize.awq.options import BITS, VALUES_PER_WORD
 
-# distributions whose versions enter the key of a convert step
-TOOLS = ("compressed-tensors", "torch", "safetensors", "transformers")
-# the layout this module writes (the awq method's `checkpoint_format: autoawq`, AutoRound's auto_awq export): loaded
-# as it is by these engines, for every scheme; transformers 5 reads AWQ through gptqmodel
-AWQ = register_format(FormatSpec(
-    "awq", "HF checkpoint in AutoAWQ's GEMM layout (4-bit, grouped, zero points; quant_method awq)",
-    load_tools=("gptqmodel",), eval_env="gptqmodel", evaluated_by=HF_RUNTIMES,
-    loads_in=("vllm", "sglang", "tgi", "lmdeploy", "transformers"),
-    load_commands=(("lmdeploy", "`lmdeploy serve api_server {dir} --model-format awq`"),))).name
-
-BITS = 4                    # the only width AutoAWQ's GEMM layout (and the kernels reading it) holds
-VALUES_PER_WORD = 32 // BITS
 UNSIGNED_OFFSET = 1 << (BITS - 1)   # compressed-tensors' signed int4 → AutoAWQ's unsigned nibble
 # Which column of a group of 8 output channels each nibble of an int32 holds: nibble i (bits 4i..4i+3) of
 # word j is column 8j + AWQ_PACK_ORDER[i]. This is AutoAWQ's `order_map` in
@@ -250,14 +238,3 @@ def convert_checkpoint(src: Path, dst: Path, log=print) -> dict:
             shutil.copy2(path, dst / path.name)
     return {"group_size": group_size, "linears_converted": len(quantized), "modules_to_not_convert": not_converted,
             "symmetric": not any("weight_zero_point" in leaves for leaves in modules.values())}
-
-
-def run_convert(ctx: StepContext) -> dict:
-    """The convert step: the quantize step's compressed-tensors output → an AutoAWQ GEMM checkpoint."""
-    src = Path(ctx.inputs["quantized"])
-    ctx.progress(0, 1, "converting to AutoAWQ GEMM")
-    facts = convert_checkpoint(src, ctx.out, log=ctx.log)
-    ctx.progress(1, 1, "converted")
-    return {"format": AWQ, "metrics": {"size_bytes": dir_size(ctx.out)},
-            "info": {"checkpoint_format": "autoawq-gemm", "converted_from": "compressed-tensors pack-quantized",
-                     "loads_in": list(loads_in(AWQ)), **facts}}

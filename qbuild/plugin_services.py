@@ -1,0 +1,79 @@
+"""The plugin surface, services side: what plugins use from qbuild's services and planning, the second and last
+module of the surface beside qbuild.plugins (docs/plugins.md).
+
+Why a second module: these live above the contract in qbuild's layers (docs/architecture.md: calibration/, models/,
+serving/, envs/, evaluate/, planning/), and the services themselves import qbuild.plugins, so qbuild.plugins cannot
+re-export them; some load numpy (the calibration set, the serving client, the evaluation protocol's measure), and
+qbuild.plugins stays light for the plan side. Most are the run side's (imported in a step's worker); a few are plan
+time (the llama.cpp build id, checkpoint facts, the evaluation step of a search's probe).
+
+Every name is loaded on first use (module __getattr__, by ordinary imports), so importing this module costs nothing
+and a plan-side module that needs one name loads only that name's module:
+
+    from qbuild.plugin_services import load_calibration   # in a runner: the calibration set (numpy arrays)
+
+The names, by what they are for:
+- calibration:  load_calibration (the shared calibration artifact: token ids, attention mask)
+- evaluation:   measure (the evaluation protocol's perplexity/KLD loop over a session), protocol (the protocol's module
+                itself: windows, NLL; numpy), probe_step and kld_step (plan a search probe's or a candidate's
+                evaluation step)
+- checkpoints:  QUANT_ALGO, linear_in_features, source_facts, validate_hf_export, validate_trtllm_checkpoint,
+                read_json_mapping
+- model size:   GB, QUANTIZER_OVERHEAD, machine_memory, model_size
+- llama.cpp:    build_id, cached_bin_dir, run_converter, tool (the one llama.cpp build qbuild makes: its binaries)
+- serving:      PORT, ServerLaunch (a server's launch: command, readiness, stop), get_text, post_json (HTTP to it)
+- environments: created_env (a backend environment already created, or None), EnvError
+"""
+
+from __future__ import annotations
+
+_CALIBRATION = ("load_calibration",)
+_QUALITY = ("measure",)
+_EVALUATION_PLAN = ("kld_step", "probe_step")
+_CHECKPOINT = ("QUANT_ALGO", "linear_in_features", "source_facts", "validate_hf_export", "validate_trtllm_checkpoint")
+_MODEL_CONFIG = ("read_json_mapping",)
+_SIZE = ("GB", "QUANTIZER_OVERHEAD", "machine_memory", "model_size")
+_LLAMACPP = ("build_id", "cached_bin_dir", "run_converter", "tool")
+_SERVER = ("PORT", "ServerLaunch")
+_CLIENT = ("get_text", "post_json")
+_ENVS = {"created_env": "created", "EnvError": "EnvError"}
+_MODULES = ("protocol",)
+
+__all__ = sorted([*_CALIBRATION, *_QUALITY, *_EVALUATION_PLAN, *_CHECKPOINT, *_MODEL_CONFIG, *_SIZE, *_LLAMACPP,
+                  *_SERVER, *_CLIENT, *_ENVS, *_MODULES])
+
+
+def __getattr__(name: str):
+    if name in _CALIBRATION:
+        from qbuild.calibration import build as module
+    elif name in _QUALITY:
+        from qbuild.evaluate import quality as module
+    elif name in _EVALUATION_PLAN:
+        from qbuild.planning import evaluation as module
+    elif name in _CHECKPOINT:
+        from qbuild.models import checkpoint as module
+    elif name in _MODEL_CONFIG:
+        from qbuild.models import model_config as module
+    elif name in _SIZE:
+        from qbuild.models import size as module
+    elif name in _LLAMACPP:
+        from qbuild.models import llamacpp_toolchain as module
+    elif name in _SERVER:
+        from qbuild.serving import server as module
+    elif name in _CLIENT:
+        from qbuild.serving import client as module
+    elif name in _ENVS:
+        from qbuild import envs as module
+
+        name = _ENVS[name]
+    elif name == "protocol":
+        from qbuild.contract import protocol
+
+        return protocol
+    else:
+        raise AttributeError(f"module 'qbuild.plugin_services' has no attribute {name!r}")
+    return getattr(module, name)
+
+
+def __dir__() -> list[str]:
+    return list(__all__)
