@@ -9,8 +9,9 @@ so a candidate's screened full-batch throughput bounds its capacity at any SLO f
 short point's noise). The search runs first for the choice (from the highest bound down, while a bound can beat the
 best capacity measured within the bounds), then for the front: a candidate whose bound is below the capacity already
 measured for another candidate that needs no more memory and has no higher KLD (within noise: FRONT_MEMORY_TOLERANCE,
-FRONT_KLD_TOLERANCE) can neither be chosen nor be meaningfully on the Pareto front: it is never searched, and says so. The rest are searched (at most `max_searched`, within `max_minutes`),
-their probes shared with the capacity steps' cache.
+FRONT_KLD_TOLERANCE) can neither be chosen nor be meaningfully on the Pareto front: it is never searched, and says
+so. The rest are searched (at most `max_searched`, within `max_minutes`), their probes shared with the capacity
+steps' cache.
 
 The answer: the chosen candidate (most capacity per replica within every bound; candidates within one grid step of it,
 4.4 %, the search's resolution, are reported as ties and broken by memory, then KLD, then name), its exact server
