@@ -119,12 +119,3 @@ def test_a_cold_build_leaves_out_what_this_machine_cannot_build(store_dir):
     assert history_note(est).endswith("(2 step(s) this machine cannot build not counted)")
     planned[1] = PlannedStep(b, PlanStatus.HIT, Hit(b.key, "0" * 64, None, {}))   # stored before timings were kept
     assert estimate_plan(planned, Store(store_dir), "t", cores=1).cold_seconds is None
-
-
-def test_history_under_a_moved_runners_old_name_still_counts():
-    """Runners that moved (issue 51) keep their stored history: each old name reads as a runner that exists now."""
-    from qbuild.pipeline.estimate import RENAMED_RUNNERS
-    from qbuild.pipeline.worker import resolve_runner
-
-    for old, new in RENAMED_RUNNERS.items():
-        assert callable(resolve_runner(new)), (old, new)

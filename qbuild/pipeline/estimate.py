@@ -48,22 +48,6 @@ class PlanEstimate:
                 "cold_excluded": self.cold_excluded}
 
 
-# Runners that moved (issue 51): a step's runner is not in its key, so its stored history stays valid; it is read
-# under the name the step has now, or a store's history of these steps would stop counting as "similar".
-RENAMED_RUNNERS = {
-    "qbuild.quantize.gptq:GPTQ.run": "qbuild.quantize.gptq.run:run",
-    "qbuild.quantize.awq:AWQ.run": "qbuild.quantize.awq.run:run",
-    "qbuild.quantize.rtn:RTN.run": "qbuild.quantize.rtn.run:run",
-    "qbuild.quantize.fp8:FP8.run": "qbuild.quantize.fp8.run:run",
-    "qbuild.quantize.smoothquant:SmoothQuant.run": "qbuild.quantize.smoothquant.run:run",
-    "qbuild.quantize.llmcompressor.search:run_quantize": "qbuild.quantize.rtn.run:run_search",
-    "qbuild.quantize.awq_gemm:run_convert": "qbuild.quantize.awq.run:run_convert",
-    "qbuild.planning.serving_bench:run": "qbuild.serving.bench_step:run",
-    "qbuild.planning.serving_capacity:run": "qbuild.serving.capacity_step:run",
-    "qbuild.planning.serving_deploy:run": "qbuild.serving.deploy_step:run",
-}
-
-
 def _history(store: Store) -> list[dict]:
     """(kind, name, runner, recipe, params, seconds, model size, created) of every stored object that has timings."""
     rows = []
@@ -75,8 +59,7 @@ def _history(store: Store) -> list[dict]:
         if not isinstance(seconds, int | float) or seconds <= 0:
             continue
         model = (m.get("inputs") or {}).get("model") or {}
-        runner = m.get("runner")
-        rows.append({"kind": m.get("kind"), "name": m.get("name"), "runner": RENAMED_RUNNERS.get(runner, runner),
+        rows.append({"kind": m.get("kind"), "name": m.get("name"), "runner": m.get("runner"),
                      "recipe": (m.get("recipe") or {}).get("name") if isinstance(m.get("recipe"), dict) else None,
                      "params": m.get("params") if isinstance(m.get("params"), dict) else {},
                      "seconds": float(seconds), "model_digest": model.get("digest") if isinstance(model, dict) else None,
