@@ -79,7 +79,7 @@ def main() -> None:
         from llmcompressor import oneshot
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from qbuild.quantize.gptq import GPTQ
+        from qbuild.quantize.llmcompressor.gptq import GPTQ
         from qbuild.quantize.llmcompressor import run as lc
 
         torch.set_num_threads(args.threads)

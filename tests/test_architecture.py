@@ -58,7 +58,7 @@ DYNAMIC_LOADS_ALLOWED: dict[tuple[str, str], set[str]] = {
     # a registry imports its in-tree plugin packages and every module in them: the plugin mechanism itself (which
     # modules it reaches is checked as the plugin packages, read from the registries)
     ("qbuild.base.registry", "Registry._load"): {"importlib.import_module(package)",
-                                                 "importlib.import_module(f'{package}.{mod.name}')"},
+                                                 "importlib.import_module(module)"},
     # the worker imports a step's runner (runners are checked where they are written, and drawn in the graph)...
     ("qbuild.pipeline.worker", "resolve_runner"): {"importlib.import_module(module)"},
     # ...and, in a standby worker or the fork server, the modules it imports ahead (preload lists, runner modules)
@@ -76,7 +76,7 @@ DYNAMIC_LOADS_ALLOWED: dict[tuple[str, str], set[str]] = {
 PLUGIN_PACKAGE_SHARED = ("qbuild.artifacts.remote.base", "qbuild.artifacts.remote.cache",
                          "qbuild.artifacts.remote.config", "qbuild.artifacts.remote.gc")
 # The plugin surface (docs/plugins.md): an in-tree plugin module imports from qbuild only these modules, its own plugin
-# package (the kind's child it lives in: qbuild.quantize.gptq.*, or a flat module such as qbuild.targets.trtllm_env)
+# package (the kind's child it lives in: qbuild.quantize.llmcompressor.gptq.*, or a flat module such as qbuild.targets.trtllm_env)
 # and another plugin package's public modules: the package itself (the names its __init__ exports, or the flat module)
 # and its run module (its worker side, for another run side: llmcompressor/run.py for gptq/run.py).
 PLUGIN_SURFACE = ("qbuild.plugins", "qbuild.plugin_services")
@@ -429,8 +429,8 @@ def plugin_module_imports(root: Path, packages: tuple[str, ...]) -> list[str]:
 
 
 def plugin_package_of(module: str) -> str | None:
-    """The plugin package a module of a plugin kind belongs to: the kind's child it lives in (qbuild.quantize.gptq for
-    qbuild.quantize.gptq.run; qbuild.targets.trtllm_env for itself); the kind for its own __init__; None elsewhere."""
+    """The plugin package a module of a plugin kind belongs to: the kind's child it lives in (qbuild.quantize.llmcompressor.gptq for
+    qbuild.quantize.llmcompressor.gptq.run; qbuild.targets.trtllm_env for itself); the kind for its own __init__; None elsewhere."""
     for kind in PLUGIN_KINDS:
         if module == kind:
             return kind
@@ -669,16 +669,16 @@ def test_each_way_around_the_checks_fails_them(tmp_path, way):
 
 # Plugin modules reaching past the surface, planted in a scratch copy of the tree: (file, line, the module refused).
 PAST_THE_SURFACE = {
-    "the pipeline's planner": ("quantize/gptq/method.py", "from qbuild.pipeline.plan import make_plan  # noqa: F401\n",
+    "the pipeline's planner": ("quantize/llmcompressor/gptq/method.py", "from qbuild.pipeline.plan import make_plan  # noqa: F401\n",
                                "qbuild.pipeline.plan"),
     "a service by its own module": ("servers/sglang.py", "from qbuild.serving.server import PORT  # noqa: F401\n",
                                     "qbuild.serving.server"),
     "the contract by its own module": ("targets/trtllm_pytorch.py", "from qbuild.contract.step import Step  # noqa: F401\n",
                                        "qbuild.contract.step"),
-    "another plugin package's inside": ("quantize/rtn/method.py",
+    "another plugin package's inside": ("quantize/gptqmodel/method.py",
                                         "from qbuild.quantize.llmcompressor.search import CTSearch  # noqa: F401\n",
                                         "qbuild.quantize.llmcompressor.search"),
-    "a runner of another package's inside": ("quantize/fp8/method.py",
+    "a runner of another package's inside": ("quantize/llmcompressor/fp8/method.py",
                                              'RUNNER = "qbuild.quantize.gguf.probe:run_probe"\n', "qbuild.quantize.gguf.probe"),
 }
 
@@ -697,7 +697,7 @@ def test_a_plugin_module_past_the_surface_fails_the_checks(tmp_path, way):
 
 def test_another_plugin_packages_public_modules_pass_the_checks(tmp_path):
     copy = _scratch_copy(tmp_path)
-    target = copy / "quantize" / "gptq" / "run.py"
+    target = copy / "quantize" / "llmcompressor" / "gptq" / "run.py"
     target.write_text(target.read_text() + "\nfrom qbuild.quantize import gguf  # noqa: F401,E402\n"
                       "from qbuild.quantize.gguf.run import run_quantize as _gguf_run  # noqa: F401,E402\n")
     assert plugin_surface_problems(copy) == []
@@ -733,12 +733,12 @@ def test_the_llm_compressor_methods_run_their_own_run_module():
     from qbuild.pipeline.worker import resolve_runner
 
     for method in ("gptq", "awq", "fp8", "rtn", "smoothquant"):
-        runner = f"qbuild.quantize.{method}.run:run"
+        runner = f"qbuild.quantize.llmcompressor.{method}.run:run"
         function = resolve_runner(runner)
-        assert callable(function) and function.__module__ == f"qbuild.quantize.{method}.run", runner
-        assert f'"{runner}"' in (PACKAGE / "quantize" / method / "method.py").read_text(), method
+        assert callable(function) and function.__module__ == f"qbuild.quantize.llmcompressor.{method}.run", runner
+        assert f'"{runner}"' in (PACKAGE / "quantize" / "llmcompressor" / method / "method.py").read_text(), method
     with pytest.raises(ValueError, match="module-level function"):   # the one form: no 'module:Class.method'
-        resolve_runner("qbuild.quantize.gptq.method:GPTQ.plan")
+        resolve_runner("qbuild.quantize.llmcompressor.gptq.method:GPTQ.plan")
 
 
 def test_the_architecture_page_states_these_layers():

@@ -8,7 +8,7 @@ Three levels:
   compressed-tensors output (dequantized by compressed-tensors itself, through transformers) and AutoAWQ
   output (dequantized by the unpacking below) agree on every Linear with torch.equal.
 
-The AutoAWQ side is read here independently of qbuild/quantize/awq/gemm.py, the way AutoAWQ's reader does it
+The AutoAWQ side is read here independently of qbuild/quantize/llmcompressor/awq/gemm.py, the way AutoAWQ's reader does it
 (awq/utils/packing_utils.py: unpack_awq shifts nibbles out in storage order, reverse_awq_order permutes them
 with [0, 4, 1, 5, 2, 6, 3, 7], dequantize_gemm computes (w - z) * s in the scales' float16).
 """
@@ -148,7 +148,7 @@ def test_nibble_order_is_autoawqs_order_map():
     """Columns 0..7 holding the values 0..7 pack into 0x75316420: nibble i holds column [0,2,4,6,1,3,5,7][i]."""
     import torch
 
-    from qbuild.quantize.awq.gemm import pack_awq
+    from qbuild.quantize.llmcompressor.awq.gemm import pack_awq
 
     values = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 0, 0, 0, 15], [0, 15, 0, 0, 0, 0, 0, 0]])
     words = pack_awq(values)
@@ -163,7 +163,7 @@ def test_nibble_order_is_autoawqs_order_map():
 def test_synthetic_checkpoint_converts_bit_exactly(tmp_path, sym, shards):
     import torch
 
-    from qbuild.quantize.awq.gemm import convert_checkpoint
+    from qbuild.quantize.llmcompressor.awq.gemm import convert_checkpoint
 
     src, dst = tmp_path / "ct", tmp_path / "awq"
     truth = synthetic_ct_checkpoint(src, sym=sym, shards=shards)
@@ -204,7 +204,7 @@ def test_synthetic_checkpoint_converts_bit_exactly(tmp_path, sym, shards):
 def test_linears_left_in_full_precision_are_named_and_copied(tmp_path):
     import torch
 
-    from qbuild.quantize.awq.gemm import convert_checkpoint
+    from qbuild.quantize.llmcompressor.awq.gemm import convert_checkpoint
 
     truth = synthetic_ct_checkpoint(tmp_path / "ct", sym=False, unquantized=("mlp.down_proj", "self_attn.k_proj"))
     facts = convert_checkpoint(tmp_path / "ct", tmp_path / "awq", log=lambda _: None)
@@ -221,7 +221,7 @@ def test_linears_left_in_full_precision_are_named_and_copied(tmp_path):
 def test_scales_that_are_not_float16_numbers_are_refused(tmp_path):
     import torch
 
-    from qbuild.quantize.awq.gemm import ConversionError, convert_checkpoint
+    from qbuild.quantize.llmcompressor.awq.gemm import ConversionError, convert_checkpoint
 
     synthetic_ct_checkpoint(tmp_path / "ct", sym=False, scale_dtype=torch.float32)
     with pytest.raises(ConversionError, match="not float16 numbers.*not be exact"):
@@ -239,7 +239,7 @@ def test_scales_that_are_not_float16_numbers_are_refused(tmp_path):
      "activations are quantized"),
 ])
 def test_other_schemes_are_refused(tmp_path, change, problem):
-    from qbuild.quantize.awq.gemm import ConversionError, convert_checkpoint
+    from qbuild.quantize.llmcompressor.awq.gemm import ConversionError, convert_checkpoint
 
     synthetic_ct_checkpoint(tmp_path / "ct", sym=False)
     config = json.loads((tmp_path / "ct" / "config.json").read_text())
@@ -272,7 +272,7 @@ def test_autoawq_adds_a_convert_step_whose_output_is_the_variant(tmp_path):
     assert artifacts["gemm"] is convert and artifacts["ct"] is steps["quantize[ct]"]
     assert (convert.kind, convert.format, convert.scheme, convert.variant) == ("convert", "awq", "w4a16", "gemm")
     assert convert.inputs == {"quantized": steps["quantize[gemm]"]}
-    assert convert.runner == "qbuild.quantize.awq.run:run_convert"
+    assert convert.runner == "qbuild.quantize.llmcompressor.awq.run:run_convert"
     assert "convert[ct]" not in steps
     # the quantize step computes float16 scales for the exact conversion; the format itself is not a quantize param
     assert steps["quantize[gemm]"].params["scale_dtype"] == "float16"

@@ -16,8 +16,8 @@ from qbuild.artifacts.store import Store
 from qbuild.errors import RecipeError
 from qbuild.pipeline.plan import build_steps
 from qbuild.planning.recipe import parse_recipe
+from qbuild.quantize.llmcompressor.rtn import RTNVariant
 from qbuild.quantize.llmcompressor.search import assignment, module_groups
-from qbuild.quantize.rtn import RTNVariant
 
 from helpers import rerun_then_another_budget, run_api, write_recipe
 

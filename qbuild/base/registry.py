@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import pkgutil
 import typing
 from importlib import metadata
@@ -68,9 +69,8 @@ class Registry(Generic[P]):
         self._loaded = True
         for package in self.packages:
             pkg = importlib.import_module(package)
-            for mod in pkgutil.iter_modules(pkg.__path__):
-                if not mod.name.startswith("_"):
-                    importlib.import_module(f"{package}.{mod.name}")
+            for _leaf, module in sorted(plugin_modules(package, pkg.__path__)):
+                importlib.import_module(module)
         for ep in metadata.entry_points(group=self.group):
             dist = ep.dist.name if ep.dist else "?"
             try:
@@ -116,3 +116,19 @@ def _check_discriminator(plugin: type[Plugin], field: str) -> None:
     if info is None or typing.get_args(info.annotation) != (plugin.name,):
         raise UserError(f"plugin {plugin.name!r} (from {plugin.origin}): its options model "
                         f"{plugin.options.__name__} must declare {field}: Literal[{plugin.name!r}]")
+
+
+def plugin_modules(package: str, path: list[str]) -> list[tuple[str, str]]:
+    """The in-tree plugin modules of `package` as (leaf name, module): its direct children and, for a family (a child
+    package with subpackages: quantize/llmcompressor/gptq/), those subpackages, imported in order of the leaf name
+    (the order plugins and formats are registered and listed in). Names starting with '_' are not plugins."""
+    found = []
+    for mod in pkgutil.iter_modules(path):
+        if mod.name.startswith("_"):
+            continue
+        found.append((mod.name, f"{package}.{mod.name}"))
+        if mod.ispkg:
+            found += [(sub.name, f"{package}.{mod.name}.{sub.name}")
+                      for sub in pkgutil.iter_modules([os.path.join(p, mod.name) for p in path])
+                      if sub.ispkg and not sub.name.startswith("_")]
+    return found

@@ -1,10 +1,10 @@
-"""llm-compressor, shared by the methods that run it (gptq, awq, fp8, rtn, smoothquant: a package each, beside this
+"""llm-compressor, shared by the methods that run it (gptq, awq, fp8, rtn, smoothquant: a subpackage each, inside this
 one), as a small package: options.py (the shared fields, the compressed-tensors format, the families they cannot
 build), method.py (the plan side: LLMCompressorMethod and its checks), run.py (the worker's side: oneshot,
 model_free_ptq, `run_quantize` that each method's run.py hands its modifiers to; imported only in a step's worker)
 and search.py (`search:` on an rtn variant, mixed precision for compressed-tensors). Importing the package gives the
-plan side's names (`from qbuild.quantize import llmcompressor as lc`): the public names other plugin packages use
-(with run.py from their own run side, docs/plugins.md); it registers no method itself."""
+plan side's names (`from qbuild.quantize import llmcompressor as lc`): the names its method subpackages use (with
+run.py from their own run side); it registers no method itself (discovery imports the subpackages, base/registry.py)."""
 
 from qbuild.quantize.llmcompressor.method import (  # noqa: F401
     LLMCompressorMethod,

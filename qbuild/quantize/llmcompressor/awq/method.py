@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from qbuild.plugins import RecipeError, Step, methods
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.awq.options import AWQ_FORMAT, BITS, CONVERT_TOOLS, VALUES_PER_WORD, AWQVariant
+from qbuild.quantize.llmcompressor.awq.options import AWQ_FORMAT, BITS, CONVERT_TOOLS, VALUES_PER_WORD, AWQVariant
 
 
 def check_autoawq(variant: AWQVariant, info: dict, field: str) -> None:
@@ -50,10 +50,10 @@ class AWQ(lc.LLMCompressorMethod):
         super().check(variant, ctx, field)
 
     def plan(self, variant: AWQVariant, ctx) -> Step:
-        quantized = self.quantize_step(variant, ctx, runner="qbuild.quantize.awq.run:run")
+        quantized = self.quantize_step(variant, ctx, runner="qbuild.quantize.llmcompressor.awq.run:run")
         if variant.checkpoint_format != "autoawq":
             return quantized
         # a pure function of the quantize step's output: its key is that output's key and the converter's tools
         return ctx.add(Step("convert", f"convert[{variant.name}]", {"to": "autoawq-gemm"},
-                            "qbuild.quantize.awq.run:run_convert", inputs={"quantized": quantized},
+                            "qbuild.quantize.llmcompressor.awq.run:run_convert", inputs={"quantized": quantized},
                             tools=CONVERT_TOOLS, variant=variant.name, format=AWQ_FORMAT, scheme=quantized.scheme))

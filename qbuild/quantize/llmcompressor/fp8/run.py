@@ -5,7 +5,7 @@ QuantizationModifier (FP8 or FP8_DYNAMIC, optionally FP8 KV-cache scales), run b
 from __future__ import annotations
 
 from qbuild.plugins import StepContext
-from qbuild.quantize.fp8.options import model_free_scheme
+from qbuild.quantize.llmcompressor.fp8.options import model_free_scheme
 from qbuild.quantize.llmcompressor.run import run_quantize
 
 

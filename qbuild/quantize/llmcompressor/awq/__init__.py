@@ -3,5 +3,5 @@ constants and its `awq` format), method.py (the plan side: the registered Method
 step), run.py (the worker's side: the AWQ modifiers run by llm-compressor's shared runner, and the convert step) and
 gemm.py (the exact compressed-tensors → AutoAWQ GEMM converter run.py calls; imported only in a step's worker)."""
 
-from qbuild.quantize.awq.method import AWQ  # noqa: F401  (importing the package registers the method)
-from qbuild.quantize.awq.options import AWQ_FORMAT, AWQVariant  # noqa: F401
+from qbuild.quantize.llmcompressor.awq.method import AWQ  # noqa: F401  (importing the package registers the method)
+from qbuild.quantize.llmcompressor.awq.options import AWQ_FORMAT, AWQVariant  # noqa: F401

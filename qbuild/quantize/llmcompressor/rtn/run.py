@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from qbuild.plugins import StepContext
 from qbuild.quantize import llmcompressor as lc
+from qbuild.quantize.llmcompressor.rtn.options import model_free_scheme
 from qbuild.quantize.llmcompressor.run import run_quantize, run_search_quantize
-from qbuild.quantize.rtn.options import model_free_scheme
 
 
 def modifiers(p: dict) -> list:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from qbuild.plugins import Step, methods
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.smoothquant.options import SmoothQuantVariant
+from qbuild.quantize.llmcompressor.smoothquant.options import SmoothQuantVariant
 
 
 @methods.register
@@ -29,4 +29,4 @@ class SmoothQuant(lc.LLMCompressorMethod):
         return "w8a8-int8"
 
     def plan(self, variant: SmoothQuantVariant, ctx) -> Step:
-        return self.quantize_step(variant, ctx, runner="qbuild.quantize.smoothquant.run:run")
+        return self.quantize_step(variant, ctx, runner="qbuild.quantize.llmcompressor.smoothquant.run:run")

@@ -2,5 +2,5 @@
 registered Method) and run.py (the worker's side: the GPTQModifier, run by llm-compressor's shared runner; imported
 only in a step's worker). The GPTQ *format* (TGI, LMDeploy, ExLlamaV2) is the gptqmodel method's: gptqmodel/."""
 
-from qbuild.quantize.gptq.method import GPTQ  # noqa: F401  (importing the package registers the method)
-from qbuild.quantize.gptq.options import GPTQVariant  # noqa: F401
+from qbuild.quantize.llmcompressor.gptq.method import GPTQ  # noqa: F401  (importing the package registers the method)
+from qbuild.quantize.llmcompressor.gptq.options import GPTQVariant  # noqa: F401

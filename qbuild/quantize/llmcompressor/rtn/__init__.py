@@ -3,5 +3,5 @@ scheme), method.py (the plan side: the registered Method, and `search:`'s steps 
 run.py (the worker's side: the QuantizationModifier, run by llm-compressor's shared runner; imported only in a step's
 worker)."""
 
-from qbuild.quantize.rtn.method import RTN  # noqa: F401  (importing the package registers the method)
-from qbuild.quantize.rtn.options import RTNVariant  # noqa: F401
+from qbuild.quantize.llmcompressor.rtn.method import RTN  # noqa: F401  (importing the package registers the method)
+from qbuild.quantize.llmcompressor.rtn.options import RTNVariant  # noqa: F401

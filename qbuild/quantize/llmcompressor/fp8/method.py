@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from qbuild.plugins import Step, methods
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.fp8.options import FP8Variant, model_free_scheme
+from qbuild.quantize.llmcompressor.fp8.options import FP8Variant, model_free_scheme
 
 
 @methods.register
@@ -27,4 +27,4 @@ class FP8(lc.LLMCompressorMethod):
         return model_free_scheme(p)
 
     def plan(self, variant: FP8Variant, ctx) -> Step:
-        return self.quantize_step(variant, ctx, runner="qbuild.quantize.fp8.run:run")
+        return self.quantize_step(variant, ctx, runner="qbuild.quantize.llmcompressor.fp8.run:run")

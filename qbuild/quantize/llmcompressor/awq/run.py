@@ -9,8 +9,8 @@ from pathlib import Path
 
 from qbuild.plugins import StepContext, dir_size, loads_in
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.awq.gemm import convert_checkpoint
-from qbuild.quantize.awq.options import AWQ_FORMAT
+from qbuild.quantize.llmcompressor.awq.gemm import convert_checkpoint
+from qbuild.quantize.llmcompressor.awq.options import AWQ_FORMAT
 from qbuild.quantize.llmcompressor.run import run_quantize
 
 

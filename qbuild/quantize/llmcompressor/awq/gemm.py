@@ -30,7 +30,7 @@ import json
 import shutil
 from pathlib import Path
 
-from qbuild.quantize.awq.options import BITS, VALUES_PER_WORD
+from qbuild.quantize.llmcompressor.awq.options import BITS, VALUES_PER_WORD
 
 UNSIGNED_OFFSET = 1 << (BITS - 1)   # compressed-tensors' signed int4 → AutoAWQ's unsigned nibble
 # Which column of a group of 8 output channels each nibble of an int32 holds: nibble i (bits 4i..4i+3) of

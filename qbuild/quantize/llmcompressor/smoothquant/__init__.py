@@ -3,5 +3,5 @@
 llm-compressor's shared runner, and the check of how transformers runs the int8 activations; imported only in a step's
 worker)."""
 
-from qbuild.quantize.smoothquant.method import SmoothQuant  # noqa: F401  (importing the package registers the method)
-from qbuild.quantize.smoothquant.options import SmoothQuantVariant  # noqa: F401
+from qbuild.quantize.llmcompressor.smoothquant.method import SmoothQuant  # noqa: F401  (importing the package registers the method)
+from qbuild.quantize.llmcompressor.smoothquant.options import SmoothQuantVariant  # noqa: F401

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from qbuild.plugins import Step, methods
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.gptq.options import GPTQVariant
+from qbuild.quantize.llmcompressor.gptq.options import GPTQVariant
 
 
 @methods.register
@@ -20,4 +20,4 @@ class GPTQ(lc.LLMCompressorMethod):
     unsupported_families = (lc.ASYMMETRIC_QWEN3_MOE, lc.MIXTRAL_EXPERTS)
 
     def plan(self, variant: GPTQVariant, ctx) -> Step:
-        return self.quantize_step(variant, ctx, runner="qbuild.quantize.gptq.run:run")
+        return self.quantize_step(variant, ctx, runner="qbuild.quantize.llmcompressor.gptq.run:run")

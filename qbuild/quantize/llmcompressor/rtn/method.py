@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from qbuild.plugins import Step, methods
 from qbuild.quantize import llmcompressor as lc
-from qbuild.quantize.rtn.options import RTNVariant, model_free_scheme
+from qbuild.quantize.llmcompressor.rtn.options import RTNVariant, model_free_scheme
 from qbuild.quantize.untouched import with_untouched_dtype
 
 
@@ -32,7 +32,7 @@ class RTN(lc.LLMCompressorMethod):
 
     def plan(self, variant: RTNVariant, ctx) -> Step:
         if variant.search is None:
-            return self.quantize_step(variant, ctx, runner="qbuild.quantize.rtn.run:run")
+            return self.quantize_step(variant, ctx, runner="qbuild.quantize.llmcompressor.rtn.run:run")
         auto_ignore, _ = lc.check_int_weights(variant, ctx, "variants")
         env = ctx.backend_env(variant, self)
 
@@ -40,7 +40,7 @@ class RTN(lc.LLMCompressorMethod):
             if auto_ignore:
                 params = {**params, "auto_ignore": list(auto_ignore)}
             params = with_untouched_dtype(params, ctx)
-            return ctx.add(Step("quantize", name, params, "qbuild.quantize.rtn.run:run_search",
+            return ctx.add(Step("quantize", name, params, "qbuild.quantize.llmcompressor.rtn.run:run_search",
                                 inputs={"model": ctx.model(), **extra}, tools=lc.TOOLS, threads=ctx.threads,
                                 format=lc.COMPRESSED_TENSORS, scheme="w8a16", backend_env=env,
                                 memory="offloads-to-disk"))
