@@ -48,7 +48,7 @@ class PlanningContext(Protocol):
     def model_info(self) -> dict: ...                  # its config: shapes, architecture, tensor names
 
     def untouched_dtype(self) -> str | None: ...       # where an artifact's unquantized matrices go narrower than
-                                                       # the model step's (qbuild.quantize.untouched)
+                                                       # the model step's (qbuild.models.untouched)
 
     def calibration(self) -> Step: ...                 # the shared tokenized calibration set
 

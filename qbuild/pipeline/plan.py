@@ -173,7 +173,7 @@ class PlanContext:
     def untouched_dtype(self) -> str | None:
         """The dtype in which a quantized artifact writes the matrices its scheme leaves as they were, where that is
         narrower than the model step's output: a quantized GGUF imported (dtype auto) as float32 gives float16, so
-        an artifact's embeddings are not widened to 4 bytes (qbuild.quantize.untouched); None otherwise."""
+        an artifact's embeddings are not widened to 4 bytes (qbuild.models.untouched); None otherwise."""
         model = self.model()
         if model.kind != "import-gguf" or getattr(self.recipe.model, "dtype", None) != "auto":
             return None

@@ -8,7 +8,6 @@ llmcompressor/, whose run.py each of their run.py hands its modifiers to, and wh
 search too; awq/ also converts to AutoAWQ's GEMM layout), gptqmodel/ (GPTQ format, in its own backend
 environment), bitsandbytes/ (bitsandbytes through transformers), autoround/ (auto-round), modelopt/ (NVIDIA ModelOpt,
 for TensorRT-LLM).
-untouched.py is not a method: the helper the methods share for the precision of the tensors they leave untouched.
 Adding a method is adding a package (or a module) here (see docs/plugins.md); heavy libraries are imported only
 inside the functions its steps run, or at the top of a run.py.
 """

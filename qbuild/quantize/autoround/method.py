@@ -19,10 +19,10 @@ Tuning runs on CPU (slowly: keep iters and samples small there).
 
 from __future__ import annotations
 
+from qbuild.plugin_services import with_untouched_dtype
 from qbuild.plugins import Method, Step, methods
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.autoround.options import FORMATS, TOOLS, AutoRoundVariant
-from qbuild.quantize.untouched import with_untouched_dtype
 
 
 @methods.register

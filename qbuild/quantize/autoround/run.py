@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qbuild.plugin_services import narrow_untouched
 from qbuild.plugins import StepContext, dir_size, is_ignored
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.autoround.options import FORMATS
-from qbuild.quantize.untouched import narrow_untouched
 
 
 def lift_export(export: Path, out: Path, root) -> None:

@@ -13,9 +13,9 @@ dequantize). LLM.int8 casts activations to fp16 for its int8 matmul, on CPU too.
 
 from __future__ import annotations
 
+from qbuild.plugin_services import with_untouched_dtype
 from qbuild.plugins import Method, Step, methods
 from qbuild.quantize.bitsandbytes.options import FORMAT, TOOLS, BitsAndBytesVariant
-from qbuild.quantize.untouched import with_untouched_dtype
 
 
 @methods.register

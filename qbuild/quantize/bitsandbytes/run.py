@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from qbuild.plugin_services import narrow_untouched
 from qbuild.plugins import StepContext, dir_size
 from qbuild.quantize.bitsandbytes.options import FORMAT
-from qbuild.quantize.untouched import narrow_untouched
 
 
 def bnb_config(p: dict):

@@ -10,9 +10,9 @@ evaluation of its output (the `gptq` format's eval_env). Calibration is the shar
 
 from __future__ import annotations
 
+from qbuild.plugin_services import with_untouched_dtype
 from qbuild.plugins import Method, Step, check_group_size, methods
 from qbuild.quantize.gptqmodel.options import GPTQ, TOOLS, GPTQModelVariant
-from qbuild.quantize.untouched import with_untouched_dtype
 
 
 @methods.register

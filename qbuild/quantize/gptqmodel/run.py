@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 import os
 
+from qbuild.plugin_services import narrow_untouched
 from qbuild.plugins import StepContext, dir_size
 from qbuild.quantize.gptqmodel.options import GPTQ
-from qbuild.quantize.untouched import narrow_untouched
 
 
 def run(ctx: StepContext) -> dict:

@@ -13,6 +13,7 @@ quantizes on a 24 GB machine), with the same quantized tensors. Nothing here imp
 
 from __future__ import annotations
 
+from qbuild.plugin_services import with_untouched_dtype
 from qbuild.plugins import Method, Step, VariantBase, check_group_size, check_module_patterns
 from qbuild.quantize.llmcompressor.options import (
     COMPRESSED_TENSORS,
@@ -21,7 +22,6 @@ from qbuild.quantize.llmcompressor.options import (
     TOOLS,
     IntWeightVariant,
 )
-from qbuild.quantize.untouched import with_untouched_dtype
 
 
 def check_int_weights(variant: IntWeightVariant, ctx, field: str) -> tuple[list[str], str]:

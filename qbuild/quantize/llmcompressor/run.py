@@ -10,9 +10,9 @@ import json
 import os
 from pathlib import Path
 
+from qbuild.plugin_services import narrow_untouched
 from qbuild.plugins import StepContext, dir_size
 from qbuild.quantize.llmcompressor.options import COMPRESSED_TENSORS, resolved_ignore
-from qbuild.quantize.untouched import narrow_untouched
 
 
 def calibration_dataset(path: Path):

@@ -7,10 +7,10 @@ With `search:` it mixes W4A16 and W8A16 per layer under a bits or KLD budget (qb
 
 from __future__ import annotations
 
+from qbuild.plugin_services import with_untouched_dtype
 from qbuild.plugins import Step, methods
 from qbuild.quantize import llmcompressor as lc
 from qbuild.quantize.llmcompressor.rtn.options import RTNVariant, model_free_scheme
-from qbuild.quantize.untouched import with_untouched_dtype
 
 
 @methods.register

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from qbuild.plugins import StepContext
+from qbuild.contract.step import StepContext
 
 PARAM = "untouched_dtype"
 
