@@ -40,6 +40,7 @@ from qbuild.base import fingerprint, hardware
 from qbuild.base.errors import MissingBackendError, RecipeError, UserError
 from qbuild.base.files import dir_size
 from qbuild.base.hashing import sha256_file
+from qbuild.base.knapsack import allocate, smallest_within
 from qbuild.base.registry import Plugin, Registry
 from qbuild.base.schema_base import StrictModel
 from qbuild.base.tool_run import OutputTail, ToolFailed, run_tool
@@ -86,8 +87,9 @@ __all__ = [
     "config_linear_names", "is_ignored",
     # errors
     "MissingBackendError", "RecipeError", "UserError",
-    # helpers of the lowest layer: files, external tools, hardware probes, versions, hashing
-    "OutputTail", "ToolFailed", "cpu_model", "dir_size", "hardware", "package_version", "run_tool", "sha256_file",
+    # helpers of the lowest layer: files, external tools, hardware probes, versions, hashing, the searches' knapsack
+    "OutputTail", "ToolFailed", "allocate", "cpu_model", "dir_size", "hardware", "package_version", "run_tool",
+    "sha256_file", "smallest_within",
 ]
 
 

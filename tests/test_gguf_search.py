@@ -15,8 +15,9 @@ from pydantic import ValidationError
 from qbuild.artifacts.store import Store
 from qbuild.pipeline.plan import build_steps
 from qbuild.planning.recipe import parse_recipe
+from qbuild.plugins import allocate, smallest_within
 from qbuild.quantize.gguf import GGUFVariant
-from qbuild.quantize.gguf.search import allocate, probes_at_once, smallest_within, tensor_groups
+from qbuild.quantize.gguf.search import probes_at_once, tensor_groups
 from qbuild.quantize.gguf.search_options import GGUFSearch
 
 from helpers import rerun_then_another_budget, run_api, write_recipe

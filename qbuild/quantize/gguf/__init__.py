@@ -14,4 +14,3 @@ from qbuild.quantize.gguf.options import (  # noqa: F401
     block_size,
     fallback_type,
 )
-from qbuild.quantize.gguf.search import allocate, smallest_within  # noqa: F401  (the exact knapsack the compressed-tensors search shares)

@@ -270,10 +270,10 @@ def run_allocate(ctx: StepContext) -> dict:
 
 def distinct_choices(pairs: list[list[tuple[int, float]]], n: int, max_cost: int | None, max_value: float | None,
                      cost_step: float = 0.01, value_step: float = 0.1) -> list[list[int]]:
-    """Up to `n` distinct knapsack optima (the GGUF search's exact DP, gguf/search.py): under the budget, then under budgets
+    """Up to `n` distinct knapsack optima (qbuild.plugins' exact DP, as in the GGUF search): under the budget, then under budgets
     `cost_step` (`value_step` for a KLD budget) tighter each time, because real sizes and KLDs are not exactly additive. The
     GGUF search's run_allocate does the same inline (0.4 % steps); this is the generic form."""
-    from qbuild.quantize.gguf import allocate, smallest_within  # the GGUF search's public names
+    from qbuild.plugins import allocate, smallest_within  # the exact knapsack the GGUF search allocates with too
 
     span = sum(max(c for c, _ in o) - min(c for c, _ in o) for o in pairs)
     unit = max(1, span // 4000)   # a few thousand columns: exact to well under 0.1 % of the range
