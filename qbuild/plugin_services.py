@@ -20,6 +20,8 @@ The names, by what they are for:
 - checkpoints:  QUANT_ALGO, linear_in_features, source_facts, validate_hf_export, validate_trtllm_checkpoint,
                 read_json_mapping
 - model size:   GB, QUANTIZER_OVERHEAD, machine_memory, model_size
+- formats:      COMPRESSED_TENSORS (the compressed-tensors format's name; importing it declares the format, which
+                several plugins write)
 - untouched tensors: with_untouched_dtype (plan time: the quantize step's untouched_dtype param), narrow_untouched
                 (in the worker: the source's precision for what the quantization left as it was; torch)
 - llama.cpp:    build_id, cached_bin_dir, run_converter, tool (the one llama.cpp build qbuild makes: its binaries)
@@ -36,6 +38,7 @@ _CHECKPOINT = ("QUANT_ALGO", "linear_in_features", "source_facts", "validate_hf_
 _MODEL_CONFIG = ("read_json_mapping",)
 _SIZE = ("GB", "QUANTIZER_OVERHEAD", "machine_memory", "model_size")
 _UNTOUCHED = ("narrow_untouched", "with_untouched_dtype")
+_FORMATS = ("COMPRESSED_TENSORS",)
 _LLAMACPP = ("build_id", "cached_bin_dir", "run_converter", "tool")
 _SERVER = ("PORT", "ServerLaunch")
 _CLIENT = ("get_text", "post_json")
@@ -43,7 +46,7 @@ _ENVS = {"created_env": "created", "EnvError": "EnvError"}
 _MODULES = ("protocol",)
 
 __all__ = sorted([*_CALIBRATION, *_QUALITY, *_EVALUATION_PLAN, *_CHECKPOINT, *_MODEL_CONFIG, *_SIZE, *_UNTOUCHED,
-                  *_LLAMACPP, *_SERVER, *_CLIENT, *_ENVS, *_MODULES])
+                  *_FORMATS, *_LLAMACPP, *_SERVER, *_CLIENT, *_ENVS, *_MODULES])
 
 
 def __getattr__(name: str):
@@ -61,6 +64,8 @@ def __getattr__(name: str):
         from qbuild.models import size as module
     elif name in _UNTOUCHED:
         from qbuild.models import untouched as module
+    elif name in _FORMATS:
+        from qbuild.models import compressed_tensors as module
     elif name in _LLAMACPP:
         from qbuild.models import llamacpp_toolchain as module
     elif name in _SERVER:

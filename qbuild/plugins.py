@@ -45,6 +45,7 @@ from qbuild.base.registry import Plugin, Registry
 from qbuild.base.schema_base import StrictModel
 from qbuild.base.tool_run import OutputTail, ToolFailed, run_tool
 from qbuild.contract.formats import ANY, HF_RUNTIMES, Format, FormatSpec, loads_in, register_format, runtimes_for
+from qbuild.contract.int_weights import IntWeightVariant, check_int_weights, resolved_ignore
 from qbuild.contract.plugin import (
     PLUGIN_PACKAGES,
     EvalStepFields,
@@ -82,6 +83,8 @@ __all__ = [
     "RuntimeSession", "Server", "Step", "StepContext", "StrictModel", "Target", "TargetOptions", "VariantBase",
     "group_size_value", "load_all", "loads_in", "methods", "open_session", "register_format", "runtimes",
     "runtimes_for", "servers", "targets",
+    # the integer weight-only schemes several methods take
+    "IntWeightVariant", "check_int_weights", "resolved_ignore",
     # plan-time checks of a model's shapes and module names
     "UnsupportedFamily", "check_group_size", "check_module_patterns", "check_patterns", "checkpoint_weight_names",
     "config_linear_names", "is_ignored",

@@ -20,8 +20,7 @@ Tuning runs on CPU (slowly: keep iters and samples small there).
 from __future__ import annotations
 
 from qbuild.plugin_services import with_untouched_dtype
-from qbuild.plugins import Method, Step, methods
-from qbuild.quantize import llmcompressor as lc
+from qbuild.plugins import Method, Step, check_int_weights, methods
 from qbuild.quantize.autoround.options import FORMATS, TOOLS, AutoRoundVariant
 
 
@@ -34,13 +33,13 @@ class AutoRound(Method):
     runs_in_env = True   # `env: auto-round` (or your own auto-round version) runs the tuning outside qbuild's environment
 
     def check(self, variant: AutoRoundVariant, ctx, field: str) -> None:
-        _, note = lc.check_int_weights(variant, ctx, field)
+        _, note = check_int_weights(variant, ctx, field)
         if note:
             ctx.warn(note)
 
     def plan(self, variant: AutoRoundVariant, ctx) -> Step:
         params = with_untouched_dtype(variant.quant_params(), ctx)
-        auto_ignore, _ = lc.check_int_weights(variant, ctx, "variants")   # check() has reported it
+        auto_ignore, _ = check_int_weights(variant, ctx, "variants")   # check() has reported it
         if auto_ignore:
             params["auto_ignore"] = list(auto_ignore)
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", params, "qbuild.quantize.autoround.run:run",

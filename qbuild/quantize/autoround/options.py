@@ -7,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from qbuild.plugins import HF_RUNTIMES, FormatSpec, register_format
-from qbuild.quantize import llmcompressor as lc
+from qbuild.plugin_services import COMPRESSED_TENSORS
+from qbuild.plugins import HF_RUNTIMES, FormatSpec, IntWeightVariant, register_format
 
 TOOLS = ("auto-round", "torch", "transformers", "accelerate", "safetensors")
 # AutoRound's own export (quant_method auto-round), declared here: transformers, vLLM and SGLang load it
@@ -17,10 +17,10 @@ AUTO_ROUND = register_format(FormatSpec("auto-round", "HF checkpoint in AutoRoun
                                         loads_in=("transformers", "vllm", "sglang"))).name
 # its other exports are formats other plugins declare (llm-compressor's, gptqmodel's, awq's), named here: a
 # method module imported from here would register its method ahead of this one
-FORMATS = {"auto_round": AUTO_ROUND, "llm_compressor": lc.COMPRESSED_TENSORS, "auto_gptq": "gptq", "auto_awq": "awq"}
+FORMATS = {"auto_round": AUTO_ROUND, "llm_compressor": COMPRESSED_TENSORS, "auto_gptq": "gptq", "auto_awq": "awq"}
 
 
-class AutoRoundVariant(lc.IntWeightVariant):
+class AutoRoundVariant(IntWeightVariant):
     """AutoRound (SignRound): weight-only integer quantization with tuned rounding, W{bits}A16."""
 
     method: Literal["autoround"]

@@ -6,8 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from qbuild.plugin_services import narrow_untouched
-from qbuild.plugins import StepContext, dir_size, is_ignored
-from qbuild.quantize import llmcompressor as lc
+from qbuild.plugins import StepContext, dir_size, is_ignored, resolved_ignore
 from qbuild.quantize.autoround.options import FORMATS
 
 
@@ -63,7 +62,7 @@ def run(ctx: StepContext) -> dict:
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
     tokenizer = AutoTokenizer.from_pretrained(str(src))
     samples, seqlen = calibration_samples(Path(ctx.inputs["calibration"]))
-    ignore = lc.resolved_ignore(p)
+    ignore = resolved_ignore(p)
     # qbuild's ignore rules (exact names or 're:' patterns, as for llm-compressor) → auto-round's per-layer
     # override: 16 bits means "leave this layer unquantized"
     layer_config = {name: {"bits": 16} for name, m in model.named_modules()

@@ -6,9 +6,9 @@ and search.py (`search:` on an rtn variant, mixed precision for compressed-tenso
 plan side's names (`from qbuild.quantize import llmcompressor as lc`): the names its method subpackages use (with
 run.py from their own run side); it registers no method itself (discovery imports the subpackages, base/registry.py)."""
 
+from qbuild.plugins import check_int_weights  # noqa: F401
 from qbuild.quantize.llmcompressor.method import (  # noqa: F401
     LLMCompressorMethod,
-    check_int_weights,
     model_free_fits,
 )
 from qbuild.quantize.llmcompressor.options import (  # noqa: F401

@@ -14,7 +14,7 @@ quantizes on a 24 GB machine), with the same quantized tensors. Nothing here imp
 from __future__ import annotations
 
 from qbuild.plugin_services import with_untouched_dtype
-from qbuild.plugins import Method, Step, VariantBase, check_group_size, check_module_patterns
+from qbuild.plugins import Method, Step, VariantBase, check_int_weights, check_module_patterns
 from qbuild.quantize.llmcompressor.options import (
     COMPRESSED_TENSORS,
     MIXTRAL_EXPERTS,
@@ -22,13 +22,6 @@ from qbuild.quantize.llmcompressor.options import (
     TOOLS,
     IntWeightVariant,
 )
-
-
-def check_int_weights(variant: IntWeightVariant, ctx, field: str) -> tuple[list[str], str]:
-    """Plan-time shape check from config.json: (extra ignore rules to apply, the sentence saying so), both empty
-    unless on_indivisible: ignore had to act."""
-    return check_group_size(variant.group_size, ctx.model_info(), variant.ignore, field, variant.on_indivisible,
-                            method=variant.method.upper())
 
 
 class LLMCompressorMethod(Method):
