@@ -24,7 +24,8 @@ The names, by what they are for:
                 several plugins write)
 - untouched tensors: with_untouched_dtype (plan time: the quantize step's untouched_dtype param), narrow_untouched
                 (in the worker: the source's precision for what the quantization left as it was; torch)
-- llama.cpp:    build_id, cached_bin_dir, run_converter, tool (the one llama.cpp build qbuild makes: its binaries)
+- llama.cpp:    build_id, cached_bin_dir, run_converter, tool (the one llama.cpp build qbuild makes: its binaries),
+                ggml_type_id (a tensor type's enum value in the llama-cpp-python bindings)
 - serving:      PORT, ServerLaunch (a server's launch: command, readiness, stop), get_text, post_json (HTTP to it)
 - environments: created_env (a backend environment already created, or None), EnvError
 """
@@ -39,7 +40,7 @@ _MODEL_CONFIG = ("read_json_mapping",)
 _SIZE = ("GB", "QUANTIZER_OVERHEAD", "machine_memory", "model_size")
 _UNTOUCHED = ("narrow_untouched", "with_untouched_dtype")
 _FORMATS = ("COMPRESSED_TENSORS",)
-_LLAMACPP = ("build_id", "cached_bin_dir", "run_converter", "tool")
+_LLAMACPP = ("build_id", "cached_bin_dir", "ggml_type_id", "run_converter", "tool")
 _SERVER = ("PORT", "ServerLaunch")
 _CLIENT = ("get_text", "post_json")
 _ENVS = {"created_env": "created", "EnvError": "EnvError"}

@@ -180,8 +180,8 @@ def test_tensor_types_are_the_ggml_types_llama_cpp_quantizes_to():
     import gguf
     import llama_cpp
 
+    from qbuild.plugin_services import ggml_type_id
     from qbuild.quantize.gguf import TENSOR_TYPES, block_size
-    from qbuild.quantize.gguf.run import ggml_type_id
 
     exported = {n.removeprefix("GGML_TYPE_") for n in dir(llama_cpp) if n.startswith("GGML_TYPE_")} - {"COUNT"}
     mirrored = set(gguf.GGMLQuantizationType.__members__)   # llama-cpp-python leaves out BF16, TQ1_0, TQ2_0

@@ -399,3 +399,17 @@ if __name__ == "__main__":   # scripts/install.sh: `libraries` for llama-cpp-pyt
         libraries(log=say)
     if "tools" in wanted:
         say(f"llama.cpp tools: {build(log=say)}")
+
+
+def ggml_type_id(llama_cpp, name: str) -> int:
+    """ggml's enum value of a tensor type. llama-cpp-python exports only some (not BF16, TQ1_0, TQ2_0); gguf-py
+    mirrors ggml's whole enum but may lag the newest types (Q2_0 in gguf 0.19): ask both."""
+    value = getattr(llama_cpp, f"GGML_TYPE_{name}", None)
+    if value is None:
+        import gguf
+
+        member = gguf.GGMLQuantizationType.__members__.get(name)
+        if member is None:
+            raise ValueError(f"this llama.cpp build ({llama_cpp.__version__}) has no tensor type {name}")
+        value = member.value
+    return int(value)

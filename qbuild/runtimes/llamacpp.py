@@ -16,7 +16,7 @@ class LlamaCppSession(RuntimeSession):
         import llama_cpp
         from llama_cpp import Llama
 
-        from qbuild.quantize.gguf.run import ggml_type_id
+        from qbuild.plugin_services import ggml_type_id
 
         files = sorted(Path(path).glob("*.gguf")) if Path(path).is_dir() else [Path(path)]
         if len(files) != 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from qbuild.plugin_services import ggml_type_id
 from qbuild.plugins import StepContext
 from qbuild.quantize.gguf.options import IMATRIX_FILE, OUTPUT_FILE
 
@@ -90,20 +91,6 @@ def run_imatrix(ctx: StepContext) -> dict:
             "calibration": ctx.input_manifests.get("calibration", {}).get("key")}
     (ctx.out / "imatrix.json").write_text(json.dumps(info, indent=2))
     return {"format": "imatrix", "metrics": {"entries": len(data), "tokens": info["tokens"]}, "info": info}
-
-
-def ggml_type_id(llama_cpp, name: str) -> int:
-    """ggml's enum value of a tensor type. llama-cpp-python exports only some (not BF16, TQ1_0, TQ2_0); gguf-py
-    mirrors ggml's whole enum but may lag the newest types (Q2_0 in gguf 0.19): ask both."""
-    value = getattr(llama_cpp, f"GGML_TYPE_{name}", None)
-    if value is None:
-        import gguf
-
-        member = gguf.GGMLQuantizationType.__members__.get(name)
-        if member is None:
-            raise ValueError(f"this llama.cpp build ({llama_cpp.__version__}) has no tensor type {name}")
-        value = member.value
-    return int(value)
 
 
 def _tensor_overrides(llama_cpp, ctx: StepContext, p: dict, params, keep: list) -> list[dict]:

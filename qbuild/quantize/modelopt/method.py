@@ -22,7 +22,7 @@ quantize; serving the result needs Blackwell (SM 10.x) kernels.
 from __future__ import annotations
 
 from qbuild.plugin_services import linear_in_features
-from qbuild.plugins import Method, OnUnavailable, RecipeError, Step, methods
+from qbuild.plugins import Method, OnUnavailable, RecipeError, Step, hardware, methods
 from qbuild.quantize.modelopt.options import (
     AWQ_BLOCK_SIZES,
     DECODER_TYPES,
@@ -33,7 +33,6 @@ from qbuild.quantize.modelopt.options import (
     TOOLS,
     ModelOptVariant,
 )
-from qbuild.targets import trtllm_env
 
 
 @methods.register
@@ -78,7 +77,7 @@ class ModelOpt(Method):
             inputs["calibration"] = ctx.calibration()
         gpu = {}
         if variant.scheme in FP4_SCHEMES:
-            why = "" if trtllm_env.gpu() else (f"needs a CUDA GPU: ModelOpt {_modelopt_version()} fake-quantizes "
+            why = "" if hardware.gpu() else (f"needs a CUDA GPU: ModelOpt {_modelopt_version()} fake-quantizes "
                                                f"{variant.scheme} only on CUDA; none found here (nvidia-smi)")
             gpu = {"requires_gpu": True, "unavailable": why, "on_unavailable": OnUnavailable(variant.on_missing_gpu)}
         return ctx.add(Step("quantize", f"quantize[{variant.name}]", variant.quant_params(),
