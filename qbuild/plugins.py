@@ -2,7 +2,8 @@
 registries, the step a plugin plans and the context its runner gets, format declarations, the variant options base,
 the plan-time shape checks, the errors it raises, and the small helpers of qbuild's lowest layer that plugins use on
 either side (a directory's size, running an external tool into the step log, the GPU/CPU probes, distribution
-versions, hashing a file).
+versions, hashing a file, the mixed-precision searches' knapsack), and the integer weight-only options several
+methods take (IntWeightVariant, check_int_weights, resolved_ignore).
 
     from qbuild.plugins import FormatSpec, Method, Step, StepContext, VariantBase, methods, register_format
 
@@ -18,16 +19,19 @@ versions, hashing a file).
                                 "mypackage.run:run", inputs={"model": ctx.model()}, format=..., scheme=...))
 
 A step's runner is one string, "package.module:function" (a module-level function, imported only in the step's
-worker); an in-tree method's is "qbuild.quantize.<method>.run:run".
+worker); an in-tree method's is "qbuild.quantize.<method>.run:run" (an llm-compressor method's
+"qbuild.quantize.llmcompressor.<method>.run:run").
 
 What a plugin needs from qbuild's services and planning (loading the calibration set, the llama.cpp toolchain,
 starting a server, checkpoint checks, an evaluation step of a search's probe) is the second and last surface module,
 qbuild.plugin_services: those live above the contract in qbuild's layers (and some load numpy), so this module stays
 light and importable from anywhere (no torch, no numpy), as planning needs it. In-tree plugins import qbuild only
-through these two modules and their own package (tests/test_architecture.py checks it; docs/plugins.md).
+through these two modules and their own package, never another plugin's: what plugins share is in one of the two
+(tests/test_architecture.py checks it; docs/plugins.md).
 
 In-tree plugins are the modules of qbuild.quantize, qbuild.targets, qbuild.runtimes and qbuild.servers
-(every module there is imported when a registry is first used: adding one is adding a file or a package).
+(every module there, and a family's subpackages such as qbuild.quantize.llmcompressor.gptq, is imported when a
+registry is first used: adding one is adding a file or a package).
 Out-of-tree plugins are Python entry points in the groups `qbuild.methods`, `qbuild.targets`, `qbuild.runtimes` and
 `qbuild.servers`, each naming a plugin class (`name = "package.module:Class"`). What lives where: qbuild/contract/
 (the contract) and qbuild/base/ (the registry mechanism, errors, the helpers); see docs/plugins.md for a worked

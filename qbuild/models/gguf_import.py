@@ -71,7 +71,7 @@ def source_dtype(matrix_types: frozenset[str]) -> str:
 
 def untouched_dtype(matrix_types: frozenset[str]) -> str | None:
     """The dtype a quantized artifact built on the float32 import of a quantized GGUF writes the matrices its scheme
-    leaves untouched in (qbuild.quantize.untouched); None where the import keeps 16-bit matrices already or the file
+    leaves untouched in (qbuild.models.untouched); None where the import keeps 16-bit matrices already or the file
     itself stores float32 ones. A block-quantized matrix's scales are fp16, so float16 holds its values closest; a
     file with BF16 matrices keeps bfloat16."""
     if not matrix_types or "F32" in matrix_types or source_dtype(matrix_types) != "float32":
