@@ -79,8 +79,8 @@ def main() -> None:
         from llmcompressor import oneshot
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from qbuild.quantize.llmcompressor.gptq import GPTQ
         from qbuild.quantize.llmcompressor import run as lc
+        from qbuild.quantize.llmcompressor.gptq import GPTQ
 
         torch.set_num_threads(args.threads)
         t0 = time.perf_counter()
