@@ -4,6 +4,7 @@ transformers and qbuild's evaluation read back."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -40,9 +41,10 @@ def oneshot_tensors(src: Path, method: str, tmp: Path) -> dict:
     variant = next(v for v in VARIANTS if v["name"] == method)
     plugin = methods.get(variant["method"])
     params = plugin.options(**variant).quant_params()
+    run_side = importlib.import_module(f"qbuild.quantize.llmcompressor.{variant['method']}.run")   # its modifiers
     model = AutoModelForCausalLM.from_pretrained(str(src), dtype="auto")
     with torch.no_grad():
-        oneshot(model=model, recipe=plugin.modifiers(params))
+        oneshot(model=model, recipe=run_side.modifiers(params))
     model.save_pretrained(str(tmp), save_compressed=True)
     return tensors_of(tmp)
 
