@@ -174,10 +174,9 @@ class PlanContext:
         """The dtype in which a quantized artifact writes the matrices its scheme leaves as they were, where that is
         narrower than the model step's output: a quantized GGUF imported (dtype auto) as float32 gives float16, so
         an artifact's embeddings are not widened to 4 bytes (qbuild.models.untouched); None otherwise."""
-        model = self.model()
-        if model.kind != "import-gguf" or getattr(self.recipe.model, "dtype", None) != "auto":
+        if self.model().kind != "import-gguf" or getattr(self.recipe.model, "dtype", None) != "auto":
             return None
-        return self.model_info().get("untouched_dtype") if model.params.get("dtype") == "float32" else None
+        return self.model_info().get("untouched_dtype")   # set only for files `auto` imports as float32
 
     def artifact_steps(self) -> dict[str, Step]:
         """label → step of every named artifact but the baseline (variants, target outputs)."""
