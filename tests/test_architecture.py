@@ -77,15 +77,13 @@ PLUGIN_PACKAGE_SHARED = ("qbuild.artifacts.remote.base", "qbuild.artifacts.remot
                          "qbuild.artifacts.remote.config", "qbuild.artifacts.remote.gc")
 # The plugin surface (docs/plugins.md): an in-tree plugin module imports from qbuild only these modules and its own
 # plugin package: the kind's child package it lives in (qbuild.quantize.llmcompressor.* for llmcompressor/gptq/run.py),
-# or, for a flat module of a kind's folder (servers/vllm.py, targets/trtllm_env.py), that folder's flat modules.
+# or, for a flat module of a kind's folder (servers/vllm.py, targets/trtllm_select.py), that folder's flat modules.
 # Nothing of another plugin package: what two plugins share is a service or the contract, exported by the surface.
 PLUGIN_SURFACE = ("qbuild.plugins", "qbuild.plugin_services")
 PLUGIN_KINDS = ("qbuild.quantize", "qbuild.targets", "qbuild.runtimes", "qbuild.servers")
 # The cross-plugin imports not yet moved to the surface (issue 51), each pinned to its (module, imported module):
 # the list only shrinks (test_every_pinned_cross_plugin_import_is_still_there)
-CROSS_PLUGIN_IMPORTS_LEFT = {
-    ("qbuild.runtimes.tensorrt_llm", "qbuild.targets.tensorrt_llm"),   # the TensorRT-LLM environment and trtllm-bench
-}
+CROSS_PLUGIN_IMPORTS_LEFT: set[tuple[str, str]] = set()
 SYS_MODULES_NAMES_ONLY = ("set", "frozenset", "list", "sorted", "tuple", "len")   # list(sys.modules): names only
 
 
@@ -708,8 +706,8 @@ def test_a_plugin_module_past_the_surface_fails_the_checks(tmp_path, way):
 
 
 @pytest.mark.parametrize("rel, line, refused", [
-    # a runtime importing a target (the TensorRT-LLM runtime did: its environment is a service's to share)
-    ("runtimes/llamacpp.py", "from qbuild.targets import trtllm_env  # noqa: F401,E402\n", "qbuild.targets.trtllm_env"),
+    # a runtime importing a target (the TensorRT-LLM runtime did: its environment is the service envs/tensorrt_llm.py)
+    ("runtimes/llamacpp.py", "from qbuild.targets import tensorrt_llm  # noqa: F401,E402\n", "qbuild.targets.tensorrt_llm"),
     # another plugin package itself, and its run module (once allowed as its public modules)
     ("quantize/llmcompressor/gptq/run.py", "from qbuild.quantize import gguf  # noqa: F401,E402\n",
      "qbuild.quantize.gguf"),
