@@ -1,8 +1,8 @@
 """The code's shape (docs/architecture.md), checked from its source: no import cycles, no module importing from a
 layer above its own, every folder in a layer, no module outside the plugin packages naming a plugin module (plugins
 are reached through the registries; the packages are read from the registries themselves), every plugin module
-importing qbuild only through the plugin surface (qbuild.plugins, qbuild.plugin_services), its own plugin package and
-another's public modules, and a CLI over the API alone.
+importing qbuild only through the plugin surface (qbuild.plugins, qbuild.plugin_services) and its own plugin package
+(never another plugin's), and a CLI over the API alone.
 
 The import graph is drawn as a reader follows the code: `import` statements anywhere (in functions too), a step's
 runner ("qbuild.module:function": the worker imports it for the module that planned the step, so it counts as that
@@ -81,9 +81,6 @@ PLUGIN_PACKAGE_SHARED = ("qbuild.artifacts.remote.base", "qbuild.artifacts.remot
 # Nothing of another plugin package: what two plugins share is a service or the contract, exported by the surface.
 PLUGIN_SURFACE = ("qbuild.plugins", "qbuild.plugin_services")
 PLUGIN_KINDS = ("qbuild.quantize", "qbuild.targets", "qbuild.runtimes", "qbuild.servers")
-# The cross-plugin imports not yet moved to the surface (issue 51), each pinned to its (module, imported module):
-# the list only shrinks (test_every_pinned_cross_plugin_import_is_still_there)
-CROSS_PLUGIN_IMPORTS_LEFT: set[tuple[str, str]] = set()
 SYS_MODULES_NAMES_ONLY = ("set", "frozenset", "list", "sorted", "tuple", "len")   # list(sys.modules): names only
 
 
@@ -448,10 +445,10 @@ def plugin_package_of(module: str, root: Path = PACKAGE) -> str | None:
 
 def plugin_surface_problems(root: Path) -> list[str]:
     """Imports of a plugin module (annotations and modules run by `-m` included) that are neither the surface nor its
-    own plugin package (a flat module's: its folder's flat modules), but those pinned in CROSS_PLUGIN_IMPORTS_LEFT."""
+    own plugin package (a flat module's: its folder's flat modules)."""
     def allowed(module: str, name: str) -> bool:
         own, other = plugin_package_of(module, root), plugin_package_of(name, root)
-        if name in PLUGIN_SURFACE or (module, name) in CROSS_PLUGIN_IMPORTS_LEFT:
+        if name in PLUGIN_SURFACE:
             return True
         if own in PLUGIN_KINDS:   # a flat module: its folder's flat modules (and the folder's package itself)
             return other == own
@@ -735,13 +732,6 @@ def test_a_flat_module_imports_its_folders_flat_modules(tmp_path):
     target = copy / "runtimes" / "llamacpp.py"
     target.write_text(target.read_text() + "\nfrom qbuild.runtimes import layer_stream  # noqa: F401,E402\n")
     assert plugin_surface_problems(copy) == []
-
-
-def test_every_pinned_cross_plugin_import_is_still_there():
-    """A pinned cross-plugin import that went away is removed with it: the list stays the list of what is left."""
-    graph = import_graph(PACKAGE, annotations=True, programs=True)
-    gone = sorted(pair for pair in CROSS_PLUGIN_IMPORTS_LEFT if pair[1] not in graph.get(pair[0], ()))
-    assert not gone, gone
 
 
 @pytest.mark.parametrize("cycle_graph, expected", [({"a": {"b"}, "b": {"a"}}, True), ({"a": {"b"}, "b": set()}, False)])
