@@ -28,6 +28,12 @@ The names, by what they are for:
                 ggml_type_id (a tensor type's enum value in the llama-cpp-python bindings)
 - serving:      PORT, ServerLaunch (a server's launch: command, readiness, stop), get_text, post_json (HTTP to it)
 - environments: created_env (a backend environment already created, or None), EnvError
+- TensorRT-LLM: trtllm_env (the module of the TensorRT-LLM environment: the GPU and TensorRT-LLM probes, the facts an
+                engine is keyed by, current_environment (the check where a step runs), interpreter; the target that
+                builds engines and the runtime that evaluates them both ask it)
+- vLLM:         vllm_env (the module that says where vLLM is and which build: availability, the facts its steps are
+                keyed by, on_cpu, runs_on_gpu, cpu_cannot_load, cpu_settings, OFFLINE, interpreter; the vllm runtime
+                and the vllm server both ask it)
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ _LLAMACPP = ("build_id", "cached_bin_dir", "ggml_type_id", "run_converter", "too
 _SERVER = ("PORT", "ServerLaunch")
 _CLIENT = ("get_text", "post_json")
 _ENVS = {"created_env": "created", "EnvError": "EnvError"}
-_MODULES = ("protocol",)
+_MODULES = ("protocol", "trtllm_env", "vllm_env")
 
 __all__ = sorted([*_CALIBRATION, *_QUALITY, *_EVALUATION_PLAN, *_CHECKPOINT, *_MODEL_CONFIG, *_SIZE, *_UNTOUCHED,
                   *_FORMATS, *_LLAMACPP, *_SERVER, *_CLIENT, *_ENVS, *_MODULES])
@@ -81,6 +87,14 @@ def __getattr__(name: str):
         from qbuild.contract import protocol
 
         return protocol
+    elif name == "trtllm_env":
+        from qbuild.envs import tensorrt_llm as trtllm_env
+
+        return trtllm_env
+    elif name == "vllm_env":
+        from qbuild.envs import vllm as vllm_env
+
+        return vllm_env
     else:
         raise AttributeError(f"module 'qbuild.plugin_services' has no attribute {name!r}")
     return getattr(module, name)

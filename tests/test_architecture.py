@@ -1,8 +1,8 @@
 """The code's shape (docs/architecture.md), checked from its source: no import cycles, no module importing from a
 layer above its own, every folder in a layer, no module outside the plugin packages naming a plugin module (plugins
 are reached through the registries; the packages are read from the registries themselves), every plugin module
-importing qbuild only through the plugin surface (qbuild.plugins, qbuild.plugin_services), its own plugin package and
-another's public modules, and a CLI over the API alone.
+importing qbuild only through the plugin surface (qbuild.plugins, qbuild.plugin_services) and its own plugin package
+(never another plugin's), and a CLI over the API alone.
 
 The import graph is drawn as a reader follows the code: `import` statements anywhere (in functions too), a step's
 runner ("qbuild.module:function": the worker imports it for the module that planned the step, so it counts as that
@@ -77,16 +77,10 @@ PLUGIN_PACKAGE_SHARED = ("qbuild.artifacts.remote.base", "qbuild.artifacts.remot
                          "qbuild.artifacts.remote.config", "qbuild.artifacts.remote.gc")
 # The plugin surface (docs/plugins.md): an in-tree plugin module imports from qbuild only these modules and its own
 # plugin package: the kind's child package it lives in (qbuild.quantize.llmcompressor.* for llmcompressor/gptq/run.py),
-# or, for a flat module of a kind's folder (servers/vllm.py, targets/trtllm_env.py), that folder's flat modules.
+# or, for a flat module of a kind's folder (servers/vllm.py, targets/trtllm_select.py), that folder's flat modules.
 # Nothing of another plugin package: what two plugins share is a service or the contract, exported by the surface.
 PLUGIN_SURFACE = ("qbuild.plugins", "qbuild.plugin_services")
 PLUGIN_KINDS = ("qbuild.quantize", "qbuild.targets", "qbuild.runtimes", "qbuild.servers")
-# The cross-plugin imports not yet moved to the surface (issue 51), each pinned to its (module, imported module):
-# the list only shrinks (test_every_pinned_cross_plugin_import_is_still_there)
-CROSS_PLUGIN_IMPORTS_LEFT = {
-    ("qbuild.runtimes.tensorrt_llm", "qbuild.targets.tensorrt_llm"),   # the TensorRT-LLM environment and trtllm-bench
-    ("qbuild.servers.vllm", "qbuild.runtimes.vllm"),                   # where vLLM is and which build
-}
 SYS_MODULES_NAMES_ONLY = ("set", "frozenset", "list", "sorted", "tuple", "len")   # list(sys.modules): names only
 
 
@@ -451,10 +445,10 @@ def plugin_package_of(module: str, root: Path = PACKAGE) -> str | None:
 
 def plugin_surface_problems(root: Path) -> list[str]:
     """Imports of a plugin module (annotations and modules run by `-m` included) that are neither the surface nor its
-    own plugin package (a flat module's: its folder's flat modules), but those pinned in CROSS_PLUGIN_IMPORTS_LEFT."""
+    own plugin package (a flat module's: its folder's flat modules)."""
     def allowed(module: str, name: str) -> bool:
         own, other = plugin_package_of(module, root), plugin_package_of(name, root)
-        if name in PLUGIN_SURFACE or (module, name) in CROSS_PLUGIN_IMPORTS_LEFT:
+        if name in PLUGIN_SURFACE:
             return True
         if own in PLUGIN_KINDS:   # a flat module: its folder's flat modules (and the folder's package itself)
             return other == own
@@ -709,8 +703,8 @@ def test_a_plugin_module_past_the_surface_fails_the_checks(tmp_path, way):
 
 
 @pytest.mark.parametrize("rel, line, refused", [
-    # a runtime importing a target (the TensorRT-LLM runtime did: its environment is a service's to share)
-    ("runtimes/llamacpp.py", "from qbuild.targets import trtllm_env  # noqa: F401,E402\n", "qbuild.targets.trtllm_env"),
+    # a runtime importing a target (the TensorRT-LLM runtime did: its environment is the service envs/tensorrt_llm.py)
+    ("runtimes/llamacpp.py", "from qbuild.targets import tensorrt_llm  # noqa: F401,E402\n", "qbuild.targets.tensorrt_llm"),
     # another plugin package itself, and its run module (once allowed as its public modules)
     ("quantize/llmcompressor/gptq/run.py", "from qbuild.quantize import gguf  # noqa: F401,E402\n",
      "qbuild.quantize.gguf"),
@@ -718,6 +712,8 @@ def test_a_plugin_module_past_the_surface_fails_the_checks(tmp_path, way):
      "qbuild.quantize.llmcompressor.run"),
     # a flat module of another kind's folder
     ("servers/sglang.py", "from qbuild.runtimes import transformers  # noqa: F401,E402\n", "qbuild.runtimes.transformers"),
+    # a server importing the runtime of its engine (the vLLM server did: where vLLM is is the service envs/vllm.py)
+    ("servers/vllm.py", "from qbuild.runtimes import vllm  # noqa: F401,E402\n", "qbuild.runtimes.vllm"),
 ])
 def test_a_cross_plugin_import_fails_the_checks(tmp_path, rel, line, refused):
     copy = _scratch_copy(tmp_path)
@@ -736,13 +732,6 @@ def test_a_flat_module_imports_its_folders_flat_modules(tmp_path):
     target = copy / "runtimes" / "llamacpp.py"
     target.write_text(target.read_text() + "\nfrom qbuild.runtimes import layer_stream  # noqa: F401,E402\n")
     assert plugin_surface_problems(copy) == []
-
-
-def test_every_pinned_cross_plugin_import_is_still_there():
-    """A pinned cross-plugin import that went away is removed with it: the list stays the list of what is left."""
-    graph = import_graph(PACKAGE, annotations=True, programs=True)
-    gone = sorted(pair for pair in CROSS_PLUGIN_IMPORTS_LEFT if pair[1] not in graph.get(pair[0], ()))
-    assert not gone, gone
 
 
 @pytest.mark.parametrize("cycle_graph, expected", [({"a": {"b"}, "b": {"a"}}, True), ({"a": {"b"}, "b": set()}, False)])

@@ -109,7 +109,7 @@ def test_report_of_a_run_where_every_gpu_test_skips(tmp_path):
 def test_gpu_test_engine_settings_give_context_logits(tmp_path, tiny_model_dir, monkeypatch):
     from test_trtllm_eval import FAKE_PYTHON, H100, TRT_121, _recipe, _run, _store_checkpoint, stub_fake_logits
 
-    from qbuild.targets import trtllm_env
+    from qbuild.envs import tensorrt_llm as trtllm_env
 
     monkeypatch.delenv(trtllm_env.ENV_PYTHON, raising=False)
     monkeypatch.setenv(trtllm_env.FAKE_GPU, H100)

@@ -296,7 +296,7 @@ def test_engine_check_through_the_fake_tensorrt_llm_interpreter(tmp_path, tiny_m
     engine's check must be the greedy decode of exactly those logits, compared with the baseline's."""
     import test_trtllm_eval as trt
 
-    from qbuild.targets import trtllm_env
+    from qbuild.envs import tensorrt_llm as trtllm_env
 
     monkeypatch.delenv(trtllm_env.ENV_PYTHON, raising=False)
     monkeypatch.setenv(trtllm_env.FAKE_GPU, trt.H100)

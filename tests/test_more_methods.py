@@ -288,7 +288,7 @@ def test_fp4_export_check(tmp_path, scheme, quant, ok):
 
 
 def _has_cuda() -> bool:
-    from qbuild.targets import trtllm_env as env
+    from qbuild.envs import tensorrt_llm as env
 
     return env.gpu() is not None and importlib.util.find_spec("modelopt") is not None
 

@@ -339,7 +339,7 @@ def test_resolve_and_pull_by_ref(remote_url, tmp_path):
 
 
 def _engine(store: Store, sm: str, created: str):
-    from qbuild.targets import trtllm_env
+    from qbuild.envs import tensorrt_llm as trtllm_env
     from qbuild.targets.tensorrt_llm import ENGINE_KIND
 
     gpu = {"9.0": "NVIDIA H100 80GB HBM3", "8.9": "NVIDIA L4"}[sm]
@@ -352,7 +352,7 @@ def _engine(store: Store, sm: str, created: str):
 
 
 def test_pull_picks_the_engine_for_this_gpu(remote_url, tmp_path, monkeypatch):
-    from qbuild.targets import trtllm_env
+    from qbuild.envs import tensorrt_llm as trtllm_env
     from qbuild.targets.trtllm_select import local_needs
 
     store = Store(tmp_path / "a")

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 
 from qbuild.base import hardware
 from qbuild.contract.step import Step
+from qbuild.envs import tensorrt_llm as trtllm_env
 from qbuild.errors import RecipeError, UserError
 from qbuild.models.checkpoint import CheckpointError, validate_hf_export, validate_trtllm_checkpoint
 from qbuild.targets import tensorrt_llm as trt
-from qbuild.targets import trtllm_env
 from qbuild.targets import trtllm_pytorch as trtpt
 from qbuild.targets.trtllm_select import engine_manifests, select_engine
 
@@ -275,12 +275,14 @@ def test_trtllm_build_command_continuous_kv():
 
 
 def test_trtllm_bench_command_golden():
-    assert trt.trtllm_bench_args("SmolLM2-135M", "/tok", "/engine", "/data.jsonl", "/report.json",
-                                 num_requests=64, warmup=4, concurrency=8) == [
+    from qbuild.runtimes import tensorrt_llm as engine_runtime  # trtllm-bench is the runtime's
+
+    assert engine_runtime.trtllm_bench_args("SmolLM2-135M", "/tok", "/engine", "/data.jsonl", "/report.json",
+                                            num_requests=64, warmup=4, concurrency=8) == [
         "trtllm-bench", "--model", "SmolLM2-135M", "--model_path", "/tok", "throughput", "--backend", "tensorrt",
         "--engine_dir", "/engine", "--dataset", "/data.jsonl", "--num_requests", "64", "--warmup", "4",
         "--report_json", "/report.json", "--concurrency", "8"]
-    rows = [json.loads(line) for line in trt.bench_dataset(3, 5, 7, 49152).splitlines()]
+    rows = [json.loads(line) for line in engine_runtime.bench_dataset(3, 5, 7, 49152).splitlines()]
     assert [sorted(r) for r in rows] == [["input_ids", "output_tokens", "task_id"]] * 3
     assert len(rows[0]["input_ids"]) == 5 and rows[0]["output_tokens"] == 7
 

@@ -16,8 +16,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from qbuild.envs import tensorrt_llm as trtllm_env
 from qbuild.errors import RecipeError
-from qbuild.targets import trtllm_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 H100_PCIE = "NVIDIA H100 PCIe:9.0:560.35.03"
@@ -359,6 +359,7 @@ def test_parse_bench_report_without_streaming():
 
 
 def test_build_and_bench_args_for_evaluation():
+    from qbuild.runtimes import tensorrt_llm as engine_runtime
     from qbuild.targets import tensorrt_llm as trt
 
     t = trt.EngineTarget(type="tensorrt-llm", gather_context_logits=True)
@@ -366,7 +367,7 @@ def test_build_and_bench_args_for_evaluation():
     assert args[-3:] == ["--gather_context_logits", "--logits_dtype", "float32"]
     assert trt.build_config(trt.build_settings(t))["gather_context_logits"] is True
     assert "--gather_context_logits" not in trt.trtllm_build_args(trt.build_settings(trt.EngineTarget(type="tensorrt-llm")), "c", "e")
-    bench = trt.trtllm_bench_args("m", "/hf", "/e", "/d", "/r", concurrency=2, max_batch_size=2, streaming=True)
+    bench = engine_runtime.trtllm_bench_args("m", "/hf", "/e", "/d", "/r", concurrency=2, max_batch_size=2, streaming=True)
     assert bench[-5:] == ["--concurrency", "2", "--max_batch_size", "2", "--streaming"]
 
 

@@ -16,10 +16,10 @@ from click.testing import CliRunner
 from test_trtllm_eval import _plan
 
 from qbuild.contract.step import Step
+from qbuild.envs import tensorrt_llm as trtllm_env
 from qbuild.errors import RecipeError, UserError
 from qbuild.models.checkpoint import CheckpointError, validate_trtllm_checkpoint
 from qbuild.targets import tensorrt_llm as trt
-from qbuild.targets import trtllm_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 H200 = "NVIDIA H200:9.0:550.54.15"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qbuild.targets import trtllm_env
+from qbuild.envs import tensorrt_llm as trtllm_env
 
 from helpers import run_api
 

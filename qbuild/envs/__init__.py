@@ -269,6 +269,12 @@ def existing(python: str) -> BackendEnv:
     return BackendEnv("python", str(path), digest, versions, external=True)
 
 
+def interpreter(python: str | None) -> list[str]:
+    """The command that starts an interpreter named by a path or a wrapper command ($QBUILD_VLLM_PYTHON,
+    $QBUILD_TRTLLM_PYTHON, a target's `python:`, e.g. `env PYTHONPATH=... python`); None or "": qbuild's own."""
+    return python.split() if python else [sys.executable]
+
+
 def backend(name: str) -> BackendEnv:
     if name not in BACKENDS:
         raise EnvError(f"unknown environment {name!r}; built-in: {', '.join(BACKENDS)}")

@@ -8,11 +8,14 @@ TensorRT-LLM interpreter (the target's `python:` / $QBUILD_TRTLLM_PYTHON, as for
   saves each window's context logits; the generic runners (qbuild/evaluate/quality.py) score them
   exactly as they score every other runtime's.
 - throughput: `trtllm-bench throughput --backend tensorrt --streaming` per batch size (the command
-  engine.trtllm_bench_args generates), its --report_json mapped to throughput.py's metric names.
+  trtllm_bench_args generates, on a synthetic dataset: bench_dataset), its --report_json mapped to throughput.py's
+  metric names.
 
 Plan side: an engine evaluation is keyed like the engine (TensorRT-LLM, TensorRT, CUDA, GPU SM and model,
 CPU architecture; the whole host too for timings), available exactly where the engine is (needs-gpu, on_missing_gpu), and
-reads the source model's tokenizer/config (the engine dir has neither).
+reads the source model's tokenizer/config (the engine dir has neither). The TensorRT-LLM environment it runs in (the
+interpreter, and the check that it is still the one the engine's key names) is the service qbuild/envs/tensorrt_llm.py
+(`trtllm_env` in qbuild.plugin_services), which the target that builds the engines asks too.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from qbuild.plugins import EvalStepFields, RecipeError, Runtime, RuntimeSession, StepContext, cpu_model, run_tool, runtimes
-from qbuild.targets import tensorrt_llm as trt
 
 SHIM = Path(__file__).with_name("_trtllm_shim.py")
 
@@ -54,15 +56,17 @@ def _workdir(ctx: StepContext):
 
 class EngineSession(RuntimeSession):
     def __init__(self, engine: Path, ctx: StepContext):
+        from qbuild.plugin_services import trtllm_env
+
         self.engine, self.ctx = engine, ctx
-        self.gpu, self.env = trt.current_environment(ctx.runtime_args)
+        self.gpu, self.env = trtllm_env.current_environment(ctx.runtime_args)
         self._info: dict = {"name": EngineRuntime.name}
 
     def window_logits(self, windows) -> Iterator:
         """Run the shim over every window in the TensorRT-LLM interpreter, then hand out each window's logits."""
         import numpy as np
 
-        from qbuild.plugin_services import protocol
+        from qbuild.plugin_services import protocol, trtllm_env
 
         ctx = self.ctx
         with _workdir(ctx) as work:
@@ -79,7 +83,7 @@ class EngineSession(RuntimeSession):
                        "vocab_size": source_vocab(ctx.inputs["tokenizer"]), "batch": 1,
                        "logits_dir": str(logits_dir)}
             (work / "request.json").write_text(json.dumps(request))
-            _run(ctx, [*trt.interpreter(self.env.python), str(work / SHIM.name), str(work / "request.json"),
+            _run(ctx, [*trtllm_env.interpreter(self.env.python), str(work / SHIM.name), str(work / "request.json"),
                        str(work / "result.json")], "the TensorRT-LLM logits shim")
             try:
                 result = json.loads((work / "result.json").read_text())
@@ -148,6 +152,44 @@ class EngineRuntime(Runtime):
 
 
 # --- throughput through trtllm-bench -------------------------------------------------------------------
+# Runs `trtllm-bench` (a click group) with the given argv inside the TensorRT-LLM interpreter.
+BENCH_SHIM = "import sys; sys.argv[0] = 'trtllm-bench'; from tensorrt_llm.commands.bench import main; sys.exit(main())"
+
+
+def trtllm_bench_args(model: str, tokenizer_dir: str | Path, engine_dir: str | Path, dataset: str | Path,
+                      report_json: str | Path, *, num_requests: int = 0, warmup: int = 2,
+                      concurrency: int | None = None, max_batch_size: int | None = None,
+                      streaming: bool = False) -> list[str]:
+    """`trtllm-bench ... throughput --backend tensorrt` (tensorrt_llm/bench/benchmark/throughput.py, 1.2.x).
+
+    The dataset is JSON lines {"task_id", "input_ids", "output_tokens"}: see bench_dataset().
+    max_seq_len is not passed: for the tensorrt backend it comes from the engine. `model_path` must be
+    a Hugging Face model dir (trtllm-bench reads its config.json with AutoConfig and its tokenizer), not
+    the engine dir, whose config.json is TensorRT-LLM's. `--streaming` adds TTFT/TPOT percentiles
+    ("streaming_metrics") to the report.
+    """
+    args = ["trtllm-bench", "--model", model, "--model_path", str(tokenizer_dir), "throughput",
+            "--backend", "tensorrt", "--engine_dir", str(engine_dir), "--dataset", str(dataset),
+            "--num_requests", str(num_requests), "--warmup", str(warmup), "--report_json", str(report_json)]
+    if concurrency is not None:
+        args += ["--concurrency", str(concurrency)]
+    if max_batch_size is not None:
+        args += ["--max_batch_size", str(max_batch_size)]
+    if streaming:
+        args += ["--streaming"]
+    return args
+
+
+def bench_dataset(n: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0) -> str:
+    """A synthetic fixed-length trtllm-bench dataset (no tokenizer download, reproducible)."""
+    import random
+
+    rng = random.Random(seed)
+    lines = [json.dumps({"task_id": i, "input_ids": [rng.randrange(100, vocab_size) for _ in range(input_len)],
+                         "output_tokens": output_len}) for i in range(n)]
+    return "\n".join(lines) + "\n"
+
+
 def parse_bench_report(report: dict, batch_size: int, input_len: int) -> dict:
     """trtllm-bench (1.2.x) --report_json → throughput.py's metric names, plus the raw headline numbers.
 
@@ -180,6 +222,8 @@ def parse_bench_report(report: dict, batch_size: int, input_len: int) -> dict:
 
 
 def bench_throughput(session: EngineSession, ctx: StepContext, p: dict) -> dict:
+    from qbuild.plugin_services import trtllm_env
+
     gpu, env = session.gpu, session.env
     engine, hf_dir = session.engine, Path(ctx.inputs["tokenizer"])
     vocab = source_vocab(hf_dir)
@@ -189,11 +233,11 @@ def bench_throughput(session: EngineSession, ctx: StepContext, p: dict) -> dict:
         for i, bs in enumerate(p["batch_sizes"]):
             n = bs * p["repetitions"]
             dataset, report = work / f"dataset-bs{bs}.jsonl", work / f"report-bs{bs}.json"
-            dataset.write_text(trt.bench_dataset(n, p["input_len"], p["output_len"], vocab))
-            args = trt.trtllm_bench_args("qbuild-model", hf_dir, engine, dataset, report, num_requests=n,
+            dataset.write_text(bench_dataset(n, p["input_len"], p["output_len"], vocab))
+            args = trtllm_bench_args("qbuild-model", hf_dir, engine, dataset, report, num_requests=n,
                                          warmup=p["warmup"] * bs, concurrency=bs, max_batch_size=bs, streaming=True)
             ctx.progress(i, len(p["batch_sizes"]), f"trtllm-bench batch {bs}")
-            _run(ctx, [*trt.interpreter(env.python), "-c", trt.BENCH_SHIM, *args[1:]], "trtllm-bench")
+            _run(ctx, [*trtllm_env.interpreter(env.python), "-c", BENCH_SHIM, *args[1:]], "trtllm-bench")
             try:
                 rep = json.loads(report.read_text())
             except (OSError, ValueError) as exc:

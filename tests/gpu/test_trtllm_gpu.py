@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from qbuild.targets import trtllm_env
+from qbuild.envs import tensorrt_llm as trtllm_env
 
 ENGINE_CHECK = Path(__file__).with_name("trtllm_engine_check.py")
 
@@ -102,8 +102,9 @@ def _build(tmp_path: Path, model_dir: Path, name: str, variant: dict) -> tuple[d
 
 @pytest.mark.parametrize("name, variant", SCHEMES, ids=[s[0] for s in SCHEMES])
 def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
+    from qbuild.envs import tensorrt_llm as trtllm_env
+    from qbuild.runtimes import tensorrt_llm as engine_runtime
     from qbuild.targets import tensorrt_llm as trt
-    from qbuild.targets import trtllm_env
 
     manifest, engine = _build(tmp_path, model_dir, name, variant)
     gpu = trtllm_env.gpu()
@@ -128,11 +129,11 @@ def test_build_load_generate_ppl_throughput(tmp_path, model_dir, name, variant):
 
     # throughput through trtllm-bench
     ds = tmp_path / "bench.jsonl"
-    ds.write_text(trt.bench_dataset(32, 128, 32, tok.vocab_size))
+    ds.write_text(engine_runtime.bench_dataset(32, 128, 32, tok.vocab_size))
     report = tmp_path / "report.json"
     # --model_path must be an HF dir (trtllm-bench reads its config.json with AutoConfig); the engine's is TRT-LLM's
-    args = trt.trtllm_bench_args("local-model", model_dir, engine, ds, report, num_requests=32, warmup=2)
-    run = subprocess.run([*trtllm_python(), "-c", trt.BENCH_SHIM, *args[1:]], capture_output=True, text=True,
+    args = engine_runtime.trtllm_bench_args("local-model", model_dir, engine, ds, report, num_requests=32, warmup=2)
+    run = subprocess.run([*trtllm_python(), "-c", engine_runtime.BENCH_SHIM, *args[1:]], capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert json.loads(report.read_text())

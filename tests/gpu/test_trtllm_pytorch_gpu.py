@@ -16,7 +16,7 @@ import sys
 import pytest
 import yaml
 
-from qbuild.targets import trtllm_env
+from qbuild.envs import tensorrt_llm as trtllm_env
 
 ENV_PYTHON = "QBUILD_TRTLLM_PYTORCH_PYTHON"
 LOAD_SCRIPT = r"""

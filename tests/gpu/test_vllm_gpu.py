@@ -15,7 +15,7 @@ import math
 
 import pytest
 
-from qbuild.runtimes import vllm as vllm_rt
+from qbuild.envs import vllm as vllm_env
 
 
 def unavailable() -> str:
@@ -23,7 +23,7 @@ def unavailable() -> str:
 
     if gpu() is None:   # vLLM's CPU build runs on CPUs: tests/test_vllm_cpu.py
         return "no NVIDIA GPU (nvidia-smi)"
-    _, reasons, _ = vllm_rt.availability()
+    _, reasons, _ = vllm_env.availability()
     return "; ".join(reasons)
 
 
@@ -34,7 +34,7 @@ def _ctx(tmp_path, model, data, runtime: str, device: str = "cuda", reference=No
     """A perplexity step's context, as the executor makes it (fixed windows of 256, 4 of them)."""
     from qbuild.contract.step import StepContext
 
-    facts, _, python = vllm_rt.availability()
+    facts, _, python = vllm_env.availability()
     out = tmp_path / runtime / "out"
     out.mkdir(parents=True)
     inputs = {"model": model, "data": data} | ({"reference": reference} if reference else {})

@@ -1,5 +1,8 @@
-"""Cheap probes of the two facts a TensorRT-LLM engine depends on: the GPU (qbuild.base.hardware) and the
-TensorRT-LLM install.
+"""The TensorRT-LLM environment: cheap probes of the two facts a TensorRT-LLM engine depends on, the GPU
+(qbuild.base.hardware) and the TensorRT-LLM install, and the check, where a step runs, that they are still the ones
+its key was computed for. What the `tensorrt-llm` target (qbuild/targets/tensorrt_llm.py, which builds engines) and
+the `tensorrt-llm` runtime (qbuild/runtimes/tensorrt_llm.py, which evaluates them) both need, exported to them by
+qbuild.plugin_services as `trtllm_env`.
 
 Neither probe imports tensorrt_llm (its import needs libcuda and takes seconds):
   gpu()        qbuild.base.hardware.gpu(): `nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader`
@@ -24,7 +27,8 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from qbuild.plugins import hardware
+from qbuild.base import hardware
+from qbuild.envs import interpreter
 
 # the machine facts an engine is keyed on come from the core's probe (one nvidia-smi call per process), under the
 # names the TensorRT-LLM modules (and their tests) use
@@ -98,7 +102,7 @@ def _probe_trtllm(python: str) -> TrtllmEnv | None:
             return None
         cmd = [sys.executable, "-c", PROBE_SCRIPT]
     else:
-        cmd = [*python.split(), "-c", PROBE_SCRIPT] if " " in python else [python, "-c", PROBE_SCRIPT]
+        cmd = [*interpreter(python), "-c", PROBE_SCRIPT]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         data = json.loads(out.stdout.strip().splitlines()[-1])
@@ -113,3 +117,27 @@ def _probe_trtllm(python: str) -> TrtllmEnv | None:
 def clear_cache() -> None:
     hardware.clear_cache()
     _probe_trtllm.cache_clear()
+
+
+# --- the facts an engine is keyed by, as this machine has them ----------------------------------------------------
+# what enters an engine's key besides its settings (qbuild/targets/trtllm_select.py: the pull-time match)
+ENV_KEYS = ("gpu.sm", "gpu.name", "host.arch", "tensorrt_llm", "tensorrt", "cuda")
+
+
+def probed_facts(gpu, env) -> dict:
+    """The key facts as this machine has them (None where there is no GPU / TensorRT-LLM or a fact is unreadable)."""
+    return {"gpu.sm": gpu.sm if gpu else None, "gpu.name": gpu.name if gpu else None,
+            "host.arch": host_arch(),
+            "tensorrt_llm": env.tensorrt_llm if env else None, "tensorrt": env.tensorrt if env else None,
+            "cuda": env.cuda if env else None}
+
+
+def current_environment(runtime_args: dict) -> tuple:
+    """(GPU, TensorRT-LLM env) of this machine; refuses to run where they differ from the planned key."""
+    gpu_now, env = gpu(), trtllm(runtime_args.get("python"))
+    now = probed_facts(gpu_now, env)
+    expected = runtime_args["expected"]
+    changed = [f"{k}: planned {expected.get(k)}, found {now[k]}" for k in ENV_KEYS if now[k] != expected.get(k)]
+    if changed:
+        raise RuntimeError("the TensorRT-LLM environment is not the one the key was computed for: " + "; ".join(changed))
+    return gpu_now, env
