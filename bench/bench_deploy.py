@@ -1,21 +1,24 @@
-"""The deployment search against a full grid over the same space, and against the best configuration
-recipes/serving.yaml lists by hand, on the demo model behind llama-server (issue 50's bars).
+"""The deployment search against recipes/serving.yaml's best hand-listed configuration and, with --grid, against a
+full grid over the same space, on the demo model behind llama-server (issue 50's bars).
 
-    flock /tmp/qbuild-heavy.lock .venv/bin/python bench/bench_deploy.py [--with-draft] [--runs 2]
+    flock /tmp/qbuild-heavy.lock .venv/bin/python bench/bench_deploy.py [--grid] [--with-draft] [--runs 2]
 
 Per run, on a fresh store and a fresh probe cache (nothing shared but llama-server's binary and the model file):
-1. recipes/deploy.yaml (`strategy: prune`), without the draft lever unless --with-draft (the grid would search
-   every drafted candidate too), its capacity probes of `--requests` × `--rounds` and with no max_searched, within
-   `--max-minutes`: its wall time, and the time of its screens and its `deploy` step;
-2. the same recipe with `strategy: grid` on the same store (the screens are the same steps and are reused) and a
-   fresh probe cache: every candidate that meets the bounds gets its capacity search.
-The grid's wall time is the screens' time plus its `deploy` step; the search's, the screens' plus its own. The
-hand-listed best is the grid's best among the candidates recipes/serving.yaml serves (q8_0 and q4km, f16 and q8_0 KV
-cache, --parallel 4: its configs `default` and `kv8` at its largest concurrency).
+1. the search: recipes/deploy.yaml as shipped (its probes, max_searched and max_minutes unless overridden), without
+   the draft lever unless --with-draft: its choice, its wall time, its screens' and `deploy` step's time, and when
+   the choice was settled (the searches before the front pass);
+2. the hand-listed cells: recipes/serving.yaml's cells (q8_0 and q4km, f16 and q8_0 KV cache, --parallel 4 at the
+   run's threads: its configs `default` and `kv8` at its largest concurrency) searched with the same probes on the
+   same store and probe cache, as the search searches (in order of screened bound, while a bound can beat the best
+   capacity measured: their best; screens and any probe the search measured are reused), so that the chosen
+   capacity over the hand-listed best's is measured alike;
+3. with --grid, the whole space with `strategy: grid` on the same store and a fresh probe cache: every candidate that
+   meets the bounds gets its capacity search. The grid's time is the screens' plus its `deploy` step; the search's,
+   the screens' plus its own (and to its choice, the screens' plus the choice pass).
 
-Prints per run: the search's choice and capacity, the grid's best (and whether the search reached it or one within
-one grid step, 4.4 %), the search's time over the grid's (target ≤ 0.5), the chosen capacity over the hand-listed
-best's (target ≥ 1.3, or no deployment in the space does better: the grid shows it), and whether every run chose the
+Prints per run: the search's choice and capacity, the chosen capacity over the hand-listed best's (target >= 1.3, or
+no deployment in the space does better), and with --grid the grid's best (whether the search reached it or one within
+one grid step, 4.4 %) and the search's time over the grid's (target <= 0.5); with --runs 2 whether every run chose the
 same deployment. Appends each run to bench/results/deploy.jsonl.
 """
 
@@ -55,72 +58,86 @@ def step_seconds(summary: dict, prefix: str) -> float:
     return sum(s["seconds"] or 0 for s in summary["steps"] if s["name"].startswith(prefix) and s["status"] == "built")
 
 
-def one_run(args, root: Path, with_grid: bool = True) -> dict:
+def one_run(args, root: Path, with_grid: bool) -> dict:
     data = yaml.safe_load((REPO / "recipes" / "deploy.yaml").read_text())
     if not args.with_draft:
         data["deploy"]["space"]["draft"] = [None]
-    # cheaper capacity probes for both (the comparison is of search against grid under the same probes)
-    data["deploy"].update({"requests": args.requests, "rounds": args.rounds, "max_minutes": args.max_minutes,
-                           "max_searched": 1000})
-    prune, grid = root / "prune.yaml", root / "grid.yaml"
-    prune.write_text(yaml.safe_dump(data))
-    data["deploy"]["strategy"] = "grid"
-    data["deploy"]["max_minutes"] = 240
-    grid.write_text(yaml.safe_dump(data))
-    store = root / "store"
-    wall, searched = run(prune, store, root / "cache-prune")
+    overrides = {"requests": args.requests, "rounds": args.rounds, "max_minutes": args.max_minutes,
+                 "max_searched": args.max_searched}
+    data["deploy"].update({k: v for k, v in overrides.items() if v is not None})
+    store, cache = root / "store", root / "cache"
+    wall, searched = run(write(root / "search.yaml", data), store, cache)
     screens = step_seconds(searched, "deploy-screen[")
-    search_s = screens + step_seconds(searched, "deploy")
     d = searched["deploy"]
     chosen = d["chosen"]
-    common = {"when": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(), "with_draft": args.with_draft,
-              "wall_s": round(wall, 1), "screens_s": round(screens, 1), "search_s": round(search_s, 1),
-              "chosen": chosen and {k: chosen[k] for k in ("name", "capacity_rps", "peak_rss_mb", "kld")},
-              "ties": d["ties"], "searched": d["searched"], "screened": d["screened"]}
+    out = {"when": time.strftime("%Y-%m-%d %H:%M"), "load_average": os.getloadavg(), "with_draft": args.with_draft,
+           "probes": {k: data["deploy"].get(k) for k in ("requests", "rounds")}, "wall_s": round(wall, 1),
+           "screens_s": round(screens, 1), "search_s": round(screens + step_seconds(searched, "deploy"), 1),
+           "to_choice_s": round(screens + (d.get("choice_settled") or {}).get("seconds", 0), 1),
+           "chosen": chosen and {k: chosen[k] for k in ("name", "capacity_rps", "peak_rss_mb", "kld")},
+           "ties": d["ties"], "searched": d["searched"], "screened": d["screened"],
+           "capacities": {r["name"]: r.get("capacity_rps") for r in d["candidates"]}}
+    # the hand-listed cells, searched as the search searches (in order of their screened bound, while a bound can
+    # beat the best capacity measured): their best, at the same probes
+    cells = HAND_LISTED
+    hand_data = {**data, "deploy": {**data["deploy"], "max_minutes": 120, "max_searched": len(cells), "space": {
+        **data["deploy"]["space"], "variants": ["q8_0", "q4km"], "kv_cache_dtype": [None, "q8_0"], "parallel": [4],
+        "threads": [None], "draft": [None]}}}
+    _, handed = run(write(root / "hand.yaml", hand_data), store, cache)
+    rows = {r["name"]: r for r in handed["deploy"]["candidates"]}
+    hand = [rows[n] for n in cells if n in rows and rows[n].get("capacity_rps") and not rows[n]["rejected"]]
+    hand_best = max(hand, key=lambda r: r["capacity_rps"], default=None)
+    out |= {"hand_listed": {n: rows[n].get("capacity_rps") for n in cells if n in rows},
+            "hand_listed_best": hand_best and {k: hand_best[k] for k in ("name", "capacity_rps")},
+            "capacity_ratio": (round(chosen["capacity_rps"] / hand_best["capacity_rps"], 3)
+                               if chosen and hand_best else None)}
     if not with_grid:
-        return common
-    _, gridded = run(grid, store, root / "cache-grid")
+        return out
+    _, gridded = run(write(root / "grid.yaml", {**data, "deploy": {**data["deploy"], "strategy": "grid",
+                                                                      "max_minutes": 240}}),
+                     store, root / "cache-grid")
     grid_s = screens + step_seconds(gridded, "deploy")
     g = gridded["deploy"]
     rows = {r["name"]: r for r in g["candidates"]}
-    hand = [rows[n] for n in HAND_LISTED if n in rows and rows[n].get("capacity_rps") and not rows[n]["rejected"]]
-    hand_best = max(hand, key=lambda r: r["capacity_rps"], default=None)
     best = g["chosen"]
     reached = bool(chosen and best and (chosen["name"] == best["name"] or chosen["name"] in g["ties"]
                                         or rows[chosen["name"]].get("k", -999) >= rows[best["name"]]["k"] - 1))
-    return {**common, "grid_s": round(grid_s, 1), "time_ratio": round(search_s / grid_s, 3) if grid_s else None,
-            "grid_best": best and {k: best[k] for k in ("name", "capacity_rps", "peak_rss_mb", "kld")},
-            "grid_ties": g["ties"], "reached_grid_best": reached,
-            "hand_listed_best": hand_best and {k: hand_best[k] for k in ("name", "capacity_rps")},
-            "capacity_ratio": (round(chosen["capacity_rps"] / hand_best["capacity_rps"], 3)
-                               if chosen and hand_best else None),
-            "grid_capacities": {r["name"]: r.get("capacity_rps") for r in g["candidates"]}}
+    return out | {"grid_s": round(grid_s, 1), "time_ratio": round(out["search_s"] / grid_s, 3) if grid_s else None,
+                  "grid_best": best and {k: best[k] for k in ("name", "capacity_rps", "peak_rss_mb", "kld")},
+                  "grid_ties": g["ties"], "reached_grid_best": reached,
+                  "grid_capacities": {r["name"]: r.get("capacity_rps") for r in g["candidates"]}}
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--with-draft", action="store_true", help="keep recipes/deploy.yaml's draft lever")
     parser.add_argument("--runs", type=int, default=1, help="cold runs (two: do they choose the same?)")
-    parser.add_argument("--requests", type=int, default=24, help="Poisson arrivals per round of a capacity probe")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per capacity probe")
-    parser.add_argument("--max-minutes", type=float, default=120, help="the pruned search's budget (the grid: 240)")
-    parser.add_argument("--grid-runs", type=int, default=None,
-                        help="runs that also run the grid (default: every run); later runs search only, cold")
+    parser.add_argument("--requests", type=int, help="Poisson arrivals per round of a capacity probe (the recipe's)")
+    parser.add_argument("--rounds", type=int, help="rounds per capacity probe (the recipe's)")
+    parser.add_argument("--max-minutes", type=float, help="the search's budget (the recipe's)")
+    parser.add_argument("--max-searched", type=int, help="the search's capacity searches at most (the recipe's)")
+    parser.add_argument("--grid", action="store_true", help="also the full grid (every candidate searched)")
     args = parser.parse_args()
     results = []
     for i in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="qbuild-bench-deploy-") as d:
-            r = one_run(args, Path(d), with_grid=args.grid_runs is None or i < args.grid_runs)
+            r = one_run(args, Path(d), with_grid=args.grid and i == 0)
         results.append(r)
         print(f"run {i + 1}: chose {r['chosen'] and r['chosen']['name']} at "
               f"{r['chosen'] and r['chosen']['capacity_rps']} requests/s ({r['searched']} of {r['screened']} "
-              f"searched), ties {r['ties']}; search {r['search_s']} s, screens {r['screens_s']} s")
+              f"searched), ties {r['ties']}; {r['search_s']} s (screens {r['screens_s']} s, to the choice "
+              f"{r['to_choice_s']} s)")
+        print(f"  hand-listed (recipes/serving.yaml's cells): {r['hand_listed']}; chosen/best hand-listed "
+              f"{r['capacity_ratio']} (target >= 1.3)")
         if "grid_s" in r:
             print(f"  grid best {r['grid_best'] and r['grid_best']['name']} at "
                   f"{r['grid_best'] and r['grid_best']['capacity_rps']}/s, reached: {r['reached_grid_best']}; "
                   f"grid {r['grid_s']} s, search/grid {r['time_ratio']} (target <= 0.5)")
-            print(f"  hand-listed best (recipes/serving.yaml's cells): {r['hand_listed_best']}; chosen/hand-listed "
-                  f"{r['capacity_ratio']} (target >= 1.3)")
         out = REPO / "bench" / "results" / "deploy.jsonl"
         out.parent.mkdir(exist_ok=True)
         with out.open("a") as f:
