@@ -232,6 +232,33 @@ def test_a_memory_budget_below_every_server_rejects_all_with_the_figure_and_scre
     assert out.returncode == 3 and "no candidate meets every bound" in out.stdout
 
 
+@pytest.mark.slow
+def test_a_speculative_server_is_measured_end_to_end_and_judged_by_the_same_rules(searched, tmp_path, tiny_model_dir):
+    """A draft's worth, measured: the same server with and without a q4_0 draft, both capacity-searched (a grid over
+    the two) at the same SLO, the draft's acceptance counted by the server, and the choice made by capacity alone."""
+    data = deploy_recipe(tiny_model_dir, searched["root"] / "store", strategy="grid",
+                         space={"variants": ["q8_0"], "parallel": [1], "draft": [None, "q4_0"]})
+    recipe = write_recipe(tmp_path / "spec.yaml", data)
+    rc, summary = run_api(recipe)
+    assert rc == 0, [s.get("error") for s in summary["steps"] if s.get("error")]
+    # both screens come from the first search's store: only the capacity searches and the answer are new
+    assert [s["name"] for s in summary["steps"] if s["status"] == "built"] == ["deploy"]
+    d = summary["deploy"]
+    rows = {r["name"]: r for r in d["candidates"]}
+    plain, drafted = rows["q8_0@p1"], rows["q8_0@p1.d-q4_0"]
+    assert plain["capacity_rps"] > 0 and drafted["capacity_rps"] > 0 and d["searched"] == 2
+    assert drafted["speculative"]["accepted"] > 0 and 0 < drafted["speculative"]["acceptance_rate"] <= 1
+    assert drafted["without_draft"] == {"name": "q8_0@p1", "tpot_ms_p50": plain["screen"]["tpot_ms_p50"],
+                                        "capacity_rps": plain["capacity_rps"]}
+    # kept or rejected as any candidate is: the most capacity wins, within one grid step a tie
+    best = max((plain, drafted), key=lambda r: r["capacity_rps"])
+    assert d["chosen"]["name"] == best["name"] or d["chosen"]["name"] in d["ties"]
+    text = qbuild("deploy", str(recipe))
+    assert text.returncode == 0 and "draft acceptance" in text.stdout
+    assert f"without the draft TPOT p50 {plain['screen']['tpot_ms_p50']:.1f} ms, {plain['capacity_rps']:.4g} " \
+           "requests/s" in text.stdout or d["chosen"]["name"] == "q8_0@p1.d-q4_0"
+
+
 # --- the runner's loop, with the capacity search stood in -----------------------------------------------------------
 def fake_step(tmp_path, screens: dict[str, tuple[float, float]], strategy=None, max_searched=10, **bounds):
     """A deploy step's context over crafted screens: name → (screened requests/s, peak RSS MiB)."""

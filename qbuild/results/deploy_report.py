@@ -61,7 +61,9 @@ def candidate_text(r: dict) -> str:
         parts.append(f"draft acceptance {'-' if rate is None else format(rate, '.0%')}")
         plain = r.get("without_draft")
         if plain:
-            parts.append(f"without the draft TPOT p50 {_num(plain.get('tpot_ms_p50'), '.1f')} ms")
+            capacity = plain.get("capacity_rps")
+            parts.append(f"without the draft TPOT p50 {_num(plain.get('tpot_ms_p50'), '.1f')} ms"
+                         + ("" if capacity is None else f", {capacity:.4g} requests/s"))
     why = "; ".join(r.get("rejected") or []) or r.get("not_searched")
     return ", ".join(parts) + (f": {'rejected: ' if r.get('rejected') else 'not searched: '}{why}" if why else "")
 
