@@ -10,7 +10,7 @@ Per run, on a fresh store and a fresh probe cache (nothing shared but llama-serv
 2. the hand-listed cells: recipes/serving.yaml's cells (q8_0 and q4km, f16 and q8_0 KV cache, --parallel 4 at the
    run's threads: its configs `default` and `kv8` at its largest concurrency) searched with the same probes on the
    same store and probe cache, as the search searches (in order of screened bound, while a bound can beat the best
-   capacity measured: their best; screens and any probe the search measured are reused), so that the chosen
+   capacity measured, `front: false`: their best; screens and any probe the search measured are reused), so that the chosen
    capacity over the hand-listed best's is measured alike;
 3. with --grid, the whole space with `strategy: grid` on the same store and a fresh probe cache: every candidate that
    meets the bounds gets its capacity search. The grid's time is the screens' plus its `deploy` step; the search's,
@@ -80,7 +80,8 @@ def one_run(args, root: Path, with_grid: bool) -> dict:
     # the hand-listed cells, searched as the search searches (in order of their screened bound, while a bound can
     # beat the best capacity measured): their best, at the same probes
     cells = HAND_LISTED
-    hand_data = {**data, "deploy": {**data["deploy"], "max_minutes": 120, "max_searched": len(cells), "space": {
+    hand_data = {**data, "deploy": {**data["deploy"], "max_minutes": 120, "max_searched": len(cells), "front": False,
+                                    "space": {
         **data["deploy"]["space"], "variants": ["q8_0", "q4km"], "kv_cache_dtype": [None, "q8_0"], "parallel": [4],
         "threads": [None], "draft": [None]}}}
     _, handed = run(write(root / "hand.yaml", hand_data), store, cache)

@@ -318,6 +318,36 @@ def test_the_runner_searches_in_order_of_promise_and_skips_what_cannot_win(tmp_p
     assert result["chosen"]["name"] == "a@p4" and set(result["front"]) == {"a@p4", "b@p4", "b@p1"}
 
 
+def test_without_the_front_pass_the_search_stops_once_the_choice_is_settled(tmp_path, monkeypatch):
+    """front: false: only the searches that settle the choice run; a smaller server that could be on the front is
+    left, and says why."""
+    import qbuild.serving.capacity_step as capacity_step
+    from qbuild.serving.capacity_step import grid_index, rate_of
+    from qbuild.serving.deploy_step import run
+
+    measured = []
+
+    def fake_search(ctx, *, label, **_):
+        measured.append(label)
+        k = grid_index({"a@p4": 9.0, "b@p4": 5.4, "a@p1": 2.7}[label])
+        return {"capacity_rps": rate_of(k), "k": k, "next_rps": rate_of(k + 1), "complete": True,
+                "probes_measured": 3, "probes_reused": 0, "peak_rss_bytes": None}
+
+    monkeypatch.setattr(capacity_step, "search_server", fake_search)
+    # a@p4 settles the choice (no other bound beats 9/s); a@p1 needs a fifth of its memory: a front candidate
+    screens = {"a@p4": (9.5, 500), "b@p4": (6.0, 400), "a@p1": (3.0, 100)}
+    for front, want in ((True, ["a@p4", "b@p4", "a@p1"]), (False, ["a@p4"])):
+        measured.clear()
+        (tmp_path / str(front)).mkdir()
+        ctx = fake_step(tmp_path / str(front), screens)
+        ctx.params["front"] = front
+        result = run(ctx)["metrics"]
+        assert measured == want, (front, measured)
+        assert result["chosen"]["name"] == "a@p4" and result["choice_settled"]["searched"] == 1
+    rows = {r["name"]: r for r in result["candidates"]}
+    assert rows["a@p1"]["not_searched"].startswith("front: false") and result["front"] == ["a@p4"]
+
+
 def test_the_runner_rejects_a_server_over_the_memory_budget_before_searching_it(tmp_path, monkeypatch):
     import qbuild.serving.capacity_step as capacity_step
     from qbuild.serving.deploy_step import run

@@ -133,7 +133,8 @@ def deploy_steps(ctx) -> Step | None:
     params = {"candidates": listed, "slo": d.slo.bounds(),
               "bounds": {k: getattr(d, k) for k in ("max_memory_mb", "max_kld", "max_delta_ppl_pct")},
               "target_rps": d.target_rps, "max_searched": d.max_searched,
-              **({"strategy": d.strategy} if d.strategy != "prune" else {}), "max_minutes": d.max_minutes,
+              **({"strategy": d.strategy} if d.strategy != "prune" else {}),
+              **({} if d.front else {"front": False}), "max_minutes": d.max_minutes,
               "max_error_pct": d.max_error_pct, "workload": probes["workload"]}   # every capacity probe's
     return ctx.add(Step("deploy", "deploy", params, "qbuild.serving.deploy_step:run", inputs=inputs,
                         tools=tuple(sorted(first_server.tools)), threads=ctx.threads, per_hardware=True,

@@ -584,6 +584,9 @@ class Deploy(StrictModel):
                                               "every candidate that meets the bounds (what the search is compared "
                                               "with: bench/bench_deploy.py), max_searched ignored.")
     max_searched: int = Field(4, ge=1, le=1000, description="Capacity searches at most (the most promising first).")
+    front: bool = Field(True, description="After the choice, search other candidates for the Pareto front (capacity, "
+                        "memory, KLD) with the budget left; false: stop once the choice is settled (the front is "
+                        "then of the candidates searched for the choice).")
     max_minutes: float = Field(30.0, gt=0, le=1440, description="Time budget of the capacity searches together; "
                                "past it, the candidates not searched are reported as such.")
     requests: int = Field(24, ge=2, le=100_000, description="Poisson arrivals per round of a capacity probe.")

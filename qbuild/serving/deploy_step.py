@@ -84,6 +84,9 @@ def run(ctx) -> dict:
     for row in order:
         if "capacity_rps" in row or "not_searched" in row:
             continue
+        if not p.get("front", True) and not grid:
+            row["not_searched"] = "front: false (the choice was settled without it)"
+            continue
         better = dominated_by(row, searched)
         if better is not None:
             row["not_searched"] = (f"its screened full-batch throughput bounds its capacity at "
