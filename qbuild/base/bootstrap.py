@@ -10,15 +10,20 @@ samples and seed give the same interval.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
+# numpy is imported where an interval is computed: a cached run writes figures with plus_minus and never loads it
 LEVEL = 0.95
 RESAMPLES = 1000
 
 
 def percentile_interval(replicates, level: float = LEVEL) -> list[float] | None:
     """[lo, hi]: the central `level` of bootstrap replicates (rounded); None where a replicate has no value (NaN)."""
+    import numpy as np
+
     arr = np.asarray(replicates, dtype=float)
     if not arr.size or np.isnan(arr).any():
         return None
@@ -33,6 +38,8 @@ def two_level_intervals(runs: list, statistics: dict[str, Callable[[np.ndarray],
     run its samples: a sequence of numbers); None with fewer than two runs."""
     if len(runs) < 2:
         return None
+    import numpy as np
+
     rng = np.random.default_rng(seed)
     arrays = [np.asarray(r, dtype=float) for r in runs]
     reps: dict[str, list[float]] = {name: [] for name in statistics}

@@ -45,8 +45,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
+# numpy is imported by the functions that measure: a cached run's summary loads this module and never needs it
 PERCENTILES = (50, 90, 99)
 MAX_LINE_BYTES = 1 << 20          # one line of a stream: a chunk's JSON is a few hundred bytes
 STREAM_BYTES_PER_TOKEN = 16 << 10  # a stream's bound grows with the tokens asked for (about 300 bytes each, as served)
@@ -278,6 +277,8 @@ async def _so_far(client, url: str, prompt: list[int] | str, generated: str, mod
 
 
 async def _stream(client, url: str, prompt: list[int] | str, output_len: int, work: Workload) -> RequestResult:
+    import numpy as np
+
     body = {"model": work.model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}}
     if work.ignore_eos:
@@ -365,12 +366,16 @@ MIN_WINDOW_REQUESTS = 2
 
 def _typical_request_s(results: list[RequestResult]) -> float:
     """The median end-to-end time of the requests that completed (0 when none did)."""
+    import numpy as np
+
     e2e = [r.e2e_s for r in results if r.ok]
     return float(np.median(e2e)) if e2e else 0.0
 
 
 async def _open_loop(client, url: str, work: Workload, rate: float, first: int, count: int, seed: int,
                      done: Callable[[], None]) -> list[RequestResult]:
+    import numpy as np
+
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count)
     return await _replay(client, url, work, np.cumsum(gaps).tolist(), first, done)
 
@@ -416,6 +421,8 @@ def summarize_point(results: list[RequestResult], seconds: float | None = None,
                     window: tuple[float, float] | None = None, around: list[RequestResult] = ()) -> dict:
     """Numbers of one point. Rates: over `seconds` from the results alone, or over `window` (perf_counter times)
     from every token and request end of `results` and `around` (the warm-up) that falls inside it."""
+    import numpy as np
+
     ok = [r for r in results if r.ok]
     if window is not None:
         t0, t1 = window
@@ -462,6 +469,8 @@ def summarize_point(results: list[RequestResult], seconds: float | None = None,
 def by_turn(samples: dict, turns: int) -> list[dict]:
     """Per turn of the conversations (from 1): its completed requests, their TTFT p50/p99 (ms) and their mean prompt
     tokens as the server counted them (None where it reports none)."""
+    import numpy as np
+
     out = []
     for turn in range(turns):
         ttft = [v for v, t in zip(samples["ttft_ms"], samples["turn"], strict=True) if t == turn]

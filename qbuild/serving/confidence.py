@@ -9,10 +9,13 @@ nothing of how much the next would differ.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
 from qbuild.base.bootstrap import LEVEL, RESAMPLES, percentile_interval, plus_minus
 from qbuild.serving.client import PERCENTILES, by_turn
+
+if TYPE_CHECKING:   # numpy is imported where intervals are computed: a cached run's summary never loads it
+    import numpy as np
 
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 RATES = ("output_tok_s", "requests_s")
@@ -26,6 +29,8 @@ ROUND_FIELDS = (*(f"{m}_p{p}" for m in LATENCIES for p in PERCENTILES), *RATES, 
 def combine_rounds(rounds: list[dict], seed: int) -> dict:
     """One point from the summaries of its rounds (qbuild.serving.client.summarize_point, each with its samples):
     the pooled figures, `rounds` (each round's figures and samples) and `ci` (field → [lo, hi], or None)."""
+    import numpy as np
+
     pooled = {m: [v for r in rounds for v in _values(r, m)] for m in LATENCIES}
     seconds = sum(r["seconds"] for r in rounds)
     out = {"requests": sum(r["requests"] for r in rounds), "completed": sum(r["completed"] for r in rounds),
@@ -60,6 +65,8 @@ def _values(round_: dict, metric: str) -> list[float]:
 def intervals(rounds: list[dict], seed: int, resamples: int = RESAMPLES, level: float = LEVEL) -> dict | None:
     """field → [lo, hi] (the `level` percentile interval of `resamples` seeded bootstrap replicates), None for a
     field nothing was measured for; None with fewer than two rounds."""
+    import numpy as np
+
     if len(rounds) < 2:
         return None
     # rounds, not requests alone, are the independent units: requests of one round share its server state and how
@@ -97,6 +104,8 @@ def intervals(rounds: list[dict], seed: int, resamples: int = RESAMPLES, level: 
 def _request_table(round_: dict) -> dict:
     """A round's requests as arrays (TPOT NaN where a request streamed one token) and its ITL gaps, flattened, with
     how many each request has."""
+    import numpy as np
+
     s = round_["samples"]
     gaps = s.get("itl_ms") or [[] for _ in s["ttft_ms"]]
     return {"ttft_ms": np.array(s["ttft_ms"], dtype=float),
