@@ -98,6 +98,29 @@ def test_a_similar_evaluation_is_scaled_by_the_tokens_it_scores(store_dir):
     assert estimate_plan([PlannedStep(same, PlanStatus.MISS)], st, "search").steps[same.key].seconds == 40.0
 
 
+def test_history_of_a_method_counts_after_its_runner_moved(store_dir):
+    """A GPTQ step stored when its runner lived elsewhere (qbuild.quantize.gptq:GPTQ.run, before the per-method
+    packages) still estimates another GPTQ variant: the method, not the runner's module path, makes it similar. Another
+    method under that old runner does not."""
+    from qbuild.contract.step import PlanStatus
+    from qbuild.pipeline.plan import PlannedStep
+
+    st = Store(store_dir)
+    assert st.owned is not None
+    for i, (method, seconds) in enumerate((("gptq", 30.0), ("awq", 90.0))):
+        old = Step("quantize", f"quantize[{method}-old]", {"method": method, "bits": 4}, "old.module:Old.run")
+        tmp = st.root / "tmp" / f"old{i}"
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text("{}")
+        st.publish(old.key, tmp, {"kind": "quantize", "name": old.name, "runner": old.runner, "params": dict(old.params),
+                                  "recipe": {"name": "other"}, "timings": {"seconds": seconds}})
+    new = Step("quantize", "quantize[gptq-w4]", {"method": "gptq", "bits": 4, "group_size": 64}, "new.module.run:run")
+    est = estimate_plan([PlannedStep(new, PlanStatus.MISS)], st, "mine").steps[new.key]
+    assert est.seconds == 30.0 and est.basis.startswith("similar step (2/3 params equal)"), est
+    other = Step("quantize", "quantize[rtn]", {"method": "rtn", "bits": 4}, "new.rtn.run:run")   # no rtn stored
+    assert estimate_plan([PlannedStep(other, PlanStatus.MISS)], st, "mine").steps[other.key].seconds is None
+
+
 def test_a_cold_build_leaves_out_what_this_machine_cannot_build(store_dir):
     """A GPU engine and what evaluates it are skipped by a run here, so the cold estimate leaves them out, and says so."""
     from qbuild.artifacts.store import Hit

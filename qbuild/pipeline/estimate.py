@@ -3,8 +3,9 @@
 Every stored object's manifest records how long its step took (`timings.seconds`, on the machine that built
 it). A miss is estimated from, in this order:
   1. the same step of the same recipe built before (a new seed, a new toolchain): its last build's time;
-  2. a stored step of the same kind and runner with the most parameters in common (another GPTQ variant of
-     the same model, another GGUF type);
+  2. a stored step of the same kind and runner, or of the same kind and quantization method (the recipe's method
+     name outlives a runner's module path), with the most parameters in common (another GPTQ variant of the same
+     model, another GGUF type);
   3. nothing: "no history" (counted and said, never guessed).
 Where both the estimated step's model and the historical step's model are known, the time is scaled by
 the ratio of their sizes (quantization and evaluation are roughly linear in the weights). The total is the
@@ -135,7 +136,9 @@ def estimate_plan(planned, store: Store, recipe_name: str, cores: int | None = N
         if same:
             best, basis = max(same, key=lambda h: h["created"]), "same step, built before"
         else:
-            similar = [h for h in history if h["kind"] == s.kind and h["runner"] == s.runner]
+            method = s.params.get("method")
+            similar = [h for h in history if h["kind"] == s.kind and (
+                h["runner"] == s.runner or (method is not None and h["params"].get("method") == method))]
             if similar:
                 params = dict(s.params)
                 best = max(similar, key=lambda h: (_param_overlap(params, h["params"])[0], h["created"]))
