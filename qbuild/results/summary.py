@@ -9,7 +9,6 @@ from qbuild.evaluate.tasks import add_deltas as add_task_deltas
 from qbuild.evaluate.tasks import summary_rows as task_rows
 from qbuild.pipeline.outcome import StepOutcome
 from qbuild.pipeline.plan import Artifact, Plan
-from qbuild.serving.confidence import with_ci
 
 # "reference" is the baseline's one pass with KLD on (its perplexity + reference log-probs); a variant's
 # "perplexity" step carries its KLD and top-1 agreement when KLD is on
@@ -462,6 +461,8 @@ def render_serving(summary: dict, console) -> None:
     for col in ("variant", "config", "conc.", "TTFT p50", "TTFT p99", "TPOT p50", "ITL p99", "tok/s", "req/s",
                 "goodput", "errors", "peak RSS", "KV B/tok", *quality):
         table.add_column(col, justify="left" if col in ("variant", "config") else "right")
+    from qbuild.serving.confidence import with_ci  # here: a run without serving points never loads the client
+
     for variant, p in rows:
         where = (str(p["concurrency"]) if "concurrency" in p else f"{p['request_rate']:g}/s" if "request_rate" in p
                  else f"trace {p['trace']}")
