@@ -79,16 +79,15 @@ def one_run(args, root: Path, with_grid: bool) -> dict:
            "capacities": {r["name"]: r.get("capacity_rps") for r in d["candidates"]}}
     # the hand-listed cells, searched as the search searches (in order of their screened bound, while a bound can
     # beat the best capacity measured): their best, at the same probes
-    cells = HAND_LISTED
-    hand_data = {**data, "deploy": {**data["deploy"], "max_minutes": 120, "max_searched": len(cells), "front": False,
-                                    "space": {
-        **data["deploy"]["space"], "variants": ["q8_0", "q4km"], "kv_cache_dtype": [None, "q8_0"], "parallel": [4],
-        "threads": [None], "draft": [None]}}}
+    hand_space = {**data["deploy"]["space"], "variants": ["q8_0", "q4km"], "kv_cache_dtype": [None, "q8_0"],
+                  "parallel": [4], "threads": [None], "draft": [None]}
+    hand_data = {**data, "deploy": {**data["deploy"], "max_minutes": 120, "max_searched": len(HAND_LISTED),
+                                    "front": False, "space": hand_space}}
     _, handed = run(write(root / "hand.yaml", hand_data), store, cache)
     rows = {r["name"]: r for r in handed["deploy"]["candidates"]}
-    hand = [rows[n] for n in cells if n in rows and rows[n].get("capacity_rps") and not rows[n]["rejected"]]
+    hand = [rows[n] for n in HAND_LISTED if n in rows and rows[n].get("capacity_rps") and not rows[n]["rejected"]]
     hand_best = max(hand, key=lambda r: r["capacity_rps"], default=None)
-    out |= {"hand_listed": {n: rows[n].get("capacity_rps") for n in cells if n in rows},
+    out |= {"hand_listed": {n: rows[n].get("capacity_rps") for n in HAND_LISTED if n in rows},
             "hand_listed_best": hand_best and {k: hand_best[k] for k in ("name", "capacity_rps")},
             "capacity_ratio": (round(chosen["capacity_rps"] / hand_best["capacity_rps"], 3)
                                if chosen and hand_best else None)}
