@@ -212,7 +212,8 @@ def test_gguf_round_trip(runs, family_dir, converter, matrix_store, tmp_path, fa
            check_ppl_pct=check["ppl_delta_pct"], seconds=step_seconds(summary, "import-gguf", "import-check"))
 
 
-@pytest.mark.parametrize("family", [f.name for f in mf.FAMILIES])
+@pytest.mark.parametrize("family", [pytest.param(f.name, marks=[pytest.mark.slow] if f.name in SLOW_IN_CI else [])
+                                    for f in mf.FAMILIES])   # most of each one's time is building its model
 def test_plan_serving(family_dir, tmp_path, family):
     """`qbuild plan` of a family's serving: llama-server for its GGUF, the HF-format server for its
     compressed-tensors checkpoint (planned, and skipped where this machine has no GPU)."""

