@@ -230,3 +230,36 @@ def test_max_error_pct_is_a_validated_selection_field(tmp_path):
                                                                                "max_error_pct": 101})
     with pytest.raises(RecipeError, match="selection.max_error_pct"):
         parse_recipe(data)
+
+
+def test_candidates_on_two_engines_name_their_server_and_the_baseline_is_its_own_reference():
+    """recipes/engines.yaml's case: GGUF variants on llama-server, the baseline and a compressed-tensors variant on
+    vLLM. Each candidate names the server it was measured on; the baseline, served with an unquantized cache, has KLD
+    0 against itself (not "not measured"), so max_kld judges it; a quantized-KV config of it has no such default."""
+    def on(server, points):
+        return [p | {"server": server, "kv_cache_dtype": None} for p in points]
+
+    rows = [row("baseline", 540, None, on("vllm", [point("default", 4, 30, 2500, 140)])),
+            row("w8a8", 160, 0.015, on("vllm", [point("default", 4, 15, 800, 245)])),
+            row("q8_0", 144, 0.004, on("llama-server", [point("default", 4, 35, 1200, 93)]))]
+    out = select(Selection(ttft_p99_ms=3000, tpot_p50_ms=150, max_kld=0.1, include_baseline=True), rows, SERVING)
+    assert out["selected"]["variant"] == "q8_0" and out["selected"]["server"] == "llama-server"
+    rejected = {r["variant"]: r for r in out["rejected"]}
+    assert rejected["baseline"]["server"] == "vllm" and "kld" not in rejected["baseline"]["why"]
+    assert rejected["baseline"]["why"].startswith("meets every bound; objective max_throughput prefers q8_0@default")
+    assert rejected["w8a8"]["why"] == "tpot_p50_ms 245 ms at concurrency 4 > 150 (+95 ms, 63 %)"
+    kv8 = [row("baseline", 540, None, [p | {"kv_cache_dtype": "q8_0"} for p in on("vllm", [point("kv8", 4, 30, 900, 90)])])]
+    assert "kld under config kv8: not measured" in select(Selection(max_kld=0.1, include_baseline=True), kv8,
+                                                          SERVING)["rejected"][0]["why"]
+    from io import StringIO
+
+    from rich.console import Console
+
+    from qbuild.results.summary import render_selection
+
+    text = StringIO()
+    render_selection(out, Console(file=text, width=300))
+    lines = text.getvalue().splitlines()
+    assert lines[0] == "selected: q8_0 @ default (objective max_throughput)"
+    assert lines[1] == "  serve it with: llama-server --model default.gguf"   # the command names the engine
+    assert any(line.startswith("  w8a8 @ default on vllm: tpot_p50_ms 245 ms") for line in lines), lines

@@ -152,6 +152,7 @@ def _judge(sel, row: dict, config: str | None, default_c: int | None, at: int | 
     memory = max((p.get("peak_rss_mb") or 0 for p in points), default=None) or None
     cap = next((c for c in row.get("capacity") or [] if c["config"] == config), None)
     return {"variant": row["variant"], "config": config, "misses": misses, "not_served": _not_served(row, points, serving),
+            "server": next((p["server"] for p in points if p.get("server")), None),   # the engine serving it
             "capacity_rps": (cap or {}).get("capacity_rps"), "capacity_concurrency": (cap or {}).get("concurrency"),
             "capacity_complete": (cap or {}).get("complete"), "capacity_why": _no_capacity(cap),
             "uncertain": uncertain, "slo": slo, "memory_mb": memory,
@@ -206,6 +207,9 @@ def _quality(row: dict, points: list[dict]) -> dict:
     a quantized KV cache's own pass), else the artifact's own."""
     pt = next((p for p in points if "kld" in p), None)
     source = pt if pt is not None else row
+    if (row["variant"] == "baseline" and source.get("kld") is None
+            and not any(p.get("kv_cache_dtype") for p in points)):   # the reference itself, its cache unquantized
+        return {"kld": 0.0, "delta_ppl_pct": 0.0}
     return {"kld": source.get("kld"), "delta_ppl_pct": source.get("delta_ppl_pct")}
 
 
@@ -226,7 +230,7 @@ def _measure(objective: str, c: dict) -> float | None:
 
 # what every candidate of the verdict carries besides its name: each SLO's value, interval and verdict, the bounds
 # within noise, its memory, and the objective's interval and rounds at the selection's concurrency
-CANDIDATE_DETAIL = ("slo", "uncertain", "memory_mb", "error_pct", "output_tok_s_ci", "rounds", "capacity_rps",
+CANDIDATE_DETAIL = ("server", "slo", "uncertain", "memory_mb", "error_pct", "output_tok_s_ci", "rounds", "capacity_rps",
                     "capacity_concurrency", "capacity_complete")
 TIE_BREAK = {"kld": ("kld", "lower KLD", "KLD {:.4g}"), "memory": ("memory_mb", "smaller memory", "{:.0f} MiB"),
              "size": ("size_bytes", "smaller file", "{:,} bytes")}

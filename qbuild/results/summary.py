@@ -556,7 +556,8 @@ def render_selection(selection: dict, console) -> None:
         console.print(f"[bold red]nothing meets every selection bound[/] (objective {selection['objective']})"
                       if not selection.get("reason") else f"[bold red]nothing selected[/]: {escape(selection['reason'])}")
     for r in selection["rejected"]:
-        console.print(f"  {escape(r['variant'])} @ {escape(str(r['config']))}: {escape(r['why'])}")
+        on = f" on {r['server']}" if r.get("server") and r["server"] != (sel or {}).get("server") else ""
+        console.print(f"  {escape(r['variant'])} @ {escape(str(r['config']))}{escape(on)}: {escape(r['why'])}")
     if selection.get("target"):
         for line in target_lines(selection["target"]):
             console.print(escape(line))
