@@ -17,7 +17,7 @@ phase() {
   return 0
 }
 # llama.cpp compiles in the background while pip downloads: the two use different resources (cores, network)
-background_build() {   # $@: what (libraries, tools or both); the output goes to .venv/llama.cpp-<what>.log
+background_build() {   # $@: what (libraries, tools or both); the output goes to .venv/llama.cpp-<first of them>.log
   build_what="$*" build_log=".venv/llama.cpp-${1}.log"
   build_what="${build_what// / and }"
   echo "[$((SECONDS - started)) s] llama.cpp ${build_what}: compiling in the background (log: ${build_log})"
