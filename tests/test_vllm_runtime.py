@@ -36,7 +36,8 @@ def test_llm_and_sampling_arguments(monkeypatch):
     monkeypatch.delenv("QBUILD_VLLM_GPU_MEMORY_UTILIZATION", raising=False)
     assert rt.llm_kwargs(Path("/m"), 512) == {
         "model": "/m", "skip_tokenizer_init": True, "max_model_len": 513, "max_logprobs": -1,
-        "logprobs_mode": "raw_logprobs", "enable_prefix_caching": False, "seed": 0, "gpu_memory_utilization": 0.5}
+        "logprobs_mode": "raw_logprobs", "enable_prefix_caching": False, "seed": 0, "enforce_eager": True,
+        "gpu_memory_utilization": 0.5}
     # the whole vocabulary at every prompt position and at the generated one: exact PPL and KLD, not top-k
     assert rt.LOGPROBS_SAMPLING == {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": -1, "logprobs": -1,
                                     "detokenize": False, "flat_logprobs": True}

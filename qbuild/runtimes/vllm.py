@@ -58,6 +58,9 @@ def llm_kwargs(model: Path, n_ctx: int, seed: int = 0) -> dict:
         "logprobs_mode": "raw_logprobs",     # log-softmax of the raw logits, before any sampling processor
         "enable_prefix_caching": False,      # a cached prefix would get no prompt logprobs recomputed
         "seed": seed,
+        # a scoring pass is a few prefills: compiling the model (torch.compile; CUDA graphs on a GPU) costs more than
+        # it saves (1-2 min per start on a 2-core CPU), and eager kernels are the reference the compiled ones match
+        "enforce_eager": True,
         "gpu_memory_utilization": float(os.environ.get("QBUILD_VLLM_GPU_MEMORY_UTILIZATION", "0.5")),
     }
 
@@ -105,6 +108,10 @@ class VllmSession(RuntimeSession):
         self.ctx.log("running: " + " ".join(cmd))
         t0 = time.perf_counter()
         settings = vllm_env.cpu_settings(self.ctx.threads) if self.on_cpu else vllm_env.OFFLINE
+        if self.on_cpu:
+            # engine and worker in the shim's own process (vLLM's uniprocess executor): each extra process imports
+            # vLLM and torch again (~12 s apiece here); the OpenMP settings above are in place before it starts
+            settings = {**settings, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         run_tool(cmd, "the vLLM shim", env={**os.environ, **settings})
         try:
             result = json.loads((work / "result.json").read_text())
