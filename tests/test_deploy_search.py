@@ -187,7 +187,8 @@ def test_the_search_screens_every_candidate_searches_the_promising_and_chooses(s
     assert d["replicas"]["replicas"] == -(-100 // chosen["capacity_rps"])
     for r in d["candidates"]:
         assert r["peak_rss_mb"] > 10 and r["screen"]["requests_s"] > 0 and r["screen"]["errors"] == 0
-        assert r.get("capacity_rps") is not None or r.get("not_searched") or r["rejected"], r
+        assert r.get("capacity_rps") is not None or r.get("not_searched") or r["rejected"] or \
+            r["challenge"]["outcome"] == "below", r
         if r["draft"]:   # the draft's own counters: tokens drafted and accepted, beside the same server without it
             assert r["speculative"]["draft_tokens"] > 0 and 0 <= r["speculative"]["acceptance_rate"] <= 1
             assert r["without_draft"]["name"] == r["name"].replace(".d-q4_0", "")
@@ -395,3 +396,96 @@ def test_a_servers_draft_counters_are_read_only_when_they_can_be_counters(monkey
 
     monkeypatch.setattr(client, "get_text", lambda url, timeout_s: metrics)
     assert LlamaServer().speculative_stats("http://127.0.0.1:1", 5) == want
+
+
+# --- strategy challenge: the leader searched, the others challenged at its rates --------------------------------------
+def capacity_measure(capacity_k: int, asked: list[int]):
+    """A probe stand-in for a server that meets the SLOs at every grid rate up to index `capacity_k`."""
+    def measure(k: int) -> dict:
+        asked.append(k)
+        return {"errors": 0, "requests": 24, "ttft_ms_p99": 50.0 if k <= capacity_k else 500.0, "tpot_ms_p50": 2.0,
+                "arrival_rps": 1.0, "saturated_rps": None, "ci": {}}
+    return measure
+
+
+@pytest.mark.parametrize("server_k, outcome, asked_want, k_want", [
+    (40, "beats", [31, 47, 39, 43, 41, 40], 40),   # met the leader's missed rate: searched upward from there
+    (30, "ties", [31, 30], 30),                    # the leader's own rate
+    (29, "ties", [31, 30, 29], 29),                # one grid step under: within the search's resolution
+    (20, "below", [31, 30, 29], None),             # three probes, and no search
+])
+def test_a_challenge_settles_beats_ties_or_below_in_at_most_three_probes(server_k, outcome, asked_want, k_want):
+    from qbuild.serving.capacity_step import challenge, rate_of
+
+    asked: list[int] = []
+    found = challenge(capacity_measure(server_k, asked), {"ttft_p99_ms": 100}, 1.0, 30)
+    assert found["challenge"] == outcome and found["k"] == k_want and asked == asked_want, (found, asked)
+    if outcome == "below":
+        assert found["capacity_rps"] is None and found["below_rps"] == rate_of(29) and found["complete"]
+    else:
+        assert found["capacity_rps"] == rate_of(k_want) and found["next_rps"] == rate_of(k_want + 1)
+
+
+def test_a_challenge_cut_short_by_the_time_limit_is_no_verdict():
+    from qbuild.serving.capacity_step import challenge
+
+    asked: list[int] = []
+    found = challenge(capacity_measure(20, asked), {"ttft_p99_ms": 100}, 1.0, 30, out_of_time=lambda: len(asked) >= 1)
+    assert found["challenge"] is None and not found["complete"] and asked == [31]
+
+
+def test_the_challenge_strategy_searches_the_leader_once_and_challenges_the_close_ones(tmp_path, monkeypatch):
+    """A screen that reads a candidate low (b@p2: screened below a@p4, sustains more) does not cost the choice: it is
+    challenged at the leader's rates, beats it, and is searched upward; a candidate tied with the leader is reported
+    as a tie; one whose screen cannot come within a grid step of the leader is left to the front pass."""
+    import qbuild.serving.capacity_step as capacity_step
+    from qbuild.serving.capacity_step import grid_index, rate_of
+    from qbuild.serving.deploy_step import run
+
+    true_k = {"a@p4": grid_index(2.0), "b@p2": grid_index(2.4), "c@p4": grid_index(2.0), "d@p1": grid_index(0.5)}
+    calls = []
+
+    def search_server(ctx, *, label, challenge_k=None, **kw):
+        calls.append((label, challenge_k))
+        asked: list[int] = []
+        measure = capacity_measure(true_k[label], asked)
+        if challenge_k is not None:
+            found = capacity_step.challenge(measure, {"ttft_p99_ms": 100}, 1.0, challenge_k)
+        else:
+            found = capacity_step.search(measure, {"ttft_p99_ms": 100}, 1.0, grid_index(kw["search_params"]
+                                                                                         ["start_rps"]))
+        return {**found, "probes_measured": len(asked), "probes_reused": 0, "peak_rss_bytes": None}
+
+    monkeypatch.setattr(capacity_step, "search_server", search_server)
+    screens = {"a@p4": (3.0, 300), "b@p2": (2.2, 300), "c@p4": (2.9, 300), "d@p1": (0.6, 300)}
+    result = run(fake_step(tmp_path, screens, strategy="challenge"))["metrics"]
+    rows = {r["name"]: r for r in result["candidates"]}
+    assert calls[:3] == [("a@p4", None), ("c@p4", grid_index(2.0)), ("b@p2", grid_index(2.0))], calls
+    assert rows["c@p4"]["challenge"]["outcome"] == "ties" and rows["b@p2"]["challenge"]["outcome"] == "beats"
+    assert rows["b@p2"]["capacity_rps"] == rate_of(true_k["b@p2"]) and result["chosen"]["name"] == "b@p2"
+    assert ("d@p1", None) not in calls[:3] and result["choice_settled"]["searched"] == 3
+    # d@p1 (0.6 × 1.5 < the leader's rate) was not challenged; it needs no less memory: the front pass skips it
+    assert "already sustains" in rows["d@p1"]["not_searched"]
+
+
+def test_a_candidate_below_the_leader_says_so_and_by_how_much(tmp_path, monkeypatch):
+    import qbuild.serving.capacity_step as capacity_step
+    from qbuild.results.deploy_report import candidate_text
+    from qbuild.serving.capacity_step import grid_index
+    from qbuild.serving.deploy_step import run
+
+    true_k = {"a@p4": grid_index(2.0), "b@p2": grid_index(1.2)}
+
+    def search_server(ctx, *, label, challenge_k=None, **kw):
+        asked: list[int] = []
+        measure = capacity_measure(true_k[label], asked)
+        found = (capacity_step.challenge(measure, {"ttft_p99_ms": 100}, 1.0, challenge_k) if challenge_k is not None
+                 else capacity_step.search(measure, {"ttft_p99_ms": 100}, 1.0, grid_index(2.0)))
+        return {**found, "probes_measured": len(asked), "probes_reused": 0, "peak_rss_bytes": None}
+
+    monkeypatch.setattr(capacity_step, "search_server", search_server)
+    result = run(fake_step(tmp_path, {"a@p4": (3.0, 300), "b@p2": (2.0, 400)}, strategy="challenge"))["metrics"]
+    rows = {r["name"]: r for r in result["candidates"]}
+    assert rows["b@p2"]["challenge"]["outcome"] == "below" and rows["b@p2"]["rejected"] == []
+    assert result["chosen"]["name"] == "a@p4" and result["ties"] == []
+    assert "challenged at the leader's 2/s: below 1.915/s" in candidate_text(rows["b@p2"])

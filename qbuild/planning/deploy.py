@@ -30,7 +30,8 @@ from qbuild.planning.serving import (
     wanted,
 )
 
-DEPLOY_IMPL_VERSION = 2   # 2: the front pass prunes within memory/KLD noise (deploy_search.FRONT_*)
+DEPLOY_IMPL_VERSION = 3   # 2: the front pass prunes within memory/KLD noise (deploy_search.FRONT_*); 3: strategy
+# challenge (the default), and the strategy always in the params
 # a candidate's name: the levers it sets, in this order, with these prefixes (kv-q8_0.p4.t2.b256.ub64.pc.d-q4km)
 LEVER_NAMES = (("kv_cache_dtype", "kv-"), ("parallel", "p"), ("threads", "t"), ("batch_size", "b"),
                ("ubatch_size", "ub"), ("prefix_caching", "pc"), ("draft", "d-"))
@@ -133,7 +134,7 @@ def deploy_steps(ctx) -> Step | None:
     params = {"candidates": listed, "slo": d.slo.bounds(),
               "bounds": {k: getattr(d, k) for k in ("max_memory_mb", "max_kld", "max_delta_ppl_pct")},
               "target_rps": d.target_rps, "max_searched": d.max_searched,
-              **({"strategy": d.strategy} if d.strategy != "prune" else {}),
+              "strategy": d.strategy,
               **({} if d.front else {"front": False}), "max_minutes": d.max_minutes,
               "max_error_pct": d.max_error_pct, "workload": probes["workload"]}   # every capacity probe's
     return ctx.add(Step("deploy", "deploy", params, "qbuild.serving.deploy_step:run", inputs=inputs,

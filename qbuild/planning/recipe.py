@@ -579,11 +579,15 @@ class Deploy(StrictModel):
     max_delta_ppl_pct: float | None = Field(None, description="Largest PPL increase over the baseline, in %.")
     screen_requests: int = Field(8, ge=2, le=10_000, description="Requests of a candidate's screening point (after "
                                  "one warm-up per slot).")
-    strategy: Literal["prune", "grid"] = Field("prune", description="prune: search capacity in order of the screened "
-                                              "bound and skip candidates one already searched beats; grid: search "
-                                              "every candidate that meets the bounds (what the search is compared "
-                                              "with: bench/bench_deploy.py), max_searched ignored.")
-    max_searched: int = Field(4, ge=1, le=1000, description="Capacity searches at most (the most promising first).")
+    strategy: Literal["challenge", "prune", "grid"] = Field(
+        "challenge", description="challenge: search the most promising candidate's capacity (the leader), then "
+        "challenge every candidate whose screen could come within one grid step of it at the leader's rates (one to "
+        "three probes each: beats, ties or below; one that beats it is searched upward and leads); prune: search "
+        "capacity in order of the screened bound and skip candidates one already searched beats; grid: search "
+        "every candidate that meets the bounds (what the search is compared with: bench/bench_deploy.py), "
+        "max_searched ignored. Each then searches the Pareto front with the budget left.")
+    max_searched: int = Field(4, ge=1, le=1000, description="Capacity searches and challenges at most (the most "
+                              "promising first).")
     front: bool = Field(True, description="After the choice, search other candidates for the Pareto front (capacity, "
                         "memory, KLD) with the budget left; false: stop once the choice is settled (the front is "
                         "then of the candidates searched for the choice).")

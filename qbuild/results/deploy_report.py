@@ -64,6 +64,12 @@ def candidate_text(r: dict) -> str:
             capacity = plain.get("capacity_rps")
             parts.append(f"without the draft TPOT p50 {_num(plain.get('tpot_ms_p50'), '.1f')} ms"
                          + ("" if capacity is None else f", {capacity:.4g} requests/s"))
+    challenge = r.get("challenge") or {}
+    if challenge.get("below_rps") is not None and r.get("capacity_rps") is None:
+        parts.append(f"challenged at the leader's {challenge['leader_rps']:.4g}/s: below {challenge['below_rps']:.4g}/s "
+                     "(missed one grid step under the leader too)")
+    elif challenge.get("outcome") in ("ties", "beats"):
+        parts.append(f"challenged at the leader's {challenge['leader_rps']:.4g}/s: {challenge['outcome']}")
     why = "; ".join(r.get("rejected") or []) or r.get("not_searched")
     return ", ".join(parts) + (f": {'rejected: ' if r.get('rejected') else 'not searched: '}{why}" if why else "")
 

@@ -94,13 +94,13 @@ def judge(probe: dict, slo: dict, max_error_pct: float) -> dict:
 
 
 def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, start_k: int | None,
-           out_of_time: Callable[[], bool] = lambda: False) -> dict:
+           out_of_time: Callable[[], bool] = lambda: False, known: dict[int, dict] | None = None) -> dict:
     """Bracket, then bisect the grid index. `measure(k)` is the probe at rate_of(k) (measured or cached; one with
     `stopped_by` was cut short by the time limit); the result: {capacity_rps, k, concurrency, probes (in the order
     asked, each with its verdict), bracketed, complete, stopped_probe (the cut one, unjudged, or None)}. A start_k of
-    None (the time ran out before a start was found) probes nothing."""
-    probes: dict[int, dict] = {}
-    order: list[int] = []
+    None (the time ran out before a start was found) probes nothing. `known`: probes already judged (by challenge)."""
+    probes: dict[int, dict] = dict(known or {})
+    order: list[int] = list(probes)
     stopped: list[dict] = []
 
     # measure() returns the probe; its verdict under this SLO is added here (a cached probe has none of its own)
@@ -151,6 +151,48 @@ def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, star
             "next_rps": rate_of(bad) if bad is not None else None,
             "bracketed": bracketed, "complete": complete,
             "probes": [probes[i] for i in order], "stopped_probe": stopped[0] if stopped else None}
+
+
+def challenge(measure: Callable[[int], dict], slo: dict, max_error_pct: float, leader_k: int,
+              out_of_time: Callable[[], bool] = lambda: False) -> dict:
+    """Whether a server can match a leader that sustains rate_of(leader_k) and misses the next grid rate, in at most
+    three probes instead of a whole search: the leader's missed rate first (met: it beats the leader, and the
+    search goes on upward from there), then the leader's rate (met: a tie), then one grid step below (met: within
+    the search's resolution, a tie too). Missing all three, it sustains less than rate_of(leader_k - 1): `k` None,
+    `below_rps` that rate. The result has search()'s fields and `challenge`: beats | ties | below | None (cut short
+    by the time limit)."""
+    probes: list[dict] = []
+    for k in (leader_k + 1, leader_k, leader_k - 1):
+        probe = _one_probe(measure, slo, max_error_pct, k, out_of_time)
+        if probe is None:
+            return {**_settled(probes, None, None, complete=False), "challenge": None}
+        probes.append(probe)
+        if not probe["meets"]:
+            continue
+        if k > leader_k:   # it beats the leader: the whole search, upward from the rate it met
+            found = search(measure, slo, max_error_pct, k, out_of_time, known={k: probe})
+            return {**found, "challenge": "beats"}
+        return {**_settled(probes, k, k + 1, complete=True), "challenge": "ties"}
+    return {**_settled(probes, None, leader_k - 1, complete=True), "challenge": "below",
+            "below_rps": rate_of(leader_k - 1)}
+
+
+def _one_probe(measure, slo: dict, max_error_pct: float, k: int, out_of_time) -> dict | None:
+    """The probe at rate_of(k), judged; None when the time ran out before or during it."""
+    if out_of_time():
+        return None
+    p = measure(k)
+    if p.get("stopped_by"):
+        return None
+    return {**p, "rate_rps": rate_of(k), "k": k, **judge(p, slo, max_error_pct)}
+
+
+def _settled(probes: list[dict], good: int | None, bad: int | None, complete: bool) -> dict:
+    best = next((p for p in probes if p["k"] == good), None)
+    return {"capacity_rps": rate_of(good) if good is not None else None, "k": good,
+            "concurrency": best.get("mean_in_flight") if best else None,
+            "next_rps": rate_of(bad) if bad is not None else None, "bracketed": good is not None and bad is not None,
+            "complete": complete, "probes": probes, "stopped_probe": None}
 
 
 def mean_in_flight(results) -> float | None:
@@ -301,11 +343,12 @@ def run(ctx) -> dict:
 
 def search_server(ctx, *, label: str, model: Path, draft: Path | None, config, server_name: str, slots: int,
                   context: int, workload: dict, family: str, search_params: dict, stop_at: float, workdir: Path,
-                  budget: str, check: bool = False) -> dict:
+                  budget: str, check: bool = False, challenge_k: int | None = None) -> dict:
     """The capacity search of one server (`config` on `model`), its probes read from and kept in `family`'s cache;
     the server is started only if a probe must be measured (and then served-checked when `check`), and stopped
     before this returns. `search_params`: slo, max_error_pct and start_rps (None: from the one-at-a-time rate);
-    `budget`: the limit `stop_at` stands for, as the logs name it."""
+    `budget`: the limit `stop_at` stands for, as the logs name it. `challenge_k`: instead of a whole search, whether
+    this server matches a leader sustaining rate_of(challenge_k) (challenge())."""
     import contextlib
 
     from qbuild.evaluate.data import load_tokens
@@ -382,8 +425,12 @@ def search_server(ctx, *, label: str, model: Path, draft: Path | None, config, s
 
     try:
         with stack:
-            first = start_k()
-            found = search(measure, cap["slo"], cap["max_error_pct"], first, out_of_time)
+            if challenge_k is not None:
+                first = challenge_k + 1
+                found = challenge(measure, cap["slo"], cap["max_error_pct"], challenge_k, out_of_time)
+            else:
+                first = start_k()
+                found = search(measure, cap["slo"], cap["max_error_pct"], first, out_of_time)
             peak_rss = srv.peak_rss_bytes() if srv is not None else None
     except BaseException:
         if log.exists():

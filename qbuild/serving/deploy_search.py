@@ -26,6 +26,10 @@ import math
 RESULT = "deploy.json"
 SCREEN_SLACK = 0.25   # a screen is one short point: its throughput may read this much low (measured: 8-request
 # points on llama-server repeat within ~10 %)
+# strategy challenge: a candidate is challenged at the leader's rates when its screen, read this much low, could reach
+# within one grid step of the leader's capacity. Wider than SCREEN_SLACK: a challenge costs one to three probes, and
+# the screens of one configuration differed by up to 37 % between two cold runs of recipes/deploy.yaml (docs/serving.md)
+CHALLENGE_SLACK = 0.5
 BYTES_PER_MB = 1024 * 1024
 # Within these a candidate's smaller memory or lower KLD is not worth a capacity search for the front: a server's peak
 # RSS differs by a few MiB between screens of one configuration, and a KLD a tenth lower is no reason to ship another
@@ -110,6 +114,15 @@ def pareto_front(rows: list[dict]) -> list[str]:
         return ge and gt
 
     return [r["name"] for r in measured if not any(beats(o, r) for o in measured if o is not r)]
+
+
+def could_tie(row: dict, leader_k: int) -> bool:
+    """Whether `row`'s screened full-batch throughput, read CHALLENGE_SLACK low, reaches one grid step below the
+    leader's capacity (grid index `leader_k`): the least a tie needs."""
+    from qbuild.serving.capacity_step import rate_of
+
+    screened = row["screen"].get("requests_s") or 0.0
+    return screened * (1 + CHALLENGE_SLACK) >= rate_of(leader_k - 1)
 
 
 def choose(rows: list[dict]) -> tuple[dict | None, list[str]]:

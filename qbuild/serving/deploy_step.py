@@ -11,13 +11,14 @@ from pathlib import Path
 
 
 def run(ctx) -> dict:
-    from qbuild.serving.capacity_step import search_server
+    from qbuild.serving.capacity_step import rate_of, search_server
     from qbuild.serving.config import ServedConfig
     from qbuild.serving.deploy_search import (
         BYTES_PER_MB,
         RESULT,
         choose,
         compare_drafts,
+        could_tie,
         dominated_by,
         missed_bounds,
         pareto_front,
@@ -39,9 +40,10 @@ def run(ctx) -> dict:
                    key=lambda r: (-r["capacity_bound_rps"], r["name"]))
     searched: list[dict] = []
 
-    def search_row(row) -> None:
+    def search_row(row, challenge_k: int | None = None) -> None:
         _, c = by_name[row["name"]]
-        ctx.log(f"capacity search {len(searched) + 1}: {row['name']} (screened bound {row['capacity_bound_rps']:g} "
+        what = "capacity search" if challenge_k is None else f"challenge of the leader's {rate_of(challenge_k):.4g}/s"
+        ctx.log(f"{what} {len(searched) + 1}: {row['name']} (screened bound {row['capacity_bound_rps']:g} "
                 "requests/s)")
         found = search_server(
             ctx, label=row["name"], model=Path(ctx.inputs[f"model-{c['label']}"]),
@@ -51,18 +53,24 @@ def run(ctx) -> dict:
             search_params={"slo": p["slo"], "max_error_pct": p["max_error_pct"],
                            "start_rps": row["screen"]["requests_s"] * 0.75},
             stop_at=stop_at, workdir=ctx.out / "searches" / row["name"],
-            budget=f"deploy.max_minutes {p['max_minutes']:g}")
+            budget=f"deploy.max_minutes {p['max_minutes']:g}", challenge_k=challenge_k)
         row.update({"capacity_rps": found["capacity_rps"], "k": found["k"], "next_rps": found["next_rps"],
                     "search_complete": found["complete"], "probes_measured": found["probes_measured"],
                     "probes_reused": found["probes_reused"]})
+        slower = challenge_k is not None and found["challenge"] == "below"   # than the leader, beyond one grid step
+        if challenge_k is not None and found["challenge"] is not None:   # (cut short: reported as a search cut short)
+            row["challenge"] = {"leader_rps": rate_of(challenge_k), "outcome": found["challenge"],
+                                **({"below_rps": found["below_rps"]} if slower else {})}
         if found.get("peak_rss_bytes"):   # the search's own peak counts against the budget too
             row["peak_rss_mb"] = max(row["peak_rss_mb"] or 0, round(found["peak_rss_bytes"] / BYTES_PER_MB, 1))
             row["rejected"] = missed_bounds(row, p["bounds"])
-        if found["capacity_rps"] is None:
+        if found["capacity_rps"] is None and not slower:
             row["rejected"].append("no rate meets the SLOs" + ("" if found["complete"] else " (search cut short)"))
-        searched.append(row)
+        if row not in searched:
+            searched.append(row)
 
-    grid = p.get("strategy") == "grid"   # every candidate searched: what the pruning is measured against
+    strategy = p.get("strategy", "prune")
+    grid = strategy == "grid"   # every candidate searched: what the pruning is measured against
 
     def out_of_budget(row) -> bool:
         if not grid and len(searched) >= p["max_searched"]:
@@ -71,18 +79,33 @@ def run(ctx) -> dict:
             row["not_searched"] = f"max_minutes {p['max_minutes']:g} reached"
         return "not_searched" in row
 
+    def within_bounds() -> list[dict]:
+        return [m for m in searched if m.get("capacity_rps") and not m["rejected"]]
+
     def best_capacity() -> float:
-        return max((m["capacity_rps"] for m in searched if m.get("capacity_rps") and not m["rejected"]), default=0.0)
+        return max((m["capacity_rps"] for m in within_bounds()), default=0.0)
+
+    def leader() -> dict | None:
+        return max(within_bounds(), key=lambda m: m["k"], default=None)
 
     # first the choice: in order of the bound, while a bound can still beat the best capacity measured within the
-    # bounds; then the front: what is left, unless a searched candidate beats it on capacity, memory and KLD at once
+    # bounds (challenge: once a leader is measured, each candidate whose screen, read CHALLENGE_SLACK low, could
+    # reach within one grid step of it is challenged at the leader's rates); then the front: what is left, unless a
+    # searched candidate beats it on capacity, memory and KLD at once
     for row in order:
-        if (grid or row["capacity_bound_rps"] > best_capacity()) and not out_of_budget(row):
+        lead = leader() if strategy == "challenge" else None
+        if lead is not None:
+            if could_tie(row, lead["k"]) and not out_of_budget(row):
+                search_row(row, challenge_k=lead["k"])
+        elif (grid or row["capacity_bound_rps"] > best_capacity()) and not out_of_budget(row):
             search_row(row)
     # when the choice was settled: what a search costs before the front pass (the bench compares it with a grid)
     choice_settled = {"searched": len(searched), "seconds": round(time.monotonic() - started, 1)}
     for row in order:
-        if "capacity_rps" in row or "not_searched" in row:
+        below = (row.get("challenge") or {}).get("below_rps")
+        if below is not None:   # slower than the leader, yet maybe on the front (less memory, lower KLD)
+            row["capacity_bound_rps"] = min(row["capacity_bound_rps"], below)
+        elif "capacity_rps" in row or "not_searched" in row:
             continue
         if not p.get("front", True) and not grid:
             row["not_searched"] = "front: false (the choice was settled without it)"
