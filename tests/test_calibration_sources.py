@@ -31,6 +31,30 @@ def test_pydocs_corpus_is_english_and_splits_are_disjoint():
     assert pydocs_documents("test") == test  # deterministic
 
 
+def test_the_stdlib_docstrings_are_parsed_once_and_a_damaged_cache_is_parsed_again(tmp_path, monkeypatch):
+    """The corpus is kept in qbuild's per-user cache (a root of its own, marked): a second read is the same documents
+    without parsing the stdlib; a damaged or edited file is parsed again; a cache folder not qbuild's is never
+    written, and the documents are still right."""
+    from qbuild.calibration import corpus
+
+    monkeypatch.setenv("QBUILD_CACHE", str(tmp_path / "cache"))
+    first = pydocs_documents("test")
+    [kept] = (tmp_path / "cache" / "corpus").glob("pydocs-*.json")
+    parsed = []
+    monkeypatch.setattr(corpus, "_extract", lambda split: parsed.append(split) or ["re-parsed " * 30])
+    assert pydocs_documents("test") == first and parsed == []
+    record = json.loads(kept.read_text())
+    record["documents"][0] = "an edited docstring"
+    kept.write_text(json.dumps(record))
+    assert pydocs_documents("test") == ["re-parsed " * 30] and parsed == ["test"]
+    foreign = tmp_path / "foreign"
+    (foreign / "corpus").mkdir(parents=True)
+    (foreign / "corpus" / "notes.txt").write_text("someone else's")
+    monkeypatch.setenv("QBUILD_CACHE", str(foreign))
+    assert pydocs_documents("train") == ["re-parsed " * 30]
+    assert sorted(p.name for p in (foreign / "corpus").iterdir()) == ["notes.txt"]
+
+
 def test_split_counts_follow_weights_exactly():
     assert split_counts(10, [1, 1]) == [5, 5]
     assert split_counts(10, [3, 1]) == [8, 2] or split_counts(10, [3, 1]) == [7, 3]

@@ -85,6 +85,33 @@ def test_the_base_file_is_a_gguf_gguf_py_and_the_check_both_read(tmp_path):
     assert len(GGUFReader(str(path)).tensors) == 6
 
 
+def test_metadata_values_read_by_the_bounded_walk_are_gguf_pys(tmp_path):
+    """The values qbuild reads from a GGUF's metadata (file type, architecture, layer and head counts) come from the
+    bounded header walk, not from gguf-py decoding every field (2 s for the demo model's 49k-token vocabulary): the
+    same values as gguf-py's, on the crafted base file and on the real demo model; string arrays are not decoded."""
+    from conftest import smollm2_gguf_path
+    from gguf import GGUFReader
+
+    from qbuild.models.gguf_header import metadata_values
+
+    files = [write(tmp_path / "base.gguf", gguf_bytes()),
+             write(tmp_path / "per-layer.gguf", gguf_bytes(base_metadata(
+                 heads=kv("llama.attention.head_count", ARRAY, (U32, [HEADS, HEADS])))))]
+    if smollm2_gguf_path() is not None:
+        files.append(smollm2_gguf_path())
+    for path in files:
+        fields = {k: f for k, f in GGUFReader(str(path)).fields.items() if not k.startswith("GGUF.")}
+        values = metadata_values(path, (*fields, "no.such.key"))
+        assert "no.such.key" not in values
+        for key, field in fields.items():
+            want = field.contents()
+            if isinstance(want, list) and want and isinstance(want[0], str):
+                assert values[key] is None, key          # the vocabulary: never decoded
+            else:
+                assert values[key] == want, (path.name, key, values[key], want)
+    assert metadata_values(files[1], ("llama.attention.head_count",)) == {"llama.attention.head_count": [HEADS, HEADS]}
+
+
 def test_a_per_layer_head_count_that_every_layer_shares_is_read_as_one_value(tmp_path):
     """Some real GGUFs store head_count as one value per layer: where the layers agree it is that value."""
     uniform = kv("llama.attention.head_count", ARRAY, (U32, [HEADS, HEADS]))

@@ -140,15 +140,17 @@ def _compare(ctx: StepContext, gguf: Path, dtype: str, say: dict) -> dict:
 
 
 def _file_type(source: Path) -> str:
-    from gguf import GGUFReader, LlamaFileType
+    from gguf import LlamaFileType
 
-    field = GGUFReader(str(source)).fields.get("general.file_type")
-    if field is None:
+    from qbuild.models.gguf_header import metadata_values
+
+    value = metadata_values(source, ("general.file_type",)).get("general.file_type")
+    if value is None:
         return "unknown"
     try:
-        return LlamaFileType(int(field.contents())).name
-    except ValueError:
-        return f"file type {field.contents()}"
+        return LlamaFileType(int(value)).name
+    except (TypeError, ValueError):
+        return f"file type {value}"
 
 
 def _divergence(ctx: StepContext, source: Path, ids: list[int], bos: int | None) -> dict:

@@ -131,12 +131,11 @@ def gpu_layers(gguf: Path, free: int | None = None) -> int:
 
 def gguf_block_count(gguf: Path) -> int | None:
     """The file's number of repeating layers (`<arch>.block_count`), read from its metadata without loading it."""
-    from gguf import GGUFReader
+    from qbuild.models.gguf_header import metadata_values
 
-    fields = GGUFReader(str(gguf)).fields
-    arch = fields.get("general.architecture")
-    count = fields.get(f"{arch.contents()}.block_count") if arch is not None else None
-    return int(count.contents()) if count is not None else None
+    arch = metadata_values(gguf, ("general.architecture",)).get("general.architecture")
+    count = metadata_values(gguf, (f"{arch}.block_count",)).get(f"{arch}.block_count") if arch else None
+    return int(count) if isinstance(count, int) else None
 
 
 @runtimes.register

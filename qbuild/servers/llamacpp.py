@@ -133,20 +133,21 @@ class LlamaServer(Server):
         bytes per element (q8_0: 34 bytes per block of 32), from the GGUF's metadata. It is what llama.cpp allocates
         per token of context (its `llama_kv_cache: size = ...` line, logged at -lv 4, which the tests compare with;
         not parsed here because -lv 4 also logs every batch)."""
-        import gguf
+        from qbuild.models.gguf_header import metadata_values
 
         files = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else [Path(model)]
-        reader = gguf.GGUFReader(str(files[0]))
+        arch = metadata_values(files[0], ("general.architecture",)).get("general.architecture")
+        names = ("block_count", "attention.head_count", "embedding_length", "attention.head_count_kv",
+                 "attention.key_length", "attention.value_length")
+        values = metadata_values(files[0], tuple(f"{arch}.{k}" for k in names))
 
         def field(key):
-            f = reader.get_field(key)
-            return None if f is None else f.contents()
+            return values.get(key)
 
-        arch = field("general.architecture")
         layers, heads, embd = (field(f"{arch}.{k}") for k in ("block_count", "attention.head_count",
                                                                "embedding_length"))
         kv_heads = field(f"{arch}.attention.head_count_kv") or heads
-        if not (layers and heads and embd) or isinstance(kv_heads, list):
+        if not (layers and heads and embd) or isinstance(kv_heads, list) or isinstance(heads, list):
             return None   # per-layer head counts (some hybrid models): not worked out here
         k_len = field(f"{arch}.attention.key_length") or embd // heads
         v_len = field(f"{arch}.attention.value_length") or embd // heads
