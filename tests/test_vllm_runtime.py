@@ -68,7 +68,8 @@ def test_the_runtime_and_the_server_ask_one_service_where_vllm_is(tmp_path, monk
     launch = server.launch(tmp_path, ServingConfig(name="x"), threads=3, slots=1, context=64, workdir=tmp_path)
     assert launch.command[:3] == ("/opt/vllm/bin/python", *API_SERVER) and launch.env == vllm_env.cpu_settings(3)
     fields = rt.VllmRuntime().plan_fields("baseline", None, None, "perplexity")
-    assert fields.env_toolchain == facts and not fields.requires_gpu and fields.unavailable == ""
+    assert fields.env_toolchain == {**facts, "vllm.enforce_eager": True} and not fields.requires_gpu \
+        and fields.unavailable == ""
     assert fields.runtime_args["python"] == "/opt/vllm/bin/python"
     assert asked and set(asked) == {"/opt/vllm/bin/python"}
 

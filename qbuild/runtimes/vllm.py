@@ -48,6 +48,12 @@ LOGPROBS_SAMPLING = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": -1,
                      "detokenize": False, "flat_logprobs": True}
 
 
+# A scoring pass is a few prefills: compiling the model (torch.compile; CUDA graphs on a GPU) costs more than it saves
+# (1-2 min per start on a 2-core CPU). And on the CPU compiled W8A8 is further from exact INT8 arithmetic than eager:
+# KLD 0.0245 against eager's 0.0160 on the demo model, transformers' emulation 0.0153 (docs/serving.md). In the key.
+ENFORCE_EAGER = True
+
+
 def llm_kwargs(model: Path, n_ctx: int, seed: int = 0) -> dict:
     """LLM(**kwargs) for one evaluation (vllm/entrypoints/llm.py; the names are EngineArgs fields)."""
     return {
@@ -58,9 +64,7 @@ def llm_kwargs(model: Path, n_ctx: int, seed: int = 0) -> dict:
         "logprobs_mode": "raw_logprobs",     # log-softmax of the raw logits, before any sampling processor
         "enable_prefix_caching": False,      # a cached prefix would get no prompt logprobs recomputed
         "seed": seed,
-        # a scoring pass is a few prefills: compiling the model (torch.compile; CUDA graphs on a GPU) costs more than
-        # it saves (1-2 min per start on a 2-core CPU), and eager kernels are the reference the compiled ones match
-        "enforce_eager": True,
+        "enforce_eager": ENFORCE_EAGER,
         "gpu_memory_utilization": float(os.environ.get("QBUILD_VLLM_GPU_MEMORY_UTILIZATION", "0.5")),
     }
 
@@ -175,7 +179,9 @@ class VllmRuntime(Runtime):
         from qbuild.plugin_services import vllm_env
 
         facts, reasons, python = vllm_env.availability()
-        return EvalStepFields(env_toolchain=facts, requires_gpu=vllm_env.runs_on_gpu(facts, reasons), unavailable="; ".join(reasons),
+        # how vLLM computes enters the key (ENFORCE_EAGER): scores of compiled and eager runs are never mixed
+        return EvalStepFields(env_toolchain={**facts, "vllm.enforce_eager": ENFORCE_EAGER},
+                              requires_gpu=vllm_env.runs_on_gpu(facts, reasons), unavailable="; ".join(reasons),
                               on_unavailable=OnUnavailable.SKIP, runtime_args={"python": python, "expected": facts})
 
     def cannot_measure(self, label: str, artifact, evaluation) -> dict[str, str]:
