@@ -65,7 +65,11 @@ def run(ctx) -> dict:
             row["peak_rss_mb"] = max(row["peak_rss_mb"] or 0, round(found["peak_rss_bytes"] / BYTES_PER_MB, 1))
             row["rejected"] = missed_bounds(row, p["bounds"])
         if found["capacity_rps"] is None and not slower:
-            row["rejected"].append("no rate meets the SLOs" + ("" if found["complete"] else " (search cut short)"))
+            if found["complete"]:
+                row["rejected"].append("no rate meets the SLOs")
+            else:   # its capacity is unknown, not zero: say why, as for a candidate never searched
+                row["not_searched"] = (f"{'challenge' if challenge_k is not None else 'search'} cut short by "
+                                       f"max_minutes {p['max_minutes']:g} before any rate was judged")
         if row not in searched:
             searched.append(row)
 
