@@ -39,11 +39,13 @@ def run(ctx) -> dict:
     order = sorted((r for r in rows if not r["rejected"] and r["capacity_bound_rps"]),
                    key=lambda r: (-r["capacity_bound_rps"], r["name"]))
     searched: list[dict] = []
+    measured_servers: list[str] = []   # every search and challenge, in order (a row searched after its challenge twice)
 
     def search_row(row, challenge_k: int | None = None) -> None:
         _, c = by_name[row["name"]]
         what = "capacity search" if challenge_k is None else f"challenge of the leader's {rate_of(challenge_k):.4g}/s"
-        ctx.log(f"{what} {len(searched) + 1}: {row['name']} (screened bound {row['capacity_bound_rps']:g} "
+        measured_servers.append(row["name"])
+        ctx.log(f"{what} ({len(measured_servers)}): {row['name']} (screened bound {row['capacity_bound_rps']:g} "
                 "requests/s)")
         found = search_server(
             ctx, label=row["name"], model=Path(ctx.inputs[f"model-{c['label']}"]),
