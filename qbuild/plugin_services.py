@@ -26,6 +26,8 @@ The names, by what they are for:
                 (in the worker: the source's precision for what the quantization left as it was; torch)
 - llama.cpp:    build_id, cached_bin_dir, run_converter, tool (the one llama.cpp build qbuild makes: its binaries),
                 ggml_type_id (a tensor type's enum value in the llama-cpp-python bindings)
+- GGUF files:   check_gguf (the bounded walk of a GGUF's header: tensors, weights, blocks), gguf_metadata_values
+                (some metadata values, read by that walk without decoding every field)
 - serving:      PORT, ServerLaunch (a server's launch: command, readiness, stop), get_text, post_json (HTTP to it)
 - environments: created_env (a backend environment already created, or None), EnvError
 - TensorRT-LLM: trtllm_env (the module of the TensorRT-LLM environment: the GPU and TensorRT-LLM probes, the facts an
@@ -43,6 +45,7 @@ _QUALITY = ("measure",)
 _EVALUATION_PLAN = ("kld_step", "probe_step")
 _CHECKPOINT = ("QUANT_ALGO", "linear_in_features", "source_facts", "validate_hf_export", "validate_trtllm_checkpoint")
 _MODEL_CONFIG = ("read_json_mapping",)
+_GGUF = {"check_gguf": "check_gguf", "gguf_metadata_values": "metadata_values"}
 _SIZE = ("GB", "QUANTIZER_OVERHEAD", "machine_memory", "model_size")
 _UNTOUCHED = ("narrow_untouched", "with_untouched_dtype")
 _FORMATS = ("COMPRESSED_TENSORS",)
@@ -52,7 +55,7 @@ _CLIENT = ("get_text", "post_json")
 _ENVS = {"created_env": "created", "EnvError": "EnvError"}
 _MODULES = ("protocol", "trtllm_env", "vllm_env")
 
-__all__ = sorted([*_CALIBRATION, *_QUALITY, *_EVALUATION_PLAN, *_CHECKPOINT, *_MODEL_CONFIG, *_SIZE, *_UNTOUCHED,
+__all__ = sorted([*_CALIBRATION, *_QUALITY, *_EVALUATION_PLAN, *_CHECKPOINT, *_MODEL_CONFIG, *_GGUF, *_SIZE, *_UNTOUCHED,
                   *_FORMATS, *_LLAMACPP, *_SERVER, *_CLIENT, *_ENVS, *_MODULES])
 
 
@@ -67,6 +70,10 @@ def __getattr__(name: str):
         from qbuild.models import checkpoint as module
     elif name in _MODEL_CONFIG:
         from qbuild.models import model_config as module
+    elif name in _GGUF:
+        from qbuild.models import gguf_header as module
+
+        name = _GGUF[name]
     elif name in _SIZE:
         from qbuild.models import size as module
     elif name in _UNTOUCHED:

@@ -131,7 +131,7 @@ def gpu_layers(gguf: Path, free: int | None = None) -> int:
 
 def gguf_block_count(gguf: Path) -> int | None:
     """The file's number of repeating layers (`<arch>.block_count`), read from its metadata without loading it."""
-    from qbuild.models.gguf_header import metadata_values
+    from qbuild.plugin_services import gguf_metadata_values as metadata_values
 
     arch = metadata_values(gguf, ("general.architecture",)).get("general.architecture")
     count = metadata_values(gguf, (f"{arch}.block_count",)).get(f"{arch}.block_count") if arch else None

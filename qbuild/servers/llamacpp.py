@@ -133,7 +133,7 @@ class LlamaServer(Server):
         bytes per element (q8_0: 34 bytes per block of 32), from the GGUF's metadata. It is what llama.cpp allocates
         per token of context (its `llama_kv_cache: size = ...` line, logged at -lv 4, which the tests compare with;
         not parsed here because -lv 4 also logs every batch)."""
-        from qbuild.models.gguf_header import metadata_values
+        from qbuild.plugin_services import gguf_metadata_values as metadata_values
 
         files = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else [Path(model)]
         arch = metadata_values(files[0], ("general.architecture",)).get("general.architecture")

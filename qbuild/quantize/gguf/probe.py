@@ -50,6 +50,6 @@ def run_probe(ctx: StepContext) -> dict:
 
 def gguf_weights(path: Path) -> int:
     """Number of weights (elements of every tensor) in a GGUF file: the denominator of bits per weight."""
-    from qbuild.models.gguf_header import check_gguf
+    from qbuild.plugin_services import check_gguf
 
     return check_gguf(path).elements   # the bounded header walk: no decoding of every metadata field
