@@ -103,19 +103,16 @@ def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, star
     order: list[int] = list(probes)
     stopped: list[dict] = []
 
-    # measure() returns the probe; its verdict under this SLO is added here (a cached probe has none of its own)
     def measured(k: int) -> bool | None:
         if k in probes:
             return probes[k]["meets"]
-        if out_of_time():
+        p = _probe_at(measure, slo, max_error_pct, k, out_of_time)
+        if p is None or p.get("stopped_by"):
+            stopped.extend([p] if p else [])
             return None
-        p = measure(k)
-        if p.get("stopped_by"):   # too few of its requests ran to judge the rate by
-            stopped.append({**p, "rate_rps": rate_of(k), "k": k})
-            return None
-        probes[k] = {**p, "rate_rps": rate_of(k), "k": k, **judge(p, slo, max_error_pct)}
+        probes[k] = p
         order.append(k)
-        return probes[k]["meets"]
+        return p["meets"]
 
     good, bad = None, None   # the highest index that met the SLOs, the lowest that did not
     k = start_k
@@ -145,12 +142,7 @@ def search(measure: Callable[[int], dict], slo: dict, max_error_pct: float, star
             complete = False
             break
         good, bad = (mid, bad) if ok else (good, mid)
-    best = probes.get(good) if good is not None else None
-    return {"capacity_rps": rate_of(good) if good is not None else None, "k": good,
-            "concurrency": best.get("mean_in_flight") if best else None,
-            "next_rps": rate_of(bad) if bad is not None else None,
-            "bracketed": bracketed, "complete": complete,
-            "probes": [probes[i] for i in order], "stopped_probe": stopped[0] if stopped else None}
+    return _settled([probes[i] for i in order], good, bad, complete, stopped[0] if stopped else None)
 
 
 def challenge(measure: Callable[[int], dict], slo: dict, max_error_pct: float, leader_k: int,
@@ -163,9 +155,9 @@ def challenge(measure: Callable[[int], dict], slo: dict, max_error_pct: float, l
     by the time limit)."""
     probes: list[dict] = []
     for k in (leader_k + 1, leader_k, leader_k - 1):
-        probe = _one_probe(measure, slo, max_error_pct, k, out_of_time)
-        if probe is None:
-            return {**_settled(probes, None, None, complete=False), "challenge": None}
+        probe = _probe_at(measure, slo, max_error_pct, k, out_of_time)
+        if probe is None or probe.get("stopped_by"):
+            return {**_settled(probes, None, None, complete=False, stopped=probe), "challenge": None}
         probes.append(probe)
         if not probe["meets"]:
             continue
@@ -177,22 +169,24 @@ def challenge(measure: Callable[[int], dict], slo: dict, max_error_pct: float, l
             "below_rps": rate_of(leader_k - 1)}
 
 
-def _one_probe(measure, slo: dict, max_error_pct: float, k: int, out_of_time) -> dict | None:
-    """The probe at rate_of(k), judged; None when the time ran out before or during it."""
+def _probe_at(measure, slo: dict, max_error_pct: float, k: int, out_of_time) -> dict | None:
+    """The probe at rate_of(k) with its verdict under `slo` (measure() gives it without one: a cached probe has none
+    of its own); one cut short by the time limit (`stopped_by`: too few of its requests ran to judge the rate by)
+    comes back unjudged; None when the time ran out before it."""
     if out_of_time():
         return None
-    p = measure(k)
-    if p.get("stopped_by"):
-        return None
-    return {**p, "rate_rps": rate_of(k), "k": k, **judge(p, slo, max_error_pct)}
+    p = {**measure(k), "rate_rps": rate_of(k), "k": k}
+    return p if p.get("stopped_by") else {**p, **judge(p, slo, max_error_pct)}
 
 
-def _settled(probes: list[dict], good: int | None, bad: int | None, complete: bool) -> dict:
+def _settled(probes: list[dict], good: int | None, bad: int | None, complete: bool, stopped: dict | None = None) -> dict:
+    """A search's result: its capacity (grid index `good`, the highest met), the next rate (`bad`, the lowest missed),
+    the probes in the order asked and the one the time limit cut short."""
     best = next((p for p in probes if p["k"] == good), None)
     return {"capacity_rps": rate_of(good) if good is not None else None, "k": good,
             "concurrency": best.get("mean_in_flight") if best else None,
             "next_rps": rate_of(bad) if bad is not None else None, "bracketed": good is not None and bad is not None,
-            "complete": complete, "probes": probes, "stopped_probe": None}
+            "complete": complete, "probes": probes, "stopped_probe": stopped}
 
 
 def mean_in_flight(results) -> float | None:

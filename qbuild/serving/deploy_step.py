@@ -5,6 +5,7 @@ within `max_searched` searches and `max_minutes`."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
@@ -39,13 +40,12 @@ def run(ctx) -> dict:
     order = sorted((r for r in rows if not r["rejected"] and r["capacity_bound_rps"]),
                    key=lambda r: (-r["capacity_bound_rps"], r["name"]))
     searched: list[dict] = []
-    measured_servers: list[str] = []   # every search and challenge, in order (a row searched after its challenge twice)
+    serial = itertools.count(1)   # numbers every search and challenge (a row searched after its challenge, twice)
 
     def search_row(row, challenge_k: int | None = None) -> None:
         _, c = by_name[row["name"]]
         what = "capacity search" if challenge_k is None else f"challenge of the leader's {rate_of(challenge_k):.4g}/s"
-        measured_servers.append(row["name"])
-        ctx.log(f"{what} ({len(measured_servers)}): {row['name']} (screened bound {row['capacity_bound_rps']:g} "
+        ctx.log(f"{what} ({next(serial)}): {row['name']} (screened bound {row['capacity_bound_rps']:g} "
                 "requests/s)")
         found = search_server(
             ctx, label=row["name"], model=Path(ctx.inputs[f"model-{c['label']}"]),
