@@ -316,6 +316,18 @@ def claim_root(path: str | os.PathLike, kind: str, adopt: Callable[[Path], str |
     return OwnedRoot(p, _real(p), kind)
 
 
+def keep_in_cache(root: str | os.PathLike, kind: str, name: str, data: bytes,
+                  adopt: Callable[[Path], str | None] | None = None) -> None:
+    """Write a per-user cache file `name` under `root`, a root of `kind` qbuild owns (its marker checked, no link
+    followed). A cache is an optimisation: a read-only home or a folder not ours leaves it unwritten, never an
+    error."""
+    try:
+        owned = claim_root(root, kind, adopt=adopt)
+        owned.write_bytes(owned.path / name, data, durable=False)
+    except (OSError, NotOurs):
+        pass
+
+
 def only_these(allowed: set[str], layout: set[str]) -> Callable[[Path], str | None]:
     """An `adopt` test: every entry is one of `allowed` (dot-files of our atomic writes too) and at least one of
     `layout` is a real folder; returns why not, or None."""

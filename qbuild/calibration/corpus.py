@@ -90,14 +90,9 @@ def _keep(name: str, docs: list[str]) -> None:
     """Written only through a root qbuild owns (its marker checked, no link followed); a read-only home or a folder
     not ours means the next step parses the stdlib again, never an error."""
     from qbuild.base.fingerprint import cache_dir
-    from qbuild.base.owned import NotOurs, claim_root
+    from qbuild.base.owned import keep_in_cache
 
-    try:
-        root = claim_root(cache_dir() / "corpus", "corpus")
-        data = json.dumps({"documents": docs, "sha256": _digest(docs)}).encode()
-        root.write_bytes(root.path / name, data, durable=False)
-    except (OSError, NotOurs):
-        pass
+    keep_in_cache(cache_dir() / "corpus", "corpus", name, json.dumps({"documents": docs, "sha256": _digest(docs)}).encode())
 
 
 def _digest(docs: list[str]) -> str:

@@ -308,15 +308,11 @@ def cached_probe(family: str, k: int | str) -> dict | None:
 def keep_probe(family: str, k: int | str, probe: dict) -> None:
     """Keep a measured probe for searches under another SLO: written only through a root qbuild owns (its marker
     checked, no link followed), under the per-user cache."""
-    from qbuild.base.owned import NotOurs, claim_root
+    from qbuild.base.owned import keep_in_cache
 
-    if not FAMILY.match(family):
-        return
-    try:
-        root = claim_root(_probe_root(), "capacity-probes", adopt=_only_probes)
-        root.write_bytes(root.path / family / f"{k}.json", json.dumps(probe).encode(), durable=False)
-    except (OSError, NotOurs):
-        pass   # a read-only home, a folder not ours: another SLO measures it again, never an error
+    if FAMILY.match(family):   # unwritten (a read-only home, a folder not ours): another SLO measures it again
+        keep_in_cache(_probe_root(), "capacity-probes", f"{family}/{k}.json", json.dumps(probe).encode(),
+                      adopt=_only_probes)
 
 
 def run(ctx) -> dict:
