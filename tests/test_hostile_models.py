@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from hostile_models import (
     ARRAY,
     HEADS,
+    LAYERS,
     U32,
     base_metadata,
     gguf_bytes,
@@ -110,6 +111,23 @@ def test_metadata_values_read_by_the_bounded_walk_are_gguf_pys(tmp_path):
             else:
                 assert values[key] == want, (path.name, key, values[key], want)
     assert metadata_values(files[1], ("llama.attention.head_count",)) == {"llama.attention.head_count": [HEADS, HEADS]}
+
+
+def test_architecture_keys_are_read_in_one_walk_whatever_the_order(tmp_path):
+    """`arch_keys` gives `<arch>.<name>` for the file's own architecture in one walk: also where the architecture
+    comes after its keys, and never another prefix's key of the same name (a decoy `qwen2.block_count`)."""
+    from qbuild.models.gguf_header import metadata_values
+
+    base = base_metadata()
+    decoy = kv("qwen2.block_count", U32, 99)
+    reordered = [decoy, *base[1:], base[0]]          # general.architecture last
+    for name, metadata in (("base", base), ("reordered", reordered)):
+        values = metadata_values(write(tmp_path / f"{name}.gguf", gguf_bytes(metadata)),
+                                 arch_keys=("block_count", "attention.head_count_kv", "no_such_name"))
+        assert values == {"general.architecture": "llama", "llama.block_count": LAYERS,
+                          "llama.attention.head_count_kv": HEADS}, name
+    no_arch = metadata_values(write(tmp_path / "no-arch.gguf", gguf_bytes(base[1:])), arch_keys=("block_count",))
+    assert no_arch == {}
 
 
 def test_a_per_layer_head_count_that_every_layer_shares_is_read_as_one_value(tmp_path):

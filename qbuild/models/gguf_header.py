@@ -50,21 +50,25 @@ class GGUFHeader:
     values: dict = None     # the metadata values asked for (check_gguf's `keys`): scalars, strings, scalar arrays
 
 
-def check_gguf(path: Path, time_limit_s: float = TIME_LIMIT_S, keys: tuple[str, ...] = ()) -> GGUFHeader:
+def check_gguf(path: Path, time_limit_s: float = TIME_LIMIT_S, keys: tuple[str, ...] = (),
+               arch_keys: tuple[str, ...] = ()) -> GGUFHeader:
     """Walk `path`'s header and tensor table; raise GGUFRefused naming what is wrong. `keys`: metadata whose values
-    to return in `values` (absent keys are left out; an array comes back as a list when its elements are scalars)."""
+    to return in `values` (absent keys are left out; an array comes back as a list when its elements are scalars).
+    `arch_keys`: names under the file's own architecture (`block_count` for `llama.block_count` in a llama file),
+    returned under their full keys beside `general.architecture`: one walk, whichever order the file keeps."""
     with open(path, "rb") as f:
         size = _file_size(f)
         if size < 24:
             raise GGUFRefused(f"{size} bytes: too short for a GGUF header")
         with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            return _Walk(data, size, time.monotonic() + time_limit_s, keys).header()
+            return _Walk(data, size, time.monotonic() + time_limit_s, keys, arch_keys).header()
 
 
-def metadata_values(path: Path, keys: tuple[str, ...]) -> dict:
-    """The values of `keys` in a GGUF file's metadata, read by the bounded walk: what gguf-py's GGUFReader would
-    give for them, without decoding every field of the file (its vocabulary alone is 2 s for a 49k-token one)."""
-    return check_gguf(path, keys=keys).values
+def metadata_values(path: Path, keys: tuple[str, ...] = (), arch_keys: tuple[str, ...] = ()) -> dict:
+    """The values of `keys` (and of `arch_keys` under the file's architecture, as check_gguf) in a GGUF file's
+    metadata, read by the bounded walk: what gguf-py's GGUFReader would give for them, without decoding every field
+    of the file (its vocabulary alone is 2 s for a 49k-token one)."""
+    return check_gguf(path, keys=keys, arch_keys=arch_keys).values
 
 
 def _file_size(f) -> int:
@@ -74,10 +78,15 @@ def _file_size(f) -> int:
 
 
 class _Walk:
-    def __init__(self, data, size: int, deadline: float, keys: tuple[str, ...] = ()):
+    def __init__(self, data, size: int, deadline: float, keys: tuple[str, ...] = (), arch_keys: tuple[str, ...] = ()):
         self.data, self.size, self.deadline, self.pos, self.ticks = data, size, deadline, 0, 0
         self.order = "<"
         self.wanted, self.values = {k.encode() for k in keys}, {}
+        # `<prefix>.<name>` values for every prefix, kept until the walk knows the architecture (at most one per key
+        # of the file, whose count the walk has bounded)
+        self.arch_names, self.under_prefix = {k.encode() for k in arch_keys}, {}
+        if arch_keys:
+            self.wanted.add(b"general.architecture")
 
     # --- primitive reads, each checked against the end of the file -------------------------------------------------
     def need(self, n: int, what: str) -> None:
@@ -144,7 +153,15 @@ class _Walk:
             self.value(kind, _shown(key), depth=0)
             if key in self.wanted:
                 self.values[key.decode()] = self.decoded(kind, start)
+            elif self.arch_names and key.partition(b".")[2] in self.arch_names:
+                self.under_prefix[key] = (kind, start)
         header = self.tensor_table(n_tensors, alignment, version, n_kv)
+        arch = self.values.get("general.architecture")
+        if isinstance(arch, str):
+            for name in self.arch_names:
+                found = self.under_prefix.get(arch.encode() + b"." + name)
+                if found is not None:
+                    self.values[f"{arch}.{name.decode()}"] = self.decoded(*found)
         return replace(header, values=self.values)
 
     def decoded(self, kind: int, start: int):

@@ -133,8 +133,8 @@ def gguf_block_count(gguf: Path) -> int | None:
     """The file's number of repeating layers (`<arch>.block_count`), read from its metadata without loading it."""
     from qbuild.plugin_services import gguf_metadata_values as metadata_values
 
-    arch = metadata_values(gguf, ("general.architecture",)).get("general.architecture")
-    count = metadata_values(gguf, (f"{arch}.block_count",)).get(f"{arch}.block_count") if arch else None
+    values = metadata_values(gguf, arch_keys=("block_count",))
+    count = values.get(f"{values.get('general.architecture')}.block_count")
     return int(count) if isinstance(count, int) else None
 
 

@@ -136,10 +136,10 @@ class LlamaServer(Server):
         from qbuild.plugin_services import gguf_metadata_values as metadata_values
 
         files = sorted(Path(model).glob("*.gguf")) if Path(model).is_dir() else [Path(model)]
-        arch = metadata_values(files[0], ("general.architecture",)).get("general.architecture")
         names = ("block_count", "attention.head_count", "embedding_length", "attention.head_count_kv",
                  "attention.key_length", "attention.value_length")
-        values = metadata_values(files[0], tuple(f"{arch}.{k}" for k in names))
+        values = metadata_values(files[0], arch_keys=names)
+        arch = values.get("general.architecture")
 
         def field(key):
             return values.get(key)
