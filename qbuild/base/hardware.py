@@ -94,13 +94,16 @@ def host_arch() -> str:
 
 
 # the vector extensions CPU inference kernels are chosen by (vLLM's CPU build, oneDNN), widest first
+# VNNI (AVX-512 or AVX) is named too: without it oneDNN's INT8 GEMM saturates 16-bit sums (vLLM's CPU W8A8 computes
+# something else: docs/serving.md, "vLLM on a CPU")
 ISA_FLAGS = (("amx_tile", "amx"), ("avx512_bf16", "avx512bf16"), ("avx512f", "avx512"), ("avx2", "avx2"),
              ("asimd", "neon"))
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni")
 
 
 @lru_cache(maxsize=1)
 def cpu_isa() -> str:
-    """The CPU's widest vector extensions as kernels pick them, e.g. "amx+avx512bf16+avx512" ("" if unknown): CPU
+    """The CPU's widest vector extensions as kernels pick them, e.g. "amx+avx512bf16+avx512+vnni" ("" if unknown): CPU
     engines choose kernels by it, so numbers measured under one ISA are not another's."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
@@ -109,7 +112,13 @@ def cpu_isa() -> str:
         return ""
     flags = next((line.split(":", 1)[1].split() for line in head.splitlines()
                   if line.startswith(("flags", "Features")) and ":" in line), [])
-    return "+".join(name for flag, name in ISA_FLAGS if flag in flags)
+    return isa_of(flags)
+
+
+def isa_of(flags) -> str:
+    """cpu_isa's name for a CPU with these /proc/cpuinfo flags."""
+    names = [name for flag, name in ISA_FLAGS if flag in flags]
+    return "+".join(names + ["vnni"] * any(flag in flags for flag in VNNI_FLAGS))
 
 
 def sm_tag(sm: str) -> str:

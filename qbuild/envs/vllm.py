@@ -66,6 +66,17 @@ def cpu_cannot_load(fmt: str, scheme: str | None, isa: str) -> str | None:
     return None
 
 
+def cpu_caveat(fmt: str, scheme: str | None, isa: str) -> str | None:
+    """What vLLM's CPU build computes inexactly on this CPU for an artifact it loads, or None. Its W8A8 INT8 layers
+    take oneDNN's INT8 GEMM, which without VNNI sums pairs of u8 x s8 products in 16 bits and saturates
+    (bench/bench_vllm_int8_gemm.py: 11-13 % of the largest output on random operands, exact with VNNI)."""
+    if "int8" in str(scheme or "") and "amx" not in isa and "vnni" not in isa:
+        return (f"this CPU has no VNNI ({isa or 'no known vector extensions'}): vLLM's CPU INT8 GEMM (oneDNN) "
+                f"saturates 16-bit sums there, so its {scheme} numbers are worse than the checkpoint's (SmolLM2-135M "
+                f"W8A8: KLD 0.024 against 0.016 with VNNI)")
+    return None
+
+
 @dataclass(frozen=True)
 class VllmEnv:
     python: str            # "" = qbuild's own interpreter

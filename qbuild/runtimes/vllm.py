@@ -179,6 +179,10 @@ class VllmRuntime(Runtime):
         from qbuild.plugin_services import vllm_env
 
         facts, reasons, python = vllm_env.availability()
+        if artifact is not None and vllm_env.on_cpu(facts):
+            caveat = vllm_env.cpu_caveat(artifact.format, artifact.scheme, facts.get("cpu.isa", ""))
+            if caveat:
+                ctx.warn(f"{label} through vllm: {caveat}")
         # how vLLM computes enters the key (ENFORCE_EAGER): scores of compiled and eager runs are never mixed
         return EvalStepFields(env_toolchain={**facts, "vllm.enforce_eager": ENFORCE_EAGER},
                               requires_gpu=vllm_env.runs_on_gpu(facts, reasons), unavailable="; ".join(reasons),
