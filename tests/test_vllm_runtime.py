@@ -334,7 +334,8 @@ def test_the_isa_in_vllm_keys_names_vnni(flags, isa):
 ])
 def test_w8a8_through_vllm_on_a_cpu_without_vnni_is_warned_at_plan_time(monkeypatch, scheme, isa, warned):
     """vLLM's CPU W8A8 takes oneDNN's INT8 GEMM, which saturates 16-bit sums without VNNI (bench/
-    bench_vllm_int8_gemm.py --max-isa AVX2; SmolLM2 W8A8 KLD 0.024 against 0.016 with VNNI): the plan says so."""
+    bench_vllm_int8_gemm.py --max-isa AVX2; SmolLM2 W8A8 KLD 0.024 against 0.016 with VNNI): the plan says so, for
+    scoring through the vllm runtime and for serving on the vllm server."""
     from types import SimpleNamespace
 
     monkeypatch.setenv(vllm_env.ENV_PYTHON, "/opt/vllm/bin/python")
@@ -348,3 +349,7 @@ def test_w8a8_through_vllm_on_a_cpu_without_vnni_is_warned_at_plan_time(monkeypa
     assert bool(said) == warned, said
     if warned:
         assert said[0].startswith("w8a8 through vllm: this CPU has no VNNI") and "saturates" in said[0]
+    from qbuild.servers.vllm import VLLMServer
+
+    # served by vLLM: the same caveat, which serving_steps says with the plan
+    assert (VLLMServer().caveat("compressed-tensors", scheme) is not None) == warned

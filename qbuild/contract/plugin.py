@@ -289,6 +289,11 @@ class Server(Plugin, ABC):
         vLLM's CPU build has no FP8 kernels, say."""
         return None
 
+    def caveat(self, fmt: str, scheme: str | None) -> str | None:
+        """What this server, as installed here, computes inexactly for an artifact it serves (None: nothing known),
+        said with the plan: vLLM's CPU INT8 GEMM without VNNI, say."""
+        return None
+
     @abstractmethod
     def refusal(self, config) -> str | None:
         """None if every setting of the serving config maps onto this server's flags, else the one-line reason."""

@@ -69,6 +69,9 @@ def serving_steps(ctx) -> None:
         if server is None:
             ctx.warn(f"not served: {art.label}: {why}")
             continue
+        caveat = server.caveat(art.step.format, art.step.scheme or None)
+        if caveat:
+            ctx.warn(f"{art.label} served by {server.name}: {caveat}")
         unavailable = server.unavailable()
         workload = serving.model_dump(include=set(WORKLOAD_FIELDS))   # a length range as {min, max}
         if serving.rampup_s:   # left out at its default, like other new switches

@@ -50,6 +50,10 @@ class VLLMServer(GPUServer):
         facts = self.environment()
         return _vllm().cpu_cannot_load(fmt, scheme, facts.get("cpu.isa", "")) if _vllm().on_cpu(facts) else None
 
+    def caveat(self, fmt: str, scheme: str | None) -> str | None:
+        facts = self.environment()
+        return _vllm().cpu_caveat(fmt, scheme, facts.get("cpu.isa", "")) if _vllm().on_cpu(facts) else None
+
     batch_flag = "--max-num-batched-tokens"
 
     def refusal(self, config) -> str | None:
