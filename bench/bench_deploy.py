@@ -82,27 +82,29 @@ def one_run(args, root: Path, with_grid: bool) -> dict:
            "chosen": chosen and {k: chosen[k] for k in ("name", "capacity_rps", "peak_rss_mb", "kld")},
            "ties": d["ties"], "searched": d["searched"], "screened": d["screened"],
            "capacities": {r["name"]: r.get("capacity_rps") for r in d["candidates"]}}
-    if args.skip_hand_listed:
-        out |= {"hand_listed": None, "hand_listed_best": None, "capacity_ratio": None}
-        return grid(args, data, root, store, screens, out) if with_grid else out
-    # the hand-listed cells, searched as the search searches (in order of their screened bound, while a bound can
-    # beat the best capacity measured): their best, at the same probes
+    out |= ({"hand_listed": None, "hand_listed_best": None, "capacity_ratio": None} if args.skip_hand_listed
+            else hand_listed(data, store, cache, chosen))
+    return grid(data, root, store, screens, out) if with_grid else out
+
+
+def hand_listed(data: dict, store: Path, cache: Path, chosen: dict | None) -> dict:
+    """recipes/serving.yaml's cells, searched as the search searches (in order of their screened bound, while a bound
+    can beat the best capacity measured), on the same store and probe cache: their best, at the same probes."""
     hand_space = {**data["deploy"]["space"], "variants": ["q8_0", "q4km"], "kv_cache_dtype": [None, "q8_0"],
                   "parallel": [4], "threads": [None], "draft": [None]}
     hand_data = {**data, "deploy": {**data["deploy"], "max_minutes": 120, "max_searched": len(HAND_LISTED),
                                     "front": False, "space": hand_space}}
-    _, handed = run(write(root / "hand.yaml", hand_data), store, cache)
+    _, handed = run(write(store.parent / "hand.yaml", hand_data), store, cache)
     rows = {r["name"]: r for r in handed["deploy"]["candidates"]}
     hand = [rows[n] for n in HAND_LISTED if n in rows and rows[n].get("capacity_rps") and not rows[n]["rejected"]]
     hand_best = max(hand, key=lambda r: r["capacity_rps"], default=None)
-    out |= {"hand_listed": {n: rows[n].get("capacity_rps") for n in HAND_LISTED if n in rows},
+    return {"hand_listed": {n: rows[n].get("capacity_rps") for n in HAND_LISTED if n in rows},
             "hand_listed_best": hand_best and {k: hand_best[k] for k in ("name", "capacity_rps")},
             "capacity_ratio": (round(chosen["capacity_rps"] / hand_best["capacity_rps"], 3)
                                if chosen and hand_best else None)}
-    return grid(args, data, root, store, screens, out) if with_grid else out
 
 
-def grid(args, data: dict, root: Path, store: Path, screens: float, out: dict) -> dict:
+def grid(data: dict, root: Path, store: Path, screens: float, out: dict) -> dict:
     """The whole space with `strategy: grid` on the same store (its screens are the search's) and a fresh probe cache."""
     chosen = out["chosen"]
     _, gridded = run(write(root / "grid.yaml", {**data, "deploy": {**data["deploy"], "strategy": "grid",
